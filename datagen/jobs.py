@@ -1,0 +1,219 @@
+"""Job state in Redis, shared by the coordinator (which creates and ingests jobs) and the workers
+(which count prompts done and failed).
+
+A job is one hash. Counters move only in transactions: ingestion adds accepted prompts in the
+same MULTI/EXEC as their RQ enqueue, and a worker counts a prompt done inside RQ's own
+"job finished" transaction, so a counter never disagrees with RQ's registries after a crash.
+The job turns ``completed`` in the same script that counts its last prompt.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from typing import Any, cast
+
+from redis import Redis
+from redis.client import Pipeline
+
+from datagen.errors import JobNotFoundError
+from datagen.keys import Keys
+from datagen.spec import JobSpec
+from datagen.states import JobState
+
+__all__ = ["FAILED_REPORTS_CAP", "JobProgress", "JobStore", "now_ms"]
+
+FAILED_REPORTS_CAP = 10_000
+
+# KEYS[1] job hash. ARGV: counter field, increment, output tokens, now ms, in-flight delta.
+_COUNT_AND_MAYBE_COMPLETE = """
+local key = KEYS[1]
+if redis.call('EXISTS', key) == 0 then return 0 end
+if tonumber(ARGV[2]) ~= 0 then redis.call('HINCRBY', key, ARGV[1], ARGV[2]) end
+if tonumber(ARGV[3]) ~= 0 then redis.call('HINCRBY', key, 'output_tokens', ARGV[3]) end
+if tonumber(ARGV[5]) ~= 0 then redis.call('HINCRBY', key, 'in_flight', ARGV[5]) end
+if redis.call('HGET', key, 'state') == 'running' then
+  local done = tonumber(redis.call('HGET', key, 'done') or '0')
+  local failed = tonumber(redis.call('HGET', key, 'failed') or '0')
+  local accepted = tonumber(redis.call('HGET', key, 'accepted') or '0')
+  if done + failed >= accepted then
+    redis.call('HSET', key, 'state', 'completed', 'finished_at_ms', ARGV[4], 'in_flight', 0)
+    return 2
+  end
+end
+return 1
+"""
+
+_INT_FIELDS = (
+    "rows",
+    "accepted",
+    "rejected",
+    "skipped",
+    "done",
+    "failed",
+    "in_flight",
+    "prompt_tokens",
+    "output_tokens",
+    "created_at_ms",
+    "finished_at_ms",
+    "ingest_line",
+)
+
+
+def now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+@dataclass(frozen=True)
+class JobProgress:
+    job_id: str
+    state: JobState
+    rows: int
+    accepted: int
+    rejected: int
+    skipped: int
+    done: int
+    failed: int
+    in_flight: int
+    prompt_tokens: int
+    output_tokens: int
+    created_at_ms: int
+    finished_at_ms: int
+    error: str | None
+
+    @property
+    def queued(self) -> int:
+        return max(0, self.accepted - self.done - self.failed - self.in_flight)
+
+    def elapsed_s(self, at_ms: int | None = None) -> float:
+        end = self.finished_at_ms or (at_ms if at_ms is not None else now_ms())
+        return max(1e-3, (end - self.created_at_ms) / 1000)
+
+    def to_json(self, at_ms: int | None = None) -> dict[str, Any]:
+        elapsed_s = self.elapsed_s(at_ms)
+        finished = self.done + self.failed
+        remaining = max(0, self.accepted - finished)
+        rate = finished / elapsed_s
+        eta_s = None if self.state.is_final else (remaining / rate if rate > 0 else None)
+        return {
+            "id": self.job_id,
+            "state": self.state.value,
+            "rows": self.rows,
+            "total": self.accepted,
+            "rejected": self.rejected,
+            "skipped": self.skipped,
+            "queued": self.queued if not self.state.is_final else 0,
+            "in_flight": self.in_flight if not self.state.is_final else 0,
+            "done": self.done,
+            "failed": self.failed,
+            "prompt_tokens": self.prompt_tokens,
+            "generated_tokens": self.output_tokens,
+            "tokens_per_s": round(self.output_tokens / elapsed_s, 2),
+            "elapsed_s": round(elapsed_s, 3),
+            "eta_s": None if eta_s is None else round(eta_s, 1),
+            "created_at_ms": self.created_at_ms,
+            "finished_at_ms": self.finished_at_ms or None,
+            "error": self.error,
+        }
+
+
+class JobStore:
+    def __init__(self, redis: Redis, keys: Keys) -> None:
+        self.redis = redis
+        self.keys = keys
+        self._count_script = redis.register_script(_COUNT_AND_MAYBE_COMPLETE)
+
+    # Creation and lookup ------------------------------------------------------------------------
+    def create(self, job_id: str, spec: JobSpec) -> bool:
+        """Create the job; False if it exists already (a resubmission appends to it)."""
+        key = self.keys.job(job_id)
+        created = now_ms()
+        if not self.redis.hsetnx(key, "created_at_ms", created):
+            return False
+        with self.redis.pipeline() as pipe:
+            pipe.hset(key, mapping={"state": JobState.INGESTING.value, "spec": spec.model_dump_json()})
+            pipe.zadd(self.keys.jobs_index(), {job_id: created})
+            pipe.execute()
+        return True
+
+    def spec(self, job_id: str) -> JobSpec:
+        raw = self.redis.hget(self.keys.job(job_id), "spec")
+        if raw is None:
+            raise JobNotFoundError(f"no job {job_id!r}")
+        return JobSpec.model_validate_json(raw)
+
+    def progress(self, job_id: str) -> JobProgress:
+        raw = cast(dict[bytes, bytes], self.redis.hgetall(self.keys.job(job_id)))
+        if not raw or b"state" not in raw:
+            raise JobNotFoundError(f"no job {job_id!r}")
+        fields = {k.decode(): v.decode() for k, v in raw.items()}
+        ints = {name: int(fields.get(name, 0) or 0) for name in _INT_FIELDS}
+        return JobProgress(
+            job_id=job_id,
+            state=JobState(fields["state"]),
+            rows=ints["rows"],
+            accepted=ints["accepted"],
+            rejected=ints["rejected"],
+            skipped=ints["skipped"],
+            done=ints["done"],
+            failed=ints["failed"],
+            in_flight=ints["in_flight"],
+            prompt_tokens=ints["prompt_tokens"],
+            output_tokens=ints["output_tokens"],
+            created_at_ms=ints["created_at_ms"],
+            finished_at_ms=ints["finished_at_ms"],
+            error=fields.get("error"),
+        )
+
+    def list_ids(self, limit: int = 1000) -> list[str]:
+        ids = cast(list[bytes], self.redis.zrevrange(self.keys.jobs_index(), 0, limit - 1))
+        return [i.decode() for i in ids]
+
+    # Ingestion ----------------------------------------------------------------------------------
+    def ingest_line(self, job_id: str) -> int:
+        return int(self.redis.hget(self.keys.job(job_id), "ingest_line") or 0)
+
+    def add_ingest_counts(self, pipe: Pipeline, job_id: str, counts: dict[str, int], line: int) -> None:
+        key = self.keys.job(job_id)
+        for name, value in counts.items():
+            if value:
+                pipe.hincrby(key, name, value)
+        pipe.hset(key, "ingest_line", line)
+
+    def finish_ingest(self, job_id: str) -> None:
+        self.redis.hset(self.keys.job(job_id), "state", JobState.RUNNING.value)
+        self._count_script(keys=[self.keys.job(job_id)], args=["done", 0, 0, now_ms(), 0])
+
+    def restart_ingest(self, job_id: str) -> None:
+        self.redis.hset(
+            self.keys.job(job_id), mapping={"state": JobState.INGESTING.value, "finished_at_ms": 0}
+        )
+
+    def fail(self, job_id: str, error: str) -> None:
+        self.redis.hset(
+            self.keys.job(job_id),
+            mapping={"state": JobState.FAILED.value, "error": error, "finished_at_ms": now_ms()},
+        )
+
+    # Workers ------------------------------------------------------------------------------------
+    def started(self, job_id: str) -> None:
+        self.redis.hincrby(self.keys.job(job_id), "in_flight", 1)
+
+    def handed_back(self, job_id: str) -> None:
+        self.redis.hincrby(self.keys.job(job_id), "in_flight", -1)
+
+    def count_done(self, pipe: Pipeline, job_id: str, output_tokens: int) -> None:
+        self._count_script(
+            keys=[self.keys.job(job_id)], args=["done", 1, output_tokens, now_ms(), -1], client=pipe
+        )
+
+    def count_failed(self, pipe: Pipeline, job_id: str, report: dict[str, Any]) -> None:
+        self._count_script(keys=[self.keys.job(job_id)], args=["failed", 1, 0, now_ms(), -1], client=pipe)
+        failed_key = self.keys.job_failed(job_id)
+        pipe.rpush(failed_key, json.dumps(report, sort_keys=True))
+        pipe.ltrim(failed_key, 0, FAILED_REPORTS_CAP - 1)
+
+    def failed_reports(self, job_id: str, limit: int) -> list[dict[str, Any]]:
+        raw = self.redis.lrange(self.keys.job_failed(job_id), 0, limit - 1)
+        return [json.loads(item) for item in raw]

@@ -1,0 +1,61 @@
+"""Every Redis key and RQ name this project uses, built from the namespace in settings.
+
+RQ's own keys (``rq:job:*``, ``rq:queue:*``, registries) are RQ's business; we only choose queue
+names and job ids here.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+from datagen.states import PromptClass
+
+__all__ = ["Keys"]
+
+
+@dataclass(frozen=True)
+class Keys:
+    namespace: str
+
+    # RQ names ---------------------------------------------------------------------------------
+    def queue_name(self, cls: PromptClass) -> str:
+        return f"{self.namespace}-{cls.value}"
+
+    def rq_job_id(self, job_id: str, sample_id: str, turn: int, gen: int) -> str:
+        digest = hashlib.sha1(sample_id.encode("utf-8")).hexdigest()[:16]
+        return f"{self.namespace}-{job_id}-{digest}-t{turn}-g{gen}"
+
+    def rq_worker_name(self, worker_tag: str, cls: PromptClass) -> str:
+        return f"{self.namespace}-{worker_tag}-{cls.value}"
+
+    # Jobs ---------------------------------------------------------------------------------------
+    def jobs_index(self) -> str:
+        """Sorted set of job ids scored by creation time (ms)."""
+        return f"{self.namespace}:jobs"
+
+    def job(self, job_id: str) -> str:
+        """Hash: state, spec, counters, timestamps."""
+        return f"{self.namespace}:job:{job_id}"
+
+    def job_enqueued(self, job_id: str) -> str:
+        """Set of prompt keys already enqueued: the guard against enqueueing a prompt twice."""
+        return f"{self.namespace}:job:{job_id}:enqueued"
+
+    def job_failed(self, job_id: str) -> str:
+        """List of JSON failure reports (sample id, turn, reason), capped."""
+        return f"{self.namespace}:job:{job_id}:failed"
+
+    def job_ingest_lock(self, job_id: str) -> str:
+        return f"{self.namespace}:job:{job_id}:ingest-lock"
+
+    # Fleet --------------------------------------------------------------------------------------
+    def servers_index(self) -> str:
+        """Hash server name -> JSON of what a worker last saw of it (context length, model)."""
+        return f"{self.namespace}:servers"
+
+
+def prompt_key(sample_id: str, turn: int, gen: int) -> str:
+    """Member of :meth:`Keys.job_enqueued`; short because there is one per prompt."""
+    digest = hashlib.sha1(sample_id.encode("utf-8")).hexdigest()[:16]
+    return f"{digest}:{turn}:{gen}"

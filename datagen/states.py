@@ -1,0 +1,37 @@
+"""Statuses and enumerations stored as-is in Redis, Parquet and JSON."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+__all__ = ["FinishType", "JobState", "MultiTurnMode", "PromptClass"]
+
+
+class JobState(StrEnum):
+    INGESTING = "ingesting"
+    RUNNING = "running"
+    COMPLETED = "completed"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+    @property
+    def is_final(self) -> bool:
+        return self in (JobState.COMPLETED, JobState.FAILED, JobState.CANCELLED)
+
+
+class PromptClass(StrEnum):
+    SHORT = "short"
+    LONG = "long"
+
+
+class FinishType(StrEnum):
+    """SGLang's ``meta_info.finish_reason.type`` values."""
+
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+
+
+class MultiTurnMode(StrEnum):
+    LAST = "last"
+    ALL = "all"

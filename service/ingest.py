@@ -1,0 +1,210 @@
+"""Streaming ingestion: dataset file → rendered prompt ids → RQ jobs, in checkpointed chunks.
+
+Each chunk is enqueued in one MULTI/EXEC together with (a) the prompt keys added to the job's
+``enqueued`` set and (b) the job's counters and the line checkpoint. A crash anywhere leaves
+either the whole chunk or none of it; a resumed ingestion starts after the checkpoint, and the
+``enqueued`` set (checked with SMISMEMBER before each chunk) keeps a resubmitted prompt from
+being enqueued twice, since RQ itself accepts a second enqueue of the same job id.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, BinaryIO
+
+from redis import Redis
+from rq import Queue
+from rq.serializers import JSONSerializer
+
+from datagen.dataset import Prompt, RowError, iter_prompts
+from datagen.errors import DatagenError, InvalidRowError
+from datagen.fleet import fleet_context_len
+from datagen.jobs import JobStore
+from datagen.keys import Keys, prompt_key
+from datagen.payload import PromptPayload
+from datagen.spec import JobSpec
+from datagen.states import PromptClass
+from datagen.storage import Storage
+from datagen.tokenization import PromptRenderer, get_renderer
+
+__all__ = ["RQ_JOB_FUNC", "IngestOptions", "Ingestor", "renderer_for"]
+
+log = logging.getLogger(__name__)
+
+# Dotted path stored in each RQ job. Only the datagen worker runs these jobs; the coordinator
+# never imports the workers package, so the path is a string.
+RQ_JOB_FUNC = "workers.task.run_prompt"
+
+
+@dataclass(frozen=True)
+class IngestOptions:
+    chunk: int
+    result_ttl_s: int
+    failure_ttl_s: int
+    job_timeout_s: dict[PromptClass, int] = field(
+        default_factory=lambda: {PromptClass.SHORT: 6 * 3600, PromptClass.LONG: 24 * 3600}
+    )
+
+
+@dataclass
+class _Chunk:
+    prompts: list[tuple[Prompt, PromptPayload]] = field(default_factory=list)
+    rejected: list[dict[str, Any]] = field(default_factory=list)
+    rows: int = 0
+    last_line: int = 0
+
+
+def renderer_for(spec: JobSpec) -> PromptRenderer:
+    return get_renderer(
+        spec.tokenizer,
+        spec.chat_template,
+        spec.trust_remote_code,
+        json.dumps(spec.chat_template_kwargs, sort_keys=True),
+    )
+
+
+class Ingestor:
+    def __init__(
+        self, redis: Redis, keys: Keys, jobs: JobStore, storage: Storage, options: IngestOptions
+    ) -> None:
+        self.redis = redis
+        self.keys = keys
+        self.jobs = jobs
+        self.storage = storage
+        self.options = options
+        self._queues = {
+            cls: Queue(keys.queue_name(cls), connection=redis, serializer=JSONSerializer)
+            for cls in PromptClass
+        }
+
+    def run(self, job_id: str, input_path: Path, stop: threading.Event) -> None:
+        """Ingest one uploaded file; resumable from the job's checkpoint. Never raises."""
+        try:
+            self._run(job_id, input_path, stop)
+        except DatagenError as exc:
+            log.error("job %s: ingestion failed: %s", job_id, exc)
+            self.jobs.fail(job_id, str(exc))
+        except Exception as exc:  # a bug must not kill the coordinator thread silently
+            log.exception("job %s: ingestion crashed", job_id)
+            self.jobs.fail(job_id, f"ingestion crashed: {exc!r}")
+
+    def _run(self, job_id: str, input_path: Path, stop: threading.Event) -> None:
+        spec = self.jobs.spec(job_id)
+        renderer = renderer_for(spec)
+        context_len = spec.context_len or fleet_context_len(self.redis, self.keys)
+        start_line = self.jobs.ingest_line(job_id)
+        if start_line:
+            log.info("job %s: resuming ingestion of %s after line %d", job_id, input_path.name, start_line)
+        chunk = _Chunk()
+        with open(input_path, "rb") as stream:
+            for item in self._items(stream, spec, start_line):
+                if stop.is_set():
+                    log.info("job %s: ingestion paused at line %d (shutdown)", job_id, chunk.last_line)
+                    return
+                self._add(chunk, item, job_id, spec, renderer, context_len)
+                if len(chunk.prompts) + len(chunk.rejected) >= self.options.chunk:
+                    self._flush(job_id, chunk)
+                    chunk = _Chunk()
+        self._flush(job_id, chunk)
+        self.jobs.finish_ingest(job_id)
+        log.info("job %s: ingestion finished", job_id)
+
+    @staticmethod
+    def _items(stream: BinaryIO, spec: JobSpec, start_line: int) -> Iterable[Prompt | RowError]:
+        for item in iter_prompts(stream, multi_turn=spec.multi_turn):
+            if item.line > start_line:
+                yield item
+
+    def _add(
+        self,
+        chunk: _Chunk,
+        item: Prompt | RowError,
+        job_id: str,
+        spec: JobSpec,
+        renderer: PromptRenderer,
+        context_len: int | None,
+    ) -> None:
+        if item.line != chunk.last_line:
+            chunk.rows += 1
+        chunk.last_line = item.line
+        if isinstance(item, RowError):
+            chunk.rejected.append({"line": item.line, "reason": item.reason, "sample_id": item.sample_id})
+            return
+        if spec.partitions is not None and item.partition not in spec.partitions:
+            return
+        try:
+            prompt_ids = renderer.render(item.messages, item.tools)
+        except InvalidRowError as exc:
+            chunk.rejected.append({"line": item.line, "reason": str(exc), "sample_id": item.sample_id})
+            return
+        if context_len is not None and len(prompt_ids) >= context_len:
+            reason = (
+                f"prompt has {len(prompt_ids)} tokens, which does not fit the context length of "
+                f"{context_len} tokens (no room to generate)"
+            )
+            chunk.rejected.append({"line": item.line, "reason": reason, "sample_id": item.sample_id})
+            return
+        cls = spec.classify(len(prompt_ids), item.cls)
+        payload = PromptPayload(
+            job=job_id,
+            sample_id=item.sample_id,
+            turn=item.turn,
+            gen=0,
+            cls=cls,
+            prompt_ids=prompt_ids,
+            max_new_tokens=spec.max_new_tokens(cls),
+            partition=item.partition,
+        )
+        chunk.prompts.append((item, payload))
+
+    def _flush(self, job_id: str, chunk: _Chunk) -> None:
+        if chunk.rows == 0:
+            return
+        members = [prompt_key(p.sample_id, p.turn, p.gen) for _, p in chunk.prompts]
+        present = self.redis.smismember(self.keys.job_enqueued(job_id), members) if members else []
+        fresh = [
+            (item, p, m)
+            for (item, p), m, seen in zip(chunk.prompts, members, present, strict=True)
+            if not seen
+        ]
+        if chunk.rejected:
+            self._write_rejected(job_id, chunk.rejected)
+        counts = {
+            "rows": chunk.rows,
+            "rejected": len(chunk.rejected),
+            "accepted": len(fresh),
+            "skipped": len(chunk.prompts) - len(fresh),
+            "prompt_tokens": sum(len(p.prompt_ids) for _, p, _ in fresh),
+        }
+        with self.redis.pipeline(transaction=True) as pipe:
+            for cls, queue in self._queues.items():
+                datas = [self._job_data(p) for _, p, _ in fresh if p.cls is cls]
+                if datas:
+                    queue.enqueue_many(datas, pipeline=pipe)
+            if fresh:
+                pipe.sadd(self.keys.job_enqueued(job_id), *[m for _, _, m in fresh])
+            self.jobs.add_ingest_counts(pipe, job_id, counts, chunk.last_line)
+            pipe.execute()
+
+    def _job_data(self, payload: PromptPayload) -> Any:
+        return Queue.prepare_data(
+            RQ_JOB_FUNC,
+            args=(payload.to_json(),),
+            job_id=self.keys.rq_job_id(payload.job, payload.sample_id, payload.turn, payload.gen),
+            timeout=self.options.job_timeout_s[payload.cls],
+            result_ttl=self.options.result_ttl_s,
+            failure_ttl=self.options.failure_ttl_s,
+            description=f"{payload.job} {payload.sample_id} t{payload.turn} g{payload.gen}",
+        )
+
+    def _write_rejected(self, job_id: str, rejected: list[dict[str, Any]]) -> None:
+        path = self.storage.rejected_path(job_id)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "a", encoding="utf-8") as fh:
+            for row in rejected:
+                fh.write(json.dumps(row, ensure_ascii=False) + "\n")

@@ -1,0 +1,214 @@
+"""The simulated SGLang HTTP server: routes and error bodies, following the SGLang contract.
+
+Not simulated, by choice: streaming (``stream: true`` gets a 400 saying so), logprobs, hidden
+states, input embeddings, grammar constraints and stop strings (accepted, never matched: the
+simulated text is random), the prefix cache (``cached_tokens`` is always 0) and pause/continue.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import APIRouter, FastAPI, HTTPException, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import BaseModel, ConfigDict
+
+from simulator._protocol import GenerateReqInput, RequestError, ServerBug
+from simulator._service import SimServer
+from simulator.config import SimConfig
+
+__all__ = ["SGLANG_VERSION", "create_app"]
+
+logger = logging.getLogger(__name__)
+
+# The SGLang release whose contract the simulator follows.
+SGLANG_VERSION = "0.5.15"
+_FLUSHED = (
+    "Cache flushed.\nPlease check backend logs for more details. "
+    "(When there are running or waiting requests, the operation will not be performed.)\n"
+)
+
+
+class AbortReq(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    rid: str = ""
+    abort_all: bool = False
+
+
+def create_app(config: SimConfig) -> FastAPI:
+    """A FastAPI app simulating one SGLang server; its engine runs inside the app lifespan."""
+    server = SimServer(config)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await server.start()
+        try:
+            yield
+        finally:
+            await server.close()
+
+    app = FastAPI(title="simulated SGLang", lifespan=lifespan, openapi_url=None)
+    app.state.sim = server
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(HTTPException, _http_error)
+    app.include_router(_generation_routes(server))
+    app.include_router(_info_routes(server))
+    app.include_router(_control_routes(server))
+    return app
+
+
+# -- error bodies (SGLang's http_server exception handlers) ----------------------------------
+
+
+def _error_body(message: str, *, type_: str, code: int) -> dict[str, Any]:
+    return {"object": "error", "message": message, "type": type_, "param": None, "code": code}
+
+
+async def _validation_error(request: Request, exc: Exception) -> Response:
+    # SGLang overrides FastAPI's 422 with a 400 carrying both renderings of the error.
+    assert isinstance(exc, RequestValidationError)
+    exc_str, errors_str = str(exc), str(exc.errors())
+    message = f"{exc_str} {errors_str}" if errors_str and errors_str != exc_str else exc_str
+    return JSONResponse(_error_body(message, type_="Bad Request", code=400), status_code=400)
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    body = _error_body(str(exc.detail), type_=str(exc.status_code), code=exc.status_code)
+    return JSONResponse(body, status_code=exc.status_code)
+
+
+def _bad_request(message: str) -> Response:
+    return JSONResponse({"error": {"message": message}}, status_code=400)
+
+
+# -- routes ------------------------------------------------------------------------------------
+
+
+def _generation_routes(server: SimServer) -> APIRouter:
+    router = APIRouter()
+
+    @router.api_route("/generate", methods=["POST", "PUT"])
+    async def generate(obj: GenerateReqInput, request: Request) -> Response:
+        try:
+            body = await server.generate(obj, request)
+        except RequestError as exc:
+            return _bad_request(str(exc))
+        except ServerBug as exc:
+            # What an uncaught TypeError inside SGLang turns into (Starlette's default 500).
+            logger.error("simulated server error on /generate: %s", exc)
+            return PlainTextResponse("Internal Server Error", status_code=500)
+        return JSONResponse(body)
+
+    @router.get("/health")
+    @router.get("/health_generate")
+    async def health() -> Response:
+        return Response(status_code=200 if server.is_ready else 503)
+
+    return router
+
+
+def _info_routes(server: SimServer) -> APIRouter:
+    router = APIRouter()
+    cfg = server.config
+    created = int(time.time())
+
+    @router.get("/model_info")
+    @router.get("/get_model_info")
+    async def model_info() -> dict[str, Any]:
+        return {
+            "model_path": cfg.served_model_name,
+            "tokenizer_path": cfg.tokenizer_path,
+            "is_generation": True,
+            "preferred_sampling_params": None,
+            "weight_version": cfg.weight_version,
+            "has_image_understanding": False,
+            "has_audio_understanding": False,
+            "model_type": "deepseek_v3",
+            "architectures": ["DeepseekV3ForCausalLM"],
+        }
+
+    @router.get("/server_info")
+    @router.get("/get_server_info")
+    async def server_info() -> dict[str, Any]:
+        engine = server.engine
+        return {
+            # A subset of ServerArgs; SGLang returns every field.
+            "model_path": cfg.served_model_name,
+            "tokenizer_path": cfg.tokenizer_path,
+            "served_model_name": cfg.served_model_name,
+            "host": cfg.host,
+            "port": cfg.port,
+            "context_length": cfg.context_len,
+            "max_running_requests": cfg.max_running_requests,
+            "max_total_tokens": cfg.max_total_num_tokens,
+            "max_prefill_tokens": cfg.max_prefill_tokens,
+            "skip_tokenizer_init": cfg.tokenizer_path is None,
+            "enable_metrics": True,
+            "weight_version": cfg.weight_version,
+            "status": "ready",
+            "max_total_num_tokens": cfg.max_total_num_tokens,
+            "max_req_input_len": cfg.max_req_input_len,
+            "internal_states": [
+                {
+                    "last_gen_throughput": engine.gen_throughput,
+                    "memory_usage": {
+                        "weight": 0.0,
+                        "kvcache": 0.0,
+                        "token_capacity": engine.capacity_tokens,
+                        "graph": 0.0,
+                    },
+                    "effective_max_running_requests_per_dp": cfg.max_running_requests,
+                }
+            ],
+            "version": SGLANG_VERSION,
+            "kv_events": None,
+        }
+
+    @router.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        card = {
+            "id": cfg.served_model_name,
+            "object": "model",
+            "created": created,
+            "owned_by": "sglang",
+            "root": cfg.served_model_name,
+            "parent": None,
+            "max_model_len": cfg.context_len,
+        }
+        return {"object": "list", "data": [card]}
+
+    @router.get("/metrics")
+    async def metrics() -> Response:
+        return Response(server.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
+
+    return router
+
+
+def _control_routes(server: SimServer) -> APIRouter:
+    router = APIRouter()
+
+    @router.post("/abort_request")
+    async def abort_request(obj: AbortReq) -> Response:
+        server.engine.abort(obj.rid, abort_all=obj.abort_all)
+        return Response(status_code=200)
+
+    @router.api_route("/flush_cache", methods=["GET", "POST"])
+    async def flush_cache() -> Response:
+        engine = server.engine
+        if engine.num_running or engine.num_queued:
+            message = (
+                "Cache not flushed because there are pending requests. "
+                f"#queue-req: {engine.num_queued}, #running-req: {engine.num_running}\n"
+            )
+            return PlainTextResponse(message, status_code=400)
+        return PlainTextResponse(_FLUSHED, status_code=200)
+
+    return router

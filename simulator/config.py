@@ -1,0 +1,99 @@
+"""The simulator's one configuration model.
+
+A plain pydantic model rather than settings: the simulator is started by the CLI or by tests,
+which build it explicitly; nothing is read from the environment.
+"""
+
+from __future__ import annotations
+
+from typing import Self
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from simulator.model import DEFAULT_MEAN_ANSWER_TOKENS, DEFAULT_MEAN_REASONING_TOKENS
+
+__all__ = [
+    "DEFAULT_CLIP_MAX_NEW_TOKENS",
+    "DEFAULT_CONTEXT_LEN",
+    "DEFAULT_DECODE_STEP_BASE_S",
+    "DEFAULT_DECODE_STEP_PER_REQ_S",
+    "DEFAULT_HOST",
+    "DEFAULT_MAX_PREFILL_TOKENS",
+    "DEFAULT_MAX_RUNNING_REQUESTS",
+    "DEFAULT_MAX_TOTAL_NUM_TOKENS",
+    "DEFAULT_PORT",
+    "DEFAULT_PREFILL_S_PER_TOKEN",
+    "DEFAULT_SERVED_MODEL_NAME",
+    "DEFAULT_WEIGHT_VERSION",
+    "SimConfig",
+]
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 30000  # SGLang's own default port
+DEFAULT_SERVED_MODEL_NAME = "sim/deepseek-r1"
+DEFAULT_CONTEXT_LEN = 32768
+DEFAULT_MAX_TOTAL_NUM_TOKENS = 200_000
+DEFAULT_RESERVE_FRACTION = 1.0
+# SGLANG_CLIP_MAX_NEW_TOKENS_ESTIMATION: admission never reserves more than this many output
+# tokens per request, so long max_new_tokens do not starve the batch (and can cause retraction).
+DEFAULT_CLIP_MAX_NEW_TOKENS = 4096
+DEFAULT_MAX_RUNNING_REQUESTS = 256
+DEFAULT_MAX_PREFILL_TOKENS = 16384  # SGLang's --max-prefill-tokens default
+DEFAULT_TIME_SCALE = 1.0
+# Roughly DeepSeek-R1 on 8xH100: ~20k prefill tok/s, ~50 tok/s for a lone decode stream,
+# ~2k tok/s aggregate at batch 64.
+DEFAULT_PREFILL_S_PER_TOKEN = 5e-5
+DEFAULT_DECODE_STEP_BASE_S = 0.02
+DEFAULT_DECODE_STEP_PER_REQ_S = 2e-4
+DEFAULT_WEIGHT_VERSION = "default"  # SGLang's --weight-version default
+DEFAULT_LOG_LEVEL = "warning"
+
+
+class SimConfig(BaseModel):
+    """Everything one simulated SGLang server needs; unknown keys fail loudly."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    host: str = DEFAULT_HOST
+    port: int = Field(default=DEFAULT_PORT, ge=0, le=65535)
+    served_model_name: str = DEFAULT_SERVED_MODEL_NAME
+    weight_version: str = DEFAULT_WEIGHT_VERSION
+    tokenizer_path: str | None = None
+    log_level: str = DEFAULT_LOG_LEVEL
+
+    context_len: int = Field(default=DEFAULT_CONTEXT_LEN, ge=16)
+    max_total_num_tokens: int = Field(default=DEFAULT_MAX_TOTAL_NUM_TOKENS, ge=16)
+    reserve_fraction: float = Field(default=DEFAULT_RESERVE_FRACTION, ge=0.0, le=1.0)
+    clip_max_new_tokens: int = Field(default=DEFAULT_CLIP_MAX_NEW_TOKENS, ge=1)
+    max_running_requests: int = Field(default=DEFAULT_MAX_RUNNING_REQUESTS, ge=1)
+    max_prefill_tokens: int = Field(default=DEFAULT_MAX_PREFILL_TOKENS, ge=1)
+
+    time_scale: float = Field(default=DEFAULT_TIME_SCALE, ge=0.0)
+    prefill_s_per_token: float = Field(default=DEFAULT_PREFILL_S_PER_TOKEN, ge=0.0)
+    decode_step_base_s: float = Field(default=DEFAULT_DECODE_STEP_BASE_S, ge=0.0)
+    decode_step_per_req_s: float = Field(default=DEFAULT_DECODE_STEP_PER_REQ_S, ge=0.0)
+
+    mean_reasoning_tokens: float = Field(default=DEFAULT_MEAN_REASONING_TOKENS, ge=0.0)
+    mean_answer_tokens: float = Field(default=DEFAULT_MEAN_ANSWER_TOKENS, ge=0.0)
+
+    fail_503_rate: float = Field(default=0.0, ge=0.0, le=1.0)
+    fail_500_rate: float = Field(default=0.0, ge=0.0, le=1.0)
+    abort_rate: float = Field(default=0.0, ge=0.0, le=1.0)
+    starting_s: float = Field(default=0.0, ge=0.0)
+
+    @model_validator(mode="after")
+    def _check_fault_rates(self) -> Self:
+        # The three faults share one uniform draw per request, so their bands must fit in [0, 1].
+        if self.fail_503_rate + self.fail_500_rate + self.abort_rate > 1.0:
+            raise ValueError("fail_503_rate + fail_500_rate + abort_rate must not exceed 1.0")
+        return self
+
+    @property
+    def max_req_len(self) -> int:
+        """Longest prompt+output a request may reach (SGLang's scheduler ``max_req_len``)."""
+        return min(self.context_len - 1, self.max_total_num_tokens - 1)
+
+    @property
+    def max_req_input_len(self) -> int:
+        """Longest prompt the scheduler accepts (``get_worker_info`` keeps 5 tokens spare)."""
+        return self.max_req_len - 5

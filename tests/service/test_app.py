@@ -1,0 +1,187 @@
+"""The coordinator's HTTP API over a real Redis and the real tokenizer and template."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+from fastapi.testclient import TestClient
+from rq import Queue
+from rq.serializers import JSONSerializer
+
+from datagen.keys import Keys
+from datagen.payload import unpack_ids
+from datagen.settings import CoordinatorSettings
+from datagen.states import PromptClass
+from datagen.tokenization import bundled_tokenizer_path, default_chat_template_path
+from service.app import create_app
+
+NS = "t"
+# <｜begin▁of▁sentence｜> <｜User｜> "Hi" <｜Assistant｜> <think> "\n": ids read off the DeepSeek tokenizer
+# once and written here by hand.
+HI_PROMPT_IDS = [0, 128803, 23166, 128804, 128821, 201]
+
+
+def _spec(**overrides: Any) -> str:
+    spec = {
+        "tokenizer": bundled_tokenizer_path(),
+        "chat_template": str(default_chat_template_path()),
+        "short_max_new_tokens": 64,
+        "long_max_new_tokens": 256,
+        "long_threshold_tokens": 50,
+    }
+    spec.update(overrides)
+    return json.dumps(spec)
+
+
+@pytest.fixture
+def settings(redis_url: str, tmp_path: Path) -> CoordinatorSettings:
+    return CoordinatorSettings(redis_url=redis_url, storage=str(tmp_path), namespace=NS)
+
+
+@pytest.fixture
+def client(settings: CoordinatorSettings) -> Iterator[TestClient]:
+    with TestClient(create_app(settings)) as test_client:
+        yield test_client
+
+
+def _wait_ingested(client: TestClient, job_id: str, timeout_s: float = 30.0) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        job = client.get(f"/jobs/{job_id}").json()
+        if job["state"] != "ingesting":
+            return job  # type: ignore[no-any-return]
+        time.sleep(0.05)
+    raise AssertionError(f"job {job_id} still ingesting")
+
+
+def _post(client: TestClient, rows: list[str], spec: str | None = None, job_id: str | None = None) -> Any:
+    data = {"spec": spec or _spec()}
+    if job_id:
+        data["job_id"] = job_id
+    body = ("\n".join(rows) + "\n").encode()
+    return client.post("/jobs", data=data, files={"dataset": ("d.jsonl", body, "application/jsonl")})
+
+
+def test_submit_enqueues_one_rq_job_per_prompt(client: TestClient, redis_client: redis.Redis) -> None:
+    rows = [
+        json.dumps({"id": "hi", "messages": [{"role": "user", "content": "Hi"}], "partition": "chat"}),
+        json.dumps({"id": "big", "messages": [{"role": "user", "content": "word " * 80}]}),
+        json.dumps({"id": "forced", "messages": [{"role": "user", "content": "x"}], "class": "long"}),
+    ]
+    response = _post(client, rows)
+    assert response.status_code == 202, response.text
+    job_id = response.json()["id"]
+    assert response.headers["location"] == f"/jobs/{job_id}"
+    job = _wait_ingested(client, job_id)
+    assert (job["state"], job["total"], job["rejected"], job["queued"]) == ("running", 3, 0, 3)
+    short = Queue(Keys(NS).queue_name(PromptClass.SHORT), connection=redis_client, serializer=JSONSerializer)
+    long = Queue(Keys(NS).queue_name(PromptClass.LONG), connection=redis_client, serializer=JSONSerializer)
+    assert short.count == 1 and long.count == 2
+    rq_job = short.fetch_job(Keys(NS).rq_job_id(job_id, "hi", 0, 0))
+    assert rq_job is not None
+    payload = rq_job.args[0]
+    assert unpack_ids(payload["prompt_ids"]) == HI_PROMPT_IDS
+    assert (payload["max_new_tokens"], payload["partition"], payload["cls"]) == (64, "chat", "short")
+
+
+def test_bad_rows_are_reported_with_line_numbers(client: TestClient) -> None:
+    rows = [
+        json.dumps({"messages": [{"role": "user", "content": "ok"}]}),
+        "{not json",
+        json.dumps({"messages": [{"role": "wizard", "content": "x"}]}),
+        json.dumps({"messages": [{"role": "user", "content": ""}]}),
+        json.dumps({"nothing": 1}),
+        json.dumps({"messages": [{"role": "user", "content": "also ok"}]}),
+    ]
+    job_id = _post(client, rows).json()["id"]
+    job = _wait_ingested(client, job_id)
+    assert (job["total"], job["rejected"], job["rows"]) == (2, 4, 6)
+    errors = client.get(f"/jobs/{job_id}/errors", params={"kind": "rejected"}).json()["errors"]
+    assert [e["line"] for e in errors] == [2, 3, 4, 5]
+    assert "wizard" in errors[1]["reason"]
+
+
+def test_prompt_that_cannot_fit_the_context_is_rejected(client: TestClient) -> None:
+    rows = [json.dumps({"messages": [{"role": "user", "content": "word " * 100}]})]
+    job_id = _post(client, rows, spec=_spec(context_len=50)).json()["id"]
+    job = _wait_ingested(client, job_id)
+    assert (job["rejected"], job["state"]) == (1, "completed")
+    reason = client.get(f"/jobs/{job_id}/errors").json()["errors"][0]["reason"]
+    assert "context length of 50 tokens" in reason
+
+
+def test_resubmission_never_enqueues_a_prompt_twice(client: TestClient, redis_client: redis.Redis) -> None:
+    rows = [json.dumps({"id": f"r{i}", "messages": [{"role": "user", "content": f"q{i}"}]}) for i in range(5)]
+    first = _post(client, rows, job_id="fixed_id")
+    assert first.status_code == 202 and first.json()["created"] is True
+    _wait_ingested(client, "fixed_id")
+    second = _post(
+        client,
+        [*rows, json.dumps({"id": "r5", "messages": [{"role": "user", "content": "q5"}]})],
+        job_id="fixed_id",
+    )
+    assert second.status_code == 202 and second.json()["created"] is False
+    job = _wait_ingested(client, "fixed_id")
+    assert (job["total"], job["skipped"]) == (6, 5)
+    short = Queue(Keys(NS).queue_name(PromptClass.SHORT), connection=redis_client, serializer=JSONSerializer)
+    assert short.count == 6
+
+
+@pytest.mark.parametrize(
+    ("spec", "fragment"),
+    [
+        ("{not json", "not valid JSON"),
+        (_spec(bogus=1), "bogus"),
+        (_spec(short_max_new_tokens=-5), "short_max_new_tokens"),
+        (_spec(short_max_new_tokens=10**12), "short_max_new_tokens"),
+        (_spec(tokenizer="/does/not/exist"), "/does/not/exist"),
+        (_spec(chat_template="/no/template.jinja"), "/no/template.jinja"),
+        (_spec(sampling={"top_p": 0}), "top_p"),
+        (_spec(multi_turn="all"), "not supported"),
+    ],
+)
+def test_bad_specs_get_a_400_that_says_what_to_fix(client: TestClient, spec: str, fragment: str) -> None:
+    response = _post(client, [json.dumps({"messages": [{"role": "user", "content": "x"}]})], spec=spec)
+    assert response.status_code == 400, response.text
+    assert fragment in response.json()["error"]
+
+
+def test_bad_job_id_and_unknown_job(client: TestClient) -> None:
+    response = _post(client, [json.dumps({"prompt": "x"})], job_id="../../etc")
+    assert response.status_code == 400
+    assert "invalid job id" in response.json()["error"]
+    assert client.get("/jobs/nope").status_code == 404
+    assert client.get("/jobs/nope/errors").status_code == 404
+
+
+def test_job_with_a_different_spec_cannot_reuse_an_id(client: TestClient) -> None:
+    rows = [json.dumps({"prompt": "x"})]
+    assert _post(client, rows, job_id="j").status_code == 202
+    _wait_ingested(client, "j")
+    response = _post(client, rows, spec=_spec(short_max_new_tokens=65), job_id="j")
+    assert response.status_code == 400
+    assert "different spec" in response.json()["error"]
+
+
+def test_bearer_token_guards_routes_but_not_health(settings: CoordinatorSettings) -> None:
+    guarded = settings.model_copy(update={"api_token": "s3cret"})
+    with TestClient(create_app(guarded)) as client:
+        assert client.get("/healthz").status_code == 200
+        assert client.get("/metrics").status_code == 200
+        assert client.get("/jobs").status_code == 401
+        assert client.get("/jobs", headers={"Authorization": "Bearer wrong"}).status_code == 401
+        assert client.get("/jobs", headers={"Authorization": "Bearer s3cret"}).status_code == 200
+
+
+def test_upload_over_the_limit_is_refused(settings: CoordinatorSettings) -> None:
+    small = settings.model_copy(update={"max_upload_bytes": 100})
+    with TestClient(create_app(small)) as client:
+        response = _post(client, [json.dumps({"prompt": "x" * 200})])
+    assert response.status_code == 413
+    assert "DATAGEN_MAX_UPLOAD_BYTES" in response.json()["error"]

@@ -1,0 +1,76 @@
+"""The simulator over a real socket, served by uvicorn as the CLI serves it."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+
+import httpx
+from simtest_helpers import free_port, metric, running_server
+
+from simulator import SimConfig, SpecialIds, expected_output
+from simulator.server import serve
+
+SPECIAL = SpecialIds.deepseek_default()
+
+
+async def test_generate_health_and_metrics_over_a_socket() -> None:
+    with running_server() as url:
+        async with httpx.AsyncClient(base_url=url, timeout=10) as client:
+            assert (await client.get("/health")).status_code == 200
+            resp = await client.post("/generate", json={"rid": "s1", "input_ids": [1, 2, 3]})
+            text = (await client.get("/metrics")).text
+    assert resp.status_code == 200
+    assert resp.headers["content-type"] == "application/json"
+    want = expected_output([1, 2, 3], max_new_tokens=128, seed=None, special=SPECIAL)
+    assert resp.json()["output_ids"] == want.output_ids
+    assert metric(text, "sglang:num_requests_total") == 1
+
+
+async def test_serve_runs_on_the_current_loop_until_cancelled() -> None:
+    config = SimConfig(time_scale=0.0, port=free_port())
+    task = asyncio.create_task(serve(config))
+    url = f"http://{config.host}:{config.port}"
+    async with httpx.AsyncClient(base_url=url, timeout=5) as client:
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                if (await client.get("/health")).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "server did not come up"
+            await asyncio.sleep(0.02)
+        assert (await client.post("/generate", json={"input_ids": [5]})).status_code == 200
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+
+
+async def test_300_requests_at_concurrency_64_finish_in_a_few_seconds() -> None:
+    # The CPU budget: the simulator shares two cores with Redis, a coordinator and a worker.
+    n_requests, concurrency = 300, 64
+    prompts = [[i, i + 1, i + 2] for i in range(n_requests)]
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    gate = asyncio.Semaphore(concurrency)
+    with running_server(time_scale=0.001) as url:
+        async with httpx.AsyncClient(base_url=url, timeout=30, limits=limits) as client:
+
+            async def one(prompt: list[int]) -> list[int]:
+                async with gate:
+                    body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": 600}}
+                    resp = await client.post("/generate", json=body)
+                assert resp.status_code == 200
+                ids: list[int] = resp.json()["output_ids"]
+                return ids
+
+            started = time.monotonic()
+            outputs = await asyncio.gather(*(one(p) for p in prompts))
+            elapsed = time.monotonic() - started
+    expected = [
+        expected_output(p, max_new_tokens=600, seed=None, special=SPECIAL).output_ids for p in prompts
+    ]
+    assert outputs == expected
+    assert sum(map(len, outputs)) / n_requests > 200
+    assert elapsed < 10, f"took {elapsed:.1f}s"

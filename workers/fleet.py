@@ -1,0 +1,119 @@
+"""The SGLang servers one worker sends to: slots per server and class, up/down state, routing.
+
+A prompt goes to the up server with the most free slots for its class (least outstanding),
+so a slow or loaded server gets less, never a blind round robin.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+from dataclasses import dataclass, field
+from urllib.parse import urlsplit
+
+from datagen.states import PromptClass
+from workers.metrics import WorkerMetrics
+from workers.sglang import SGLangClient
+
+__all__ = ["Fleet", "Server", "ServerSpec"]
+
+log = logging.getLogger(__name__)
+
+_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+
+
+@dataclass(eq=False)
+class Server:
+    name: str
+    client: SGLangClient
+    limits: dict[PromptClass, int]
+    in_flight: dict[PromptClass, int] = field(default_factory=lambda: dict.fromkeys(PromptClass, 0))
+    up: bool = True
+    context_len: int | None = None
+
+    def free(self, cls: PromptClass) -> int:
+        return max(0, self.limits[cls] - self.in_flight[cls]) if self.up else 0
+
+
+class Fleet:
+    def __init__(self, servers: list[Server], metrics: WorkerMetrics) -> None:
+        if not servers:
+            raise ValueError("a worker needs at least one server")
+        self.servers = servers
+        self.metrics = metrics
+        self._changed = asyncio.Condition()
+        for server in servers:
+            metrics.server_up.labels(server.name).set(1 if server.up else 0)
+
+    def capacity(self, cls: PromptClass) -> int:
+        """Slots of the servers that are up; what one worker may have in flight for ``cls``."""
+        return sum(s.limits[cls] for s in self.servers if s.up)
+
+    def free_slots(self, cls: PromptClass) -> int:
+        return sum(s.free(cls) for s in self.servers)
+
+    async def wait_for_slot(self, cls: PromptClass) -> None:
+        async with self._changed:
+            await self._changed.wait_for(lambda: self.free_slots(cls) > 0)
+
+    async def acquire(self, cls: PromptClass) -> Server:
+        async with self._changed:
+            await self._changed.wait_for(lambda: self.free_slots(cls) > 0)
+            server = max(self.servers, key=lambda s: s.free(cls))
+            server.in_flight[cls] += 1
+        self.metrics.in_flight.labels(server.name, cls.value).inc()
+        return server
+
+    async def release(self, server: Server, cls: PromptClass) -> None:
+        server.in_flight[cls] -= 1
+        self.metrics.in_flight.labels(server.name, cls.value).dec()
+        await self._notify()
+
+    async def mark_down(self, server: Server, reason: str) -> None:
+        if server.up:
+            log.warning("server %s marked down: %s", server.name, reason)
+        server.up = False
+        self.metrics.server_up.labels(server.name).set(0)
+
+    async def mark_up(self, server: Server) -> None:
+        if not server.up:
+            log.info("server %s is healthy again", server.name)
+        server.up = True
+        self.metrics.server_up.labels(server.name).set(1)
+        await self._notify()
+
+    async def _notify(self) -> None:
+        async with self._changed:
+            self._changed.notify_all()
+
+
+@dataclass(frozen=True)
+class ServerSpec:
+    name: str
+    url: str
+
+    @classmethod
+    def parse(cls, value: str) -> ServerSpec:
+        """``NAME=URL`` or a bare URL, which is named ``host-port``."""
+        name, sep, url = value.partition("=")
+        if not sep:
+            url, name = value, ""
+        url = url.strip().rstrip("/")
+        parsed = urlsplit(url)
+        if parsed.scheme not in ("http", "https") or not parsed.hostname:
+            raise ValueError(f"server {value!r}: expected NAME=http://host:port or http://host:port")
+        if not name:
+            name = f"{parsed.hostname}-{parsed.port or (443 if parsed.scheme == 'https' else 80)}"
+        if not _NAME.match(name):
+            raise ValueError(f"server name {name!r}: use letters, digits, '.', '_' or '-'")
+        return cls(name, url)
+
+    @classmethod
+    def parse_many(cls, values: list[str]) -> list[ServerSpec]:
+        specs = [cls.parse(v) for item in values for v in item.split(",") if v.strip()]
+        names = [s.name for s in specs]
+        duplicates = sorted({n for n in names if names.count(n) > 1})
+        if duplicates:
+            raise ValueError(f"server names must be unique; repeated: {', '.join(duplicates)}")
+        return specs

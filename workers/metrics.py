@@ -1,0 +1,56 @@
+"""Every metric a worker exports, declared in one place on the worker's own registry.
+
+Labels are bounded: ``server`` (configured names), ``class`` (short/long), ``outcome`` and
+``reason`` (fixed vocabularies below).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+__all__ = ["LATENCY_BUCKETS_S", "WorkerMetrics"]
+
+LATENCY_BUCKETS_S = (0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1200, 2400, 3600)
+
+
+@dataclass
+class WorkerMetrics:
+    registry: CollectorRegistry = field(default_factory=CollectorRegistry)
+
+    def __post_init__(self) -> None:
+        r = self.registry
+        self.requests = Counter(
+            "datagen_worker_requests",
+            "Requests to SGLang by outcome",
+            ["server", "class", "outcome"],
+            registry=r,
+        )
+        self.prompt_tokens = Counter(
+            "datagen_worker_prompt_tokens", "Prompt tokens sent", ["server", "class"], registry=r
+        )
+        self.generated_tokens = Counter(
+            "datagen_worker_generated_tokens", "Output tokens received", ["server", "class"], registry=r
+        )
+        self.request_latency = Histogram(
+            "datagen_worker_request_latency_seconds",
+            "Wall time of one /generate call",
+            ["server", "class"],
+            buckets=LATENCY_BUCKETS_S,
+            registry=r,
+        )
+        self.in_flight = Gauge(
+            "datagen_worker_in_flight", "Requests in flight", ["server", "class"], registry=r
+        )
+        self.retries = Counter("datagen_worker_retries", "Retried attempts by reason", ["reason"], registry=r)
+        self.failures = Counter("datagen_worker_failures", "Prompts failed for good", ["reason"], registry=r)
+        self.server_up = Gauge(
+            "datagen_worker_server_up", "1 while a server takes requests", ["server"], registry=r
+        )
+        self.records_committed = Counter(
+            "datagen_worker_records_committed", "Records committed to storage", registry=r
+        )
+        self.commit_errors = Counter(
+            "datagen_worker_commit_errors", "Shard commits that failed and will be retried", registry=r
+        )

@@ -1,0 +1,156 @@
+"""RQ bookkeeping for prompts run as asyncio tasks.
+
+RQ 2.x runs one job per worker process. We keep RQ's queues, registries and job hashes (so
+``rq info`` and rq-dashboard stay true) and reuse its own transitions, from a subclass of
+``BaseWorker`` that never calls ``work()``: one identity per queue, because RQ's
+intermediate-list recovery assumes a single-queue worker (``shared/reference/rq-notes.md``).
+
+Everything here is synchronous and is called from the event loop with no ``await`` between
+setting ``self.execution`` and the RQ call that reads it, since RQ keeps one current execution
+per worker object.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from redis import Redis
+from redis.client import Pipeline
+from rq import Queue
+from rq.executions import Execution
+from rq.job import Job, JobStatus
+from rq.serializers import JSONSerializer
+from rq.utils import now
+from rq.worker import BaseWorker, WorkerStatus
+
+__all__ = ["InFlight", "QueueIdentity"]
+
+log = logging.getLogger(__name__)
+
+# Grace added to heartbeat TTLs so that a busy event loop is not mistaken for a dead worker.
+HEARTBEAT_GRACE_S = 10
+HEARTBEATS_PER_TTL = 3
+
+FinishHook = Callable[[Pipeline], None]
+
+
+@dataclass(eq=False)
+class InFlight:
+    job: Job
+    queue: Queue
+    execution: Execution
+
+
+class QueueIdentity(BaseWorker):
+    """The RQ worker identity for one queue of a datagen worker process."""
+
+    def __init__(self, queue_name: str, name: str, connection: Redis, heartbeat_interval_s: float) -> None:
+        self._ttl_s = int(heartbeat_interval_s * HEARTBEATS_PER_TTL) + HEARTBEAT_GRACE_S
+        super().__init__(
+            [queue_name],
+            name=name,
+            connection=connection,
+            serializer=JSONSerializer,
+            worker_ttl=self._ttl_s,
+            job_monitoring_interval=max(1, int(heartbeat_interval_s)),
+        )
+        self._finish_hook: FinishHook | None = None
+        self.in_flight: set[InFlight] = set()
+
+    @property
+    def queue(self) -> Queue:
+        return self.queues[0]
+
+    # RQ hooks -----------------------------------------------------------------------------------
+    def get_heartbeat_ttl(self, job: Job) -> int:
+        # The task heartbeats every job it runs, so the TTL need not cover the job's timeout.
+        return self._ttl_s
+
+    def increment_successful_job_count(self, pipeline: Pipeline | None = None) -> None:
+        super().increment_successful_job_count(pipeline)
+        if self._finish_hook is not None and pipeline is not None:
+            self._finish_hook(pipeline)
+
+    def increment_failed_job_count(self, pipeline: Pipeline | None = None) -> None:
+        super().increment_failed_job_count(pipeline)
+        if self._finish_hook is not None and pipeline is not None:
+            self._finish_hook(pipeline)
+
+    # Lifecycle ----------------------------------------------------------------------------------
+    def register(self) -> None:
+        self.register_birth()
+        self.set_state(WorkerStatus.IDLE)
+
+    def unregister(self) -> None:
+        self.register_death()
+
+    # Jobs ---------------------------------------------------------------------------------------
+    def claim(self) -> InFlight | None:
+        """Move the next job of the queue into started (LMOVE; never blocks)."""
+        result = self.queue_class.dequeue_any(
+            [self.queue],
+            None,
+            connection=self.connection,
+            job_class=self.job_class,
+            serializer=self.serializer,
+        )
+        if result is None:
+            return None
+        job, queue = result
+        execution = self.prepare_execution(job)
+        self.prepare_job_execution(job, remove_from_intermediate_queue=True)
+        item = InFlight(job, queue, execution)
+        self.in_flight.add(item)
+        return item
+
+    def finish_success(self, item: InFlight, hook: FinishHook) -> None:
+        """Finish the job; ``hook`` adds our own counters to RQ's transaction."""
+        item.job.ended_at = now()
+        item.job._status = JobStatus.FINISHED
+        self.execution = item.execution
+        self._finish_hook = hook
+        try:
+            self.handle_job_success(item.job, item.queue, item.queue.started_job_registry)
+        finally:
+            self._finish_hook = None
+            self.in_flight.discard(item)
+
+    def finish_failure(self, item: InFlight, message: str, hook: FinishHook | None) -> None:
+        """Put the job in RQ's failed registry with ``message`` as its exception text."""
+        item.job.ended_at = now()
+        item.job._status = JobStatus.FAILED
+        self.execution = item.execution
+        self._finish_hook = hook
+        try:
+            self.handle_job_failure(
+                item.job, item.queue, started_job_registry=item.queue.started_job_registry, exc_string=message
+            )
+        finally:
+            self._finish_hook = None
+            self.in_flight.discard(item)
+
+    def hand_back(self, item: InFlight, hook: FinishHook | None) -> None:
+        """Return an unfinished job to the front of its queue without charging an attempt."""
+        with self.connection.pipeline() as pipe:
+            item.execution.delete(item.job, pipe)
+            item.job.set_status(JobStatus.QUEUED, pipeline=pipe)
+            item.queue.push_job_id(item.job.id, pipeline=pipe, at_front=True)
+            if hook is not None:
+                hook(pipe)
+            pipe.execute()
+        self.in_flight.discard(item)
+
+    def beat(self) -> None:
+        """One heartbeat for the identity and every job it runs, in one round trip."""
+        ttl = self._ttl_s
+        with self.connection.pipeline() as pipe:
+            self.heartbeat(ttl, pipeline=pipe)
+            for item in self.in_flight:
+                item.execution.heartbeat(item.queue.started_job_registry, ttl, pipeline=pipe)
+                item.job.heartbeat(now(), ttl, pipeline=pipe, xx=True)
+            pipe.execute()
+        self.set_state(WorkerStatus.BUSY if self.in_flight else WorkerStatus.IDLE)
+        if self.should_run_maintenance_tasks:
+            self.run_maintenance_tasks()

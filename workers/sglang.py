@@ -1,0 +1,614 @@
+"""The worker's client for one SGLang server: prompt token ids in, generated token ids out.
+
+It speaks SGLang's native ``POST /generate`` (never the OpenAI routes, which apply a chat template and
+return text), non-streaming, one prompt per call. The contract it follows is
+``shared/reference/sglang-contract.md``.
+
+This module is the one boundary where httpx errors and HTTP statuses become the project's errors
+(:mod:`datagen.errors`)::
+
+    httpx.TimeoutException (connect/read/write/pool)    RequestTimeoutError
+    httpx.TransportError (refused, reset, protocol)     ServerUnavailableError
+    HTTP 503, 429                                       ServerUnavailableError
+    HTTP 408                                            RequestTimeoutError
+    HTTP 500 and other 5xx, 404, unusable 200 body      ServerError
+    HTTP 400 "Duplicate request ID"                     DuplicateRequestError
+    HTTP 400 and other 4xx                              BadRequestError (server message verbatim)
+    HTTP 401, 403                                       ConfigError (the API key is a setting)
+    200 with finish_reason abort, status_code 400       BadRequestError (scheduler-side validation)
+    200 with any other finish_reason abort              GenerationAbortedError
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any, Self, TypeGuard
+
+import httpx
+
+from datagen.errors import (
+    BadRequestError,
+    ConfigError,
+    DatagenError,
+    DuplicateRequestError,
+    GenerationAbortedError,
+    RequestTimeoutError,
+    ServerError,
+    ServerUnavailableError,
+)
+from datagen.states import FinishType
+
+__all__ = [
+    "DEFAULT_CONNECT_TIMEOUT_S",
+    "DEFAULT_CONTROL_TIMEOUT_S",
+    "DEFAULT_POOL_TIMEOUT_S",
+    "DEFAULT_READ_TIMEOUT_S",
+    "DEFAULT_WRITE_TIMEOUT_S",
+    "ClientTimeouts",
+    "Finish",
+    "GenerateResult",
+    "SGLangClient",
+    "parse_generate_response",
+]
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_CONNECT_TIMEOUT_S = 10.0
+# A non-streaming /generate answers only when the whole generation is done; long outputs on a busy
+# server take many minutes.
+DEFAULT_READ_TIMEOUT_S = 1800.0
+# A 100k-token prompt is about 1 MB of JSON.
+DEFAULT_WRITE_TIMEOUT_S = 60.0
+# Callers bound their concurrency by max_connections; if they do not, a request waits for a pooled
+# connection as long as another generation runs, so this must not be shorter than the read timeout.
+DEFAULT_POOL_TIMEOUT_S = DEFAULT_READ_TIMEOUT_S
+# /health, /model_info, /server_info, /v1/models and /metrics answer in seconds even under load.
+DEFAULT_CONTROL_TIMEOUT_S = 30.0
+
+# Error bodies that are not SGLang JSON (proxy HTML pages) are cut to this in messages.
+ERROR_TEXT_MAX_CHARS = 1000
+DUPLICATE_RID_MARKER = "Duplicate request ID"
+
+GENERATE_PATH = "/generate"
+HEALTH_PATH = "/health"
+MODEL_INFO_PATH = "/model_info"
+LEGACY_MODEL_INFO_PATH = "/get_model_info"  # the only name before v0.5.6, a deprecated alias since
+SERVER_INFO_PATH = "/server_info"
+LEGACY_SERVER_INFO_PATH = "/get_server_info"
+MODELS_PATH = "/v1/models"
+METRICS_PATH = "/metrics"
+
+
+# --------------------------------------------------------------------------------------------------
+# Reply parsing (pure)
+# --------------------------------------------------------------------------------------------------
+
+
+def _is_int(value: object) -> TypeGuard[int]:
+    # bool is an int subclass; JSON true is never a token id or a count.
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _optional_int(mapping: Mapping[str, object], key: str) -> int | None:
+    value = mapping.get(key)
+    if value is None:
+        return None
+    if not _is_int(value):
+        raise ServerError(f"{key} must be an integer, got {value!r}")
+    return value
+
+
+def _optional_str(mapping: Mapping[str, object], key: str) -> str | None:
+    value = mapping.get(key)
+    if value is None or isinstance(value, str):
+        return value
+    raise ServerError(f"{key} must be a string, got {value!r}")
+
+
+def _optional_float(mapping: Mapping[str, object], key: str) -> float | None:
+    value = mapping.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ServerError(f"{key} must be a number, got {value!r}")
+    return float(value)
+
+
+def _parse_matched(raw: Mapping[str, object]) -> int | str:
+    matched = raw.get("matched")
+    if _is_int(matched) or isinstance(matched, str):
+        return matched
+    # SGLang's type hint allows List[int], but nothing on main emits one; should a server send it, the
+    # first id is kept so that Finish stays one scalar per record.
+    if isinstance(matched, list) and matched and all(_is_int(token) for token in matched):
+        first: int = matched[0]
+        return first
+    raise ServerError(f"finish_reason stop needs an int, list[int] or str 'matched', got {dict(raw)!r}")
+
+
+@dataclass(frozen=True)
+class Finish:
+    """SGLang's ``meta_info.finish_reason`` of a finished request.
+
+    ``matched`` is set for ``stop`` (a token id, or the stop string or regex), ``length`` for ``length``
+    (the max_new_tokens reached), ``message``/``status_code``/``err_type`` for ``abort``.
+    """
+
+    type: FinishType
+    matched: int | str | None = None
+    length: int | None = None
+    message: str | None = None
+    status_code: int | None = None
+    err_type: str | None = None
+
+    @classmethod
+    def parse(cls, raw: object) -> Finish:
+        """Read every shape SGLang emits; raise ServerError on anything else, ``null`` included."""
+        if raw is None:
+            # Only streamed chunks before the last one carry null, and this client never streams.
+            raise ServerError("finish_reason is null: the reply is an unfinished streaming chunk")
+        if not isinstance(raw, dict):
+            raise ServerError(f"finish_reason must be an object, got {raw!r}")
+        kind = raw.get("type")
+        if kind == FinishType.STOP:
+            return cls(type=FinishType.STOP, matched=_parse_matched(raw))
+        if kind == FinishType.LENGTH:
+            length = _optional_int(raw, "length")
+            if length is None:
+                raise ServerError(f"finish_reason length needs an integer 'length', got {raw!r}")
+            return cls(type=FinishType.LENGTH, length=length)
+        if kind == FinishType.ABORT:
+            # A waiting-queue abort carries only type and message.
+            return cls(
+                type=FinishType.ABORT,
+                message=_optional_str(raw, "message"),
+                status_code=_optional_int(raw, "status_code"),
+                err_type=_optional_str(raw, "err_type"),
+            )
+        raise ServerError(f"unknown finish_reason type {kind!r} in {raw!r}; expected stop, length or abort")
+
+    def to_json(self) -> dict[str, object]:
+        """The shape SGLang's ``to_json()`` gives, for storing or logging as-is."""
+        if self.type is FinishType.STOP:
+            return {"type": "stop", "matched": self.matched}
+        if self.type is FinishType.LENGTH:
+            return {"type": "length", "length": self.length}
+        return {
+            "type": "abort",
+            "message": self.message,
+            "status_code": self.status_code,
+            "err_type": self.err_type,
+        }
+
+    @property
+    def matched_or_length(self) -> str:
+        """One string column for storage: the stop token id or string, the length, or the abort message.
+
+        A token id and a stop string that looks like one print the same; store ``type`` beside it.
+        """
+        if self.type is FinishType.STOP:
+            return str(self.matched)
+        if self.type is FinishType.LENGTH:
+            return str(self.length)
+        return self.message or ""
+
+
+@dataclass(frozen=True)
+class GenerateResult:
+    """One finished ``/generate`` call. ``output_ids`` are the generated tokens only, never the prompt,
+    and end with the EOS or stop token when ``finish.type`` is stop."""
+
+    rid: str
+    output_ids: list[int]
+    finish: Finish
+    prompt_tokens: int | None  # absent when the request was aborted in the waiting queue
+    completion_tokens: int
+    cached_tokens: int
+    e2e_latency_s: float | None
+    num_retractions: int
+    weight_version: str | None
+
+
+def _parse_output_ids(body: Mapping[str, object]) -> list[int]:
+    if "output_ids" not in body:
+        if "error" in body:
+            raise ServerError(f"the reply is an error, not a generation: {body['error']!r}")
+        raise ServerError(
+            "the reply has no output_ids: SGLang before 0.5.0 returns only text. "
+            "Upgrade SGLang to 0.5 or later, or start it with --skip-tokenizer-init"
+        )
+    output_ids = body["output_ids"]
+    if not isinstance(output_ids, list) or not all(_is_int(token) for token in output_ids):
+        raise ServerError(f"output_ids must be a list of integers, got {output_ids!r:.200}")
+    return output_ids
+
+
+def _parse_meta(body: Mapping[str, object]) -> Mapping[str, object]:
+    meta = body.get("meta_info")
+    if not isinstance(meta, dict):
+        raise ServerError(f"meta_info must be an object, got {meta!r:.200}")
+    return meta
+
+
+def parse_generate_response(body: object, *, rid: str) -> GenerateResult:
+    """Validate a non-streaming single-prompt ``/generate`` reply; raise ServerError if unusable.
+
+    An ``abort`` finish is returned, not raised: the caller decides (see ``SGLangClient.generate``).
+    """
+    if isinstance(body, list):
+        raise ServerError(
+            f"expected one JSON object for one prompt, got a JSON list of {len(body)}: "
+            "sampling_params.n > 1 and batched input_ids are not supported"
+        )
+    if not isinstance(body, dict):
+        raise ServerError(f"expected a JSON object, got {type(body).__name__}")
+    output_ids = _parse_output_ids(body)
+    meta = _parse_meta(body)
+    finish = Finish.parse(meta.get("finish_reason"))
+    completion_tokens = _optional_int(meta, "completion_tokens")
+    if completion_tokens is None:
+        raise ServerError("meta_info.completion_tokens is missing")
+
+    reply_rid = meta.get("id")
+    if reply_rid != rid:
+        logger.warning("SGLang answered rid %r with meta_info.id %r; keeping the rid sent", rid, reply_rid)
+    if completion_tokens != len(output_ids):
+        # SGLang counts completion_tokens as the output_ids it sends, so this should not happen; the tokens
+        # are what we store, so a miscount is worth a trace, not a failed generation.
+        logger.debug(
+            "rid %r: completion_tokens %d != len(output_ids) %d", rid, completion_tokens, len(output_ids)
+        )
+    retractions = _optional_int(meta, "num_retractions")
+    if retractions is None:
+        retractions = _optional_int(meta, "total_retractions")  # its name before 2026-05
+    return GenerateResult(
+        rid=rid,
+        output_ids=output_ids,
+        finish=finish,
+        prompt_tokens=_optional_int(meta, "prompt_tokens"),
+        completion_tokens=completion_tokens,
+        cached_tokens=_optional_int(meta, "cached_tokens") or 0,
+        e2e_latency_s=_optional_float(meta, "e2e_latency"),
+        num_retractions=retractions or 0,
+        weight_version=_optional_str(meta, "weight_version"),
+    )
+
+
+# --------------------------------------------------------------------------------------------------
+# HTTP error translation (pure)
+# --------------------------------------------------------------------------------------------------
+
+
+def _error_message(response: httpx.Response) -> str:
+    """The server's own message from either SGLang error shape, else the body text."""
+    try:
+        body = response.json()
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        body = None
+    if isinstance(body, dict):
+        error = body.get("error")
+        if isinstance(error, dict) and isinstance(error.get("message"), str):
+            return str(error["message"])  # {"error": {"message": ...}} from a ValueError
+        if isinstance(body.get("message"), str):
+            return str(body["message"])  # {"object": "error", "message": ...}
+        if "detail" in body:
+            return str(body["detail"])  # FastAPI's own errors: {"detail": "Not Found"}
+        if isinstance(error, str):
+            return error  # {"error": "Unauthorized"} from the API-key middleware
+    text = response.text.strip()
+    if not text:
+        return "(empty body)"
+    return text if len(text) <= ERROR_TEXT_MAX_CHARS else text[:ERROR_TEXT_MAX_CHARS] + "…"
+
+
+def _status_error(response: httpx.Response, *, server: str, what: str) -> DatagenError:
+    status = response.status_code
+    message = _error_message(response)
+    said = f"{what} on SGLang server {server} got HTTP {status}: {message}"
+    if status == 400 and DUPLICATE_RID_MARKER in message:
+        return DuplicateRequestError(
+            f"{said}. An earlier attempt with this rid is still running; retry later"
+        )
+    if status in (401, 403):
+        return ConfigError(f"{said}. The server wants an API key: set the one it was started with --api-key")
+    if status == 404:
+        return ServerError(f"{said}. The URL is probably not an SGLang server; check the server's base URL")
+    if status == 408:
+        return RequestTimeoutError(f"{said}. Retry")
+    if status in (429, 503):
+        return ServerUnavailableError(f"{said}. The server is busy, starting or shutting down; retry later")
+    if status >= 500:
+        return ServerError(f"{said}. Retry; if it repeats, read the server's log")
+    if 400 <= status < 500:
+        return BadRequestError(f"{said}. The request must change; retrying it cannot succeed")
+    return ServerError(f"{said}. Unexpected status for this endpoint")
+
+
+def _abort_error(result: GenerateResult, *, server: str) -> DatagenError:
+    finish = result.finish
+    said = (
+        f"SGLang server {server} aborted rid {result.rid!r} after {len(result.output_ids)} tokens: "
+        f"{finish.message!r} (status_code {finish.status_code}, err_type {finish.err_type})"
+    )
+    if finish.status_code == 400:
+        return BadRequestError(f"{said}. The scheduler refused the request; it must change to succeed")
+    return GenerationAbortedError(f"{said}. Retry, here or on another server")
+
+
+# --------------------------------------------------------------------------------------------------
+# The client
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ClientTimeouts:
+    """httpx's four timeouts, for ``/generate``; control endpoints use a short one of their own."""
+
+    connect_s: float = DEFAULT_CONNECT_TIMEOUT_S
+    read_s: float = DEFAULT_READ_TIMEOUT_S
+    write_s: float = DEFAULT_WRITE_TIMEOUT_S
+    pool_s: float = DEFAULT_POOL_TIMEOUT_S
+
+    def to_httpx(self, *, read_s: float | None = None) -> httpx.Timeout:
+        return httpx.Timeout(
+            connect=self.connect_s,
+            read=self.read_s if read_s is None else read_s,
+            write=self.write_s,
+            pool=self.pool_s,
+        )
+
+
+def _check_base_url(base_url: str) -> httpx.URL:
+    try:
+        url = httpx.URL(base_url)
+    except httpx.InvalidURL as exc:
+        raise ConfigError(f"SGLang base URL {base_url!r} is not a URL: {exc}") from exc
+    if url.scheme not in ("http", "https") or not url.host:
+        raise ConfigError(f"SGLang base URL {base_url!r} must look like http://host:port")
+    return url
+
+
+class SGLangClient:
+    """One long-lived connection pool to one SGLang server.
+
+    Open it with ``start()`` or ``async with``; the first call opens it too if nobody did. After
+    ``aclose()`` it cannot be used again (RuntimeError), so a closed worker cannot leak a new pool.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        base_url: str,
+        *,
+        timeouts: ClientTimeouts,
+        max_connections: int,
+        api_key: str | None = None,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        if max_connections < 1:
+            raise ConfigError(
+                f"max_connections for SGLang server {name!r} must be >= 1, got {max_connections}"
+            )
+        self.name = name
+        self.base_url = str(_check_base_url(base_url))
+        self.timeouts = timeouts
+        self._max_connections = max_connections
+        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._transport = transport
+        self._http: httpx.AsyncClient | None = None
+        self._closed = False
+
+    def __repr__(self) -> str:
+        return f"SGLangClient({self.name!r}, {self.base_url!r})"
+
+    @property
+    def _label(self) -> str:
+        return f"{self.name!r} ({self.base_url})"
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        self._client()
+
+    async def aclose(self) -> None:
+        self._closed = True
+        if self._http is not None:
+            http, self._http = self._http, None
+            await http.aclose()
+
+    async def __aenter__(self) -> Self:
+        await self.start()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+    def _client(self) -> httpx.AsyncClient:
+        if self._closed:
+            raise RuntimeError(f"{self!r} is closed")
+        if self._http is None:
+            limits = httpx.Limits(
+                max_connections=self._max_connections, max_keepalive_connections=self._max_connections
+            )
+            self._http = httpx.AsyncClient(
+                base_url=self.base_url,
+                headers=self._headers,
+                timeout=self.timeouts.to_httpx(),
+                limits=limits,
+                transport=self._transport,
+                follow_redirects=False,
+            )
+        return self._http
+
+    # -- transport ---------------------------------------------------------------------------------
+
+    async def _send(
+        self,
+        method: str,
+        path: str,
+        *,
+        what: str,
+        phase_timeouts: httpx.Timeout,
+        body: Mapping[str, object] | None = None,
+    ) -> httpx.Response:
+        try:
+            return await self._client().request(method, path, json=body, timeout=phase_timeouts)
+        except httpx.TimeoutException as exc:
+            raise RequestTimeoutError(
+                f"{what} on SGLang server {self._label} timed out ({type(exc).__name__}); "
+                "it may be overloaded or hung: retry, and check its /health"
+            ) from exc
+        except httpx.TransportError as exc:
+            raise ServerUnavailableError(
+                f"{what} could not reach SGLang server {self._label}: {type(exc).__name__}: {exc}. "
+                "It may be starting, restarting or down; retry once /health answers 200"
+            ) from exc
+        except httpx.RequestError as exc:
+            raise ServerError(
+                f"{what} on SGLang server {self._label} failed: {type(exc).__name__}: {exc}"
+            ) from exc
+
+    def _json(self, response: httpx.Response, *, what: str) -> object:
+        try:
+            return response.json()
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ServerError(
+                f"{what} on SGLang server {self._label} answered 200 with a body that is not JSON: "
+                f"{response.text[:ERROR_TEXT_MAX_CHARS]!r}"
+            ) from exc
+
+    def _control_timeout(self, timeout_s: float) -> httpx.Timeout:
+        return httpx.Timeout(timeout_s, connect=min(timeout_s, self.timeouts.connect_s))
+
+    async def _get_ok(self, path: str, *, timeout_s: float, legacy_path: str | None = None) -> httpx.Response:
+        """GET that must answer 200; on 404 it tries ``legacy_path``, the pre-0.5.6 name."""
+        timeout = self._control_timeout(timeout_s)
+        response = await self._send("GET", path, what=f"GET {path}", phase_timeouts=timeout)
+        if response.status_code == 404 and legacy_path is not None:
+            logger.debug("%s: %s is 404, trying %s", self.name, path, legacy_path)
+            path = legacy_path
+            response = await self._send("GET", path, what=f"GET {path}", phase_timeouts=timeout)
+        if response.status_code != 200:
+            raise _status_error(response, server=self._label, what=f"GET {path}")
+        return response
+
+    async def _get_object(
+        self, path: str, *, timeout_s: float, legacy_path: str | None = None
+    ) -> dict[str, Any]:
+        response = await self._get_ok(path, timeout_s=timeout_s, legacy_path=legacy_path)
+        body = self._json(response, what=f"GET {path}")
+        if not isinstance(body, dict):
+            raise ServerError(
+                f"GET {path} on SGLang server {self._label} answered {type(body).__name__}, not an object"
+            )
+        return body
+
+    # -- API ---------------------------------------------------------------------------------------
+
+    async def generate(
+        self,
+        input_ids: Sequence[int],
+        sampling_params: Mapping[str, object],
+        *,
+        rid: str,
+        read_timeout_s: float | None = None,
+    ) -> GenerateResult:
+        """Generate from exactly these prompt tokens (no chat template is applied on ``/generate``).
+
+        After a client-side timeout the server may still run ``rid``; a retry with the same rid can then
+        get DuplicateRequestError until it finishes.
+        """
+        what = f"POST {GENERATE_PATH} rid {rid!r}"
+        # Only the fields we need: every SGLang version knows these four, and sending text as well would
+        # let it set the batch shape.
+        payload = {
+            "rid": rid,
+            "input_ids": list(input_ids),
+            "sampling_params": dict(sampling_params),
+            "stream": False,
+        }
+        timeout = self.timeouts.to_httpx(read_s=read_timeout_s)
+        response = await self._send("POST", GENERATE_PATH, what=what, phase_timeouts=timeout, body=payload)
+        if response.status_code != 200:
+            raise _status_error(response, server=self._label, what=what)
+        body = self._json(response, what=what)
+        try:
+            result = parse_generate_response(body, rid=rid)
+        except ServerError as exc:
+            raise ServerError(f"{what} on SGLang server {self._label}: unusable reply: {exc}") from exc
+        if result.finish.type is FinishType.ABORT:
+            raise _abort_error(result, server=self._label)
+        logger.debug(
+            "%s: rid %r %s, %s prompt + %d output tokens, %d cached, %s s",
+            self.name,
+            rid,
+            result.finish.type,
+            result.prompt_tokens,
+            result.completion_tokens,
+            result.cached_tokens,
+            result.e2e_latency_s,
+        )
+        return result
+
+    async def health(self, *, timeout_s: float) -> bool:
+        """True only on 200; 503 (starting, shutting down, unhealthy) and anything else is False.
+
+        Timeouts raise RequestTimeoutError and refused connections ServerUnavailableError, so a caller can
+        tell a hung server from one that is down.
+        """
+        response = await self._send(
+            "GET", HEALTH_PATH, what=f"GET {HEALTH_PATH}", phase_timeouts=httpx.Timeout(timeout_s)
+        )
+        if response.status_code != 200:
+            logger.debug("%s: /health answered %d", self.name, response.status_code)
+            return False
+        return True
+
+    async def model_info(self, *, timeout_s: float = DEFAULT_CONTROL_TIMEOUT_S) -> dict[str, Any]:
+        return await self._get_object(
+            MODEL_INFO_PATH, timeout_s=timeout_s, legacy_path=LEGACY_MODEL_INFO_PATH
+        )
+
+    async def server_info(self, *, timeout_s: float = DEFAULT_CONTROL_TIMEOUT_S) -> dict[str, Any]:
+        return await self._get_object(
+            SERVER_INFO_PATH, timeout_s=timeout_s, legacy_path=LEGACY_SERVER_INFO_PATH
+        )
+
+    async def context_len(self, *, timeout_s: float = DEFAULT_CONTROL_TIMEOUT_S) -> int | None:
+        """The model's context length, None if the server does not say.
+
+        ``/server_info`` has ``context_length`` only when the server was started with ``--context-length``
+        (it is null otherwise); ``/v1/models`` ``max_model_len`` always has the length in use.
+        """
+        configured = (await self.server_info(timeout_s=timeout_s)).get("context_length")
+        if _is_int(configured) and configured > 0:
+            return int(configured)
+        models = await self._get_object(MODELS_PATH, timeout_s=timeout_s)
+        data = models.get("data")
+        if isinstance(data, list) and data and isinstance(data[0], dict):
+            max_model_len = data[0].get("max_model_len")
+            if _is_int(max_model_len) and max_model_len > 0:
+                return int(max_model_len)
+        return None
+
+    async def metrics_text(self, *, timeout_s: float = DEFAULT_CONTROL_TIMEOUT_S) -> str:
+        """The Prometheus text of ``/metrics`` (exists only with ``--enable-metrics``)."""
+        what = f"GET {METRICS_PATH}"
+        timeout = self._control_timeout(timeout_s)
+        response = await self._send("GET", METRICS_PATH, what=what, phase_timeouts=timeout)
+        if response.status_code == 404:
+            raise ServerError(
+                f"{what} on SGLang server {self._label} got HTTP 404: start SGLang with --enable-metrics"
+            )
+        if response.status_code != 200:
+            raise _status_error(response, server=self._label, what=what)
+        return response.text

@@ -1,0 +1,468 @@
+"""The worker process: pulls prompt jobs from RQ and runs them as asyncio tasks.
+
+Lifecycle: ``start`` (connect, register, learn the servers) → ``run`` (admit jobs while slots are
+free) → ``drain`` (stop admitting, let in-flight requests finish up to a deadline) → ``close``
+(commit shards, hand back anything unfinished, deregister). ``burst=True`` returns from ``run``
+once the queues are empty and nothing is in flight, which is how the tests drive the real loop.
+A first SIGTERM/SIGINT drains; a second hands in-flight prompts back to the queue at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import random
+import secrets
+import signal
+import socket
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+from prometheus_client import start_http_server
+from rq.job import Job
+
+from datagen.errors import FatalError, RetryableError
+from datagen.fleet import publish_server
+from datagen.jobs import JobStore, now_ms
+from datagen.keys import Keys
+from datagen.payload import PromptPayload
+from datagen.records import Record
+from datagen.settings import WorkerSettings
+from datagen.spec import JobSpec
+from datagen.states import PromptClass
+from datagen.storage import Storage
+from workers.fleet import Fleet, Server, ServerSpec
+from workers.metrics import WorkerMetrics
+from workers.rqbridge import InFlight, QueueIdentity
+from workers.sglang import ClientTimeouts, GenerateResult, SGLangClient
+from workers.writer import RecordWriter
+
+__all__ = ["Worker"]
+
+log = logging.getLogger(__name__)
+
+# A prompt may wait out server outages without using attempts, but not forever: a server that
+# answers /health yet drops every request would otherwise loop.
+SERVER_FAULT_TRIES_PER_ATTEMPT = 25
+DEFAULT_DRAIN_TIMEOUT_S = 60.0
+HEALTH_TIMEOUT_S = 5.0
+REDIS_SOCKET_TIMEOUT_S = 10.0
+
+
+@dataclass(frozen=True)
+class _Generated:
+    record: Record
+    result: GenerateResult
+
+
+class Worker:
+    def __init__(
+        self,
+        settings: WorkerSettings,
+        servers: list[ServerSpec],
+        *,
+        burst: bool = False,
+        install_signal_handlers: bool = True,
+        drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S,
+    ) -> None:
+        if not servers:
+            raise ValueError("give at least one SGLang server (--server NAME=URL)")
+        self.settings = settings
+        self.server_specs = servers
+        self.burst = burst
+        self.install_signal_handlers = install_signal_handlers
+        self.drain_timeout_s = drain_timeout_s
+        self.tag = secrets.token_hex(4)
+        self.name = f"{socket.gethostname()[:24]}-{os.getpid()}-{self.tag}"
+        self.keys = Keys(settings.namespace)
+        self.metrics = WorkerMetrics()
+        self.storage = Storage(settings.storage)
+        self._stopping = asyncio.Event()
+        self._slot_freed = asyncio.Event()
+        self._tasks: dict[PromptClass, set[asyncio.Task[None]]] = {cls: set() for cls in PromptClass}
+        self._specs: dict[str, JobSpec] = {}
+        self._signals = 0
+        self._background: list[asyncio.Task[None]] = []
+        self._metrics_server: tuple[Any, Any] | None = None
+
+    # Lifecycle ----------------------------------------------------------------------------------
+    async def start(self) -> None:
+        self.redis = redis.Redis.from_url(
+            self.settings.require_redis_url(), socket_timeout=REDIS_SOCKET_TIMEOUT_S, health_check_interval=30
+        )
+        self.jobs = JobStore(self.redis, self.keys)
+        self.identities = {
+            cls: QueueIdentity(
+                self.keys.queue_name(cls),
+                self.keys.rq_worker_name(self.name, cls),
+                self.redis,
+                self.settings.heartbeat_interval_s,
+            )
+            for cls in PromptClass
+        }
+        for identity in self.identities.values():
+            identity.register()
+        self.fleet = Fleet([self._make_server(spec) for spec in self.server_specs], self.metrics)
+        await asyncio.gather(*(self._check_server(s) for s in self.fleet.servers))
+        self.writer = RecordWriter(
+            self.storage,
+            self.metrics,
+            worker_tag=self.tag,
+            commit_interval_s=self.settings.commit_interval_s,
+            shard_max_records=self.settings.shard_max_records,
+        )
+        self.writer.start()
+        self._background = [
+            asyncio.create_task(self._heartbeat_loop(), name="heartbeat"),
+            asyncio.create_task(self._health_loop(), name="health"),
+        ]
+        if self.settings.metrics_port:
+            self._metrics_server = start_http_server(
+                self.settings.metrics_port, registry=self.metrics.registry
+            )
+        if self.install_signal_handlers:
+            loop = asyncio.get_running_loop()
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.add_signal_handler(sig, self._on_signal)
+        up = [s.name for s in self.fleet.servers if s.up]
+        log.info(
+            "worker %s started: servers up %s, queues %s",
+            self.name,
+            up,
+            [i.queue.name for i in self.identities.values()],
+        )
+
+    def _make_server(self, spec: ServerSpec) -> Server:
+        client = SGLangClient(
+            spec.name,
+            spec.url,
+            timeouts=ClientTimeouts(
+                connect_s=self.settings.connect_timeout_s, read_s=self.settings.long_read_timeout_s
+            ),
+            max_connections=self.settings.short_concurrency + self.settings.long_concurrency,
+            api_key=self.settings.api_key,
+        )
+        limits = {
+            PromptClass.SHORT: self.settings.short_concurrency,
+            PromptClass.LONG: self.settings.long_concurrency,
+        }
+        return Server(spec.name, client, limits, up=False)
+
+    async def run(self) -> None:
+        await asyncio.gather(*(self._admit(cls) for cls in PromptClass))
+
+    def request_stop(self) -> None:
+        self._stopping.set()
+        self._slot_freed.set()
+
+    async def drain(self) -> None:
+        """Wait for in-flight prompts up to the drain timeout, then hand the rest back."""
+        self.request_stop()
+        tasks = [t for group in self._tasks.values() for t in group]
+        if tasks:
+            log.info("draining %d in-flight prompts (up to %.0f s)", len(tasks), self.drain_timeout_s)
+            _, pending = await asyncio.wait(tasks, timeout=self.drain_timeout_s)
+            self._cancel(pending)
+
+    async def close(self) -> None:
+        for task in self._background:
+            task.cancel()
+        for task in self._background:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        committed = await self.writer.close(deadline_s=time.monotonic() + self.drain_timeout_s)
+        if not committed:
+            log.error(
+                "could not commit %d records before exit; their prompts will run again", self.writer.pending
+            )
+        for identity in self.identities.values():
+            identity.unregister()
+        await asyncio.gather(*(s.client.aclose() for s in self.fleet.servers))
+        if self._metrics_server is not None:
+            http_server, _thread = self._metrics_server
+            http_server.shutdown()
+        self.redis.close()
+        log.info("worker %s stopped", self.name)
+
+    async def main(self) -> None:
+        await self.start()
+        try:
+            await self.run()
+        finally:
+            await self.drain()
+            await self.close()
+
+    def _on_signal(self) -> None:
+        self._signals += 1
+        if self._signals == 1:
+            log.info("stop requested: finishing in-flight prompts (signal again to hand them back now)")
+            self.request_stop()
+        else:
+            log.warning("second stop signal: handing in-flight prompts back to the queue")
+            self._cancel([t for group in self._tasks.values() for t in group])
+
+    @staticmethod
+    def _cancel(tasks: object) -> None:
+        for task in tasks:  # type: ignore[attr-defined]
+            task.cancel()
+
+    # Admission ----------------------------------------------------------------------------------
+    async def _admit(self, cls: PromptClass) -> None:
+        identity = self.identities[cls]
+        tasks = self._tasks[cls]
+        poll_s = self.settings.poll_interval_s
+        while not self._stopping.is_set():
+            if len(tasks) >= self.fleet.capacity(cls):
+                self._slot_freed.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._slot_freed.wait(), timeout=poll_s)
+                continue
+            item = identity.claim()
+            if item is None:
+                if self.burst and not any(self._tasks.values()):
+                    return
+                await asyncio.sleep(poll_s)
+                continue
+            task = asyncio.create_task(self._process(identity, item, cls), name=item.job.id)
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
+            task.add_done_callback(self._task_done)
+
+    def _task_done(self, task: asyncio.Task[None]) -> None:
+        self._slot_freed.set()
+
+    # One prompt ---------------------------------------------------------------------------------
+    async def _process(self, identity: QueueIdentity, item: InFlight, cls: PromptClass) -> None:
+        job_id = _datagen_job_id(item.job)
+        if job_id is not None:
+            self.jobs.started(job_id)
+        try:
+            generated = await self._generate(item.job, cls)
+            await self.writer.commit(generated.record)
+        except asyncio.CancelledError:
+            hook = (lambda pipe: pipe.hincrby(self.keys.job(job_id), "in_flight", -1)) if job_id else None
+            identity.hand_back(item, hook)
+            raise
+        except FatalError as exc:
+            self._fail(identity, item, job_id, exc)
+        except Exception as exc:  # a bug must fail one prompt, not the worker
+            log.exception("prompt %s crashed the task", item.job.id)
+            self._fail(identity, item, job_id, exc)
+        else:
+            record = generated.record
+            identity.finish_success(
+                item, lambda pipe: self.jobs.count_done(pipe, record.job_id, record.output_len)
+            )
+            log.info(
+                "done %s server=%s class=%s prompt=%d output=%d finish=%s attempts=%d %.2fs",
+                item.job.id,
+                record.server,
+                cls.value,
+                record.prompt_len,
+                record.output_len,
+                record.finish_type,
+                record.attempts,
+                (record.finished_at_ms - record.started_at_ms) / 1000,
+            )
+
+    def _fail(self, identity: QueueIdentity, item: InFlight, job_id: str | None, exc: BaseException) -> None:
+        reason = type(exc).__name__
+        message = str(exc) or reason
+        self.metrics.failures.labels(reason).inc()
+        log.warning("failed %s: %s", item.job.id, message)
+        report = {"rq_id": item.job.id, "reason": reason, "message": message, "at_ms": now_ms()}
+        if isinstance(item.job.args[0], dict):
+            report.update(sample_id=item.job.args[0].get("sample_id"), turn=item.job.args[0].get("turn"))
+        hook = (lambda pipe: self.jobs.count_failed(pipe, job_id, report)) if job_id else None
+        identity.finish_failure(item, message, hook)
+
+    def _spec(self, job_id: str) -> JobSpec:
+        spec = self._specs.get(job_id)
+        if spec is None:
+            spec = self._specs[job_id] = self.jobs.spec(job_id)
+        return spec
+
+    async def _generate(self, job: Job, cls: PromptClass) -> _Generated:
+        payload = PromptPayload.from_json(job.args[0])
+        spec = self._spec(payload.job)
+        attempts = int(job.meta.get("attempts", 0))
+        started_at_ms = now_ms()
+        tries = 0
+        while True:
+            tries += 1
+            server = await self.fleet.acquire(cls)
+            try:
+                max_new = self._max_new_tokens(payload, server)
+                params = spec.sampling.to_sglang(max_new)
+                rid = f"{job.id}.a{tries}.{self.tag}"
+                result = await self._call(server, cls, payload, params, rid)
+            except RetryableError as exc:
+                error: RetryableError = exc
+            else:
+                enqueued_at_ms = int(job.enqueued_at.timestamp() * 1000) if job.enqueued_at else None
+                timing = (enqueued_at_ms, started_at_ms)
+                record = self._record(
+                    payload, spec, result, server, rid, attempts + 1, timing, max_new, params
+                )
+                return _Generated(record, result)
+            finally:
+                await self.fleet.release(server, cls)
+            attempts = await self._after_retryable(job, server, error, attempts, tries)
+            await asyncio.sleep(self._backoff_s(tries))
+
+    async def _after_retryable(
+        self, job: Job, server: Server, error: RetryableError, attempts: int, tries: int
+    ) -> int:
+        """Decide whether to try again; returns the attempts charged so far or raises FatalError."""
+        self.metrics.retries.labels(type(error).__name__).inc()
+        if error.server_fault:
+            await self.fleet.mark_down(server, str(error))
+            if tries >= self.settings.max_attempts * SERVER_FAULT_TRIES_PER_ATTEMPT:
+                raise FatalError(
+                    f"gave up after {tries} requests to servers that kept failing: {error}"
+                ) from error
+            log.info("retrying %s elsewhere (server %s down): %s", job.id, server.name, error)
+            return attempts
+        attempts += 1
+        job.meta["attempts"] = attempts
+        job.save_meta()
+        if attempts >= self.settings.max_attempts:
+            raise FatalError(f"gave up after {attempts} attempts: {error}") from error
+        log.info(
+            "retrying %s (attempt %d of %d): %s", job.id, attempts + 1, self.settings.max_attempts, error
+        )
+        return attempts
+
+    def _backoff_s(self, tries: int) -> float:
+        ceiling = min(self.settings.retry_max_s, self.settings.retry_base_s * 2 ** (tries - 1))
+        return random.uniform(ceiling / 2, ceiling)
+
+    async def _call(
+        self, server: Server, cls: PromptClass, payload: PromptPayload, params: dict[str, object], rid: str
+    ) -> GenerateResult:
+        read_timeout_s = (
+            self.settings.short_read_timeout_s
+            if cls is PromptClass.SHORT
+            else self.settings.long_read_timeout_s
+        )
+        labels = (server.name, cls.value)
+        started = time.perf_counter()
+        try:
+            result = await server.client.generate(
+                payload.prompt_ids, params, rid=rid, read_timeout_s=read_timeout_s
+            )
+        except RetryableError:
+            self.metrics.requests.labels(*labels, "retryable").inc()
+            raise
+        except FatalError:
+            self.metrics.requests.labels(*labels, "fatal").inc()
+            raise
+        self.metrics.request_latency.labels(*labels).observe(time.perf_counter() - started)
+        self.metrics.requests.labels(*labels, "ok").inc()
+        self.metrics.prompt_tokens.labels(*labels).inc(len(payload.prompt_ids))
+        self.metrics.generated_tokens.labels(*labels).inc(len(result.output_ids))
+        return result
+
+    @staticmethod
+    def _max_new_tokens(payload: PromptPayload, server: Server) -> int:
+        if server.context_len is None:
+            return payload.max_new_tokens
+        room = server.context_len - len(payload.prompt_ids)
+        if room < 1:
+            raise FatalError(
+                f"prompt has {len(payload.prompt_ids)} tokens and leaves no room to generate within "
+                f"server {server.name}'s context length of {server.context_len} tokens"
+            )
+        return min(payload.max_new_tokens, room)
+
+    def _record(
+        self,
+        payload: PromptPayload,
+        spec: JobSpec,
+        result: GenerateResult,
+        server: Server,
+        rid: str,
+        attempts: int,
+        timing: tuple[int | None, int],
+        max_new: int,
+        params: dict[str, object],
+    ) -> Record:
+        finish = result.finish
+        return Record(
+            job_id=payload.job,
+            sample_id=payload.sample_id,
+            turn=payload.turn,
+            gen=payload.gen,
+            partition=payload.partition,
+            cls=payload.cls.value,
+            input_ids=payload.prompt_ids + result.output_ids,
+            prompt_len=len(payload.prompt_ids),
+            finish_type=finish.type.value,
+            finish_matched=None if finish.matched is None else str(finish.matched),
+            finish_length=finish.length,
+            max_new_tokens=max_new,
+            server=server.name,
+            tokenizer=spec.tokenizer,
+            sampling_params=json.dumps(params, sort_keys=True),
+            rid=rid,
+            worker=self.name,
+            attempts=attempts,
+            cached_tokens=result.cached_tokens,
+            num_retractions=result.num_retractions,
+            e2e_latency_s=result.e2e_latency_s,
+            enqueued_at_ms=timing[0],
+            started_at_ms=timing[1],
+            finished_at_ms=now_ms(),
+        )
+
+    # Background loops ---------------------------------------------------------------------------
+    async def _check_server(self, server: Server) -> None:
+        try:
+            healthy = await server.client.health(timeout_s=HEALTH_TIMEOUT_S)
+            if healthy and server.context_len is None:
+                server.context_len = await server.client.context_len()
+                info = await server.client.model_info()
+                publish_server(
+                    self.redis,
+                    self.keys,
+                    server.name,
+                    {
+                        "context_len": server.context_len,
+                        "model_path": info.get("model_path"),
+                        "seen_at_ms": now_ms(),
+                    },
+                )
+        except RetryableError as exc:
+            log.warning("server %s is not reachable: %s", server.name, exc)
+            healthy = False
+        if healthy:
+            await self.fleet.mark_up(server)
+        else:
+            await self.fleet.mark_down(server, "health probe failed")
+
+    async def _health_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.health_interval_s)
+            await asyncio.gather(*(self._check_server(s) for s in self.fleet.servers if not s.up))
+            self._slot_freed.set()
+
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.heartbeat_interval_s)
+            try:
+                for identity in self.identities.values():
+                    identity.beat()
+            except redis.RedisError as exc:
+                log.warning("heartbeat failed (Redis unreachable?): %s", exc)
+
+
+def _datagen_job_id(job: Job) -> str | None:
+    args = job.args
+    if args and isinstance(args[0], dict) and isinstance(args[0].get("job"), str):
+        return str(args[0]["job"])
+    return None

@@ -1,0 +1,129 @@
+"""Group commit of records into Parquet shards.
+
+Tasks hand a record to :meth:`RecordWriter.commit` and wait; the writer collects records per
+job and commits a shard when it is full or ``commit_interval_s`` has passed. Only when the shard
+and its commit file are durable do the waiting tasks resume and finish their RQ jobs, so an RQ
+job is never finished for a record that is not stored. A failed commit keeps the records and
+tries again with backoff; their RQ jobs stay started meanwhile.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+
+from datagen.errors import StorageError
+from datagen.jobs import now_ms
+from datagen.records import Record, records_to_table
+from datagen.storage import Storage
+from workers.metrics import WorkerMetrics
+
+__all__ = ["RecordWriter"]
+
+log = logging.getLogger(__name__)
+
+COMMIT_RETRY_MAX_S = 30.0
+
+
+@dataclass
+class _Pending:
+    record: Record
+    done: asyncio.Future[None]
+
+
+class RecordWriter:
+    def __init__(
+        self,
+        storage: Storage,
+        metrics: WorkerMetrics,
+        *,
+        worker_tag: str,
+        commit_interval_s: float,
+        shard_max_records: int,
+    ) -> None:
+        self.storage = storage
+        self.metrics = metrics
+        self.worker_tag = worker_tag
+        self.commit_interval_s = commit_interval_s
+        self.shard_max_records = shard_max_records
+        self._pending: dict[str, list[_Pending]] = defaultdict(list)
+        self._wake = asyncio.Event()
+        self._seq = 0
+        self._task: asyncio.Task[None] | None = None
+        self._failures = 0
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._loop(), name="record-writer")
+
+    async def commit(self, record: Record) -> None:
+        """Return once ``record`` is durably committed."""
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        batch = self._pending[record.job_id]
+        batch.append(_Pending(record, done))
+        if len(batch) >= self.shard_max_records:
+            self._wake.set()
+        await asyncio.shield(done)
+
+    @property
+    def pending(self) -> int:
+        return sum(len(b) for b in self._pending.values())
+
+    async def _loop(self) -> None:
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), timeout=self._interval_s())
+            self._wake.clear()
+            await self.flush()
+
+    def _interval_s(self) -> float:
+        if self._failures:
+            return min(COMMIT_RETRY_MAX_S, self.commit_interval_s * 2**self._failures)
+        return self.commit_interval_s
+
+    async def flush(self) -> bool:
+        """Commit everything pending; False if some commit failed (records are kept)."""
+        for job_id in list(self._pending):
+            while self._pending.get(job_id):
+                batch = self._pending[job_id][: self.shard_max_records]
+                try:
+                    await self._commit_batch(job_id, batch)
+                except StorageError as exc:
+                    self._failures += 1
+                    self.metrics.commit_errors.inc()
+                    log.error("commit failed, %d records kept and retried: %s", self.pending, exc)
+                    return False
+                self._failures = 0
+                del self._pending[job_id][: len(batch)]
+                for item in batch:
+                    if not item.done.done():
+                        item.done.set_result(None)
+            self._pending.pop(job_id, None)
+        return True
+
+    async def _commit_batch(self, job_id: str, batch: list[_Pending]) -> None:
+        self._seq += 1
+        shard = f"{self.worker_tag}-{self._seq:08d}"
+        table = records_to_table([p.record for p in batch])
+        info = {"worker": self.worker_tag, "committed_at_ms": now_ms()}
+        started = time.perf_counter()
+        await asyncio.to_thread(self.storage.commit_shard, job_id, shard, table, info)
+        self.metrics.records_committed.inc(len(batch))
+        log.debug("committed %s (%d records) in %.3f s", shard, len(batch), time.perf_counter() - started)
+
+    async def close(self, deadline_s: float) -> bool:
+        """Final flush, retried until ``deadline_s`` (monotonic); True if nothing is left."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        while self.pending:
+            if await self.flush():
+                break
+            if time.monotonic() >= deadline_s:
+                return False
+            await asyncio.sleep(min(1.0, max(0.0, deadline_s - time.monotonic())))
+        return True
