@@ -22,13 +22,18 @@ Variants, all with at most C requests in flight:
 
 Columns: wall time; prompts/s; generated tokens/s; slot use = the sum of the server-reported
 request latencies (``meta_info.e2e_latency``) / (C x wall time), i.e. the share of the C slots
-that held a running request; and speed-up = baseline wall time / variant wall time.
+that held a running request; CPU time of this process per prompt (the client side only: the
+simulator and Redis run in other processes); and speed-up = baseline wall time / variant wall
+time, which is also the ratio of prompts/s and of generated tokens/s.
+
+Even a perfect scheduler stays below 100 % slot use here: with N/C rounds of about ten, the last
+long requests run almost alone at the end. Larger ``--n`` shrinks that tail.
 
 Timing knobs of the worker are scaled with ``--time-scale`` like the simulated GPU: the group
 commit interval is the default 2 s times the time scale unless ``--commit-interval-s`` is given,
 because a task keeps its slot until its record is committed.
 
-Run: ``python bench/bench_worker.py [--n 300] [--concurrency 32] [--time-scale 0.05] [--sequential]``.
+Run: ``python bench/bench_worker.py [--n 300] [--concurrency 32] [--time-scale 0.02] [--sequential]``.
 """
 
 from __future__ import annotations
@@ -74,7 +79,7 @@ from workers.worker import Worker
 
 DEFAULT_N = 300
 DEFAULT_CONCURRENCY = 32
-DEFAULT_TIME_SCALE = 0.05
+DEFAULT_TIME_SCALE = 0.02
 DEFAULT_MAX_NEW_TOKENS = 2048
 SAMPLING_SEED = 1234
 SERVER_NAME = "sim"
@@ -91,6 +96,7 @@ class Result:
     prompts: int
     generated_tokens: int
     latencies_s: list[float]
+    cpu_s: float
 
     def slot_use(self, slots: int) -> float:
         return sum(self.latencies_s) / (slots * self.wall_s)
@@ -106,13 +112,16 @@ def read_prompts(path: Path, spec: JobSpec) -> list[Prompt]:
 
 
 # Baseline ---------------------------------------------------------------------------------------
-async def batch_and_wait(url: str, prompt_ids: list[list[int]], spec: JobSpec, batch: int, label: str) -> Result:
+async def batch_and_wait(
+    url: str, prompt_ids: list[list[int]], spec: JobSpec, batch: int, label: str
+) -> Result:
     """Send ``batch`` prompts at once, wait for all of them, then send the next batch."""
     timeouts = ClientTimeouts(read_s=READ_TIMEOUT_S)
     async with SGLangClient(SERVER_NAME, url, timeouts=timeouts, max_connections=batch) as client:
         context_len = await client.context_len()
         tokens = 0
         latencies: list[float] = []
+        cpu_started = time.process_time()
         started = time.perf_counter()
         for first in range(0, len(prompt_ids), batch):
             calls = []
@@ -123,12 +132,15 @@ async def batch_and_wait(url: str, prompt_ids: list[list[int]], spec: JobSpec, b
                 if context_len is not None:
                     max_new = min(max_new, context_len - len(ids))
                 params = spec.sampling.to_sglang(max_new)
-                calls.append(client.generate(ids, params, rid=f"{label}-{index}", read_timeout_s=READ_TIMEOUT_S))
+                calls.append(
+                    client.generate(ids, params, rid=f"{label}-{index}", read_timeout_s=READ_TIMEOUT_S)
+                )
             for result in await asyncio.gather(*calls):
                 tokens += len(result.output_ids)
                 latencies.append(result.e2e_latency_s or 0.0)
         wall_s = time.perf_counter() - started
-    return Result(label, wall_s, len(prompt_ids), tokens, latencies)
+        cpu_s = time.process_time() - cpu_started
+    return Result(label, wall_s, len(prompt_ids), tokens, latencies, cpu_s)
 
 
 # Ours -------------------------------------------------------------------------------------------
@@ -161,16 +173,18 @@ def worker_settings(redis_url: str, storage: Storage, args: argparse.Namespace) 
     )
 
 
-async def run_worker(settings: WorkerSettings, url: str) -> float:
+async def run_worker(settings: WorkerSettings, url: str) -> tuple[float, float]:
+    """Wall and CPU seconds (this process, all threads) of one burst run."""
     worker = Worker(settings, [ServerSpec(SERVER_NAME, url)], burst=True, install_signal_handlers=False)
+    cpu_started = time.process_time()
     started = time.perf_counter()
     await worker.main()
-    return time.perf_counter() - started
+    return time.perf_counter() - started, time.process_time() - cpu_started
 
 
 def ours(client: redis.Redis, url: str, storage: Storage, args: argparse.Namespace, redis_url: str) -> Result:
     keys = Keys(BENCH_NAMESPACE)
-    wall_s = asyncio.run(run_worker(worker_settings(redis_url, storage, args), url))
+    wall_s, cpu_s = asyncio.run(run_worker(worker_settings(redis_url, storage, args), url))
     progress = JobStore(client, keys).progress(BENCH_JOB_ID)
     if progress.state is not JobState.COMPLETED or progress.done != args.n:
         raise SystemExit(f"the worker did not finish every prompt: {progress}")
@@ -181,7 +195,7 @@ def ours(client: redis.Redis, url: str, storage: Storage, args: argparse.Namespa
     if tokens != progress.output_tokens:
         raise SystemExit(f"records hold {tokens} generated tokens, the job counter {progress.output_tokens}")
     latencies = [r["e2e_latency_s"] or 0.0 for r in rows]
-    return Result("ours", wall_s, args.n, tokens, latencies)
+    return Result("ours", wall_s, args.n, tokens, latencies, cpu_s)
 
 
 # Report -----------------------------------------------------------------------------------------
@@ -197,12 +211,16 @@ def report(results: list[Result], args: argparse.Namespace, commit_interval_s: f
         f"  request latency in the baseline: median {statistics.median(lat):.3f} s, "
         f"p99 {p99:.3f} s, max {lat[-1]:.3f} s"
     )
-    print(f"  {'variant':<40} {'wall s':>8} {'prompts/s':>10} {'gen tok/s':>10} {'slot use':>9} {'speed-up':>9}")
+    print(
+        f"  {'variant':<40} {'wall s':>8} {'prompts/s':>10} {'gen tok/s':>10} {'slot use':>9} "
+        f"{'CPU ms/prompt':>14} {'speed-up':>9}"
+    )
     for r in results:
         slots = 1 if r.label == "sequential" else args.concurrency
         print(
             f"  {_describe(r.label, args.concurrency):<40} {r.wall_s:8.2f} {r.prompts / r.wall_s:10.1f} "
-            f"{r.generated_tokens / r.wall_s:10.0f} {r.slot_use(slots):8.1%} {base.wall_s / r.wall_s:8.2f}x"
+            f"{r.generated_tokens / r.wall_s:10.0f} {r.slot_use(slots):9.1%} "
+            f"{1000 * r.cpu_s / r.prompts:14.1f} {base.wall_s / r.wall_s:8.2f}x"
         )
     counts = {r.label: r.generated_tokens for r in results}
     same = len(set(counts.values())) == 1

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
+from pydantic import ValidationError
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
@@ -129,6 +130,10 @@ def sim(
     ] = None,
     mean_reasoning_tokens: Annotated[float | None, typer.Option()] = None,
     mean_answer_tokens: Annotated[float | None, typer.Option()] = None,
+    fail_503_rate: Annotated[float | None, typer.Option(help="fraction of /generate answered 503")] = None,
+    fail_500_rate: Annotated[float | None, typer.Option(help="fraction of /generate answered 500")] = None,
+    abort_rate: Annotated[float | None, typer.Option(help="fraction of /generate aborted")] = None,
+    starting_s: Annotated[float | None, typer.Option(help="seconds /health answers 503 after start")] = None,
 ) -> None:
     """Run a simulated SGLang server (the real /generate contract, a simulated GPU)."""
     from simulator.config import SimConfig
@@ -144,8 +149,16 @@ def sim(
         "reserve_fraction": reserve_fraction,
         "mean_reasoning_tokens": mean_reasoning_tokens,
         "mean_answer_tokens": mean_answer_tokens,
+        "fail_503_rate": fail_503_rate,
+        "fail_500_rate": fail_500_rate,
+        "abort_rate": abort_rate,
+        "starting_s": starting_s,
     }
-    run(SimConfig(**{k: v for k, v in given.items() if v is not None}))
+    try:
+        config = SimConfig(**{k: v for k, v in given.items() if v is not None})
+    except ValidationError as exc:
+        raise ConfigError(f"invalid simulator options: {exc}") from exc
+    run(config)
 
 
 def _spec_from_options(

@@ -9,6 +9,7 @@ it started, also on Ctrl-C.
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -101,6 +102,10 @@ def _child_env(redis_url: str, storage: Path) -> dict[str, str]:
     return env
 
 
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
 def run_demo(data_dir: Path, dataset: Path | None, console: Console) -> int:
     from datagen.cli import wait_for_job
 
@@ -111,6 +116,9 @@ def run_demo(data_dir: Path, dataset: Path | None, console: Console) -> int:
     log_dir = data_dir / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
+    # SIGTERM would otherwise end this process without running the cleanup below and leave the
+    # children running; turn it into the same path as Ctrl-C.
+    signal.signal(signal.SIGTERM, _interrupt)
     with LocalRedis() as redis_server:
         procs = _Processes(log_dir, _child_env(redis_server.url, data_dir))
         try:

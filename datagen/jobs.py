@@ -200,8 +200,8 @@ class JobStore:
     def started(self, job_id: str) -> None:
         self.redis.hincrby(self.keys.job(job_id), "in_flight", 1)
 
-    def handed_back(self, job_id: str) -> None:
-        self.redis.hincrby(self.keys.job(job_id), "in_flight", -1)
+    def handed_back(self, pipe: Pipeline, job_id: str) -> None:
+        pipe.hincrby(self.keys.job(job_id), "in_flight", -1)
 
     def count_done(self, pipe: Pipeline, job_id: str, output_tokens: int) -> None:
         self._count_script(

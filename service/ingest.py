@@ -142,7 +142,7 @@ class Ingestor:
         except InvalidRowError as exc:
             chunk.rejected.append({"line": item.line, "reason": str(exc), "sample_id": item.sample_id})
             return
-        if context_len is not None and len(prompt_ids) >= context_len:
+        if context_len is not None and len(prompt_ids) + 1 >= context_len:
             reason = (
                 f"prompt has {len(prompt_ids)} tokens, which does not fit the context length of "
                 f"{context_len} tokens (no room to generate)"

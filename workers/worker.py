@@ -222,7 +222,12 @@ class Worker:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._slot_freed.wait(), timeout=poll_s)
                 continue
-            item = identity.claim()
+            try:
+                item = identity.claim()
+            except redis.RedisError as exc:
+                log.warning("cannot claim a %s prompt (Redis unreachable?): %s", cls.value, exc)
+                await asyncio.sleep(poll_s)
+                continue
             if item is None:
                 if self.burst and not any(self._tasks.values()):
                     return
@@ -239,36 +244,44 @@ class Worker:
     # One prompt ---------------------------------------------------------------------------------
     async def _process(self, identity: QueueIdentity, item: InFlight, cls: PromptClass) -> None:
         job_id = _datagen_job_id(item.job)
-        if job_id is not None:
-            self.jobs.started(job_id)
         try:
-            generated = await self._generate(item.job, cls)
-            await self.writer.commit(generated.record)
-        except asyncio.CancelledError:
-            hook = (lambda pipe: pipe.hincrby(self.keys.job(job_id), "in_flight", -1)) if job_id else None
-            identity.hand_back(item, hook)
-            raise
-        except FatalError as exc:
-            self._fail(identity, item, job_id, exc)
-        except Exception as exc:  # a bug must fail one prompt, not the worker
-            log.exception("prompt %s crashed the task", item.job.id)
-            self._fail(identity, item, job_id, exc)
-        else:
-            record = generated.record
-            identity.finish_success(
-                item, lambda pipe: self.jobs.count_done(pipe, record.job_id, record.output_len)
-            )
-            log.info(
-                "done %s server=%s class=%s prompt=%d output=%d finish=%s attempts=%d %.2fs",
-                item.job.id,
-                record.server,
-                cls.value,
-                record.prompt_len,
-                record.output_len,
-                record.finish_type,
-                record.attempts,
-                (record.finished_at_ms - record.started_at_ms) / 1000,
-            )
+            if job_id is not None:
+                self.jobs.started(job_id)
+            try:
+                generated = await self._generate(item.job, cls)
+                await self.writer.commit(generated.record)
+            except asyncio.CancelledError:
+                identity.hand_back(
+                    item, (lambda pipe: self.jobs.handed_back(pipe, job_id)) if job_id else None
+                )
+                raise
+            except FatalError as exc:
+                self._fail(identity, item, job_id, exc)
+            except Exception as exc:  # a bug must fail one prompt, not the worker
+                log.exception("prompt %s crashed the task", item.job.id)
+                self._fail(identity, item, job_id, exc)
+            else:
+                self._succeed(identity, item, generated.record)
+        except redis.RedisError as exc:
+            # The record (if any) is committed; RQ will hand the job out again once its heartbeat
+            # lapses, and the export drops the duplicate.
+            log.error("cannot update RQ for %s (Redis unreachable?): %s", item.job.id, exc)
+
+    def _succeed(self, identity: QueueIdentity, item: InFlight, record: Record) -> None:
+        identity.finish_success(
+            item, lambda pipe: self.jobs.count_done(pipe, record.job_id, record.output_len)
+        )
+        log.info(
+            "done %s server=%s class=%s prompt=%d output=%d finish=%s attempts=%d %.2fs",
+            item.job.id,
+            record.server,
+            record.cls,
+            record.prompt_len,
+            record.output_len,
+            record.finish_type,
+            record.attempts,
+            (record.finished_at_ms - record.started_at_ms) / 1000,
+        )
 
     def _fail(self, identity: QueueIdentity, item: InFlight, job_id: str | None, exc: BaseException) -> None:
         reason = type(exc).__name__
@@ -372,7 +385,8 @@ class Worker:
     def _max_new_tokens(payload: PromptPayload, server: Server) -> int:
         if server.context_len is None:
             return payload.max_new_tokens
-        room = server.context_len - len(payload.prompt_ids)
+        # SGLang refuses prompt + max_new_tokens that reach the context length, so keep one token clear.
+        room = server.context_len - len(payload.prompt_ids) - 1
         if room < 1:
             raise FatalError(
                 f"prompt has {len(payload.prompt_ids)} tokens and leaves no room to generate within "
