@@ -125,14 +125,24 @@ class JobStore:
         self._count_script = redis.register_script(_COUNT_AND_MAYBE_COMPLETE)
 
     # Creation and lookup ------------------------------------------------------------------------
-    def create(self, job_id: str, spec: JobSpec) -> bool:
-        """Create the job; False if it exists already (a resubmission appends to it)."""
+    def create(self, job_id: str, spec: JobSpec, *, tokenizer_identity: str = "") -> bool:
+        """Create the job; False if it exists already (a resubmission appends to it).
+
+        ``tokenizer_identity`` (name and file hash) is what workers write into each record.
+        """
         key = self.keys.job(job_id)
         created = now_ms()
         if not self.redis.hsetnx(key, "created_at_ms", created):
             return False
         with self.redis.pipeline() as pipe:
-            pipe.hset(key, mapping={"state": JobState.INGESTING.value, "spec": spec.model_dump_json()})
+            pipe.hset(
+                key,
+                mapping={
+                    "state": JobState.INGESTING.value,
+                    "spec": spec.model_dump_json(),
+                    "tokenizer_identity": tokenizer_identity or spec.tokenizer,
+                },
+            )
             pipe.zadd(self.keys.jobs_index(), {job_id: created})
             pipe.execute()
         return True
@@ -142,6 +152,12 @@ class JobStore:
         if raw is None:
             raise JobNotFoundError(f"no job {job_id!r}")
         return JobSpec.model_validate_json(raw)
+
+    def tokenizer_identity(self, job_id: str) -> str:
+        raw = self.redis.hget(self.keys.job(job_id), "tokenizer_identity")
+        if raw is None:
+            raise JobNotFoundError(f"no job {job_id!r}")
+        return raw.decode() if isinstance(raw, bytes) else str(raw)
 
     def progress(self, job_id: str) -> JobProgress:
         raw = cast(dict[bytes, bytes], self.redis.hgetall(self.keys.job(job_id)))

@@ -92,9 +92,14 @@ class Coordinator:
                     "or use a new job id"
                 )
             path = self._store_upload(job_id, dataset)
-            created = self.jobs.create(job_id, spec)
+            identity = renderer.identity()
+            created = self.jobs.create(
+                job_id,
+                spec,
+                tokenizer_identity=f"{identity['tokenizer']}@sha256:{identity['tokenizer_sha256']}",
+            )
             if created:
-                self.storage.write_manifest_once(job_id, self._manifest(job_id, spec, renderer.identity()))
+                self.storage.write_manifest_once(job_id, self._manifest(job_id, spec, identity))
             else:
                 self.jobs.restart_ingest(job_id)
             self.redis.hset(self.keys.job(job_id), mapping={"ingest_input": path.name, "ingest_line": 0})

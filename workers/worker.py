@@ -55,9 +55,11 @@ REDIS_SOCKET_TIMEOUT_S = 10.0
 
 
 @dataclass(frozen=True)
-class _Generated:
-    record: Record
-    result: GenerateResult
+class _JobInfo:
+    """What a worker reads once per job: its spec and the tokenizer identity for records."""
+
+    spec: JobSpec
+    tokenizer: str
 
 
 class Worker:
@@ -85,7 +87,7 @@ class Worker:
         self._stopping = asyncio.Event()
         self._slot_freed = asyncio.Event()
         self._tasks: dict[PromptClass, set[asyncio.Task[None]]] = {cls: set() for cls in PromptClass}
-        self._specs: dict[str, JobSpec] = {}
+        self._jobs_seen: dict[str, _JobInfo] = {}
         self._signals = 0
         self._background: list[asyncio.Task[None]] = []
         self._metrics_server: tuple[Any, Any] | None = None
@@ -248,8 +250,8 @@ class Worker:
             if job_id is not None:
                 self.jobs.started(job_id)
             try:
-                generated = await self._generate(item.job, cls)
-                await self.writer.commit(generated.record)
+                record = await self._generate(item.job, cls)
+                await self.writer.commit(record)
             except asyncio.CancelledError:
                 identity.hand_back(
                     item, (lambda pipe: self.jobs.handed_back(pipe, job_id)) if job_id else None
@@ -261,7 +263,7 @@ class Worker:
                 log.exception("prompt %s crashed the task", item.job.id)
                 self._fail(identity, item, job_id, exc)
             else:
-                self._succeed(identity, item, generated.record)
+                self._succeed(identity, item, record)
         except redis.RedisError as exc:
             # The record (if any) is committed; RQ will hand the job out again once its heartbeat
             # lapses, and the export drops the duplicate.
@@ -294,15 +296,16 @@ class Worker:
         hook = (lambda pipe: self.jobs.count_failed(pipe, job_id, report)) if job_id else None
         identity.finish_failure(item, message, hook)
 
-    def _spec(self, job_id: str) -> JobSpec:
-        spec = self._specs.get(job_id)
-        if spec is None:
-            spec = self._specs[job_id] = self.jobs.spec(job_id)
-        return spec
+    def _job(self, job_id: str) -> _JobInfo:
+        info = self._jobs_seen.get(job_id)
+        if info is None:
+            info = _JobInfo(self.jobs.spec(job_id), self.jobs.tokenizer_identity(job_id))
+            self._jobs_seen[job_id] = info
+        return info
 
-    async def _generate(self, job: Job, cls: PromptClass) -> _Generated:
+    async def _generate(self, job: Job, cls: PromptClass) -> Record:
         payload = PromptPayload.from_json(job.args[0])
-        spec = self._spec(payload.job)
+        job_info = self._job(payload.job)
         attempts = int(job.meta.get("attempts", 0))
         started_at_ms = now_ms()
         tries = 0
@@ -311,7 +314,7 @@ class Worker:
             server = await self.fleet.acquire(cls)
             try:
                 max_new = self._max_new_tokens(payload, server)
-                params = spec.sampling.to_sglang(max_new)
+                params = job_info.spec.sampling.to_sglang(max_new)
                 rid = f"{job.id}.a{tries}.{self.tag}"
                 result = await self._call(server, cls, payload, params, rid)
             except RetryableError as exc:
@@ -319,10 +322,9 @@ class Worker:
             else:
                 enqueued_at_ms = int(job.enqueued_at.timestamp() * 1000) if job.enqueued_at else None
                 timing = (enqueued_at_ms, started_at_ms)
-                record = self._record(
-                    payload, spec, result, server, rid, attempts + 1, timing, max_new, params
+                return self._record(
+                    payload, job_info.tokenizer, result, server, rid, attempts + 1, timing, max_new, params
                 )
-                return _Generated(record, result)
             finally:
                 await self.fleet.release(server, cls)
             attempts = await self._after_retryable(job, server, error, attempts, tries)
@@ -397,7 +399,7 @@ class Worker:
     def _record(
         self,
         payload: PromptPayload,
-        spec: JobSpec,
+        tokenizer: str,
         result: GenerateResult,
         server: Server,
         rid: str,
@@ -421,7 +423,7 @@ class Worker:
             finish_length=finish.length,
             max_new_tokens=max_new,
             server=server.name,
-            tokenizer=spec.tokenizer,
+            tokenizer=tokenizer,
             sampling_params=json.dumps(params, sort_keys=True),
             rid=rid,
             worker=self.name,

@@ -303,6 +303,7 @@ def test_every_record_is_exact(stack: dict[str, Any]) -> None:
             assert record["output_len"] == max_new
             assert record["finish_length"] == max_new
         assert json.loads(record["sampling_params"])["sampling_seed"] == SEED
+        assert record["tokenizer"] == f"{stack['tokenizer']}@sha256:{renderer.identity()['tokenizer_sha256']}"
         finishes[record["finish_type"]] = finishes.get(record["finish_type"], 0) + 1
     assert len(records) == len(stack["valid"]) >= 200
     assert finishes.get("length", 0) >= 3 and finishes.get("stop", 0) >= 100
