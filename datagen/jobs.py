@@ -26,19 +26,21 @@ __all__ = ["FAILED_REPORTS_CAP", "JobProgress", "JobStore", "now_ms"]
 
 FAILED_REPORTS_CAP = 10_000
 
-# KEYS[1] job hash. ARGV: counter field, increment, output tokens, now ms, in-flight delta.
+# KEYS[1] job hash, KEYS[2] the job's running set. ARGV: counter field, increment, output
+# tokens, now ms, RQ id leaving the running set ("" for none).
 _COUNT_AND_MAYBE_COMPLETE = """
 local key = KEYS[1]
 if redis.call('EXISTS', key) == 0 then return 0 end
+if ARGV[5] ~= '' then redis.call('SREM', KEYS[2], ARGV[5]) end
 if tonumber(ARGV[2]) ~= 0 then redis.call('HINCRBY', key, ARGV[1], ARGV[2]) end
 if tonumber(ARGV[3]) ~= 0 then redis.call('HINCRBY', key, 'output_tokens', ARGV[3]) end
-if tonumber(ARGV[5]) ~= 0 then redis.call('HINCRBY', key, 'in_flight', ARGV[5]) end
 if redis.call('HGET', key, 'state') == 'running' then
   local done = tonumber(redis.call('HGET', key, 'done') or '0')
   local failed = tonumber(redis.call('HGET', key, 'failed') or '0')
   local accepted = tonumber(redis.call('HGET', key, 'accepted') or '0')
   if done + failed >= accepted then
-    redis.call('HSET', key, 'state', 'completed', 'finished_at_ms', ARGV[4], 'in_flight', 0)
+    redis.call('HSET', key, 'state', 'completed', 'finished_at_ms', ARGV[4])
+    redis.call('DEL', KEYS[2])
     return 2
   end
 end
@@ -52,7 +54,6 @@ _INT_FIELDS = (
     "skipped",
     "done",
     "failed",
-    "in_flight",
     "prompt_tokens",
     "output_tokens",
     "created_at_ms",
@@ -160,7 +161,11 @@ class JobStore:
         return raw.decode() if isinstance(raw, bytes) else str(raw)
 
     def progress(self, job_id: str) -> JobProgress:
-        raw = cast(dict[bytes, bytes], self.redis.hgetall(self.keys.job(job_id)))
+        with self.redis.pipeline(transaction=False) as pipe:
+            pipe.hgetall(self.keys.job(job_id))
+            pipe.scard(self.keys.job_running(job_id))
+            raw_hash, running = pipe.execute()
+        raw = cast(dict[bytes, bytes], raw_hash)
         if not raw or b"state" not in raw:
             raise JobNotFoundError(f"no job {job_id!r}")
         fields = {k.decode(): v.decode() for k, v in raw.items()}
@@ -174,7 +179,7 @@ class JobStore:
             skipped=ints["skipped"],
             done=ints["done"],
             failed=ints["failed"],
-            in_flight=ints["in_flight"],
+            in_flight=int(running),
             prompt_tokens=ints["prompt_tokens"],
             output_tokens=ints["output_tokens"],
             created_at_ms=ints["created_at_ms"],
@@ -199,7 +204,7 @@ class JobStore:
 
     def finish_ingest(self, job_id: str) -> None:
         self.redis.hset(self.keys.job(job_id), "state", JobState.RUNNING.value)
-        self._count_script(keys=[self.keys.job(job_id)], args=["done", 0, 0, now_ms(), 0])
+        self._count_script(keys=self._count_keys(job_id), args=["done", 0, 0, now_ms(), ""])
 
     def restart_ingest(self, job_id: str) -> None:
         self.redis.hset(
@@ -213,19 +218,24 @@ class JobStore:
         )
 
     # Workers ------------------------------------------------------------------------------------
-    def started(self, job_id: str) -> None:
-        self.redis.hincrby(self.keys.job(job_id), "in_flight", 1)
+    # A set of RQ ids rather than a counter: a prompt that is handed back or reaped and then
+    # started again must not be counted twice.
+    def started(self, job_id: str, rq_id: str) -> None:
+        self.redis.sadd(self.keys.job_running(job_id), rq_id)
 
-    def handed_back(self, pipe: Pipeline, job_id: str) -> None:
-        pipe.hincrby(self.keys.job(job_id), "in_flight", -1)
+    def handed_back(self, pipe: Pipeline, job_id: str, rq_id: str) -> None:
+        pipe.srem(self.keys.job_running(job_id), rq_id)
 
-    def count_done(self, pipe: Pipeline, job_id: str, output_tokens: int) -> None:
-        self._count_script(
-            keys=[self.keys.job(job_id)], args=["done", 1, output_tokens, now_ms(), -1], client=pipe
-        )
+    def _count_keys(self, job_id: str) -> list[str]:
+        return [self.keys.job(job_id), self.keys.job_running(job_id)]
 
-    def count_failed(self, pipe: Pipeline, job_id: str, report: dict[str, Any]) -> None:
-        self._count_script(keys=[self.keys.job(job_id)], args=["failed", 1, 0, now_ms(), -1], client=pipe)
+    def count_done(self, pipe: Pipeline, job_id: str, rq_id: str, output_tokens: int) -> None:
+        args: list[str | int] = ["done", 1, output_tokens, now_ms(), rq_id]
+        self._count_script(keys=self._count_keys(job_id), args=args, client=pipe)
+
+    def count_failed(self, pipe: Pipeline, job_id: str, rq_id: str, report: dict[str, Any]) -> None:
+        args: list[str | int] = ["failed", 1, 0, now_ms(), rq_id]
+        self._count_script(keys=self._count_keys(job_id), args=args, client=pipe)
         failed_key = self.keys.job_failed(job_id)
         pipe.rpush(failed_key, json.dumps(report, sort_keys=True))
         pipe.ltrim(failed_key, 0, FAILED_REPORTS_CAP - 1)

@@ -42,6 +42,10 @@ class Keys:
         """Set of prompt keys already enqueued: the guard against enqueueing a prompt twice."""
         return f"{self.namespace}:job:{job_id}:enqueued"
 
+    def job_running(self, job_id: str) -> str:
+        """Set of RQ ids of the job's prompts that a worker has started and not finished."""
+        return f"{self.namespace}:job:{job_id}:running"
+
     def job_failed(self, job_id: str) -> str:
         """List of JSON failure reports (sample id, turn, reason), capped."""
         return f"{self.namespace}:job:{job_id}:failed"

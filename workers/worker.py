@@ -248,14 +248,13 @@ class Worker:
         job_id = _datagen_job_id(item.job)
         try:
             if job_id is not None:
-                self.jobs.started(job_id)
+                self.jobs.started(job_id, item.job.id)
             try:
                 record = await self._generate(item.job, cls)
                 await self.writer.commit(record)
             except asyncio.CancelledError:
-                identity.hand_back(
-                    item, (lambda pipe: self.jobs.handed_back(pipe, job_id)) if job_id else None
-                )
+                hook = (lambda pipe: self.jobs.handed_back(pipe, job_id, item.job.id)) if job_id else None
+                identity.hand_back(item, hook)
                 raise
             except FatalError as exc:
                 self._fail(identity, item, job_id, exc)
@@ -271,7 +270,7 @@ class Worker:
 
     def _succeed(self, identity: QueueIdentity, item: InFlight, record: Record) -> None:
         identity.finish_success(
-            item, lambda pipe: self.jobs.count_done(pipe, record.job_id, record.output_len)
+            item, lambda pipe: self.jobs.count_done(pipe, record.job_id, item.job.id, record.output_len)
         )
         log.info(
             "done %s server=%s class=%s prompt=%d output=%d finish=%s attempts=%d %.2fs",
@@ -293,7 +292,7 @@ class Worker:
         report = {"rq_id": item.job.id, "reason": reason, "message": message, "at_ms": now_ms()}
         if isinstance(item.job.args[0], dict):
             report.update(sample_id=item.job.args[0].get("sample_id"), turn=item.job.args[0].get("turn"))
-        hook = (lambda pipe: self.jobs.count_failed(pipe, job_id, report)) if job_id else None
+        hook = (lambda pipe: self.jobs.count_failed(pipe, job_id, item.job.id, report)) if job_id else None
         identity.finish_failure(item, message, hook)
 
     def _job(self, job_id: str) -> _JobInfo:

@@ -30,10 +30,11 @@ def test_job_completes_when_the_last_prompt_is_counted(store: JobStore, redis_cl
         store.add_ingest_counts(pipe, "j1", {"rows": 3, "accepted": 2, "rejected": 1}, line=3)
         pipe.execute()
     store.finish_ingest("j1")
-    store.started("j1")
-    store.started("j1")
+    store.started("j1", "rq-a")
+    store.started("j1", "rq-b")
+    store.started("j1", "rq-b")  # started again after a hand-back: still one prompt in flight
     with redis_client.pipeline() as pipe:
-        store.count_done(pipe, "j1", output_tokens=10)
+        store.count_done(pipe, "j1", "rq-a", output_tokens=10)
         pipe.execute()
     progress = store.progress("j1")
     assert (progress.state, progress.done, progress.in_flight, progress.output_tokens) == (
@@ -43,7 +44,7 @@ def test_job_completes_when_the_last_prompt_is_counted(store: JobStore, redis_cl
         10,
     )
     with redis_client.pipeline() as pipe:
-        store.count_failed(pipe, "j1", {"reason": "BadRequestError", "message": "too long"})
+        store.count_failed(pipe, "j1", "rq-b", {"reason": "BadRequestError", "message": "too long"})
         pipe.execute()
     progress = store.progress("j1")
     assert progress.state is JobState.COMPLETED
