@@ -19,6 +19,7 @@ from redis.client import Pipeline
 
 from datagen.errors import JobNotFoundError
 from datagen.keys import Keys
+from datagen.redistext import as_text, as_texts
 from datagen.spec import JobSpec
 from datagen.states import JobState
 
@@ -158,7 +159,7 @@ class JobStore:
         raw = self.redis.hget(self.keys.job(job_id), "tokenizer_identity")
         if raw is None:
             raise JobNotFoundError(f"no job {job_id!r}")
-        return raw.decode() if isinstance(raw, bytes) else str(raw)
+        return as_text(raw)
 
     def progress(self, job_id: str) -> JobProgress:
         with self.redis.pipeline(transaction=False) as pipe:
@@ -188,8 +189,7 @@ class JobStore:
         )
 
     def list_ids(self, limit: int = 1000) -> list[str]:
-        ids = cast(list[bytes], self.redis.zrevrange(self.keys.jobs_index(), 0, limit - 1))
-        return [i.decode() for i in ids]
+        return as_texts(self.redis.zrevrange(self.keys.jobs_index(), 0, limit - 1))
 
     # Ingestion ----------------------------------------------------------------------------------
     def ingest_line(self, job_id: str) -> int:

@@ -58,6 +58,38 @@ class Keys:
         """Hash server name -> JSON of what a worker last saw of it (context length, model)."""
         return f"{self.namespace}:servers"
 
+    def paused_queues(self) -> str:
+        """Set of paused classes (``short``/``long``); survives coordinator restarts."""
+        return f"{self.namespace}:paused:queues"
+
+    def paused_servers(self) -> str:
+        """Set of paused server names."""
+        return f"{self.namespace}:paused:servers"
+
+    def server_workers(self, server: str) -> str:
+        """Hash worker name -> JSON of that worker's view of the server (state, in flight, limits)."""
+        return f"{self.namespace}:server:{server}:workers"
+
+    def server_control(self, server: str) -> str:
+        """Hash with the server's shared in-flight factor, the reason of its last change, KV signals."""
+        return f"{self.namespace}:server:{server}:control"
+
+    def server_controller_lease(self, server: str) -> str:
+        """Which worker runs the KV controller of the server (SET NX PX)."""
+        return f"{self.namespace}:server:{server}:controller"
+
+    # Recovery -----------------------------------------------------------------------------------
+    def worker_losses(self) -> str:
+        """Hash RQ id -> how many times its worker died while running it."""
+        return f"{self.namespace}:worker-losses"
+
+    def reaper_lock(self, queue_name: str) -> str:
+        return f"{self.namespace}:reaper-lock:{queue_name}"
+
+    def reaper_seen(self, queue_name: str) -> str:
+        """Ids seen in the queue's intermediate list on the previous reaper pass."""
+        return f"{self.namespace}:reaper-seen:{queue_name}"
+
 
 def prompt_key(sample_id: str, turn: int, gen: int) -> str:
     """Member of :meth:`Keys.job_enqueued`; short because there is one per prompt."""

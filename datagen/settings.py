@@ -52,6 +52,14 @@ DEFAULT_COMMIT_INTERVAL_S = 2.0
 DEFAULT_SHARD_MAX_RECORDS = 1000
 DEFAULT_POLL_INTERVAL_S = 0.2
 DEFAULT_HEALTH_INTERVAL_S = 5.0
+DEFAULT_HEALTH_TIMEOUT_S = 20.0
+DEFAULT_HEALTH_TIMEOUTS_TO_DOWN = 3
+DEFAULT_CONTROL_INTERVAL_S = 1.0
+DEFAULT_CONTROLLER_INTERVAL_S = 2.0
+DEFAULT_CONTROLLER_FLOOR = 0.05
+DEFAULT_REAPER_INTERVAL_S = 10.0
+DEFAULT_MAX_WORKER_LOSSES = 3
+DEFAULT_DRAIN_TIMEOUT_S = 120.0
 DEFAULT_RESULT_TTL_S = 600
 DEFAULT_FAILURE_TTL_S = 7 * 24 * 3600
 
@@ -101,6 +109,15 @@ class WorkerSettings(CommonSettings):
     shard_max_records: int = Field(default=DEFAULT_SHARD_MAX_RECORDS, ge=1)
     poll_interval_s: float = Field(default=DEFAULT_POLL_INTERVAL_S, gt=0)
     health_interval_s: float = Field(default=DEFAULT_HEALTH_INTERVAL_S, gt=0)
+    health_timeout_s: float = Field(default=DEFAULT_HEALTH_TIMEOUT_S, gt=0)
+    health_timeouts_to_down: int = Field(default=DEFAULT_HEALTH_TIMEOUTS_TO_DOWN, ge=1)
+    control_interval_s: float = Field(default=DEFAULT_CONTROL_INTERVAL_S, gt=0, le=2)
+    kv_controller: bool = True
+    controller_interval_s: float = Field(default=DEFAULT_CONTROLLER_INTERVAL_S, gt=0)
+    controller_floor: float = Field(default=DEFAULT_CONTROLLER_FLOOR, gt=0, le=1)
+    reaper_interval_s: float = Field(default=DEFAULT_REAPER_INTERVAL_S, gt=0)
+    max_worker_losses: int = Field(default=DEFAULT_MAX_WORKER_LOSSES, ge=1)
+    drain_timeout_s: float = Field(default=DEFAULT_DRAIN_TIMEOUT_S, ge=0)
     api_key: str | None = Field(default=None, description="SGLang --api-key, sent as a bearer token")
 
 

@@ -14,6 +14,7 @@ from redis import Redis
 from datagen.errors import InvalidSpecError, JobNotFoundError
 from datagen.jobs import JobStore
 from datagen.keys import Keys
+from datagen.redistext import as_text
 from datagen.settings import CoordinatorSettings
 from datagen.spec import JobSpec
 from datagen.states import JobState
@@ -144,7 +145,7 @@ class Coordinator:
         name = self.redis.hget(self.keys.job(job_id), "ingest_input")
         if not name:
             return None
-        path = self.storage.input_dir(job_id) / (name.decode() if isinstance(name, bytes) else name)
+        path = self.storage.input_dir(job_id) / as_text(name)
         return path if path.is_file() else None
 
     def _start_ingest(self, job_id: str, path: Path) -> None:

@@ -1,13 +1,16 @@
-"""The SGLang servers one worker sends to: slots per server and class, up/down state, routing.
+"""The SGLang servers one worker sends to: slots per server and class, state, routing.
 
-A prompt goes to the up server with the most free slots for its class (least outstanding),
-so a slow or loaded server gets less, never a blind round robin.
+A prompt goes to the server with the most free slots for its class (least outstanding) among
+those that are up and not paused, so a slow or loaded server gets less, never a blind round
+robin. A server's slots per class are its configured maximum scaled by the shared in-flight
+factor (the KV controller's) and divided among the workers that list the server.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import re
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
@@ -27,13 +30,37 @@ _NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 class Server:
     name: str
     client: SGLangClient
-    limits: dict[PromptClass, int]
+    max_limits: dict[PromptClass, int]
     in_flight: dict[PromptClass, int] = field(default_factory=lambda: dict.fromkeys(PromptClass, 0))
     up: bool = True
+    paused: bool = False
     context_len: int | None = None
+    health_timeouts: int = 0
+    factor: float = 1.0
+    share: int = 1
+    limits: dict[PromptClass, int] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.limits = dict(self.max_limits)
+
+    @property
+    def accepting(self) -> bool:
+        return self.up and not self.paused
+
+    @property
+    def state(self) -> str:
+        if self.paused:
+            return "paused"
+        return "up" if self.up else "down"
 
     def free(self, cls: PromptClass) -> int:
-        return max(0, self.limits[cls] - self.in_flight[cls]) if self.up else 0
+        return max(0, self.limits[cls] - self.in_flight[cls]) if self.accepting else 0
+
+    def apply_target(self, factor: float, share: int) -> None:
+        """Scale the configured maximum by ``factor`` and split it among ``share`` workers."""
+        self.factor, self.share = factor, max(1, share)
+        for cls, maximum in self.max_limits.items():
+            self.limits[cls] = 0 if maximum == 0 else max(1, math.ceil(maximum * factor / self.share))
 
 
 class Fleet:
@@ -47,8 +74,8 @@ class Fleet:
             metrics.server_up.labels(server.name).set(1 if server.up else 0)
 
     def capacity(self, cls: PromptClass) -> int:
-        """Slots of the servers that are up; what one worker may have in flight for ``cls``."""
-        return sum(s.limits[cls] for s in self.servers if s.up)
+        """Slots of the servers taking requests; what one worker may have in flight for ``cls``."""
+        return sum(s.limits[cls] for s in self.servers if s.accepting)
 
     def free_slots(self, cls: PromptClass) -> int:
         return sum(s.free(cls) for s in self.servers)
@@ -81,6 +108,10 @@ class Fleet:
             log.info("server %s is healthy again", server.name)
         server.up = True
         self.metrics.server_up.labels(server.name).set(1)
+        await self._notify()
+
+    async def changed(self) -> None:
+        """Limits or pauses changed: wake anyone waiting for a slot."""
         await self._notify()
 
     async def _notify(self) -> None:

@@ -48,6 +48,42 @@ class WorkerMetrics:
         self.server_up = Gauge(
             "datagen_worker_server_up", "1 while a server takes requests", ["server"], registry=r
         )
+        self.server_paused = Gauge(
+            "datagen_worker_server_paused", "1 while a server is paused", ["server"], registry=r
+        )
+        self.queue_paused = Gauge(
+            "datagen_worker_queue_paused", "1 while a class's queue is paused", ["class"], registry=r
+        )
+        self.in_flight_target = Gauge(
+            "datagen_worker_in_flight_target",
+            "This worker's in-flight limit",
+            ["server", "class"],
+            registry=r,
+        )
+        self.controller_changes = Counter(
+            "datagen_worker_controller_changes",
+            "KV controller target changes",
+            ["server", "direction"],
+            registry=r,
+        )
+        self.kv_token_usage = Gauge(
+            "datagen_worker_kv_token_usage", "sglang:token_usage read", ["server"], registry=r
+        )
+        self.server_queue = Gauge(
+            "datagen_worker_server_queue", "sglang:num_queue_reqs read", ["server"], registry=r
+        )
+        self.server_running = Gauge(
+            "datagen_worker_server_running", "sglang:num_running_reqs read", ["server"], registry=r
+        )
+        self.server_retractions = Gauge(
+            "datagen_worker_server_retractions",
+            "sglang:num_retracted_requests_total read",
+            ["server"],
+            registry=r,
+        )
+        self.reaped = Counter(
+            "datagen_worker_reaped", "Prompts of dead workers by outcome", ["outcome"], registry=r
+        )
         self.records_committed = Counter(
             "datagen_worker_records_committed", "Records committed to storage", registry=r
         )

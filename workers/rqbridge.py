@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from redis import Redis
 from redis.client import Pipeline
@@ -24,8 +25,9 @@ from rq.job import Job, JobStatus
 from rq.serializers import JSONSerializer
 from rq.utils import now
 from rq.worker import BaseWorker, WorkerStatus
+from rq.worker_registration import clean_worker_registry
 
-__all__ = ["InFlight", "QueueIdentity"]
+__all__ = ["InFlight", "QueueIdentity", "payload_of"]
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +79,24 @@ class QueueIdentity(BaseWorker):
         super().increment_failed_job_count(pipeline)
         if self._finish_hook is not None and pipeline is not None:
             self._finish_hook(pipeline)
+
+    def clean_registries(self) -> None:
+        """RQ's maintenance, minus the started registry and the intermediate list.
+
+        Those belong to :mod:`workers.reaper`: RQ's own cleanup would mark a dead worker's prompts
+        failed (no RQ retries are configured) instead of handing them back.
+        """
+        for queue in self.queues:
+            if queue.acquire_maintenance_lock():
+                for registry in (
+                    queue.finished_job_registry,
+                    queue.failed_job_registry,
+                    queue.deferred_job_registry,
+                ):
+                    registry.cleanup()
+                clean_worker_registry(queue)
+                queue.release_maintenance_lock()
+        self.last_cleaned_at = now()  # type: ignore[assignment]  # RQ annotates it as None
 
     # Lifecycle ----------------------------------------------------------------------------------
     def register(self) -> None:
@@ -154,3 +174,9 @@ class QueueIdentity(BaseWorker):
         self.set_state(WorkerStatus.BUSY if self.in_flight else WorkerStatus.IDLE)
         if self.should_run_maintenance_tasks:
             self.run_maintenance_tasks()
+
+
+def payload_of(job: Job) -> dict[str, Any] | None:
+    """The prompt payload dict of a datagen RQ job, or None for anything else."""
+    payload = job.args[0] if job.args else None
+    return payload if isinstance(payload, dict) else None

@@ -27,7 +27,6 @@ from prometheus_client import start_http_server
 from rq.job import Job
 
 from datagen.errors import FatalError, RetryableError
-from datagen.fleet import publish_server
 from datagen.jobs import JobStore, now_ms
 from datagen.keys import Keys
 from datagen.payload import PromptPayload
@@ -36,9 +35,11 @@ from datagen.settings import WorkerSettings
 from datagen.spec import JobSpec
 from datagen.states import PromptClass
 from datagen.storage import Storage
+from workers.control import FleetSync, HealthProbe, KvControl
 from workers.fleet import Fleet, Server, ServerSpec
 from workers.metrics import WorkerMetrics
-from workers.rqbridge import InFlight, QueueIdentity
+from workers.reaper import Reaper
+from workers.rqbridge import InFlight, QueueIdentity, payload_of
 from workers.sglang import ClientTimeouts, GenerateResult, SGLangClient
 from workers.writer import RecordWriter
 
@@ -49,8 +50,6 @@ log = logging.getLogger(__name__)
 # A prompt may wait out server outages without using attempts, but not forever: a server that
 # answers /health yet drops every request would otherwise loop.
 SERVER_FAULT_TRIES_PER_ATTEMPT = 25
-DEFAULT_DRAIN_TIMEOUT_S = 60.0
-HEALTH_TIMEOUT_S = 5.0
 REDIS_SOCKET_TIMEOUT_S = 10.0
 
 
@@ -70,7 +69,6 @@ class Worker:
         *,
         burst: bool = False,
         install_signal_handlers: bool = True,
-        drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S,
     ) -> None:
         if not servers:
             raise ValueError("give at least one SGLang server (--server NAME=URL)")
@@ -78,7 +76,6 @@ class Worker:
         self.server_specs = servers
         self.burst = burst
         self.install_signal_handlers = install_signal_handlers
-        self.drain_timeout_s = drain_timeout_s
         self.tag = secrets.token_hex(4)
         self.name = f"{socket.gethostname()[:24]}-{os.getpid()}-{self.tag}"
         self.keys = Keys(settings.namespace)
@@ -110,19 +107,52 @@ class Worker:
         for identity in self.identities.values():
             identity.register()
         self.fleet = Fleet([self._make_server(spec) for spec in self.server_specs], self.metrics)
-        await asyncio.gather(*(self._check_server(s) for s in self.fleet.servers))
+        settings = self.settings
+        probes = [
+            HealthProbe(
+                self.redis,
+                self.keys,
+                self.fleet,
+                server,
+                interval_s=settings.health_interval_s,
+                timeout_s=settings.health_timeout_s,
+                timeouts_to_down=settings.health_timeouts_to_down,
+            )
+            for server in self.fleet.servers
+        ]
+        await asyncio.gather(*(probe.probe() for probe in probes))
+        self.sync = FleetSync(
+            self.redis,
+            self.keys,
+            self.fleet,
+            self.metrics,
+            worker_name=self.name,
+            interval_s=settings.control_interval_s,
+            shared_factor=settings.kv_controller,
+        )
+        self.sync.sync_once()
         self.writer = RecordWriter(
             self.storage,
             self.metrics,
             worker_tag=self.tag,
-            commit_interval_s=self.settings.commit_interval_s,
-            shard_max_records=self.settings.shard_max_records,
+            commit_interval_s=settings.commit_interval_s,
+            shard_max_records=settings.shard_max_records,
         )
         self.writer.start()
-        self._background = [
-            asyncio.create_task(self._heartbeat_loop(), name="heartbeat"),
-            asyncio.create_task(self._health_loop(), name="health"),
-        ]
+        reaper = Reaper(
+            self.redis,
+            self.keys,
+            self.jobs,
+            [identity.queue for identity in self.identities.values()],
+            owner=self.name,
+            interval_s=settings.reaper_interval_s,
+            max_worker_losses=settings.max_worker_losses,
+            metrics=self.metrics,
+        )
+        loops = [self._heartbeat_loop(), self.sync.run(), reaper.run(), *(p.run() for p in probes)]
+        if settings.kv_controller:
+            loops += [self._kv_control(server).run() for server in self.fleet.servers]
+        self._background = [asyncio.create_task(loop) for loop in loops]
         if self.settings.metrics_port:
             self._metrics_server = start_http_server(
                 self.settings.metrics_port, registry=self.metrics.registry
@@ -153,7 +183,7 @@ class Worker:
             PromptClass.SHORT: self.settings.short_concurrency,
             PromptClass.LONG: self.settings.long_concurrency,
         }
-        return Server(spec.name, client, limits, up=False)
+        return Server(spec.name, client, max_limits=limits, up=False)
 
     async def run(self) -> None:
         await asyncio.gather(*(self._admit(cls) for cls in PromptClass))
@@ -165,10 +195,15 @@ class Worker:
     async def drain(self) -> None:
         """Wait for in-flight prompts up to the drain timeout, then hand the rest back."""
         self.request_stop()
+        self.sync.draining = True
+        with contextlib.suppress(redis.RedisError):
+            self.sync.publish()
         tasks = [t for group in self._tasks.values() for t in group]
         if tasks:
-            log.info("draining %d in-flight prompts (up to %.0f s)", len(tasks), self.drain_timeout_s)
-            _, pending = await asyncio.wait(tasks, timeout=self.drain_timeout_s)
+            log.info(
+                "draining %d in-flight prompts (up to %.0f s)", len(tasks), self.settings.drain_timeout_s
+            )
+            _, pending = await asyncio.wait(tasks, timeout=self.settings.drain_timeout_s)
             self._cancel(pending)
 
     async def close(self) -> None:
@@ -177,11 +212,13 @@ class Worker:
         for task in self._background:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-        committed = await self.writer.close(deadline_s=time.monotonic() + self.drain_timeout_s)
+        committed = await self.writer.close(deadline_s=time.monotonic() + self.settings.drain_timeout_s)
         if not committed:
             log.error(
                 "could not commit %d records before exit; their prompts will run again", self.writer.pending
             )
+        with contextlib.suppress(redis.RedisError):
+            self.sync.withdraw()
         for identity in self.identities.values():
             identity.unregister()
         await asyncio.gather(*(s.client.aclose() for s in self.fleet.servers))
@@ -219,7 +256,7 @@ class Worker:
         tasks = self._tasks[cls]
         poll_s = self.settings.poll_interval_s
         while not self._stopping.is_set():
-            if len(tasks) >= self.fleet.capacity(cls):
+            if cls in self.sync.paused_classes or len(tasks) >= self.fleet.capacity(cls):
                 self._slot_freed.clear()
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._slot_freed.wait(), timeout=poll_s)
@@ -245,7 +282,7 @@ class Worker:
 
     # One prompt ---------------------------------------------------------------------------------
     async def _process(self, identity: QueueIdentity, item: InFlight, cls: PromptClass) -> None:
-        job_id = _datagen_job_id(item.job)
+        job_id = (payload_of(item.job) or {}).get("job")
         try:
             if job_id is not None:
                 self.jobs.started(job_id, item.job.id)
@@ -290,8 +327,8 @@ class Worker:
         self.metrics.failures.labels(reason).inc()
         log.warning("failed %s: %s", item.job.id, message)
         report = {"rq_id": item.job.id, "reason": reason, "message": message, "at_ms": now_ms()}
-        if isinstance(item.job.args[0], dict):
-            report.update(sample_id=item.job.args[0].get("sample_id"), turn=item.job.args[0].get("turn"))
+        payload = payload_of(item.job) or {}
+        report.update(sample_id=payload.get("sample_id"), turn=payload.get("turn"))
         hook = (lambda pipe: self.jobs.count_failed(pipe, job_id, item.job.id, report)) if job_id else None
         identity.finish_failure(item, message, hook)
 
@@ -436,35 +473,16 @@ class Worker:
         )
 
     # Background loops ---------------------------------------------------------------------------
-    async def _check_server(self, server: Server) -> None:
-        try:
-            healthy = await server.client.health(timeout_s=HEALTH_TIMEOUT_S)
-            if healthy and server.context_len is None:
-                server.context_len = await server.client.context_len()
-                info = await server.client.model_info()
-                publish_server(
-                    self.redis,
-                    self.keys,
-                    server.name,
-                    {
-                        "context_len": server.context_len,
-                        "model_path": info.get("model_path"),
-                        "seen_at_ms": now_ms(),
-                    },
-                )
-        except RetryableError as exc:
-            log.warning("server %s is not reachable: %s", server.name, exc)
-            healthy = False
-        if healthy:
-            await self.fleet.mark_up(server)
-        else:
-            await self.fleet.mark_down(server, "health probe failed")
-
-    async def _health_loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.settings.health_interval_s)
-            await asyncio.gather(*(self._check_server(s) for s in self.fleet.servers if not s.up))
-            self._slot_freed.set()
+    def _kv_control(self, server: Server) -> KvControl:
+        return KvControl(
+            self.redis,
+            self.keys,
+            server,
+            self.metrics,
+            owner=self.name,
+            interval_s=self.settings.controller_interval_s,
+            floor_fraction=self.settings.controller_floor,
+        )
 
     async def _heartbeat_loop(self) -> None:
         while True:
@@ -474,10 +492,3 @@ class Worker:
                     identity.beat()
             except redis.RedisError as exc:
                 log.warning("heartbeat failed (Redis unreachable?): %s", exc)
-
-
-def _datagen_job_id(job: Job) -> str | None:
-    args = job.args
-    if args and isinstance(args[0], dict) and isinstance(args[0].get("job"), str):
-        return str(args[0]["job"])
-    return None

@@ -87,6 +87,8 @@ def _settings(redis_url: str, storage: Storage, **overrides: Any) -> WorkerSetti
         "health_interval_s": 0.2,
         "short_concurrency": 8,
         "long_concurrency": 4,
+        "control_interval_s": 0.1,
+        "drain_timeout_s": 5,
     }
     values.update(overrides)
     return WorkerSettings(**values)
@@ -94,7 +96,7 @@ def _settings(redis_url: str, storage: Storage, **overrides: Any) -> WorkerSetti
 
 async def _run_burst(settings: WorkerSettings, urls: list[str]) -> Worker:
     servers = ServerSpec.parse_many([f"s{i}={u}" for i, u in enumerate(urls)])
-    worker = Worker(settings, servers, burst=True, install_signal_handlers=False, drain_timeout_s=5)
+    worker = Worker(settings, servers, burst=True, install_signal_handlers=False)
     await worker.main()
     return worker
 
@@ -233,10 +235,8 @@ async def test_hard_stop_hands_prompts_back_to_the_queue(
     _ingest(redis_client, storage, "job5", _spec(tokenizer_path), _rows(10))
     # Realistic speed: requests take seconds, so the drain deadline of 0 s catches them in flight.
     with running_simulator(tokenizer_path=tokenizer_path, time_scale=1.0) as slow:
-        settings = _settings(redis_url, storage)
-        worker = Worker(
-            settings, [ServerSpec("slow", slow)], install_signal_handlers=False, drain_timeout_s=0
-        )
+        settings = _settings(redis_url, storage, drain_timeout_s=0)
+        worker = Worker(settings, [ServerSpec("slow", slow)], install_signal_handlers=False)
         await worker.start()
         run = __import__("asyncio").create_task(worker.run())
         while not any(worker._tasks.values()):

@@ -1,0 +1,153 @@
+"""Returns the prompts of dead workers to their queue, well within a minute.
+
+RQ alone notices a dead worker's jobs only when a registry cleanup happens to run after their
+heartbeat TTL (up to ten minutes), and then marks them failed unless RQ retries are left
+(``shared/reference/rq-notes.md`` §4). Here every worker runs a reaper every
+``reaper_interval_s``; a per-queue lock lets one of them do each pass. A started-registry entry
+whose heartbeat lapsed is claimed with ZREM (so two reapers never requeue the same prompt) and
+pushed back to the front of its queue. That costs the prompt no attempt; a separate count per
+prompt fails it once it has been running in ``max_worker_losses`` dead workers, since a prompt
+that keeps killing workers would otherwise stop the fleet.
+
+Jobs stranded in RQ's intermediate list (a worker killed between taking a job and registering
+it) are requeued once they are seen there on two passes in a row.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+
+from redis import Redis
+from rq.exceptions import NoSuchJobError
+from rq.job import Job, JobStatus
+from rq.queue import Queue
+from rq.worker_registration import clean_worker_registry
+
+from datagen.jobs import JobStore, now_ms
+from datagen.keys import Keys
+from datagen.redistext import as_texts
+from workers.metrics import WorkerMetrics
+from workers.rqbridge import payload_of
+
+__all__ = ["ReapResult", "Reaper"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ReapResult:
+    requeued: int = 0
+    failed: int = 0
+
+
+class Reaper:
+    def __init__(
+        self,
+        redis: Redis,
+        keys: Keys,
+        jobs: JobStore,
+        queues: list[Queue],
+        *,
+        owner: str,
+        interval_s: float,
+        max_worker_losses: int,
+        metrics: WorkerMetrics,
+    ) -> None:
+        self.redis = redis
+        self.keys = keys
+        self.jobs = jobs
+        self.queues = queues
+        self.owner = owner
+        self.interval_s = interval_s
+        self.max_worker_losses = max_worker_losses
+        self.metrics = metrics
+
+    async def run(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval_s)
+            try:
+                result = self.reap_once()
+            except Exception:  # a failed pass is retried on the next one
+                log.exception("reaper pass failed")
+                continue
+            self.metrics.reaped.labels("requeued").inc(result.requeued)
+            self.metrics.reaped.labels("failed").inc(result.failed)
+            if result.requeued or result.failed:
+                log.warning(
+                    "reaper: %d prompts of dead workers requeued, %d failed", result.requeued, result.failed
+                )
+
+    def reap_once(self) -> ReapResult:
+        result = ReapResult()
+        lock_ms = max(1, int(self.interval_s * 1000))
+        for queue in self.queues:
+            if not self.redis.set(self.keys.reaper_lock(queue.name), self.owner, nx=True, px=lock_ms):
+                continue
+            self._reap_started(queue, result)
+            self._reap_intermediate(queue, result)
+            clean_worker_registry(queue)
+        return result
+
+    def _reap_started(self, queue: Queue, result: ReapResult) -> None:
+        registry = queue.started_job_registry
+        for member in as_texts(self.redis.zrangebyscore(registry.key, 0, time.time())):
+            if self.redis.zrem(registry.key, member) != 1:
+                continue  # finished meanwhile, or another reaper took it
+            rq_id = member.split(":", 1)[0]
+            self._recover(queue, rq_id, result)
+
+    def _reap_intermediate(self, queue: Queue, result: ReapResult) -> None:
+        listed = set(as_texts(self.redis.lrange(queue.intermediate_queue_key, 0, -1)))
+        seen_key = self.keys.reaper_seen(queue.name)
+        seen_before = set(as_texts(self.redis.smembers(seen_key)))
+        started = {
+            m.split(":", 1)[0] for m in as_texts(self.redis.zrange(queue.started_job_registry.key, 0, -1))
+        }
+        stuck = (listed & seen_before) - started
+        for rq_id in stuck:
+            if self.redis.lrem(queue.intermediate_queue_key, 1, rq_id) == 1:
+                queue.push_job_id(rq_id, at_front=True)
+                result.requeued += 1
+        waiting = listed - stuck - started
+        with self.redis.pipeline() as pipe:
+            pipe.delete(seen_key)
+            if waiting:
+                pipe.sadd(seen_key, *waiting)
+                pipe.pexpire(seen_key, int(self.interval_s * 3000))
+            pipe.execute()
+
+    def _recover(self, queue: Queue, rq_id: str, result: ReapResult) -> None:
+        try:
+            job = Job.fetch(rq_id, connection=self.redis, serializer=queue.serializer)
+        except NoSuchJobError:
+            return
+        losses = int(self.redis.hincrby(self.keys.worker_losses(), rq_id, 1))
+        payload = payload_of(job) or {}
+        job_id = payload.get("job")
+        with self.redis.pipeline() as pipe:
+            if losses > self.max_worker_losses:
+                message = f"gave up: the prompt was running in {losses} workers that died (max_worker_losses)"
+                job.set_status(JobStatus.FAILED, pipeline=pipe)
+                job._handle_failure(message, pipe, worker_name=self.owner)
+                if job_id is not None:
+                    report = {"rq_id": rq_id, "reason": "WorkerLost", "message": message, "at_ms": now_ms()}
+                    report.update(sample_id=payload.get("sample_id"), turn=payload.get("turn"))
+                    self.jobs.count_failed(pipe, job_id, rq_id, report)
+                pipe.hdel(self.keys.worker_losses(), rq_id)
+                result.failed += 1
+            else:
+                job.set_status(JobStatus.QUEUED, pipeline=pipe)
+                queue.push_job_id(rq_id, pipeline=pipe, at_front=True)
+                if job_id is not None:
+                    self.jobs.handed_back(pipe, job_id, rq_id)
+                result.requeued += 1
+            pipe.execute()
+        log.info(
+            "reaper: %s %s (worker loss %d)",
+            "failed" if losses > self.max_worker_losses else "requeued",
+            rq_id,
+            losses,
+        )
