@@ -127,10 +127,10 @@ async def batch_and_wait(
             calls = []
             for index in range(first, min(first + batch, len(prompt_ids))):
                 ids = prompt_ids[index]
-                # As the worker does: the class limit, cut to what fits in the server's context.
+                # As the worker does: the class limit, cut to fit the context with one token clear.
                 max_new = spec.max_new_tokens(PromptClass.SHORT)
                 if context_len is not None:
-                    max_new = min(max_new, context_len - len(ids))
+                    max_new = min(max_new, context_len - len(ids) - 1)
                 params = spec.sampling.to_sglang(max_new)
                 calls.append(
                     client.generate(ids, params, rid=f"{label}-{index}", read_timeout_s=READ_TIMEOUT_S)

@@ -50,9 +50,6 @@ class Keys:
         """List of JSON failure reports (sample id, turn, reason), capped."""
         return f"{self.namespace}:job:{job_id}:failed"
 
-    def job_ingest_lock(self, job_id: str) -> str:
-        return f"{self.namespace}:job:{job_id}:ingest-lock"
-
     # Fleet --------------------------------------------------------------------------------------
     def servers_index(self) -> str:
         """Hash server name -> JSON of what a worker last saw of it (context length, model)."""

@@ -8,7 +8,8 @@ not stored twice. ``schema_version`` changes whenever a column changes meaning.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, fields
+from typing import Any
 
 import pyarrow as pa
 
@@ -84,16 +85,19 @@ class Record:
         return (self.sample_id, self.turn, self.gen)
 
 
+_FIELDS = tuple(f.name for f in fields(Record))
+
+
 def loss_mask(total_len: int, prompt_len: int) -> list[int]:
     return [0] * prompt_len + [1] * (total_len - prompt_len)
 
 
 def records_to_table(records: Sequence[Record]) -> pa.Table:
-    rows = []
+    """Column by column: ``dataclasses.asdict`` would deep-copy every token id list."""
+    columns: dict[str, list[Any]] = {name: [] for name in RECORD_SCHEMA.names}
     for rec in records:
-        row = asdict(rec)
-        row["class"] = row.pop("cls")
-        row["schema_version"] = SCHEMA_VERSION
-        row["output_len"] = rec.output_len
-        rows.append(row)
-    return pa.Table.from_pylist(rows, schema=RECORD_SCHEMA)
+        for f in _FIELDS:
+            columns["class" if f == "cls" else f].append(getattr(rec, f))
+        columns["schema_version"].append(SCHEMA_VERSION)
+        columns["output_len"].append(rec.output_len)
+    return pa.Table.from_pydict(columns, schema=RECORD_SCHEMA)

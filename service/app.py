@@ -19,6 +19,7 @@ from pydantic import ValidationError
 from datagen.errors import DatagenError, FatalError, JobNotFoundError, RetryableError
 from datagen.settings import CoordinatorSettings
 from datagen.spec import JobSpec
+from datagen.states import PromptClass
 from service.coordinator import Coordinator, UploadTooLargeError
 
 __all__ = ["create_app"]
@@ -127,6 +128,38 @@ def _install_routes(app: FastAPI) -> None:
             return {"kind": kind, "errors": coord.rejected(job_id, limit)}
         coord.jobs.progress(job_id)
         return {"kind": kind, "errors": coord.jobs.failed_reports(job_id, limit)}
+
+    _install_fleet_routes(app, guarded)
+
+
+def _install_fleet_routes(app: FastAPI, guarded: list[Any]) -> None:
+    @app.get("/queues", dependencies=guarded)
+    def list_queues(coord: Coord) -> dict[str, Any]:
+        return {"queues": coord.fleet.queues()}
+
+    @app.post("/queues/{name}/{action}", dependencies=guarded)
+    def pause_queue(coord: Coord, name: str, action: str) -> dict[str, Any]:
+        if name not in {c.value for c in PromptClass}:
+            raise JobNotFoundError(f"no queue {name!r}; the queues are 'short' and 'long'")
+        return coord.fleet.set_queue_paused(name, _pause_action(action))
+
+    @app.get("/servers", dependencies=guarded)
+    def list_servers(coord: Coord) -> dict[str, Any]:
+        return {"servers": coord.fleet.servers()}
+
+    @app.get("/servers/{name}", dependencies=guarded)
+    def get_server(coord: Coord, name: str) -> dict[str, Any]:
+        return coord.fleet.server(name)
+
+    @app.post("/servers/{name}/{action}", dependencies=guarded)
+    def pause_server(coord: Coord, name: str, action: str) -> dict[str, Any]:
+        return coord.fleet.set_server_paused(name, _pause_action(action))
+
+
+def _pause_action(action: str) -> bool:
+    if action not in ("pause", "resume"):
+        raise HTTPException(status_code=404, detail=f"unknown action {action!r}; use pause or resume")
+    return action == "pause"
 
 
 def _parse_spec(raw: str) -> JobSpec:

@@ -19,6 +19,7 @@ from datagen.settings import CoordinatorSettings
 from datagen.spec import JobSpec
 from datagen.states import JobState
 from datagen.storage import Storage, validate_job_id
+from service.fleetview import FleetView
 from service.ingest import IngestOptions, Ingestor, renderer_for
 from service.metrics import CoordinatorMetrics
 
@@ -41,7 +42,8 @@ class Coordinator:
         self.keys = Keys(settings.namespace)
         self.jobs = JobStore(redis, self.keys)
         self.storage = Storage(settings.storage)
-        self.metrics = CoordinatorMetrics()
+        self.fleet = FleetView(redis, self.keys)
+        self.metrics = CoordinatorMetrics(fleet=self.fleet)
         self.ingestor = Ingestor(
             redis,
             self.keys,

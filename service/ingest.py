@@ -167,11 +167,13 @@ class Ingestor:
             return
         members = [prompt_key(p.sample_id, p.turn, p.gen) for _, p in chunk.prompts]
         present = self.redis.smismember(self.keys.job_enqueued(job_id), members) if members else []
-        fresh = [
-            (item, p, m)
-            for (item, p), m, seen in zip(chunk.prompts, members, present, strict=True)
-            if not seen
-        ]
+        fresh: list[tuple[Prompt, PromptPayload, str]] = []
+        in_chunk: set[str] = set()
+        for (item, payload), member, seen in zip(chunk.prompts, members, present, strict=True):
+            # Earlier chunks are in Redis; the same id twice within this chunk is caught here.
+            if not seen and member not in in_chunk:
+                in_chunk.add(member)
+                fresh.append((item, payload, member))
         if chunk.rejected:
             self._write_rejected(job_id, chunk.rejected)
         counts = {

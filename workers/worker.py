@@ -84,6 +84,7 @@ class Worker:
         self._stopping = asyncio.Event()
         self._slot_freed = asyncio.Event()
         self._tasks: dict[PromptClass, set[asyncio.Task[None]]] = {cls: set() for cls in PromptClass}
+        self._generating: dict[PromptClass, int] = dict.fromkeys(PromptClass, 0)
         self._jobs_seen: dict[str, _JobInfo] = {}
         self._signals = 0
         self._background: list[asyncio.Task[None]] = []
@@ -256,7 +257,10 @@ class Worker:
         tasks = self._tasks[cls]
         poll_s = self.settings.poll_interval_s
         while not self._stopping.is_set():
-            if cls in self.sync.paused_classes or len(tasks) >= self.fleet.capacity(cls):
+            if self.burst and self._burst_done():
+                return
+            # Prompts waiting only for their shard commit no longer use a server slot.
+            if cls in self.sync.paused_classes or self._generating[cls] >= self.fleet.capacity(cls):
                 self._slot_freed.clear()
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._slot_freed.wait(), timeout=poll_s)
@@ -268,14 +272,22 @@ class Worker:
                 await asyncio.sleep(poll_s)
                 continue
             if item is None:
-                if self.burst and not any(self._tasks.values()):
-                    return
                 await asyncio.sleep(poll_s)
                 continue
+            self._generating[cls] += 1
             task = asyncio.create_task(self._process(identity, item, cls), name=item.job.id)
             tasks.add(task)
             task.add_done_callback(tasks.discard)
             task.add_done_callback(self._task_done)
+
+    def _burst_done(self) -> bool:
+        """Burst mode ends when nothing runs here and both queues are empty."""
+        if any(self._tasks.values()):
+            return False
+        try:
+            return all(identity.queue.count == 0 for identity in self.identities.values())
+        except redis.RedisError:
+            return False
 
     def _task_done(self, task: asyncio.Task[None]) -> None:
         self._slot_freed.set()
@@ -287,7 +299,11 @@ class Worker:
             if job_id is not None:
                 self.jobs.started(job_id, item.job.id)
             try:
-                record = await self._generate(item.job, cls)
+                try:
+                    record = await self._generate(item.job, cls)
+                finally:
+                    self._generating[cls] -= 1
+                    self._slot_freed.set()
                 await self.writer.commit(record)
             except asyncio.CancelledError:
                 hook = (lambda pipe: self.jobs.handed_back(pipe, job_id, item.job.id)) if job_id else None

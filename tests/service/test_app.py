@@ -185,3 +185,12 @@ def test_upload_over_the_limit_is_refused(settings: CoordinatorSettings) -> None
         response = _post(client, [json.dumps({"prompt": "x" * 200})])
     assert response.status_code == 413
     assert "DATAGEN_MAX_UPLOAD_BYTES" in response.json()["error"]
+
+
+def test_duplicate_ids_in_one_upload_are_enqueued_once(client: TestClient, redis_client: redis.Redis) -> None:
+    row = json.dumps({"id": "same", "messages": [{"role": "user", "content": "q"}]})
+    job_id = _post(client, [row, row, row]).json()["id"]
+    job = _wait_ingested(client, job_id)
+    assert (job["total"], job["skipped"]) == (1, 2)
+    short = Queue(Keys(NS).queue_name(PromptClass.SHORT), connection=redis_client, serializer=JSONSerializer)
+    assert short.count == 1
