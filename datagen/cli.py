@@ -253,30 +253,86 @@ def wait_for_job(client: Any, job_id: str) -> int:
     return EXIT_ALL_DONE
 
 
+def _client() -> Any:
+    from datagen.client import CoordinatorClient
+
+    settings = load(ClientSettings)
+    return CoordinatorClient(settings.coordinator_url, api_token=settings.api_token)
+
+
 @app.command()
 def status(
     coordinator: Annotated[str | None, typer.Option(help="coordinator URL (DATAGEN_COORDINATOR_URL)")] = None,
 ) -> None:
-    """Show jobs and their progress."""
+    """Show jobs, queues and servers."""
     from datagen.client import CoordinatorClient
 
     settings = load(ClientSettings, coordinator_url=coordinator)
     with CoordinatorClient(settings.coordinator_url, api_token=settings.api_token) as client:
-        jobs = client.jobs()
-    table = Table("job", "state", "total", "done", "failed", "rejected", "in flight", "tok/s", "ETA s")
+        jobs, queues, servers = client.jobs(), client.queues(), client.servers()
+    out = Console()
+    jobs_table = Table(
+        "job", "state", "total", "done", "failed", "rejected", "in flight", "tok/s", "ETA s", title="jobs"
+    )
     for job in jobs:
-        table.add_row(
-            job["id"],
-            job["state"],
-            str(job["total"]),
-            str(job["done"]),
-            str(job["failed"]),
-            str(job["rejected"]),
-            str(job["in_flight"]),
-            f"{job['tokens_per_s']:.0f}",
-            "" if job["eta_s"] is None else f"{job['eta_s']:.0f}",
+        eta = "" if job["eta_s"] is None else f"{job['eta_s']:.0f}"
+        cells = [job[k] for k in ("total", "done", "failed", "rejected", "in_flight")]
+        jobs_table.add_row(job["id"], job["state"], *map(str, cells), f"{job['tokens_per_s']:.0f}", eta)
+    queues_table = Table("queue", "paused", "queued", "started", "failed", title="queues")
+    for queue in queues:
+        queues_table.add_row(
+            queue["name"],
+            "yes" if queue["paused"] else "",
+            *(str(queue[k]) for k in ("queued", "started", "failed")),
         )
-    Console().print(table)
+    servers_table = Table(
+        "server", "state", "in flight s/l", "limits s/l", "target", "KV usage", "waiting", title="servers"
+    )
+    for server in servers:
+        kv = server.get("kv") or {}
+        usage = kv.get("token_usage")
+        servers_table.add_row(
+            server["name"],
+            server["state"],
+            "{short}/{long}".format(**server["in_flight"]),
+            "{short}/{long}".format(**server["limits"]),
+            "" if server["target"] is None else str(server["target"]),
+            "" if usage is None else f"{usage:.0%}",
+            "" if not kv else f"{kv.get('num_queue_reqs', 0):.0f}",
+        )
+    for table in (jobs_table, queues_table, servers_table):
+        out.print(table)
+
+
+def _pause(paused: bool, queue: str | None, server: str | None) -> None:
+    if (queue is None) == (server is None):
+        raise ConfigError("name a queue (short or long) or a server with --server NAME, not both")
+    with _client() as client:
+        if queue is not None:
+            state = client.set_queue_paused(queue, paused)
+            word = "paused" if state["paused"] else "running"
+            console.print(f"queue {state['name']}: {word}, {state['queued']} queued")
+        else:
+            state = client.set_server_paused(server, paused)
+            console.print(f"server {state['name']}: {state.get('state', 'resumed')}")
+
+
+@app.command()
+def pause(
+    queue: Annotated[str | None, typer.Argument(help="short or long")] = None,
+    server: Annotated[str | None, typer.Option(help="pause a server instead of a queue")] = None,
+) -> None:
+    """Stop dispatching from a queue, or to a server, within 2 s; in-flight requests finish."""
+    _pause(True, queue, server)
+
+
+@app.command()
+def resume(
+    queue: Annotated[str | None, typer.Argument(help="short or long")] = None,
+    server: Annotated[str | None, typer.Option(help="resume a server instead of a queue")] = None,
+) -> None:
+    """Undo a pause."""
+    _pause(False, queue, server)
 
 
 @app.command()

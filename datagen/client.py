@@ -51,6 +51,18 @@ class CoordinatorClient:
         body = self._request("GET", f"/jobs/{job_id}/errors", params={"kind": kind, "limit": limit})
         return body["errors"]
 
+    def queues(self) -> list[dict[str, Any]]:
+        return self._request("GET", "/queues")["queues"]
+
+    def servers(self) -> list[dict[str, Any]]:
+        return self._request("GET", "/servers")["servers"]
+
+    def set_queue_paused(self, name: str, paused: bool) -> dict[str, Any]:
+        return self._request("POST", f"/queues/{name}/{'pause' if paused else 'resume'}")
+
+    def set_server_paused(self, name: str, paused: bool) -> dict[str, Any]:
+        return self._request("POST", f"/servers/{name}/{'pause' if paused else 'resume'}")
+
     def _request(self, method: str, path: str, **kwargs: Any) -> Any:
         try:
             response = self._http.request(method, path, **kwargs)

@@ -23,6 +23,7 @@ from simulator._protocol import (
     normalize_request,
     validate_prompt,
 )
+from simulator.chaos import Chaos
 from simulator.config import SimConfig
 from simulator.engine import OOM_MESSAGE, Engine, Outcome, SimRequest
 from simulator.metrics import SimMetrics
@@ -57,6 +58,7 @@ class SimServer:
         self.special = SpecialIds.deepseek_default()
         self._faults = FaultPlanner(config)
         self._ready_at = 0.0
+        self.chaos = Chaos()
 
     async def start(self) -> None:
         if self.config.tokenizer_path:
@@ -79,6 +81,8 @@ class SimServer:
         self, obj: GenerateReqInput, request: Request
     ) -> dict[str, Any] | list[dict[str, Any]]:
         """Raises ``RequestError`` (400), ``ServerBug`` (500 text) or ``HTTPException``."""
+        if self.chaos.hang_generate:
+            await asyncio.Event().wait()  # until the server shuts down
         norm = normalize_request(obj, tokenize=self._tokenize if self.tokenizer is not None else None)
         for rid in norm.rids:
             if self.engine.in_flight(rid):

@@ -7,6 +7,7 @@ simulated text is random), the prefix cache (``cached_tokens`` is always 0) and 
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -21,6 +22,7 @@ from pydantic import BaseModel, ConfigDict
 
 from simulator._protocol import GenerateReqInput, RequestError, ServerBug
 from simulator._service import SimServer
+from simulator.chaos import Chaos
 from simulator.config import SimConfig
 
 __all__ = ["SGLANG_VERSION", "create_app"]
@@ -110,6 +112,11 @@ def _generation_routes(server: SimServer) -> APIRouter:
     @router.get("/health")
     @router.get("/health_generate")
     async def health() -> Response:
+        chaos = server.chaos
+        if chaos.health_delay_s:
+            await asyncio.sleep(chaos.health_delay_s)
+        if chaos.health_status is not None:
+            return Response(status_code=chaos.health_status)
         return Response(status_code=200 if server.is_ready else 503)
 
     return router
@@ -194,6 +201,15 @@ def _info_routes(server: SimServer) -> APIRouter:
 
 def _control_routes(server: SimServer) -> APIRouter:
     router = APIRouter()
+
+    @router.post("/_sim/chaos")
+    async def set_chaos(chaos: Chaos) -> dict[str, Any]:
+        server.chaos = chaos
+        return chaos.model_dump()
+
+    @router.get("/_sim/chaos")
+    async def get_chaos() -> dict[str, Any]:
+        return server.chaos.model_dump()
 
     @router.post("/abort_request")
     async def abort_request(obj: AbortReq) -> Response:

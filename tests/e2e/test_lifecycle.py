@@ -1,0 +1,222 @@
+"""Worker lifecycle over real processes: SIGTERM drains, kill -9 is reaped, the CLI pauses."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import redis
+from rq import Queue
+from rq.registry import FailedJobRegistry, StartedJobRegistry
+
+from datagen.redis_server import LocalRedis, free_port
+from datagen.storage import Storage
+from datagen.tokenization import bundled_tokenizer_path, default_chat_template_path
+
+pytestmark = pytest.mark.e2e
+
+NS = "life"
+STARTUP_TIMEOUT_S = 60.0
+HEARTBEAT_S = 0.5
+# The heartbeat TTL is three intervals plus a fixed 10 s grace (workers/rqbridge.py).
+RECOVERY_BUDGET_S = 3 * HEARTBEAT_S + 10 + 2 * 1.0 + 5
+
+
+class _Stack:
+    def __init__(self, tmp: Path, redis_url: str) -> None:
+        self.tmp = tmp
+        self.env = {k: v for k, v in os.environ.items() if not k.startswith("DATAGEN_")}
+        self.env.update(
+            DATAGEN_REDIS_URL=redis_url,
+            DATAGEN_STORAGE=str(tmp / "data"),
+            DATAGEN_NAMESPACE=NS,
+            DATAGEN_HEARTBEAT_INTERVAL_S=str(HEARTBEAT_S),
+            DATAGEN_REAPER_INTERVAL_S="1",
+            DATAGEN_CONTROL_INTERVAL_S="0.2",
+            DATAGEN_COMMIT_INTERVAL_S="0.2",
+            DATAGEN_METRICS_PORT="0",
+            HF_HUB_OFFLINE="1",
+        )
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self.logs: list[Any] = []
+
+    def spawn(self, name: str, *args: str) -> subprocess.Popen[bytes]:
+        log = open(self.tmp / f"{name}.log", "wb")  # noqa: SIM115 - closed in stop()
+        self.logs.append(log)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "datagen", *args], stdout=log, stderr=subprocess.STDOUT, env=self.env
+        )
+        self.procs[name] = proc
+        return proc
+
+    def cli(self, *args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "datagen", *args], env=self.env, capture_output=True, text=True, timeout=60
+        )
+
+    def wait_http(self, url: str) -> None:
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(url, timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                time.sleep(0.1)
+        raise AssertionError(f"{url} did not come up")
+
+    def stop(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in self.procs.values():
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        for log in self.logs:
+            log.close()
+
+
+@pytest.fixture
+def stack(tmp_path: Path) -> Iterator[_Stack]:
+    with LocalRedis() as redis_server:
+        stack = _Stack(tmp_path, redis_server.url)
+        sim_port, coord_port = free_port(), free_port()
+        stack.sim_url = f"http://127.0.0.1:{sim_port}"  # type: ignore[attr-defined]
+        stack.coordinator = f"http://127.0.0.1:{coord_port}"  # type: ignore[attr-defined]
+        stack.redis = redis.Redis.from_url(redis_server.url)  # type: ignore[attr-defined]
+        stack.env["DATAGEN_COORDINATOR_URL"] = stack.coordinator  # type: ignore[attr-defined]
+        try:
+            # About 0.2-2 s per request: slow enough to catch prompts in flight.
+            stack.spawn(
+                "sim",
+                "sim",
+                "--port",
+                str(sim_port),
+                "--tokenizer",
+                bundled_tokenizer_path(),
+                "--time-scale",
+                "0.02",
+            )
+            stack.spawn("coordinator", "coordinator", "--port", str(coord_port))
+            stack.wait_http(f"{stack.sim_url}/health")  # type: ignore[attr-defined]
+            stack.wait_http(f"{stack.coordinator}/healthz")  # type: ignore[attr-defined]
+            yield stack
+        finally:
+            stack.stop()
+            stack.redis.close()  # type: ignore[attr-defined]
+
+
+def _submit(stack: Any, n: int) -> str:
+    dataset = stack.tmp / "d.jsonl"
+    rows = [{"id": f"r{i}", "messages": [{"role": "user", "content": f"question {i}"}]} for i in range(n)]
+    dataset.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    result = stack.cli(
+        "submit",
+        str(dataset),
+        "--tokenizer",
+        bundled_tokenizer_path(),
+        "--chat-template",
+        str(default_chat_template_path()),
+        "--short-max-new-tokens",
+        "600",
+        "--seed",
+        "5",
+    )
+    assert result.returncode == 0, result.stderr
+    return str(result.stdout.strip())
+
+
+def _job(stack: Any, job_id: str) -> dict[str, Any]:
+    return httpx.get(f"{stack.coordinator}/jobs/{job_id}", timeout=5).json()  # type: ignore[no-any-return]
+
+
+def _wait(predicate: Any, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.1)
+
+
+def _started(stack: Any) -> int:
+    return StartedJobRegistry(queue=Queue(f"{NS}-short", connection=stack.redis)).get_job_count(cleanup=False)
+
+
+def _worker(stack: Any, name: str) -> subprocess.Popen[bytes]:
+    return stack.spawn(name, "worker", "--server", f"sim={stack.sim_url}", "--short-concurrency", "16")  # type: ignore[no-any-return]
+
+
+def test_kill_9_is_reaped_within_a_minute_and_nothing_is_lost(stack: Any) -> None:
+    job_id = _submit(stack, 120)
+    victim = _worker(stack, "victim")
+    _wait(lambda: _job(stack, job_id)["done"] >= 10 and _started(stack) >= 8, 60, "the victim to be busy")
+    registry_key = StartedJobRegistry(queue=Queue(f"{NS}-short", connection=stack.redis)).key
+    orphans = stack.redis.zrange(registry_key, 0, -1)
+    victim.send_signal(signal.SIGKILL)
+    victim.wait()
+    killed_at = time.monotonic()
+    assert orphans
+    _worker(stack, "rescuer")
+    # The rescuer's reaper hands the orphans back once their heartbeat TTL has lapsed.
+    _wait(
+        lambda: all(stack.redis.zscore(registry_key, m) is None for m in orphans),
+        60,
+        "the orphans to be reaped",
+    )
+    reaped_s = time.monotonic() - killed_at
+    assert reaped_s <= RECOVERY_BUDGET_S
+    _wait(lambda: _job(stack, job_id)["state"] == "completed", 120, "the job to complete")
+    job = _job(stack, job_id)
+    assert (job["done"], job["failed"], job["in_flight"]) == (120, 0, 0)
+    records = [r for b in Storage(stack.tmp / "data").iter_record_batches(job_id) for r in b.to_pylist()]
+    assert {r["sample_id"] for r in records} == {f"r{i}" for i in range(120)}
+    assert max(r["attempts"] for r in records) == 1  # a dead worker costs no attempt
+    assert (
+        FailedJobRegistry(queue=Queue(f"{NS}-short", connection=stack.redis)).get_job_count(cleanup=False)
+        == 0
+    )
+    log = (stack.tmp / "rescuer.log").read_text()
+    assert "reaper:" in log and "requeued" in log
+
+
+def test_sigterm_finishes_in_flight_prompts_commits_and_deregisters(stack: Any) -> None:
+    job_id = _submit(stack, 80)
+    worker = _worker(stack, "w")
+    _wait(lambda: _started(stack) >= 8, 60, "prompts in flight")
+    done_before = _job(stack, job_id)["done"]
+    worker.send_signal(signal.SIGTERM)
+    assert worker.wait(timeout=60) == 0
+    job = _job(stack, job_id)
+    assert _started(stack) == 0  # every claimed prompt finished (or was handed back)
+    assert job["done"] > done_before and job["failed"] == 0
+    records = [r for b in Storage(stack.tmp / "data").iter_record_batches(job_id) for r in b.to_pylist()]
+    assert len(records) == job["done"]  # acknowledged work is committed work
+    assert Queue(f"{NS}-short", connection=stack.redis).count == 80 - job["done"]
+    assert httpx.get(f"{stack.coordinator}/servers/sim", timeout=5).json()["workers"] == []
+
+
+def test_cli_pause_resume_and_status(stack: Any) -> None:
+    assert stack.cli("pause", "short").returncode == 0
+    queues = httpx.get(f"{stack.coordinator}/queues", timeout=5).json()["queues"]
+    assert [q["paused"] for q in queues] == [True, False]
+    job_id = _submit(stack, 10)
+    _worker(stack, "w")
+    time.sleep(3)
+    assert _job(stack, job_id)["done"] == 0  # paused: nothing dispatched
+    status = stack.cli("status")
+    assert status.returncode == 0 and "queues" in status.stdout and "sim" in status.stdout
+    assert stack.cli("resume", "short").returncode == 0
+    _wait(lambda: _job(stack, job_id)["state"] == "completed", 60, "the job after resume")
+    bad = stack.cli("pause", "--server", "nope")
+    assert bad.returncode != 0 and "no worker has reported a server named 'nope'" in bad.stderr
