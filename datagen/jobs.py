@@ -27,14 +27,20 @@ __all__ = ["FAILED_REPORTS_CAP", "JobProgress", "JobStore", "now_ms"]
 
 FAILED_REPORTS_CAP = 10_000
 
-# KEYS[1] job hash, KEYS[2] the job's running set. ARGV: counter field, increment, output
-# tokens, now ms, RQ id leaving the running set ("" for none).
+# KEYS: job hash, the job's running set, its failure reports. ARGV: counter field, increment,
+# output tokens, now ms, RQ id leaving the running set ("" for none), failure report ("" for
+# none), report cap. A prompt is counted only if it was still in the running set, so finishing
+# the same prompt twice (a stalled worker and its rescuer) counts once.
 _COUNT_AND_MAYBE_COMPLETE = """
 local key = KEYS[1]
 if redis.call('EXISTS', key) == 0 then return 0 end
-if ARGV[5] ~= '' then redis.call('SREM', KEYS[2], ARGV[5]) end
+if ARGV[5] ~= '' and redis.call('SREM', KEYS[2], ARGV[5]) == 0 then return -1 end
 if tonumber(ARGV[2]) ~= 0 then redis.call('HINCRBY', key, ARGV[1], ARGV[2]) end
 if tonumber(ARGV[3]) ~= 0 then redis.call('HINCRBY', key, 'output_tokens', ARGV[3]) end
+if ARGV[6] ~= '' then
+  redis.call('RPUSH', KEYS[3], ARGV[6])
+  redis.call('LTRIM', KEYS[3], 0, tonumber(ARGV[7]) - 1)
+end
 if redis.call('HGET', key, 'state') == 'running' then
   local done = tonumber(redis.call('HGET', key, 'done') or '0')
   local failed = tonumber(redis.call('HGET', key, 'failed') or '0')
@@ -204,7 +210,7 @@ class JobStore:
 
     def finish_ingest(self, job_id: str) -> None:
         self.redis.hset(self.keys.job(job_id), "state", JobState.RUNNING.value)
-        self._count_script(keys=self._count_keys(job_id), args=["done", 0, 0, now_ms(), ""])
+        self._count_script(keys=self._count_keys(job_id), args=["done", 0, 0, now_ms(), "", "", 0])
 
     def restart_ingest(self, job_id: str) -> None:
         self.redis.hset(
@@ -227,18 +233,16 @@ class JobStore:
         pipe.srem(self.keys.job_running(job_id), rq_id)
 
     def _count_keys(self, job_id: str) -> list[str]:
-        return [self.keys.job(job_id), self.keys.job_running(job_id)]
+        return [self.keys.job(job_id), self.keys.job_running(job_id), self.keys.job_failed(job_id)]
 
     def count_done(self, pipe: Pipeline, job_id: str, rq_id: str, output_tokens: int) -> None:
-        args: list[str | int] = ["done", 1, output_tokens, now_ms(), rq_id]
+        args: list[str | int] = ["done", 1, output_tokens, now_ms(), rq_id, "", 0]
         self._count_script(keys=self._count_keys(job_id), args=args, client=pipe)
 
     def count_failed(self, pipe: Pipeline, job_id: str, rq_id: str, report: dict[str, Any]) -> None:
-        args: list[str | int] = ["failed", 1, 0, now_ms(), rq_id]
+        report_json = json.dumps(report, sort_keys=True)
+        args: list[str | int] = ["failed", 1, 0, now_ms(), rq_id, report_json, FAILED_REPORTS_CAP]
         self._count_script(keys=self._count_keys(job_id), args=args, client=pipe)
-        failed_key = self.keys.job_failed(job_id)
-        pipe.rpush(failed_key, json.dumps(report, sort_keys=True))
-        pipe.ltrim(failed_key, 0, FAILED_REPORTS_CAP - 1)
 
     def failed_reports(self, job_id: str, limit: int) -> list[dict[str, Any]]:
         raw = self.redis.lrange(self.keys.job_failed(job_id), 0, limit - 1)

@@ -26,6 +26,14 @@ class Keys:
         digest = hashlib.sha1(sample_id.encode("utf-8")).hexdigest()[:16]
         return f"{self.namespace}-{job_id}-{digest}-t{turn}-g{gen}"
 
+    def job_of_rq_id(self, rq_id: str) -> str | None:
+        """The datagen job id inside an RQ job id built by :meth:`rq_job_id` (None if not ours)."""
+        prefix = f"{self.namespace}-"
+        if not rq_id.startswith(prefix):
+            return None
+        job, _, rest = rq_id[len(prefix) :].partition("-")
+        return job if job and rest else None
+
     def rq_worker_name(self, worker_tag: str, cls: PromptClass) -> str:
         return f"{self.namespace}-{worker_tag}-{cls.value}"
 
@@ -76,10 +84,6 @@ class Keys:
         return f"{self.namespace}:server:{server}:controller"
 
     # Recovery -----------------------------------------------------------------------------------
-    def worker_losses(self) -> str:
-        """Hash RQ id -> how many times its worker died while running it."""
-        return f"{self.namespace}:worker-losses"
-
     def reaper_lock(self, queue_name: str) -> str:
         return f"{self.namespace}:reaper-lock:{queue_name}"
 

@@ -91,6 +91,7 @@ class CoordinatorSettings(CommonSettings):
     max_upload_bytes: int = Field(default=DEFAULT_MAX_UPLOAD_BYTES, ge=1)
     result_ttl_s: int = Field(default=DEFAULT_RESULT_TTL_S, ge=1)
     failure_ttl_s: int = Field(default=DEFAULT_FAILURE_TTL_S, ge=1)
+    max_worker_losses: int = Field(default=DEFAULT_MAX_WORKER_LOSSES, ge=1, le=100)
 
 
 class WorkerSettings(CommonSettings):
@@ -116,7 +117,6 @@ class WorkerSettings(CommonSettings):
     controller_interval_s: float = Field(default=DEFAULT_CONTROLLER_INTERVAL_S, gt=0)
     controller_floor: float = Field(default=DEFAULT_CONTROLLER_FLOOR, gt=0, le=1)
     reaper_interval_s: float = Field(default=DEFAULT_REAPER_INTERVAL_S, gt=0)
-    max_worker_losses: int = Field(default=DEFAULT_MAX_WORKER_LOSSES, ge=1)
     drain_timeout_s: float = Field(default=DEFAULT_DRAIN_TIMEOUT_S, ge=0)
     api_key: str | None = Field(default=None, description="SGLang --api-key, sent as a bearer token")
 

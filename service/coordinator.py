@@ -53,6 +53,7 @@ class Coordinator:
                 chunk=settings.enqueue_chunk,
                 result_ttl_s=settings.result_ttl_s,
                 failure_ttl_s=settings.failure_ttl_s,
+                max_worker_losses=settings.max_worker_losses,
             ),
         )
         self._stop = threading.Event()

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from redis import Redis
-from rq import Queue
+from rq import Queue, Retry
 from rq.serializers import JSONSerializer
 
 from datagen.dataset import Prompt, RowError, iter_prompts
@@ -46,6 +46,8 @@ class IngestOptions:
     chunk: int
     result_ttl_s: int
     failure_ttl_s: int
+    # RQ retries are spent only when a worker dies with the prompt (see workers/reaper.py).
+    max_worker_losses: int = 3
     job_timeout_s: dict[PromptClass, int] = field(
         default_factory=lambda: {PromptClass.SHORT: 6 * 3600, PromptClass.LONG: 24 * 3600}
     )
@@ -202,6 +204,7 @@ class Ingestor:
             result_ttl=self.options.result_ttl_s,
             failure_ttl=self.options.failure_ttl_s,
             description=f"{payload.job} {payload.sample_id} t{payload.turn} g{payload.gen}",
+            retry=Retry(max=self.options.max_worker_losses),
         )
 
     def _write_rejected(self, job_id: str, rejected: list[dict[str, Any]]) -> None:

@@ -1,13 +1,15 @@
 """Returns the prompts of dead workers to their queue, well within a minute.
 
 RQ alone notices a dead worker's jobs only when a registry cleanup happens to run after their
-heartbeat TTL (up to ten minutes), and then marks them failed unless RQ retries are left
-(``shared/reference/rq-notes.md`` §4). Here every worker runs a reaper every
-``reaper_interval_s``; a per-queue lock lets one of them do each pass. A started-registry entry
-whose heartbeat lapsed is claimed with ZREM (so two reapers never requeue the same prompt) and
-pushed back to the front of its queue. That costs the prompt no attempt; a separate count per
-prompt fails it once it has been running in ``max_worker_losses`` dead workers, since a prompt
-that keeps killing workers would otherwise stop the fleet.
+heartbeat TTL (up to ten minutes; ``shared/reference/rq-notes.md`` §4). Here every worker runs a
+reaper every ``reaper_interval_s``; a per-queue lock lets one of them do each pass. A
+started-registry entry whose heartbeat lapsed is claimed with ZREM (so two reapers never requeue
+the same prompt) and pushed back to the front of its queue without using up the prompt's
+attempts. Each prompt is enqueued with ``Retry(max=max_worker_losses)`` and a requeue spends one
+of those RQ retries, so a prompt that keeps killing workers fails (reason ``WorkerLost``) instead
+of stopping the fleet. RQ's own cleanup (``rq info``, rq-dashboard) follows the same budget,
+since it also requeues while RQ retries are left; when *it* fails a prompt at the cap, the
+reconciliation pass counts that failure in the job.
 
 Jobs stranded in RQ's intermediate list (a worker killed between taking a job and registering
 it) are requeued once they are seen there on two passes in a row.
@@ -36,6 +38,9 @@ __all__ = ["ReapResult", "Reaper"]
 
 log = logging.getLogger(__name__)
 
+# How many of the most recent failures each pass checks against the jobs' running sets.
+RECONCILE_SCAN = 200
+
 
 @dataclass
 class ReapResult:
@@ -53,7 +58,6 @@ class Reaper:
         *,
         owner: str,
         interval_s: float,
-        max_worker_losses: int,
         metrics: WorkerMetrics,
     ) -> None:
         self.redis = redis
@@ -62,7 +66,6 @@ class Reaper:
         self.queues = queues
         self.owner = owner
         self.interval_s = interval_s
-        self.max_worker_losses = max_worker_losses
         self.metrics = metrics
 
     async def run(self) -> None:
@@ -88,6 +91,7 @@ class Reaper:
                 continue
             self._reap_started(queue, result)
             self._reap_intermediate(queue, result)
+            self._reconcile_failed(queue, result)
             clean_worker_registry(queue)
         return result
 
@@ -124,21 +128,19 @@ class Reaper:
             job = Job.fetch(rq_id, connection=self.redis, serializer=queue.serializer)
         except NoSuchJobError:
             return
-        losses = int(self.redis.hincrby(self.keys.worker_losses(), rq_id, 1))
         payload = payload_of(job) or {}
         job_id = payload.get("job")
+        left = job.retries_left or 0
         with self.redis.pipeline() as pipe:
-            if losses > self.max_worker_losses:
-                message = f"gave up: the prompt was running in {losses} workers that died (max_worker_losses)"
+            if left <= 0:
+                message = "gave up: the prompt was running in too many workers that died (max_worker_losses)"
                 job.set_status(JobStatus.FAILED, pipeline=pipe)
                 job._handle_failure(message, pipe, worker_name=self.owner)
                 if job_id is not None:
-                    report = {"rq_id": rq_id, "reason": "WorkerLost", "message": message, "at_ms": now_ms()}
-                    report.update(sample_id=payload.get("sample_id"), turn=payload.get("turn"))
-                    self.jobs.count_failed(pipe, job_id, rq_id, report)
-                pipe.hdel(self.keys.worker_losses(), rq_id)
+                    self.jobs.count_failed(pipe, job_id, rq_id, _report(rq_id, payload, message))
                 result.failed += 1
             else:
+                pipe.hset(job.key, "retries_left", left - 1)
                 job.set_status(JobStatus.QUEUED, pipeline=pipe)
                 queue.push_job_id(rq_id, pipeline=pipe, at_front=True)
                 if job_id is not None:
@@ -146,8 +148,31 @@ class Reaper:
                 result.requeued += 1
             pipe.execute()
         log.info(
-            "reaper: %s %s (worker loss %d)",
-            "failed" if losses > self.max_worker_losses else "requeued",
+            "reaper: %s %s (%d worker losses left)",
+            "failed" if left <= 0 else "requeued",
             rq_id,
-            losses,
+            max(0, left - 1),
         )
+
+    def _reconcile_failed(self, queue: Queue, result: ReapResult) -> None:
+        """Count prompts that RQ's own cleanup failed as abandoned; they are still 'running' for us."""
+        for rq_id in as_texts(self.redis.zrevrange(queue.failed_job_registry.key, 0, RECONCILE_SCAN - 1)):
+            job_id = self.keys.job_of_rq_id(rq_id)
+            if job_id is None or not self.redis.sismember(self.keys.job_running(job_id), rq_id):
+                continue
+            message = "abandoned by a dead worker and failed by RQ's registry cleanup (max_worker_losses)"
+            with self.redis.pipeline() as pipe:
+                self.jobs.count_failed(pipe, job_id, rq_id, _report(rq_id, {}, message))
+                pipe.execute()
+            result.failed += 1
+
+
+def _report(rq_id: str, payload: dict[str, object], message: str) -> dict[str, object]:
+    return {
+        "rq_id": rq_id,
+        "reason": "WorkerLost",
+        "message": message,
+        "at_ms": now_ms(),
+        "sample_id": payload.get("sample_id"),
+        "turn": payload.get("turn"),
+    }

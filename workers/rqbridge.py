@@ -75,11 +75,6 @@ class QueueIdentity(BaseWorker):
         if self._finish_hook is not None and pipeline is not None:
             self._finish_hook(pipeline)
 
-    def increment_failed_job_count(self, pipeline: Pipeline | None = None) -> None:
-        super().increment_failed_job_count(pipeline)
-        if self._finish_hook is not None and pipeline is not None:
-            self._finish_hook(pipeline)
-
     def clean_registries(self) -> None:
         """RQ's maintenance, minus the started registry and the intermediate list.
 
@@ -138,18 +133,30 @@ class QueueIdentity(BaseWorker):
             self.in_flight.discard(item)
 
     def finish_failure(self, item: InFlight, message: str, hook: FinishHook | None) -> None:
-        """Put the job in RQ's failed registry with ``message`` as its exception text."""
-        item.job.ended_at = now()
-        item.job._status = JobStatus.FAILED
-        self.execution = item.execution
-        self._finish_hook = hook
-        try:
-            self.handle_job_failure(
-                item.job, item.queue, started_job_registry=item.queue.started_job_registry, exc_string=message
+        """Put the job in RQ's failed registry with ``message`` as its exception text.
+
+        Not ``handle_job_failure``: that would spend the job's RQ retries, which are kept for dead
+        workers (``workers/reaper.py``), and it commits in two steps, where our counters must move
+        in the same transaction as the failed registry.
+        """
+        job = item.job
+        job.ended_at = now()
+        with self.connection.pipeline() as pipe:
+            job.set_status(JobStatus.FAILED, pipeline=pipe)
+            job._handle_failure(
+                message,
+                pipe,
+                worker_name=self.name,
+                execution_id=item.execution.id,
+                execution_started_at=item.execution.created_at,
+                execution_ended_at=job.ended_at,
             )
-        finally:
-            self._finish_hook = None
-            self.in_flight.discard(item)
+            item.execution.delete(job, pipe)
+            self.increment_failed_job_count(pipe)
+            if hook is not None:
+                hook(pipe)
+            pipe.execute()
+        self.in_flight.discard(item)
 
     def hand_back(self, item: InFlight, hook: FinishHook | None) -> None:
         """Return an unfinished job to the front of its queue without charging an attempt."""

@@ -147,7 +147,6 @@ class Worker:
             [identity.queue for identity in self.identities.values()],
             owner=self.name,
             interval_s=settings.reaper_interval_s,
-            max_worker_losses=settings.max_worker_losses,
             metrics=self.metrics,
         )
         loops = [self._heartbeat_loop(), self.sync.run(), reaper.run(), *(p.run() for p in probes)]

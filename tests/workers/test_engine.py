@@ -50,7 +50,15 @@ def storage(tmp_path: Path) -> Storage:
     return Storage(tmp_path)
 
 
-def _ingest(redis_client: redis.Redis, storage: Storage, job_id: str, n: int, **spec: Any) -> None:
+def _ingest(
+    redis_client: redis.Redis,
+    storage: Storage,
+    job_id: str,
+    n: int,
+    *,
+    max_worker_losses: int = 3,
+    **spec: Any,
+) -> None:
     values: dict[str, Any] = {
         "tokenizer": bundled_tokenizer_path(),
         "chat_template": str(default_chat_template_path()),
@@ -66,7 +74,9 @@ def _ingest(redis_client: redis.Redis, storage: Storage, job_id: str, n: int, **
         {"id": f"p{i}", "messages": [{"role": "user", "content": f"prompt number {i}"}]} for i in range(n)
     ]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    options = IngestOptions(chunk=100, result_ttl_s=600, failure_ttl_s=600)
+    options = IngestOptions(
+        chunk=100, result_ttl_s=600, failure_ttl_s=600, max_worker_losses=max_worker_losses
+    )
     Ingestor(redis_client, KEYS, jobs, storage, options).run(job_id, path, threading.Event())
 
 
@@ -331,41 +341,64 @@ def _claim(redis_client: redis.Redis, name: str) -> str:
     JobStore(redis_client, KEYS).started("reap", item.job.id)
     # The worker dies: its heartbeat lapses (the score is the expiry time).
     registry = item.queue.started_job_registry
-    member = next(iter(redis_client.zrange(registry.key, 0, -1)))
+    member = next(m for m in redis_client.zrange(registry.key, 0, -1) if m.decode().startswith(item.job.id))
     redis_client.zadd(registry.key, {member: time.time() - 1})
     return item.job.id
+
+
+def _reaper(redis_client: redis.Redis, queue: Queue) -> Reaper:
+    jobs = JobStore(redis_client, KEYS)
+    return Reaper(redis_client, KEYS, jobs, [queue], owner="r", interval_s=0.01, metrics=WorkerMetrics())
 
 
 def test_reaper_requeues_dead_workers_prompts_then_gives_up_on_a_killer(
     redis_client: redis.Redis, storage: Storage
 ) -> None:
-    _ingest(redis_client, storage, "reap", 3)
+    _ingest(redis_client, storage, "reap", 3, max_worker_losses=2)
     queue = _short_queue(redis_client)
     jobs = JobStore(redis_client, KEYS)
-    reaper = Reaper(
-        redis_client,
-        KEYS,
-        jobs,
-        [queue],
-        owner="r",
-        interval_s=0.01,
-        max_worker_losses=2,
-        metrics=WorkerMetrics(),
-    )
+    reaper = _reaper(redis_client, queue)
     victim = _claim(redis_client, "w1")
     assert jobs.progress("reap").in_flight == 1
     result = reaper.reap_once()
     assert (result.requeued, result.failed) == (1, 0)
     assert queue.get_job_ids()[0] == victim  # at the front, uncharged
-    assert queue.fetch_job(victim).meta.get("attempts", 0) == 0
+    job = queue.fetch_job(victim)
+    assert job.meta.get("attempts", 0) == 0 and job.retries_left == 1
     assert jobs.progress("reap").in_flight == 0
+    outcomes = []
     for n in range(2, 4):
         time.sleep(0.02)  # the reaper lock of the previous pass expires
         assert _claim(redis_client, f"w{n}") == victim
         result = reaper.reap_once()
-    assert (result.requeued, result.failed) == (0, 1)
+        outcomes.append((result.requeued, result.failed))
+    assert outcomes == [(1, 0), (0, 1)]  # the third dead worker is one too many
     assert FailedJobRegistry(queue=queue).get_job_ids(cleanup=False) == [victim]
     progress = jobs.progress("reap")
     assert (progress.failed, progress.in_flight) == (1, 0)
     [report] = jobs.failed_reports("reap", 10)
-    assert report["reason"] == "WorkerLost" and "3 workers" in report["message"]
+    assert report["reason"] == "WorkerLost" and report["sample_id"] == "p0"
+
+
+def test_rqs_own_cleanup_follows_the_same_budget_and_is_reconciled(
+    redis_client: redis.Redis, storage: Storage
+) -> None:
+    """rq info / rq-dashboard run RQ's registry cleanup; it must not lose a prompt either."""
+    _ingest(redis_client, storage, "reap", 2, max_worker_losses=1)
+    queue = _short_queue(redis_client)
+    jobs = JobStore(redis_client, KEYS)
+    victim = _claim(redis_client, "w1")
+    queue.started_job_registry.cleanup()  # RQ's own: a retry is left, so it requeues
+    assert victim in queue.get_job_ids()
+    assert FailedJobRegistry(queue=queue).get_job_ids(cleanup=False) == []
+    assert queue.get_job_ids() == [Keys(NS).rq_job_id("reap", "p1", 0, 0), victim]  # RQ requeues at the back
+    assert _claim(redis_client, "w2") != victim
+    assert _claim(redis_client, "w3") == victim
+    queue.started_job_registry.cleanup()  # no retry left: RQ fails it as abandoned
+    assert victim in FailedJobRegistry(queue=queue).get_job_ids(cleanup=False)
+    assert jobs.progress("reap").failed == 0  # not yet counted by the job ...
+    _reaper(redis_client, queue).reap_once()
+    progress = jobs.progress("reap")
+    assert progress.failed == 1  # ... until the reaper reconciles it, once
+    _reaper(redis_client, queue).reap_once()
+    assert jobs.progress("reap").failed == 1
