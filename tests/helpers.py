@@ -1,16 +1,29 @@
-"""Test helpers shared across packages: a simulator served over real HTTP from a thread."""
+"""Test helpers shared across packages: simulators, fast worker settings, ingestion, processes."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
+from typing import IO, Any
 
 import httpx
+import redis
 import uvicorn
 
+from datagen.jobs import JobStore
+from datagen.keys import Keys
 from datagen.redis_server import free_port
+from datagen.settings import WorkerSettings
+from datagen.spec import JobSpec
+from datagen.storage import Storage
+from service.ingest import IngestOptions, Ingestor
 from simulator.config import SimConfig
 from simulator.server import uvicorn_config
 
@@ -37,14 +50,101 @@ def running_simulator(**overrides: object) -> Iterator[str]:
         thread.join(timeout=10)
 
 
-def wait_until(predicate: object, timeout_s: float = 30.0, interval_s: float = 0.05) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():  # type: ignore[operator]
-            return
-        time.sleep(interval_s)
-    raise AssertionError(f"condition not met within {timeout_s} s")
+# Worker settings that make every interval short, so tests run in seconds.
+FAST_WORKER: dict[str, Any] = {
+    "metrics_port": 0,
+    "commit_interval_s": 0.05,
+    "heartbeat_interval_s": 0.5,
+    "poll_interval_s": 0.02,
+    "retry_base_s": 0.01,
+    "retry_max_s": 0.05,
+    "health_interval_s": 0.2,
+    "health_timeout_s": 0.3,
+    "control_interval_s": 0.1,
+    "controller_interval_s": 0.2,
+    "reaper_interval_s": 0.5,
+    "drain_timeout_s": 5,
+}
 
 
-def health(url: str) -> int:
-    return httpx.get(f"{url}/health", timeout=2).status_code
+def fast_worker_settings(
+    redis_url: str, storage: Storage, namespace: str, **overrides: Any
+) -> WorkerSettings:
+    values = dict(FAST_WORKER, redis_url=redis_url, storage=str(storage.root), namespace=namespace)
+    values.update(overrides)
+    return WorkerSettings(**values)
+
+
+def ingest_rows(
+    redis_client: redis.Redis,
+    storage: Storage,
+    keys: Keys,
+    job_id: str,
+    spec: JobSpec,
+    rows: list[dict[str, Any]],
+    *,
+    max_worker_losses: int = 3,
+) -> None:
+    """Create a job and ingest ``rows`` the way the coordinator does, synchronously."""
+    jobs = JobStore(redis_client, keys)
+    jobs.create(job_id, spec)
+    path = storage.new_input_path(job_id)
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    options = IngestOptions(
+        chunk=50, result_ttl_s=600, failure_ttl_s=600, max_worker_losses=max_worker_losses
+    )
+    Ingestor(redis_client, keys, jobs, storage, options).run(job_id, path, threading.Event())
+
+
+class ProcessStack:
+    """``python -m datagen …`` child processes with logs under ``tmp``; ``stop()`` ends them all."""
+
+    def __init__(self, tmp: Path, env: dict[str, str]) -> None:
+        self.tmp = tmp
+        self.env = {k: v for k, v in os.environ.items() if not k.startswith("DATAGEN_")}
+        self.env.update(env, HF_HUB_OFFLINE="1")
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self._logs: list[IO[bytes]] = []
+
+    def spawn(self, name: str, *args: str) -> subprocess.Popen[bytes]:
+        log = open(self.tmp / f"{name}.log", "wb")  # noqa: SIM115 - closed in stop()
+        self._logs.append(log)
+        command = [sys.executable, "-m", "datagen", *args]
+        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=self.env)
+        self.procs[name] = proc
+        return proc
+
+    def cli(self, *args: str, timeout_s: float = 300) -> subprocess.CompletedProcess[str]:
+        command = [sys.executable, "-m", "datagen", *args]
+        return subprocess.run(command, env=self.env, capture_output=True, text=True, timeout=timeout_s)
+
+    def wait_http(self, url: str, timeout_s: float = STARTUP_TIMEOUT_S * 4) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            dead = [name for name, proc in self.procs.items() if proc.poll() is not None]
+            assert not dead, f"{dead} exited\n{self.logs()}"
+            try:
+                if httpx.get(url, timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        raise AssertionError(f"{url} did not come up\n{self.logs()}")
+
+    def logs(self) -> str:
+        return "\n".join(
+            f"== {p.name}\n{p.read_text(errors='replace')[-3000:]}" for p in self.tmp.glob("*.log")
+        )
+
+    def stop(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in self.procs.values():
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        for log in self._logs:
+            log.close()

@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,76 +19,32 @@ from rq.registry import FailedJobRegistry, StartedJobRegistry
 from datagen.redis_server import LocalRedis, free_port
 from datagen.storage import Storage
 from datagen.tokenization import bundled_tokenizer_path, default_chat_template_path
+from tests.helpers import ProcessStack
 
 pytestmark = pytest.mark.e2e
 
 NS = "life"
-STARTUP_TIMEOUT_S = 60.0
 HEARTBEAT_S = 0.5
 # The heartbeat TTL is three intervals plus a fixed 10 s grace (workers/rqbridge.py).
 RECOVERY_BUDGET_S = 3 * HEARTBEAT_S + 10 + 2 * 1.0 + 5
 
 
-class _Stack:
-    def __init__(self, tmp: Path, redis_url: str) -> None:
-        self.tmp = tmp
-        self.env = {k: v for k, v in os.environ.items() if not k.startswith("DATAGEN_")}
-        self.env.update(
-            DATAGEN_REDIS_URL=redis_url,
-            DATAGEN_STORAGE=str(tmp / "data"),
-            DATAGEN_NAMESPACE=NS,
-            DATAGEN_HEARTBEAT_INTERVAL_S=str(HEARTBEAT_S),
-            DATAGEN_REAPER_INTERVAL_S="1",
-            DATAGEN_CONTROL_INTERVAL_S="0.2",
-            DATAGEN_COMMIT_INTERVAL_S="0.2",
-            DATAGEN_METRICS_PORT="0",
-            HF_HUB_OFFLINE="1",
-        )
-        self.procs: dict[str, subprocess.Popen[bytes]] = {}
-        self.logs: list[Any] = []
-
-    def spawn(self, name: str, *args: str) -> subprocess.Popen[bytes]:
-        log = open(self.tmp / f"{name}.log", "wb")  # noqa: SIM115 - closed in stop()
-        self.logs.append(log)
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "datagen", *args], stdout=log, stderr=subprocess.STDOUT, env=self.env
-        )
-        self.procs[name] = proc
-        return proc
-
-    def cli(self, *args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            [sys.executable, "-m", "datagen", *args], env=self.env, capture_output=True, text=True, timeout=60
-        )
-
-    def wait_http(self, url: str) -> None:
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(url, timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                time.sleep(0.1)
-        raise AssertionError(f"{url} did not come up")
-
-    def stop(self) -> None:
-        for proc in self.procs.values():
-            if proc.poll() is None:
-                proc.terminate()
-        for proc in self.procs.values():
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        for log in self.logs:
-            log.close()
-
-
 @pytest.fixture
-def stack(tmp_path: Path) -> Iterator[_Stack]:
+def stack(tmp_path: Path) -> Iterator[ProcessStack]:
     with LocalRedis() as redis_server:
-        stack = _Stack(tmp_path, redis_server.url)
+        stack = ProcessStack(
+            tmp_path,
+            {
+                "DATAGEN_REDIS_URL": redis_server.url,
+                "DATAGEN_STORAGE": str(tmp_path / "data"),
+                "DATAGEN_NAMESPACE": NS,
+                "DATAGEN_HEARTBEAT_INTERVAL_S": str(HEARTBEAT_S),
+                "DATAGEN_REAPER_INTERVAL_S": "1",
+                "DATAGEN_CONTROL_INTERVAL_S": "0.2",
+                "DATAGEN_COMMIT_INTERVAL_S": "0.2",
+                "DATAGEN_METRICS_PORT": "0",
+            },
+        )
         sim_port, coord_port = free_port(), free_port()
         stack.sim_url = f"http://127.0.0.1:{sim_port}"  # type: ignore[attr-defined]
         stack.coordinator = f"http://127.0.0.1:{coord_port}"  # type: ignore[attr-defined]

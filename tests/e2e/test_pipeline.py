@@ -9,12 +9,9 @@ rows written out by hand below) followed by the simulator's deterministic output
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -28,6 +25,7 @@ from datagen.redis_server import LocalRedis, free_port
 from datagen.storage import Storage
 from datagen.tokenization import bundled_tokenizer_path, default_chat_template_path, get_renderer
 from simulator.model import SpecialIds, expected_output
+from tests.helpers import ProcessStack
 
 pytestmark = pytest.mark.e2e
 
@@ -37,7 +35,6 @@ SHORT_MAX_NEW = 300
 LONG_MAX_NEW = 1200
 LONG_THRESHOLD = 120
 GENERATION_SUFFIX = [128804, 128821, 201]  # <｜Assistant｜> <think> "\n"
-STARTUP_TIMEOUT_S = 60.0
 
 # Written by hand (ids read once off the DeepSeek tokenizer, strings from the template's layout):
 # the test must not only recompute what the code under test computes.
@@ -145,62 +142,16 @@ def _dataset() -> tuple[list[str], list[dict[str, Any]]]:
     return lines, valid
 
 
-class _Stack:
-    def __init__(self, tmp: Path, redis_url: str) -> None:
-        self.tmp = tmp
-        self.env = {k: v for k, v in os.environ.items() if not k.startswith("DATAGEN_")}
-        self.env.update(
-            DATAGEN_REDIS_URL=redis_url,
-            DATAGEN_STORAGE=str(tmp / "data"),
-            DATAGEN_NAMESPACE=NS,
-            HF_HUB_OFFLINE="1",
-        )
-        self.procs: list[subprocess.Popen[bytes]] = []
-        self.log_files: list[Any] = []
-
-    def spawn(self, name: str, *args: str) -> None:
-        log = open(self.tmp / f"{name}.log", "wb")  # noqa: SIM115 - closed in stop()
-        self.log_files.append(log)
-        self.procs.append(
-            subprocess.Popen(
-                [sys.executable, "-m", "datagen", *args], stdout=log, stderr=subprocess.STDOUT, env=self.env
-            )
-        )
-
-    def wait_http(self, url: str) -> None:
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while time.monotonic() < deadline:
-            assert all(p.poll() is None for p in self.procs), self.logs()
-            try:
-                if httpx.get(url, timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                time.sleep(0.1)
-        raise AssertionError(f"{url} not up\n{self.logs()}")
-
-    def logs(self) -> str:
-        return "\n".join(
-            f"== {p.name}\n{p.read_text(errors='replace')[-3000:]}" for p in self.tmp.glob("*.log")
-        )
-
-    def stop(self) -> None:
-        for proc in self.procs:
-            proc.terminate()
-        for proc in self.procs:
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        for log in self.log_files:
-            log.close()
-
-
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     tmp = tmp_path_factory.mktemp("e2e")
     with LocalRedis() as redis_server:
-        stack = _Stack(tmp, redis_server.url)
+        env = {
+            "DATAGEN_REDIS_URL": redis_server.url,
+            "DATAGEN_STORAGE": str(tmp / "data"),
+            "DATAGEN_NAMESPACE": NS,
+        }
+        stack = ProcessStack(tmp, env)
         sim_port, coord_port = free_port(), free_port()
         tokenizer = bundled_tokenizer_path()
         try:
@@ -226,33 +177,11 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
             lines, valid = _dataset()
             dataset = tmp / "dataset.jsonl"
             dataset.write_text("\n".join(lines) + "\n", encoding="utf-8")
-            submit = subprocess.run(
-                [
-                    sys.executable,
-                    "-m",
-                    "datagen",
-                    "submit",
-                    str(dataset),
-                    "--coordinator",
-                    coordinator,
-                    "--tokenizer",
-                    tokenizer,
-                    "--chat-template",
-                    str(default_chat_template_path()),
-                    "--short-max-new-tokens",
-                    str(SHORT_MAX_NEW),
-                    "--long-max-new-tokens",
-                    str(LONG_MAX_NEW),
-                    "--long-threshold-tokens",
-                    str(LONG_THRESHOLD),
-                    "--seed",
-                    str(SEED),
-                    "--wait",
-                ],
-                env=stack.env,
-                capture_output=True,
-                text=True,
-                timeout=300,
+            submit = stack.cli(
+                *("submit", str(dataset), "--coordinator", coordinator, "--tokenizer", tokenizer),
+                *("--chat-template", str(default_chat_template_path()), "--seed", str(SEED), "--wait"),
+                *("--short-max-new-tokens", str(SHORT_MAX_NEW), "--long-max-new-tokens", str(LONG_MAX_NEW)),
+                *("--long-threshold-tokens", str(LONG_THRESHOLD)),
             )
             assert submit.returncode == 0, f"{submit.stdout}\n{submit.stderr}\n{stack.logs()}"
             job_id = submit.stdout.strip().splitlines()[0]

@@ -4,8 +4,6 @@ shared targets, the KV controller and the reaper."""
 from __future__ import annotations
 
 import asyncio
-import json
-import threading
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -26,8 +24,7 @@ from datagen.states import JobState, PromptClass
 from datagen.storage import Storage
 from datagen.tokenization import bundled_tokenizer_path, default_chat_template_path
 from service.fleetview import FleetView
-from service.ingest import IngestOptions, Ingestor
-from tests.helpers import running_simulator
+from tests.helpers import fast_worker_settings, ingest_rows, running_simulator
 from workers.control import HealthProbe
 from workers.fleet import Fleet, Server, ServerSpec
 from workers.metrics import WorkerMetrics
@@ -65,44 +62,25 @@ def _ingest(
         "short_max_new_tokens": 400,
         "long_threshold_tokens": 100_000,
         "sampling": {"sampling_seed": 3},
+        **spec,
     }
-    values.update(spec)
-    jobs = JobStore(redis_client, KEYS)
-    jobs.create(job_id, JobSpec.model_validate(values))
-    path = storage.new_input_path(job_id)
     rows = [
         {"id": f"p{i}", "messages": [{"role": "user", "content": f"prompt number {i}"}]} for i in range(n)
     ]
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    options = IngestOptions(
-        chunk=100, result_ttl_s=600, failure_ttl_s=600, max_worker_losses=max_worker_losses
+    ingest_rows(
+        redis_client,
+        storage,
+        KEYS,
+        job_id,
+        JobSpec.model_validate(values),
+        rows,
+        max_worker_losses=max_worker_losses,
     )
-    Ingestor(redis_client, KEYS, jobs, storage, options).run(job_id, path, threading.Event())
 
 
 def _settings(redis_url: str, storage: Storage, **overrides: Any) -> WorkerSettings:
-    values: dict[str, Any] = {
-        "redis_url": redis_url,
-        "storage": str(storage.root),
-        "namespace": NS,
-        "metrics_port": 0,
-        "commit_interval_s": 0.05,
-        "heartbeat_interval_s": 0.5,
-        "poll_interval_s": 0.02,
-        "retry_base_s": 0.01,
-        "retry_max_s": 0.05,
-        "health_interval_s": 0.2,
-        "health_timeout_s": 0.3,
-        "control_interval_s": 0.1,
-        "controller_interval_s": 0.2,
-        "reaper_interval_s": 0.5,
-        "short_concurrency": 4,
-        "long_concurrency": 1,
-        "drain_timeout_s": 10,
-        "kv_controller": False,
-    }
-    values.update(overrides)
-    return WorkerSettings(**values)
+    values = {"short_concurrency": 4, "long_concurrency": 1, "drain_timeout_s": 10, "kv_controller": False}
+    return fast_worker_settings(redis_url, storage, NS, **{**values, **overrides})
 
 
 async def _start(settings: WorkerSettings, servers: dict[str, str], *, burst: bool = False) -> Worker:

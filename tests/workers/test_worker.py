@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import json
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -21,9 +19,8 @@ from datagen.spec import JobSpec
 from datagen.states import JobState, PromptClass
 from datagen.storage import Storage
 from datagen.tokenization import bundled_tokenizer_path, default_chat_template_path, get_renderer
-from service.ingest import IngestOptions, Ingestor
 from simulator.model import SpecialIds, expected_output
-from tests.helpers import running_simulator
+from tests.helpers import fast_worker_settings, ingest_rows, running_simulator
 from workers.fleet import ServerSpec
 from workers.worker import Worker
 
@@ -63,35 +60,13 @@ def _spec(tokenizer_path: str, **overrides: Any) -> JobSpec:
 def _ingest(
     redis_client: redis.Redis, storage: Storage, job_id: str, spec: JobSpec, rows: list[dict[str, Any]]
 ) -> None:
-    keys = Keys(NS)
-    jobs = JobStore(redis_client, keys)
-    jobs.create(job_id, spec)
-    path = storage.new_input_path(job_id)
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    Ingestor(
-        redis_client, keys, jobs, storage, IngestOptions(chunk=50, result_ttl_s=600, failure_ttl_s=600)
-    ).run(job_id, path, threading.Event())
+    ingest_rows(redis_client, storage, Keys(NS), job_id, spec, rows)
 
 
 def _settings(redis_url: str, storage: Storage, **overrides: Any) -> WorkerSettings:
-    values: dict[str, Any] = {
-        "redis_url": redis_url,
-        "storage": str(storage.root),
-        "namespace": NS,
-        "metrics_port": 0,
-        "commit_interval_s": 0.05,
-        "heartbeat_interval_s": 0.5,
-        "poll_interval_s": 0.02,
-        "retry_base_s": 0.01,
-        "retry_max_s": 0.05,
-        "health_interval_s": 0.2,
-        "short_concurrency": 8,
-        "long_concurrency": 4,
-        "control_interval_s": 0.1,
-        "drain_timeout_s": 5,
-    }
-    values.update(overrides)
-    return WorkerSettings(**values)
+    return fast_worker_settings(
+        redis_url, storage, NS, **{"short_concurrency": 8, "long_concurrency": 4, **overrides}
+    )
 
 
 async def _run_burst(settings: WorkerSettings, urls: list[str]) -> Worker:
