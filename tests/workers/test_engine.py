@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -35,16 +34,6 @@ from workers.worker import Worker
 
 NS = "eng"
 KEYS = Keys(NS)
-
-
-@pytest.fixture(scope="module")
-def tokenizer_path() -> str:
-    return bundled_tokenizer_path()
-
-
-@pytest.fixture
-def storage(tmp_path: Path) -> Storage:
-    return Storage(tmp_path)
 
 
 def _ingest(

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -18,7 +17,7 @@ from datagen.settings import WorkerSettings
 from datagen.spec import JobSpec
 from datagen.states import JobState, PromptClass
 from datagen.storage import Storage
-from datagen.tokenization import bundled_tokenizer_path, default_chat_template_path, get_renderer
+from datagen.tokenization import default_chat_template_path, get_renderer
 from simulator.model import SpecialIds, expected_output
 from tests.helpers import fast_worker_settings, ingest_rows, running_simulator
 from workers.fleet import ServerSpec
@@ -26,16 +25,6 @@ from workers.worker import Worker
 
 NS = "w"
 SEED = 7
-
-
-@pytest.fixture(scope="module")
-def tokenizer_path() -> str:
-    return bundled_tokenizer_path()
-
-
-@pytest.fixture
-def storage(tmp_path: Path) -> Storage:
-    return Storage(tmp_path)
 
 
 @pytest.fixture(scope="module")
