@@ -45,6 +45,7 @@ from rq import Queue
 from rq.serializers import JSONSerializer
 
 from datagen.dataset import Prompt, iter_prompts
+from datagen.enqueue import RQ_JOB_FUNC, EnqueueOptions
 from datagen.jobs import JobStore
 from datagen.keys import Keys
 from datagen.payload import PromptPayload
@@ -54,7 +55,7 @@ from datagen.spec import JobSpec
 from datagen.states import JobState, PromptClass
 from datagen.storage import Storage
 from datagen.tokenization import PromptRenderer
-from service.ingest import RQ_JOB_FUNC, IngestOptions, Ingestor, renderer_for
+from service.ingest import IngestOptions, Ingestor, renderer_for
 
 DEFAULT_N = 5000
 DEFAULT_REPEAT = 3
@@ -157,7 +158,10 @@ def main() -> None:
     spec = job_spec()
     renderer = renderer_for(spec)  # loads the tokenizer once (over a second), outside every timing
     options = IngestOptions(
-        chunk=args.chunk, result_ttl_s=DEFAULT_RESULT_TTL_S, failure_ttl_s=DEFAULT_FAILURE_TTL_S
+        chunk=args.chunk,
+        enqueue=EnqueueOptions(
+            result_ttl_s=DEFAULT_RESULT_TTL_S, failure_ttl_s=DEFAULT_FAILURE_TTL_S, max_worker_losses=3
+        ),
     )
     with tempfile.TemporaryDirectory(prefix="bench-ingest-") as tmp, LocalRedis() as server:
         input_path = Path(tmp) / "prompts.jsonl"

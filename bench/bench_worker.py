@@ -59,6 +59,7 @@ from _common import (
 )
 
 from datagen.dataset import Prompt, iter_prompts
+from datagen.enqueue import EnqueueOptions
 from datagen.jobs import JobStore
 from datagen.keys import Keys
 from datagen.redis_server import LocalRedis
@@ -148,7 +149,10 @@ def ingest(client: redis.Redis, keys: Keys, storage: Storage, spec: JobSpec, pat
     jobs = JobStore(client, keys)
     jobs.create(BENCH_JOB_ID, spec)
     options = IngestOptions(
-        chunk=DEFAULT_ENQUEUE_CHUNK, result_ttl_s=DEFAULT_RESULT_TTL_S, failure_ttl_s=DEFAULT_FAILURE_TTL_S
+        chunk=DEFAULT_ENQUEUE_CHUNK,
+        enqueue=EnqueueOptions(
+            result_ttl_s=DEFAULT_RESULT_TTL_S, failure_ttl_s=DEFAULT_FAILURE_TTL_S, max_worker_losses=3
+        ),
     )
     Ingestor(client, keys, jobs, storage, options).run(BENCH_JOB_ID, path, threading.Event())
     progress = jobs.progress(BENCH_JOB_ID)

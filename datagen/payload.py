@@ -44,9 +44,12 @@ class PromptPayload:
     prompt_ids: list[int]
     max_new_tokens: int
     partition: str
+    # Multi-turn ``all`` mode only: the row's conversation, where each turn's history ends, and the
+    # text of the turns regenerated so far (the worker renders turn k+1 from them).
+    conversation: dict[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        body = {
             "job": self.job,
             "sample_id": self.sample_id,
             "turn": self.turn,
@@ -56,6 +59,9 @@ class PromptPayload:
             "max_new_tokens": self.max_new_tokens,
             "partition": self.partition,
         }
+        if self.conversation is not None:
+            body["conversation"] = self.conversation
+        return body
 
     @classmethod
     def from_json(cls, raw: Any) -> PromptPayload:
@@ -69,6 +75,7 @@ class PromptPayload:
                 prompt_ids=unpack_ids(raw["prompt_ids"]),
                 max_new_tokens=int(raw["max_new_tokens"]),
                 partition=str(raw.get("partition", "default")),
+                conversation=raw.get("conversation"),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise FatalError(f"malformed prompt payload in RQ job: {exc!r}") from exc

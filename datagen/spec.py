@@ -15,6 +15,7 @@ MAX_NEW_TOKENS_LIMIT = 1_048_576
 DEFAULT_SHORT_MAX_NEW_TOKENS = 2048
 DEFAULT_LONG_MAX_NEW_TOKENS = 16384
 DEFAULT_LONG_THRESHOLD_TOKENS = 4096
+MAX_SAMPLES = 64
 
 
 class SamplingParams(BaseModel):
@@ -60,13 +61,26 @@ class JobSpec(BaseModel):
     multi_turn: MultiTurnMode = MultiTurnMode.LAST
     context_len: int | None = Field(default=None, ge=2, le=MAX_NEW_TOKENS_LIMIT * 16)
     partitions: list[str] | None = Field(default=None, description="only these partitions; None = all")
+    samples: int = Field(default=1, ge=1, le=MAX_SAMPLES, description="generations per prompt (gen 0..N-1)")
+    temperatures: list[float] | None = Field(
+        default=None, min_length=1, max_length=MAX_SAMPLES, description="per-gen temperatures, cycled"
+    )
 
-    @field_validator("multi_turn")
+    @field_validator("temperatures")
     @classmethod
-    def _only_last(cls, value: MultiTurnMode) -> MultiTurnMode:
-        if value is not MultiTurnMode.LAST:
-            raise ValueError("multi_turn 'all' is not supported yet; use 'last'")
+    def _valid_temperatures(cls, value: list[float] | None) -> list[float] | None:
+        if value is not None and any(not 0.0 <= t <= 100.0 for t in value):
+            raise ValueError("temperatures must each be between 0 and 100")
         return value
+
+    def sampling_for(self, gen: int, max_new_tokens: int) -> dict[str, Any]:
+        """SGLang ``sampling_params`` of sample ``gen``: distinct seeds, the gen's temperature."""
+        params = self.sampling.to_sglang(max_new_tokens)
+        if self.temperatures:
+            params["temperature"] = self.temperatures[gen % len(self.temperatures)]
+        if self.samples > 1:
+            params["sampling_seed"] = (self.sampling.sampling_seed or 0) + gen
+        return params
 
     def max_new_tokens(self, cls: PromptClass) -> int:
         return self.short_max_new_tokens if cls is PromptClass.SHORT else self.long_max_new_tokens

@@ -11,6 +11,7 @@ from typing import IO, Any
 
 from redis import Redis
 
+from datagen.enqueue import EnqueueOptions
 from datagen.errors import InvalidSpecError, JobNotFoundError
 from datagen.jobs import JobStore
 from datagen.keys import Keys
@@ -51,9 +52,11 @@ class Coordinator:
             self.storage,
             IngestOptions(
                 chunk=settings.enqueue_chunk,
-                result_ttl_s=settings.result_ttl_s,
-                failure_ttl_s=settings.failure_ttl_s,
-                max_worker_losses=settings.max_worker_losses,
+                enqueue=EnqueueOptions(
+                    result_ttl_s=settings.result_ttl_s,
+                    failure_ttl_s=settings.failure_ttl_s,
+                    max_worker_losses=settings.max_worker_losses,
+                ),
             ),
         )
         self._stop = threading.Event()

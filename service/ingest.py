@@ -9,48 +9,40 @@ being enqueued twice, since RQ itself accepts a second enqueue of the same job i
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
 
 from redis import Redis
-from rq import Queue, Retry
+from rq import Queue
 from rq.serializers import JSONSerializer
 
 from datagen.dataset import Prompt, RowError, iter_prompts
+from datagen.enqueue import EnqueueOptions, enqueue_prompts
 from datagen.errors import DatagenError, InvalidRowError
 from datagen.fleet import fleet_context_len
 from datagen.jobs import JobStore
 from datagen.keys import Keys, prompt_key
 from datagen.payload import PromptPayload
 from datagen.spec import JobSpec
-from datagen.states import PromptClass
+from datagen.states import MultiTurnMode, PromptClass
 from datagen.storage import Storage
 from datagen.tokenization import PromptRenderer, get_renderer
 
-__all__ = ["RQ_JOB_FUNC", "IngestOptions", "Ingestor", "renderer_for"]
+__all__ = ["IngestOptions", "Ingestor", "renderer_for"]
 
 log = logging.getLogger(__name__)
-
-# Dotted path stored in each RQ job. Only the datagen worker runs these jobs; the coordinator
-# never imports the workers package, so the path is a string.
-RQ_JOB_FUNC = "workers.task.run_prompt"
 
 
 @dataclass(frozen=True)
 class IngestOptions:
     chunk: int
-    result_ttl_s: int
-    failure_ttl_s: int
-    # RQ retries are spent only when a worker dies with the prompt (see workers/reaper.py).
-    max_worker_losses: int = 3
-    job_timeout_s: dict[PromptClass, int] = field(
-        default_factory=lambda: {PromptClass.SHORT: 6 * 3600, PromptClass.LONG: 24 * 3600}
-    )
+    enqueue: EnqueueOptions
 
 
 @dataclass
@@ -104,11 +96,11 @@ class Ingestor:
             log.info("job %s: resuming ingestion of %s after line %d", job_id, input_path.name, start_line)
         chunk = _Chunk()
         with open(input_path, "rb") as stream:
-            for item in self._items(stream, spec, start_line):
+            for item, conversation in self._items(stream, spec, start_line):
                 if stop.is_set():
                     log.info("job %s: ingestion paused at line %d (shutdown)", job_id, chunk.last_line)
                     return
-                self._add(chunk, item, job_id, spec, renderer, context_len)
+                self._add(chunk, item, conversation, job_id, spec, renderer, context_len)
                 if len(chunk.prompts) + len(chunk.rejected) >= self.options.chunk:
                     self._flush(job_id, chunk)
                     chunk = _Chunk()
@@ -117,15 +109,33 @@ class Ingestor:
         log.info("job %s: ingestion finished", job_id)
 
     @staticmethod
-    def _items(stream: BinaryIO, spec: JobSpec, start_line: int) -> Iterable[Prompt | RowError]:
-        for item in iter_prompts(stream, multi_turn=spec.multi_turn):
-            if item.line > start_line:
-                yield item
+    def _items(
+        stream: BinaryIO, spec: JobSpec, start_line: int
+    ) -> Iterator[tuple[Prompt | RowError, dict[str, Any] | None]]:
+        """Rows as (first prompt, conversation); the conversation is set in multi-turn ``all`` mode.
+
+        In ``all`` mode only a row's first turn is enqueued here: a worker enqueues turn k+1 when the
+        record of turn k is committed, rendered from the regenerated turns (on-policy).
+        """
+        items = (i for i in iter_prompts(stream, multi_turn=spec.multi_turn) if i.line > start_line)
+        if spec.multi_turn is MultiTurnMode.LAST:
+            for item in items:
+                yield item, None
+            return
+        for _, group in itertools.groupby(items, key=lambda i: i.line):
+            turns = list(group)
+            first, last = turns[0], turns[-1]
+            if isinstance(first, RowError) or isinstance(last, RowError):
+                yield first, None
+                continue
+            cuts = [len(t.messages) for t in turns if isinstance(t, Prompt)]
+            yield first, {"messages": last.messages, "tools": last.tools, "cuts": cuts, "generated": []}
 
     def _add(
         self,
         chunk: _Chunk,
         item: Prompt | RowError,
+        conversation: dict[str, Any] | None,
         job_id: str,
         spec: JobSpec,
         renderer: PromptRenderer,
@@ -152,17 +162,19 @@ class Ingestor:
             chunk.rejected.append({"line": item.line, "reason": reason, "sample_id": item.sample_id})
             return
         cls = spec.classify(len(prompt_ids), item.cls)
-        payload = PromptPayload(
-            job=job_id,
-            sample_id=item.sample_id,
-            turn=item.turn,
-            gen=0,
-            cls=cls,
-            prompt_ids=prompt_ids,
-            max_new_tokens=spec.max_new_tokens(cls),
-            partition=item.partition,
-        )
-        chunk.prompts.append((item, payload))
+        for gen in range(spec.samples):
+            payload = PromptPayload(
+                job=job_id,
+                sample_id=item.sample_id,
+                turn=item.turn,
+                gen=gen,
+                cls=cls,
+                prompt_ids=prompt_ids,
+                max_new_tokens=spec.max_new_tokens(cls),
+                partition=item.partition,
+                conversation=conversation,
+            )
+            chunk.prompts.append((item, payload))
 
     def _flush(self, job_id: str, chunk: _Chunk) -> None:
         if chunk.rows == 0:
@@ -186,26 +198,10 @@ class Ingestor:
             "prompt_tokens": sum(len(p.prompt_ids) for _, p, _ in fresh),
         }
         with self.redis.pipeline(transaction=True) as pipe:
-            for cls, queue in self._queues.items():
-                datas = [self._job_data(p) for _, p, _ in fresh if p.cls is cls]
-                if datas:
-                    queue.enqueue_many(datas, pipeline=pipe)
-            if fresh:
-                pipe.sadd(self.keys.job_enqueued(job_id), *[m for _, _, m in fresh])
+            payloads = [p for _, p, _ in fresh]
+            enqueue_prompts(pipe, self._queues, self.keys, job_id, payloads, self.options.enqueue)
             self.jobs.add_ingest_counts(pipe, job_id, counts, chunk.last_line)
             pipe.execute()
-
-    def _job_data(self, payload: PromptPayload) -> Any:
-        return Queue.prepare_data(
-            RQ_JOB_FUNC,
-            args=(payload.to_json(),),
-            job_id=self.keys.rq_job_id(payload.job, payload.sample_id, payload.turn, payload.gen),
-            timeout=self.options.job_timeout_s[payload.cls],
-            result_ttl=self.options.result_ttl_s,
-            failure_ttl=self.options.failure_ttl_s,
-            description=f"{payload.job} {payload.sample_id} t{payload.turn} g{payload.gen}",
-            retry=Retry(max=self.options.max_worker_losses),
-        )
 
     def _write_rejected(self, job_id: str, rejected: list[dict[str, Any]]) -> None:
         path = self.storage.rejected_path(job_id)

@@ -17,6 +17,7 @@ import httpx
 import redis
 import uvicorn
 
+from datagen.enqueue import EnqueueOptions
 from datagen.jobs import JobStore
 from datagen.keys import Keys
 from datagen.redis_server import free_port
@@ -90,9 +91,8 @@ def ingest_rows(
     jobs.create(job_id, spec)
     path = storage.new_input_path(job_id)
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    options = IngestOptions(
-        chunk=50, result_ttl_s=600, failure_ttl_s=600, max_worker_losses=max_worker_losses
-    )
+    enqueue = EnqueueOptions(result_ttl_s=600, failure_ttl_s=600, max_worker_losses=max_worker_losses)
+    options = IngestOptions(chunk=50, enqueue=enqueue)
     Ingestor(redis_client, keys, jobs, storage, options).run(job_id, path, threading.Event())
 
 

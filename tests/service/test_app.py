@@ -143,7 +143,9 @@ def test_resubmission_never_enqueues_a_prompt_twice(client: TestClient, redis_cl
         (_spec(tokenizer="/does/not/exist"), "/does/not/exist"),
         (_spec(chat_template="/no/template.jinja"), "/no/template.jinja"),
         (_spec(sampling={"top_p": 0}), "top_p"),
-        (_spec(multi_turn="all"), "not supported"),
+        (_spec(multi_turn="every"), "multi_turn"),
+        (_spec(samples=0), "samples"),
+        (_spec(temperatures=[0.5, -1]), "temperatures"),
     ],
 )
 def test_bad_specs_get_a_400_that_says_what_to_fix(client: TestClient, spec: str, fragment: str) -> None:

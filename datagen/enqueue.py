@@ -1,0 +1,74 @@
+"""Putting prompts on the RQ queues: shared by ingestion (coordinator) and by workers, which
+enqueue turn k+1 of a multi-turn ``all`` conversation when turn k is committed.
+
+Every enqueue goes into the caller's transaction together with the prompts' keys in the job's
+``enqueued`` set, which is what keeps a prompt from being enqueued twice (RQ itself accepts a
+second enqueue of the same job id).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from redis.client import Pipeline
+from rq import Queue, Retry
+
+from datagen.keys import Keys, prompt_key
+from datagen.payload import PromptPayload
+from datagen.states import PromptClass
+
+__all__ = ["JOB_TIMEOUT_S", "RQ_JOB_FUNC", "EnqueueOptions", "enqueue_prompts"]
+
+# Dotted path stored in each RQ job. Only the datagen worker runs these jobs (it reads the payload
+# itself); the coordinator never imports the workers package, so the path is a string.
+RQ_JOB_FUNC = "workers.task.run_prompt"
+# RQ's job timeout; the worker enforces per-request read timeouts itself, so these only bound how
+# long RQ considers a started job plausible.
+JOB_TIMEOUT_S = {PromptClass.SHORT: 6 * 3600, PromptClass.LONG: 24 * 3600}
+
+
+@dataclass(frozen=True)
+class EnqueueOptions:
+    result_ttl_s: int
+    failure_ttl_s: int
+    # RQ retries are spent only when a worker dies with the prompt (see workers/reaper.py).
+    max_worker_losses: int
+
+
+def enqueue_prompts(
+    pipe: Pipeline,
+    queues: Mapping[PromptClass, Queue],
+    keys: Keys,
+    job_id: str,
+    payloads: Sequence[PromptPayload],
+    options: EnqueueOptions,
+) -> None:
+    """Add RQ jobs for ``payloads`` (not yet enqueued: the caller checked) to ``pipe``."""
+    for cls, queue in queues.items():
+        datas = [_job_data(keys, p, options) for p in payloads if p.cls is cls]
+        if datas:
+            queue.enqueue_many(datas, pipeline=pipe)
+    if payloads:
+        pipe.sadd(keys.job_enqueued(job_id), *[prompt_key(p.sample_id, p.turn, p.gen) for p in payloads])
+
+
+def _job_data(keys: Keys, payload: PromptPayload, options: EnqueueOptions) -> Any:
+    return Queue.prepare_data(
+        RQ_JOB_FUNC,
+        args=(payload.to_json(),),
+        job_id=keys.rq_job_id(payload.job, payload.sample_id, payload.turn, payload.gen),
+        timeout=JOB_TIMEOUT_S[payload.cls],
+        result_ttl=options.result_ttl_s,
+        failure_ttl=options.failure_ttl_s,
+        description=f"{payload.job} {payload.sample_id} t{payload.turn} g{payload.gen}",
+        retry=Retry(max=options.max_worker_losses),
+        meta={
+            "enqueue": {
+                "result_ttl_s": options.result_ttl_s,
+                "failure_ttl_s": options.failure_ttl_s,
+                "max_worker_losses": options.max_worker_losses,
+            }
+        },
+    )
