@@ -54,8 +54,8 @@ from datagen.settings import DEFAULT_ENQUEUE_CHUNK, DEFAULT_FAILURE_TTL_S, DEFAU
 from datagen.spec import JobSpec
 from datagen.states import JobState, PromptClass
 from datagen.storage import Storage
-from datagen.tokenization import PromptRenderer
-from service.ingest import IngestOptions, Ingestor, renderer_for
+from datagen.tokenization import PromptRenderer, renderer_for
+from service.ingest import IngestOptions, Ingestor
 
 DEFAULT_N = 5000
 DEFAULT_REPEAT = 3

@@ -73,7 +73,8 @@ from datagen.settings import (
 from datagen.spec import JobSpec
 from datagen.states import JobState, PromptClass
 from datagen.storage import Storage
-from service.ingest import IngestOptions, Ingestor, renderer_for
+from datagen.tokenization import renderer_for
+from service.ingest import IngestOptions, Ingestor
 from workers.fleet import ServerSpec
 from workers.sglang import ClientTimeouts, SGLangClient
 from workers.worker import Worker

@@ -208,6 +208,12 @@ class JobStore:
                 pipe.hincrby(key, name, value)
         pipe.hset(key, "ingest_line", line)
 
+    def add_prompts(self, pipe: Pipeline, job_id: str, count: int, prompt_tokens: int) -> None:
+        """Prompts a worker enqueued for the job (the next turns of multi-turn ``all`` mode)."""
+        key = self.keys.job(job_id)
+        pipe.hincrby(key, "accepted", count)
+        pipe.hincrby(key, "prompt_tokens", prompt_tokens)
+
     def finish_ingest(self, job_id: str) -> None:
         self.redis.hset(self.keys.job(job_id), "state", JobState.RUNNING.value)
         self._count_script(keys=self._count_keys(job_id), args=["done", 0, 0, now_ms(), "", "", 0])

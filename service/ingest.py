@@ -32,9 +32,9 @@ from datagen.payload import PromptPayload
 from datagen.spec import JobSpec
 from datagen.states import MultiTurnMode, PromptClass
 from datagen.storage import Storage
-from datagen.tokenization import PromptRenderer, get_renderer
+from datagen.tokenization import PromptRenderer, renderer_for
 
-__all__ = ["IngestOptions", "Ingestor", "renderer_for"]
+__all__ = ["IngestOptions", "Ingestor"]
 
 log = logging.getLogger(__name__)
 
@@ -51,15 +51,6 @@ class _Chunk:
     rejected: list[dict[str, Any]] = field(default_factory=list)
     rows: int = 0
     last_line: int = 0
-
-
-def renderer_for(spec: JobSpec) -> PromptRenderer:
-    return get_renderer(
-        spec.tokenizer,
-        spec.chat_template,
-        spec.trust_remote_code,
-        json.dumps(spec.chat_template_kwargs, sort_keys=True),
-    )
 
 
 class Ingestor:
@@ -129,7 +120,14 @@ class Ingestor:
                 yield first, None
                 continue
             cuts = [len(t.messages) for t in turns if isinstance(t, Prompt)]
-            yield first, {"messages": last.messages, "tools": last.tools, "cuts": cuts, "generated": []}
+            conversation: dict[str, Any] = {
+                "messages": last.messages,
+                "tools": last.tools,
+                "cuts": cuts,
+                "generated": [],
+                "class": first.cls.value if first.cls is not None else None,
+            }
+            yield first, conversation
 
     def _add(
         self,

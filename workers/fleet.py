@@ -9,9 +9,12 @@ factor (the KV controller's) and divided among the workers that list the server.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import re
+import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
@@ -24,6 +27,10 @@ __all__ = ["Fleet", "Server", "ServerSpec"]
 log = logging.getLogger(__name__)
 
 _NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+# How long a sample waits for the server that serves its prompt's other samples.
+AFFINITY_WAIT_S = 2.0
+# Prompts remembered for affinity (their samples are enqueued together, so recent ones suffice).
+AFFINITY_MEMORY = 10_000
 
 
 @dataclass(eq=False)
@@ -70,6 +77,7 @@ class Fleet:
         self.servers = servers
         self.metrics = metrics
         self._changed = asyncio.Condition()
+        self._sticky: OrderedDict[str, Server] = OrderedDict()
         for server in servers:
             metrics.server_up.labels(server.name).set(1 if server.up else 0)
 
@@ -80,17 +88,40 @@ class Fleet:
     def free_slots(self, cls: PromptClass) -> int:
         return sum(s.free(cls) for s in self.servers)
 
-    async def wait_for_slot(self, cls: PromptClass) -> None:
-        async with self._changed:
-            await self._changed.wait_for(lambda: self.free_slots(cls) > 0)
+    async def acquire(self, cls: PromptClass, *, affinity: str | None = None) -> Server:
+        """A slot on the least loaded server.
 
-    async def acquire(self, cls: PromptClass) -> Server:
+        With ``affinity`` (the samples of one prompt), the server that took the first request of
+        that key is preferred: the request waits up to ``AFFINITY_WAIT_S`` for a slot there, so
+        the server's prefix cache serves every sample, and then goes wherever there is room.
+        """
+        preferred = self._sticky.get(affinity) if affinity is not None else None
+        deadline = time.monotonic() + AFFINITY_WAIT_S
         async with self._changed:
-            await self._changed.wait_for(lambda: self.free_slots(cls) > 0)
-            server = max(self.servers, key=lambda s: s.free(cls))
+            while True:
+                if preferred is not None and preferred.free(cls) > 0:
+                    server = preferred
+                    break
+                waiting_for_preferred = (
+                    preferred is not None and preferred.accepting and time.monotonic() < deadline
+                )
+                if not waiting_for_preferred and self.free_slots(cls) > 0:
+                    server = max(self.servers, key=lambda s: s.free(cls))
+                    break
+                timeout_s = max(0.0, deadline - time.monotonic()) if waiting_for_preferred else None
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._changed.wait(), timeout_s)
             server.in_flight[cls] += 1
+        if affinity is not None:
+            self._remember(affinity, server)
         self.metrics.in_flight.labels(server.name, cls.value).inc()
         return server
+
+    def _remember(self, affinity: str, server: Server) -> None:
+        self._sticky[affinity] = server
+        self._sticky.move_to_end(affinity)
+        while len(self._sticky) > AFFINITY_MEMORY:
+            self._sticky.popitem(last=False)
 
     async def release(self, server: Server, cls: PromptClass) -> None:
         server.in_flight[cls] -= 1

@@ -24,23 +24,32 @@ from typing import Any
 
 import redis
 from prometheus_client import start_http_server
+from redis.client import Pipeline
 from rq.job import Job
 
+from datagen.enqueue import EnqueueOptions, enqueue_prompts
 from datagen.errors import FatalError, RetryableError
 from datagen.jobs import JobStore, now_ms
-from datagen.keys import Keys
+from datagen.keys import Keys, prompt_key
 from datagen.payload import PromptPayload
 from datagen.records import Record
-from datagen.settings import WorkerSettings
+from datagen.settings import (
+    DEFAULT_FAILURE_TTL_S,
+    DEFAULT_MAX_WORKER_LOSSES,
+    DEFAULT_RESULT_TTL_S,
+    WorkerSettings,
+)
 from datagen.spec import JobSpec
 from datagen.states import PromptClass
 from datagen.storage import Storage
+from datagen.tokenization import renderer_for
 from workers.control import FleetSync, HealthProbe, KvControl
 from workers.fleet import Fleet, Server, ServerSpec
 from workers.metrics import WorkerMetrics
 from workers.reaper import Reaper
 from workers.rqbridge import InFlight, QueueIdentity, payload_of
 from workers.sglang import ClientTimeouts, GenerateResult, SGLangClient
+from workers.turns import next_turn
 from workers.writer import RecordWriter
 
 __all__ = ["Worker"]
@@ -299,11 +308,13 @@ class Worker:
                 self.jobs.started(job_id, item.job.id)
             try:
                 try:
-                    record = await self._generate(item.job, cls)
+                    payload = PromptPayload.from_json(item.job.args[0])
+                    record = await self._generate(item.job, payload, cls)
                 finally:
                     self._generating[cls] -= 1
                     self._slot_freed.set()
                 await self.writer.commit(record)
+                following = await self._following_turn(payload, record)
             except asyncio.CancelledError:
                 hook = (lambda pipe: self.jobs.handed_back(pipe, job_id, item.job.id)) if job_id else None
                 identity.hand_back(item, hook)
@@ -314,16 +325,39 @@ class Worker:
                 log.exception("prompt %s crashed the task", item.job.id)
                 self._fail(identity, item, job_id, exc)
             else:
-                self._succeed(identity, item, record)
+                self._succeed(identity, item, record, following)
         except redis.RedisError as exc:
             # The record (if any) is committed; RQ will hand the job out again once its heartbeat
             # lapses, and the export drops the duplicate.
             log.error("cannot update RQ for %s (Redis unreachable?): %s", item.job.id, exc)
 
-    def _succeed(self, identity: QueueIdentity, item: InFlight, record: Record) -> None:
-        identity.finish_success(
-            item, lambda pipe: self.jobs.count_done(pipe, record.job_id, item.job.id, record.output_len)
-        )
+    async def _following_turn(self, payload: PromptPayload, record: Record) -> PromptPayload | None:
+        """Multi-turn ``all`` mode: the next turn to enqueue, unless it was enqueued before."""
+        if payload.conversation is None:
+            return None
+        spec = self._job(payload.job).spec
+        renderer = await asyncio.to_thread(renderer_for, spec)
+        following = await asyncio.to_thread(next_turn, payload, record, spec, renderer)
+        if following is None:
+            return None
+        member = prompt_key(following.sample_id, following.turn, following.gen)
+        if self.redis.sismember(self.keys.job_enqueued(payload.job), member):
+            return None
+        return following
+
+    def _succeed(
+        self, identity: QueueIdentity, item: InFlight, record: Record, following: PromptPayload | None
+    ) -> None:
+        def hook(pipe: Pipeline) -> None:
+            self.jobs.count_done(pipe, record.job_id, item.job.id, record.output_len)
+            if following is not None:
+                # In the same transaction as the done count: the job cannot complete in between.
+                queues = {cls: identity.queue for cls, identity in self.identities.items()}
+                options = _enqueue_options(item.job)
+                enqueue_prompts(pipe, queues, self.keys, record.job_id, [following], options)
+                self.jobs.add_prompts(pipe, record.job_id, 1, len(following.prompt_ids))
+
+        identity.finish_success(item, hook)
         log.info(
             "done %s server=%s class=%s prompt=%d output=%d finish=%s attempts=%d %.2fs",
             item.job.id,
@@ -354,18 +388,20 @@ class Worker:
             self._jobs_seen[job_id] = info
         return info
 
-    async def _generate(self, job: Job, cls: PromptClass) -> Record:
-        payload = PromptPayload.from_json(job.args[0])
+    async def _generate(self, job: Job, payload: PromptPayload, cls: PromptClass) -> Record:
         job_info = self._job(payload.job)
+        spec = job_info.spec
+        # Samples of one prompt prefer one server, whose prefix cache then serves them.
+        affinity = f"{payload.job}/{payload.sample_id}/{payload.turn}" if spec.samples > 1 else None
         attempts = int(job.meta.get("attempts", 0))
         started_at_ms = now_ms()
         tries = 0
         while True:
             tries += 1
-            server = await self.fleet.acquire(cls)
+            server = await self.fleet.acquire(cls, affinity=affinity)
             try:
                 max_new = self._max_new_tokens(payload, server)
-                params = job_info.spec.sampling.to_sglang(max_new)
+                params = spec.sampling_for(payload.gen, max_new)
                 rid = f"{job.id}.a{tries}.{self.tag}"
                 result = await self._call(server, cls, payload, params, rid)
             except RetryableError as exc:
@@ -507,3 +543,13 @@ class Worker:
                     identity.beat()
             except redis.RedisError as exc:
                 log.warning("heartbeat failed (Redis unreachable?): %s", exc)
+
+
+def _enqueue_options(job: Job) -> EnqueueOptions:
+    """The coordinator's enqueue settings, as stored on the job that precedes the new one."""
+    stored = job.meta.get("enqueue") or {}
+    return EnqueueOptions(
+        result_ttl_s=int(stored.get("result_ttl_s", job.result_ttl or DEFAULT_RESULT_TTL_S)),
+        failure_ttl_s=int(stored.get("failure_ttl_s", job.failure_ttl or DEFAULT_FAILURE_TTL_S)),
+        max_worker_losses=int(stored.get("max_worker_losses", DEFAULT_MAX_WORKER_LOSSES)),
+    )

@@ -196,3 +196,20 @@ def test_duplicate_ids_in_one_upload_are_enqueued_once(client: TestClient, redis
     assert (job["total"], job["skipped"]) == (1, 2)
     short = Queue(Keys(NS).queue_name(PromptClass.SHORT), connection=redis_client, serializer=JSONSerializer)
     assert short.count == 1
+
+
+def test_appending_with_another_tokenizer_or_template_is_refused(client: TestClient, tmp_path: Path) -> None:
+    rows = [json.dumps({"prompt": "x"})]
+    # Same spec (same paths), but the template file's content changed on disk since.
+    template = tmp_path / "copy.jinja"
+    template.write_text(default_chat_template_path().read_text())
+    spec = _spec(chat_template=str(template))
+    assert _post(client, rows, spec=spec, job_id="pinned2").status_code == 202
+    _wait_ingested(client, "pinned2")
+    template.write_text(default_chat_template_path().read_text().replace("## Tools", "## Functions"))
+    from datagen.tokenization import get_renderer
+
+    get_renderer.cache_clear()  # a coordinator restart would load the changed file
+    response = _post(client, rows, spec=spec, job_id="pinned2")
+    assert response.status_code == 400
+    assert "another chat template" in response.json()["error"]
