@@ -27,15 +27,23 @@ __all__ = ["FAILED_REPORTS_CAP", "JobProgress", "JobStore", "now_ms"]
 
 FAILED_REPORTS_CAP = 10_000
 
-# KEYS: job hash, the job's running set, its failure reports. ARGV: counter field, increment,
-# output tokens, now ms, RQ id leaving the running set ("" for none), failure report ("" for
-# none), report cap. A prompt is counted only if it was still in the running set, so finishing
-# the same prompt twice (a stalled worker and its rescuer) counts once.
+# KEYS: job hash, the job's running set, its failure reports, its breakdown hash, its labelled
+# partitions. ARGV: counter field, increment, output tokens, now ms, RQ id leaving the running set
+# ("" for none), failure report ("" for none), report cap, partition, class. A prompt is counted
+# only if it was still in the running set, so finishing the same prompt twice (a stalled worker
+# and its rescuer) counts once.
 _COUNT_AND_MAYBE_COMPLETE = """
 local key = KEYS[1]
 if redis.call('EXISTS', key) == 0 then return 0 end
 if ARGV[5] ~= '' and redis.call('SREM', KEYS[2], ARGV[5]) == 0 then return -1 end
-if tonumber(ARGV[2]) ~= 0 then redis.call('HINCRBY', key, ARGV[1], ARGV[2]) end
+if tonumber(ARGV[2]) ~= 0 then
+  redis.call('HINCRBY', key, ARGV[1], ARGV[2])
+  local label = ARGV[8]
+  if redis.call('SISMEMBER', KEYS[5], label) == 0 then label = 'other' end
+  local suffix = '|' .. label .. '|' .. ARGV[9]
+  redis.call('HINCRBY', KEYS[4], ARGV[1] .. suffix, ARGV[2])
+  if tonumber(ARGV[3]) ~= 0 then redis.call('HINCRBY', KEYS[4], 'output_tokens' .. suffix, ARGV[3]) end
+end
 if tonumber(ARGV[3]) ~= 0 then redis.call('HINCRBY', key, 'output_tokens', ARGV[3]) end
 if ARGV[6] ~= '' then
   redis.call('RPUSH', KEYS[3], ARGV[6])
@@ -53,6 +61,10 @@ if redis.call('HGET', key, 'state') == 'running' then
 end
 return 1
 """
+
+# Partitions beyond this many per job are counted under the label "other" (bounded label sets).
+MAX_PARTITION_LABELS = 20
+OTHER_PARTITION = "other"
 
 _INT_FIELDS = (
     "rows",
@@ -208,15 +220,20 @@ class JobStore:
                 pipe.hincrby(key, name, value)
         pipe.hset(key, "ingest_line", line)
 
-    def add_prompts(self, pipe: Pipeline, job_id: str, count: int, prompt_tokens: int) -> None:
-        """Prompts a worker enqueued for the job (the next turns of multi-turn ``all`` mode)."""
+    def add_prompt(self, pipe: Pipeline, job_id: str, prompt_tokens: int, *, label: str, cls: str) -> None:
+        """A prompt a worker enqueued for the job (the next turn of multi-turn ``all`` mode)."""
         key = self.keys.job(job_id)
-        pipe.hincrby(key, "accepted", count)
+        pipe.hincrby(key, "accepted", 1)
         pipe.hincrby(key, "prompt_tokens", prompt_tokens)
+        self.add_breakdown(pipe, job_id, {("accepted", label, cls): 1})
+
+    def label_of(self, job_id: str, partition: str) -> str:
+        labelled = self.redis.sismember(self.keys.job_partitions(job_id), partition)
+        return partition if labelled else OTHER_PARTITION
 
     def finish_ingest(self, job_id: str) -> None:
         self.redis.hset(self.keys.job(job_id), "state", JobState.RUNNING.value)
-        self._count_script(keys=self._count_keys(job_id), args=["done", 0, 0, now_ms(), "", "", 0])
+        self._count_script(keys=self._count_keys(job_id), args=["done", 0, 0, now_ms(), "", "", 0, "", ""])
 
     def restart_ingest(self, job_id: str) -> None:
         self.redis.hset(
@@ -239,16 +256,63 @@ class JobStore:
         pipe.srem(self.keys.job_running(job_id), rq_id)
 
     def _count_keys(self, job_id: str) -> list[str]:
-        return [self.keys.job(job_id), self.keys.job_running(job_id), self.keys.job_failed(job_id)]
+        k = self.keys
+        return [
+            k.job(job_id),
+            k.job_running(job_id),
+            k.job_failed(job_id),
+            k.job_breakdown(job_id),
+            k.job_partitions(job_id),
+        ]
 
-    def count_done(self, pipe: Pipeline, job_id: str, rq_id: str, output_tokens: int) -> None:
-        args: list[str | int] = ["done", 1, output_tokens, now_ms(), rq_id, "", 0]
+    def count_done(
+        self, pipe: Pipeline, job_id: str, rq_id: str, output_tokens: int, *, partition: str, cls: str
+    ) -> None:
+        args: list[str | int] = ["done", 1, output_tokens, now_ms(), rq_id, "", 0, partition, cls]
         self._count_script(keys=self._count_keys(job_id), args=args, client=pipe)
 
-    def count_failed(self, pipe: Pipeline, job_id: str, rq_id: str, report: dict[str, Any]) -> None:
+    def count_failed(
+        self, pipe: Pipeline, job_id: str, rq_id: str, report: dict[str, Any], *, partition: str, cls: str
+    ) -> None:
         report_json = json.dumps(report, sort_keys=True)
-        args: list[str | int] = ["failed", 1, 0, now_ms(), rq_id, report_json, FAILED_REPORTS_CAP]
+        args: list[str | int] = [
+            "failed",
+            1,
+            0,
+            now_ms(),
+            rq_id,
+            report_json,
+            FAILED_REPORTS_CAP,
+            partition,
+            cls,
+        ]
         self._count_script(keys=self._count_keys(job_id), args=args, client=pipe)
+
+    # Breakdown by partition and class --------------------------------------------------------------
+    def partition_labels(self, job_id: str, partitions: set[str]) -> dict[str, str]:
+        """Label of each partition: itself for the job's first partitions, ``other`` beyond the cap."""
+        key = self.keys.job_partitions(job_id)
+        labelled = set(as_texts(self.redis.smembers(key)))
+        for partition in sorted(partitions - labelled):
+            if len(labelled) >= MAX_PARTITION_LABELS:
+                break
+            self.redis.sadd(key, partition)
+            labelled.add(partition)
+        return {p: p if p in labelled else OTHER_PARTITION for p in partitions}
+
+    def add_breakdown(self, pipe: Pipeline, job_id: str, counts: dict[tuple[str, str, str], int]) -> None:
+        """Add ``(counter, partition label, class) -> n`` to the job's breakdown."""
+        key = self.keys.job_breakdown(job_id)
+        for (counter, label, cls), n in counts.items():
+            pipe.hincrby(key, f"{counter}|{label}|{cls}", n)
+
+    def breakdown(self, job_id: str) -> dict[tuple[str, str, str], int]:
+        raw = cast(dict[bytes, bytes], self.redis.hgetall(self.keys.job_breakdown(job_id)))
+        out: dict[tuple[str, str, str], int] = {}
+        for field, value in raw.items():
+            counter, label, cls = as_text(field).split("|", 2)
+            out[(counter, label, cls)] = int(value)
+        return out
 
     def failed_reports(self, job_id: str, limit: int) -> list[dict[str, Any]]:
         raw = self.redis.lrange(self.keys.job_failed(job_id), 0, limit - 1)

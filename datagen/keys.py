@@ -54,6 +54,14 @@ class Keys:
         """Set of RQ ids of the job's prompts that a worker has started and not finished."""
         return f"{self.namespace}:job:{job_id}:running"
 
+    def job_breakdown(self, job_id: str) -> str:
+        """Hash ``{counter}|{partition label}|{class}`` -> count: progress by partition and class."""
+        return f"{self.namespace}:job:{job_id}:breakdown"
+
+    def job_partitions(self, job_id: str) -> str:
+        """Set of the job's partitions that get their own metric label (the rest are ``other``)."""
+        return f"{self.namespace}:job:{job_id}:partitions"
+
     def job_failed(self, job_id: str) -> str:
         """List of JSON failure reports (sample id, turn, reason), capped."""
         return f"{self.namespace}:job:{job_id}:failed"

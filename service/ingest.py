@@ -13,6 +13,7 @@ import itertools
 import json
 import logging
 import threading
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,10 +34,14 @@ from datagen.spec import JobSpec
 from datagen.states import MultiTurnMode, PromptClass
 from datagen.storage import Storage
 from datagen.tokenization import PromptRenderer, renderer_for
+from service.metrics import CoordinatorMetrics
 
 __all__ = ["IngestOptions", "Ingestor"]
 
 log = logging.getLogger(__name__)
+
+# Rejected rows have no class (and often no parsed partition) to count them under.
+UNKNOWN = "unknown"
 
 
 @dataclass(frozen=True)
@@ -55,8 +60,16 @@ class _Chunk:
 
 class Ingestor:
     def __init__(
-        self, redis: Redis, keys: Keys, jobs: JobStore, storage: Storage, options: IngestOptions
+        self,
+        redis: Redis,
+        keys: Keys,
+        jobs: JobStore,
+        storage: Storage,
+        options: IngestOptions,
+        *,
+        metrics: CoordinatorMetrics | None = None,
     ) -> None:
+        self.metrics = metrics
         self.redis = redis
         self.keys = keys
         self.jobs = jobs
@@ -195,11 +208,30 @@ class Ingestor:
             "skipped": len(chunk.prompts) - len(fresh),
             "prompt_tokens": sum(len(p.prompt_ids) for _, p, _ in fresh),
         }
+        fresh_payloads = [p for _, p, _ in fresh]
+        breakdown = self._breakdown(job_id, chunk, fresh_payloads)
         with self.redis.pipeline(transaction=True) as pipe:
-            payloads = [p for _, p, _ in fresh]
-            enqueue_prompts(pipe, self._queues, self.keys, job_id, payloads, self.options.enqueue)
+            enqueue_prompts(pipe, self._queues, self.keys, job_id, fresh_payloads, self.options.enqueue)
             self.jobs.add_ingest_counts(pipe, job_id, counts, chunk.last_line)
+            self.jobs.add_breakdown(pipe, job_id, breakdown)
             pipe.execute()
+        if self.metrics is not None:
+            for outcome in ("accepted", "rejected", "skipped"):
+                self.metrics.ingested_rows.labels(outcome).inc(counts[outcome])
+            for payload in fresh_payloads:
+                self.metrics.ingested_prompts.labels(payload.cls.value).inc()
+
+    def _breakdown(
+        self, job_id: str, chunk: _Chunk, fresh: list[PromptPayload]
+    ) -> dict[tuple[str, str, str], int]:
+        """Accepted prompts and rejected rows by partition label and class, for the metrics."""
+        labels = self.jobs.partition_labels(job_id, {p.partition for p in fresh})
+        counts: Counter[tuple[str, str, str]] = Counter()
+        for payload in fresh:
+            counts["accepted", labels[payload.partition], payload.cls.value] += 1
+        if chunk.rejected:
+            counts["rejected", UNKNOWN, UNKNOWN] += len(chunk.rejected)
+        return dict(counts)
 
     def _write_rejected(self, job_id: str, rejected: list[dict[str, Any]]) -> None:
         path = self.storage.rejected_path(job_id)

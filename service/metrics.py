@@ -1,22 +1,30 @@
 """Every metric the coordinator exports, declared in one place on its own registry.
 
-Queue depths and pause flags are read from Redis when Prometheus scrapes, so they are never
-stale and cost nothing between scrapes.
+Queue depths, pause flags and job progress are read from Redis when Prometheus scrapes, so they
+are never stale and cost nothing between scrapes. A job's series carry a ``job`` label only while
+the job is ingesting or running; they disappear when it ends (bounded label sets). Partitions
+beyond the first 20 of a job are counted as ``other``.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 from redis import RedisError
 
+from datagen.jobs import JobProgress, JobStore
+from datagen.states import JobState
 from service.fleetview import FleetView
 
 __all__ = ["CoordinatorMetrics"]
+
+# How many jobs a scrape looks at (newest first).
+SCRAPE_JOBS = 200
 
 
 class _FleetCollector(Collector):
@@ -34,27 +42,84 @@ class _FleetCollector(Collector):
         )
         try:
             queues = self.fleet.queues()
-            servers = self.fleet.server_names()
-            paused_servers = {s["name"] for s in self.fleet.servers() if s["paused"]}
+            servers = self.fleet.servers()
         except RedisError:
             return  # a scrape while Redis is away shows the gap rather than zeros
         for queue in queues:
             depth.add_metric([queue["name"]], queue["queued"])
             started.add_metric([queue["name"]], queue["started"])
             queue_paused.add_metric([queue["name"]], 1 if queue["paused"] else 0)
-        for name in servers:
-            server_paused.add_metric([name], 1 if name in paused_servers else 0)
+        for server in servers:
+            server_paused.add_metric([server["name"]], 1 if server["paused"] else 0)
         yield from (depth, started, queue_paused, server_paused)
+
+
+class _JobsCollector(Collector):
+    def __init__(self, jobs: JobStore) -> None:
+        self.jobs = jobs
+
+    def collect(self) -> Iterator[Metric]:
+        by_state = GaugeMetricFamily("datagen_jobs", "Jobs by state", labels=["state"])
+        prompts = CounterMetricFamily(
+            "datagen_job_prompts", "Prompts of running jobs", labels=["job", "partition", "class", "status"]
+        )
+        tokens = CounterMetricFamily(
+            "datagen_job_generated_tokens",
+            "Generated tokens of running jobs",
+            labels=["job", "partition", "class"],
+        )
+        progress_ratio = GaugeMetricFamily(
+            "datagen_job_progress_ratio", "Finished / accepted", labels=["job"]
+        )
+        eta = GaugeMetricFamily("datagen_job_eta_seconds", "Estimated seconds left", labels=["job"])
+        try:
+            jobs = [self.jobs.progress(job_id) for job_id in self.jobs.list_ids(SCRAPE_JOBS)]
+            states = {state: 0 for state in JobState}
+            for job in jobs:
+                states[job.state] += 1
+                if not job.state.is_final:
+                    self._job(job, prompts, tokens, progress_ratio, eta)
+        except RedisError:
+            return
+        for state, count in states.items():
+            by_state.add_metric([state.value], count)
+        yield from (by_state, prompts, tokens, progress_ratio, eta)
+
+    def _job(
+        self,
+        job: JobProgress,
+        prompts: CounterMetricFamily,
+        tokens: CounterMetricFamily,
+        progress_ratio: GaugeMetricFamily,
+        eta: GaugeMetricFamily,
+    ) -> None:
+        for (counter, label, cls), value in self.jobs.breakdown(job.job_id).items():
+            if counter == "output_tokens":
+                tokens.add_metric([job.job_id, label, cls], value)
+            else:
+                prompts.add_metric([job.job_id, label, cls, counter], value)
+        if job.accepted:
+            progress_ratio.add_metric([job.job_id], (job.done + job.failed) / job.accepted)
+        view = job.to_json(at_ms=int(time.time() * 1000))
+        if view["eta_s"] is not None:
+            eta.add_metric([job.job_id], view["eta_s"])
 
 
 @dataclass
 class CoordinatorMetrics:
     fleet: FleetView
+    jobs: JobStore
     registry: CollectorRegistry = field(default_factory=CollectorRegistry)
 
     def __post_init__(self) -> None:
-        self.jobs_submitted = Counter(
-            "datagen_jobs_submitted", "Jobs accepted by POST /jobs", registry=self.registry
+        r = self.registry
+        self.jobs_submitted = Counter("datagen_jobs_submitted", "Jobs accepted by POST /jobs", registry=r)
+        self.upload_bytes = Counter("datagen_upload_bytes", "Dataset bytes received", registry=r)
+        self.ingested_rows = Counter(
+            "datagen_ingested_rows", "Dataset rows ingested by outcome", ["outcome"], registry=r
         )
-        self.upload_bytes = Counter("datagen_upload_bytes", "Dataset bytes received", registry=self.registry)
-        self.registry.register(_FleetCollector(self.fleet))
+        self.ingested_prompts = Counter(
+            "datagen_ingested_prompts", "Prompts enqueued by class", ["class"], registry=r
+        )
+        r.register(_FleetCollector(self.fleet))
+        r.register(_JobsCollector(self.jobs))

@@ -10,9 +10,11 @@ from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-__all__ = ["LATENCY_BUCKETS_S", "WorkerMetrics"]
+__all__ = ["LATENCY_BUCKETS_S", "LENGTH_BUCKETS", "RESULT_BUCKETS_S", "WorkerMetrics"]
 
 LATENCY_BUCKETS_S = (0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1200, 2400, 3600)
+RESULT_BUCKETS_S = (1, 5, 15, 60, 300, 900, 3600, 4 * 3600, 12 * 3600, 24 * 3600, 72 * 3600)
+LENGTH_BUCKETS = (16, 64, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
 
 
 @dataclass
@@ -42,6 +44,30 @@ class WorkerMetrics:
         )
         self.in_flight = Gauge(
             "datagen_worker_in_flight", "Requests in flight", ["server", "class"], registry=r
+        )
+        self.time_to_result = Histogram(
+            "datagen_worker_time_to_result_seconds",
+            "From enqueue to the committed record",
+            ["class"],
+            buckets=RESULT_BUCKETS_S,
+            registry=r,
+        )
+        self.finishes = Counter(
+            "datagen_worker_finishes", "Committed records by finish reason", ["class", "finish"], registry=r
+        )
+        self.output_length = Histogram(
+            "datagen_worker_output_length_tokens",
+            "Output tokens per record",
+            ["class"],
+            buckets=LENGTH_BUCKETS,
+            registry=r,
+        )
+        self.prompt_length = Histogram(
+            "datagen_worker_prompt_length_tokens",
+            "Prompt tokens per record",
+            ["class"],
+            buckets=LENGTH_BUCKETS,
+            registry=r,
         )
         self.retries = Counter("datagen_worker_retries", "Retried attempts by reason", ["reason"], registry=r)
         self.failures = Counter("datagen_worker_failures", "Prompts failed for good", ["reason"], registry=r)

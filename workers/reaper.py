@@ -137,7 +137,11 @@ class Reaper:
                 job.set_status(JobStatus.FAILED, pipeline=pipe)
                 job._handle_failure(message, pipe, worker_name=self.owner)
                 if job_id is not None:
-                    self.jobs.count_failed(pipe, job_id, rq_id, _report(rq_id, payload, message))
+                    where = {
+                        "partition": str(payload.get("partition", "unknown")),
+                        "cls": str(payload.get("cls", "unknown")),
+                    }
+                    self.jobs.count_failed(pipe, job_id, rq_id, _report(rq_id, payload, message), **where)
                 result.failed += 1
             else:
                 pipe.hset(job.key, "retries_left", left - 1)
@@ -162,7 +166,9 @@ class Reaper:
                 continue
             message = "abandoned by a dead worker and failed by RQ's registry cleanup (max_worker_losses)"
             with self.redis.pipeline() as pipe:
-                self.jobs.count_failed(pipe, job_id, rq_id, _report(rq_id, {}, message))
+                self.jobs.count_failed(
+                    pipe, job_id, rq_id, _report(rq_id, {}, message), partition="unknown", cls="unknown"
+                )
                 pipe.execute()
             result.failed += 1
 

@@ -59,6 +59,7 @@ log = logging.getLogger(__name__)
 # A prompt may wait out server outages without using attempts, but not forever: a server that
 # answers /health yet drops every request would otherwise loop.
 SERVER_FAULT_TRIES_PER_ATTEMPT = 25
+UNKNOWN = "unknown"
 REDIS_SOCKET_TIMEOUT_S = 10.0
 
 
@@ -348,16 +349,28 @@ class Worker:
     def _succeed(
         self, identity: QueueIdentity, item: InFlight, record: Record, following: PromptPayload | None
     ) -> None:
+        label = self.jobs.label_of(record.job_id, record.partition) if following is not None else ""
+
         def hook(pipe: Pipeline) -> None:
-            self.jobs.count_done(pipe, record.job_id, item.job.id, record.output_len)
+            self.jobs.count_done(
+                pipe,
+                record.job_id,
+                item.job.id,
+                record.output_len,
+                partition=record.partition,
+                cls=record.cls,
+            )
             if following is not None:
                 # In the same transaction as the done count: the job cannot complete in between.
                 queues = {cls: identity.queue for cls, identity in self.identities.items()}
                 options = _enqueue_options(item.job)
                 enqueue_prompts(pipe, queues, self.keys, record.job_id, [following], options)
-                self.jobs.add_prompts(pipe, record.job_id, 1, len(following.prompt_ids))
+                self.jobs.add_prompt(
+                    pipe, record.job_id, len(following.prompt_ids), label=label, cls=following.cls.value
+                )
 
         identity.finish_success(item, hook)
+        self._observe(record)
         log.info(
             "done %s server=%s class=%s prompt=%d output=%d finish=%s attempts=%d %.2fs",
             item.job.id,
@@ -370,6 +383,16 @@ class Worker:
             (record.finished_at_ms - record.started_at_ms) / 1000,
         )
 
+    def _observe(self, record: Record) -> None:
+        metrics = self.metrics
+        metrics.finishes.labels(record.cls, record.finish_type).inc()
+        metrics.output_length.labels(record.cls).observe(record.output_len)
+        metrics.prompt_length.labels(record.cls).observe(record.prompt_len)
+        if record.enqueued_at_ms is not None:
+            metrics.time_to_result.labels(record.cls).observe(
+                max(0.0, (now_ms() - record.enqueued_at_ms) / 1000)
+            )
+
     def _fail(self, identity: QueueIdentity, item: InFlight, job_id: str | None, exc: BaseException) -> None:
         reason = type(exc).__name__
         message = str(exc) or reason
@@ -378,7 +401,12 @@ class Worker:
         report = {"rq_id": item.job.id, "reason": reason, "message": message, "at_ms": now_ms()}
         payload = payload_of(item.job) or {}
         report.update(sample_id=payload.get("sample_id"), turn=payload.get("turn"))
-        hook = (lambda pipe: self.jobs.count_failed(pipe, job_id, item.job.id, report)) if job_id else None
+        where = {"partition": str(payload.get("partition", UNKNOWN)), "cls": str(payload.get("cls", UNKNOWN))}
+
+        def hook(pipe: Pipeline) -> None:
+            if job_id is not None:
+                self.jobs.count_failed(pipe, job_id, item.job.id, report, **where)
+
         identity.finish_failure(item, message, hook)
 
     def _job(self, job_id: str) -> _JobInfo:

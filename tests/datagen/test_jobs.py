@@ -34,7 +34,7 @@ def test_job_completes_when_the_last_prompt_is_counted(store: JobStore, redis_cl
     store.started("j1", "rq-b")
     store.started("j1", "rq-b")  # started again after a hand-back: still one prompt in flight
     with redis_client.pipeline() as pipe:
-        store.count_done(pipe, "j1", "rq-a", output_tokens=10)
+        store.count_done(pipe, "j1", "rq-a", output_tokens=10, partition="math", cls="short")
         pipe.execute()
     progress = store.progress("j1")
     assert (progress.state, progress.done, progress.in_flight, progress.output_tokens) == (
@@ -44,7 +44,8 @@ def test_job_completes_when_the_last_prompt_is_counted(store: JobStore, redis_cl
         10,
     )
     with redis_client.pipeline() as pipe:
-        store.count_failed(pipe, "j1", "rq-b", {"reason": "BadRequestError", "message": "too long"})
+        report = {"reason": "BadRequestError", "message": "too long"}
+        store.count_failed(pipe, "j1", "rq-b", report, partition="chat", cls="long")
         pipe.execute()
     progress = store.progress("j1")
     assert progress.state is JobState.COMPLETED

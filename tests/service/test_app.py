@@ -213,3 +213,26 @@ def test_appending_with_another_tokenizer_or_template_is_refused(client: TestCli
     response = _post(client, rows, spec=spec, job_id="pinned2")
     assert response.status_code == 400
     assert "another chat template" in response.json()["error"]
+
+
+def test_metrics_show_running_jobs_by_partition_and_class(client: TestClient) -> None:
+    rows = [
+        json.dumps({"id": "a", "messages": [{"role": "user", "content": "x"}], "partition": "chat"}),
+        json.dumps({"id": "b", "messages": [{"role": "user", "content": "word " * 80}], "partition": "chat"}),
+        "not json",
+    ]
+    job_id = _post(client, rows).json()["id"]
+    _wait_ingested(client, job_id)
+    text = client.get("/metrics").text
+    assert (
+        f'datagen_job_prompts_total{{class="short",job="{job_id}",partition="chat",status="accepted"}} 1.0'
+        in text
+    )
+    assert (
+        f'datagen_job_prompts_total{{class="long",job="{job_id}",partition="chat",status="accepted"}} 1.0'
+        in text
+    )
+    assert f'status="rejected"}} 1.0' in text
+    assert 'datagen_queue_depth{class="short"} 1.0' in text
+    assert 'datagen_ingested_rows_total{outcome="accepted"} 2.0' in text
+    assert 'datagen_jobs{state="running"} 1.0' in text
