@@ -232,7 +232,7 @@ def test_metrics_show_running_jobs_by_partition_and_class(client: TestClient) ->
         f'datagen_job_prompts_total{{class="long",job="{job_id}",partition="chat",status="accepted"}} 1.0'
         in text
     )
-    assert f'status="rejected"}} 1.0' in text
+    assert 'status="rejected"} 1.0' in text
     assert 'datagen_queue_depth{class="short"} 1.0' in text
     assert 'datagen_ingested_rows_total{outcome="accepted"} 2.0' in text
     assert 'datagen_jobs{state="running"} 1.0' in text
