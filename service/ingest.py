@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from redis import Redis
+from redis import Redis, RedisError
 from rq import Queue
 from rq.serializers import JSONSerializer
 
@@ -40,6 +40,8 @@ __all__ = ["IngestOptions", "Ingestor"]
 
 log = logging.getLogger(__name__)
 
+REDIS_RETRY_MIN_S = 1.0
+REDIS_RETRY_MAX_S = 30.0
 # Rejected rows have no class (and often no parsed partition) to count them under.
 UNKNOWN = "unknown"
 
@@ -81,15 +83,36 @@ class Ingestor:
         }
 
     def run(self, job_id: str, input_path: Path, stop: threading.Event) -> None:
-        """Ingest one uploaded file; resumable from the job's checkpoint. Never raises."""
+        """Ingest one uploaded file; resumable from the job's checkpoint. Never raises.
+
+        While Redis is unreachable (a restart) it waits and resumes from the checkpoint: each
+        chunk's enqueue and checkpoint are one transaction, so nothing is enqueued twice.
+        """
+        delay_s = REDIS_RETRY_MIN_S
+        while not stop.is_set():
+            try:
+                self._run(job_id, input_path, stop)
+                return
+            except RedisError as exc:
+                log.warning(
+                    "job %s: Redis unreachable during ingestion, resuming in %.0f s: %s", job_id, delay_s, exc
+                )
+                stop.wait(delay_s)
+                delay_s = min(REDIS_RETRY_MAX_S, delay_s * 2)
+            except DatagenError as exc:
+                log.error("job %s: ingestion failed: %s", job_id, exc)
+                self._fail(job_id, str(exc))
+                return
+            except Exception as exc:  # a bug must not kill the coordinator thread silently
+                log.exception("job %s: ingestion crashed", job_id)
+                self._fail(job_id, f"ingestion crashed: {exc!r}")
+                return
+
+    def _fail(self, job_id: str, error: str) -> None:
         try:
-            self._run(job_id, input_path, stop)
-        except DatagenError as exc:
-            log.error("job %s: ingestion failed: %s", job_id, exc)
-            self.jobs.fail(job_id, str(exc))
-        except Exception as exc:  # a bug must not kill the coordinator thread silently
-            log.exception("job %s: ingestion crashed", job_id)
-            self.jobs.fail(job_id, f"ingestion crashed: {exc!r}")
+            self.jobs.fail(job_id, error)
+        except RedisError as exc:
+            log.error("job %s: cannot mark the job failed (Redis unreachable): %s", job_id, exc)
 
     def _run(self, job_id: str, input_path: Path, stop: threading.Event) -> None:
         spec = self.jobs.spec(job_id)

@@ -22,7 +22,7 @@ import logging
 import time
 from dataclasses import dataclass
 
-from redis import Redis
+from redis import Redis, RedisError
 from rq.exceptions import NoSuchJobError
 from rq.job import Job, JobStatus
 from rq.queue import Queue
@@ -73,6 +73,9 @@ class Reaper:
             await asyncio.sleep(self.interval_s)
             try:
                 result = self.reap_once()
+            except RedisError as exc:
+                log.warning("reaper pass skipped (Redis unreachable?): %s", exc)
+                continue
             except Exception:  # a failed pass is retried on the next one
                 log.exception("reaper pass failed")
                 continue

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -19,13 +20,14 @@ import secrets
 import signal
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import redis
 from prometheus_client import start_http_server
 from redis.client import Pipeline
-from rq.job import Job
+from rq.job import Job, JobStatus
 
 from datagen.enqueue import EnqueueOptions, enqueue_prompts
 from datagen.errors import FatalError, RetryableError
@@ -56,9 +58,13 @@ __all__ = ["Worker"]
 
 log = logging.getLogger(__name__)
 
+T = TypeVar("T")
+
 # A prompt may wait out server outages without using attempts, but not forever: a server that
 # answers /health yet drops every request would otherwise loop.
 SERVER_FAULT_TRIES_PER_ATTEMPT = 25
+REDIS_RETRY_MIN_S = 0.5
+REDIS_RETRY_MAX_S = 5.0
 UNKNOWN = "unknown"
 REDIS_SOCKET_TIMEOUT_S = 10.0
 
@@ -265,6 +271,7 @@ class Worker:
         identity = self.identities[cls]
         tasks = self._tasks[cls]
         poll_s = self.settings.poll_interval_s
+        outage_s = 0.0
         while not self._stopping.is_set():
             if self.burst and self._burst_done():
                 return
@@ -276,9 +283,12 @@ class Worker:
                 continue
             try:
                 item = identity.claim()
+                outage_s = 0.0
             except redis.RedisError as exc:
-                log.warning("cannot claim a %s prompt (Redis unreachable?): %s", cls.value, exc)
-                await asyncio.sleep(poll_s)
+                if not outage_s:
+                    log.warning("cannot claim %s prompts (Redis unreachable?): %s", cls.value, exc)
+                outage_s = min(REDIS_RETRY_MAX_S, max(REDIS_RETRY_MIN_S, outage_s * 2))
+                await asyncio.sleep(outage_s)
                 continue
             if item is None:
                 await asyncio.sleep(poll_s)
@@ -306,31 +316,62 @@ class Worker:
         job_id = (payload_of(item.job) or {}).get("job")
         try:
             if job_id is not None:
-                self.jobs.started(job_id, item.job.id)
+                await self._while_redis_down(lambda: self.jobs.started(job_id, item.job.id))
+            finish = await self._outcome(identity, item, cls, job_id)
+            await self._while_redis_down(finish, already_done=lambda: _is_final(item.job))
+        except asyncio.CancelledError:
             try:
-                try:
-                    payload = PromptPayload.from_json(item.job.args[0])
-                    record = await self._generate(item.job, payload, cls)
-                finally:
-                    self._generating[cls] -= 1
-                    self._slot_freed.set()
-                await self.writer.commit(record)
-                following = await self._following_turn(payload, record)
-            except asyncio.CancelledError:
                 hook = (lambda pipe: self.jobs.handed_back(pipe, job_id, item.job.id)) if job_id else None
                 identity.hand_back(item, hook)
-                raise
-            except FatalError as exc:
-                self._fail(identity, item, job_id, exc)
-            except Exception as exc:  # a bug must fail one prompt, not the worker
-                log.exception("prompt %s crashed the task", item.job.id)
-                self._fail(identity, item, job_id, exc)
-            else:
-                self._succeed(identity, item, record, following)
-        except redis.RedisError as exc:
-            # The record (if any) is committed; RQ will hand the job out again once its heartbeat
-            # lapses, and the export drops the duplicate.
-            log.error("cannot update RQ for %s (Redis unreachable?): %s", item.job.id, exc)
+            except redis.RedisError as exc:
+                log.error("cannot hand %s back (Redis unreachable): the reaper will: %s", item.job.id, exc)
+            raise
+        finally:
+            # Whatever happened, this worker no longer runs the job: stop heartbeating it, so that
+            # if it was not finished the reaper hands it out again.
+            identity.in_flight.discard(item)
+
+    async def _outcome(
+        self, identity: QueueIdentity, item: InFlight, cls: PromptClass, job_id: str | None
+    ) -> Callable[[], None]:
+        """Run the prompt; return the RQ transition that records how it ended."""
+        try:
+            try:
+                payload = PromptPayload.from_json(item.job.args[0])
+                record = await self._generate(item.job, payload, cls)
+            finally:
+                self._generating[cls] -= 1
+                self._slot_freed.set()
+            await self.writer.commit(record)
+            following = await self._following_turn(payload, record)
+        except FatalError as exc:
+            return functools.partial(self._fail, identity, item, job_id, exc)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # a bug must fail one prompt, not the worker
+            log.exception("prompt %s crashed the task", item.job.id)
+            return functools.partial(self._fail, identity, item, job_id, exc)
+        return functools.partial(self._succeed, identity, item, record, following)
+
+    async def _while_redis_down(
+        self, step: Callable[[], T], *, already_done: Callable[[], bool] | None = None
+    ) -> T:
+        """Run a Redis step, retrying while Redis is unreachable (a restart must not lose work).
+
+        ``already_done`` tells whether an earlier try went through although its reply was lost.
+        """
+        delay_s = REDIS_RETRY_MIN_S
+        tried = False
+        while True:
+            try:
+                if tried and already_done is not None and already_done():
+                    return cast(T, None)
+                tried = True
+                return step()
+            except redis.RedisError as exc:
+                log.warning("Redis unreachable, retrying in %.1f s: %s", delay_s, exc)
+                await asyncio.sleep(delay_s)
+                delay_s = min(REDIS_RETRY_MAX_S, delay_s * 2)
 
     async def _following_turn(self, payload: PromptPayload, record: Record) -> PromptPayload | None:
         """Multi-turn ``all`` mode: the next turn to enqueue, unless it was enqueued before."""
@@ -342,7 +383,8 @@ class Worker:
         if following is None:
             return None
         member = prompt_key(following.sample_id, following.turn, following.gen)
-        if self.redis.sismember(self.keys.job_enqueued(payload.job), member):
+        key = self.keys.job_enqueued(payload.job)
+        if await self._while_redis_down(lambda: bool(self.redis.sismember(key, member))):
             return None
         return following
 
@@ -460,7 +502,7 @@ class Worker:
             return attempts
         attempts += 1
         job.meta["attempts"] = attempts
-        job.save_meta()
+        await self._while_redis_down(job.save_meta)
         if attempts >= self.settings.max_attempts:
             raise FatalError(f"gave up after {attempts} attempts: {error}") from error
         log.info(
@@ -581,3 +623,8 @@ def _enqueue_options(job: Job) -> EnqueueOptions:
         failure_ttl_s=int(stored.get("failure_ttl_s", job.failure_ttl or DEFAULT_FAILURE_TTL_S)),
         max_worker_losses=int(stored.get("max_worker_losses", DEFAULT_MAX_WORKER_LOSSES)),
     )
+
+
+def _is_final(job: Job) -> bool:
+    """Whether RQ already has the job finished or failed (a retried transition that went through)."""
+    return job.get_status(refresh=True) in (JobStatus.FINISHED, JobStatus.FAILED)
