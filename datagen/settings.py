@@ -60,6 +60,7 @@ DEFAULT_CONTROLLER_FLOOR = 0.05
 DEFAULT_REAPER_INTERVAL_S = 10.0
 DEFAULT_MAX_WORKER_LOSSES = 3
 DEFAULT_DRAIN_TIMEOUT_S = 120.0
+DEFAULT_MAX_QUEUED_PER_CLASS = 200_000
 DEFAULT_RESULT_TTL_S = 600
 DEFAULT_FAILURE_TTL_S = 7 * 24 * 3600
 
@@ -92,6 +93,15 @@ class CoordinatorSettings(CommonSettings):
     result_ttl_s: int = Field(default=DEFAULT_RESULT_TTL_S, ge=1)
     failure_ttl_s: int = Field(default=DEFAULT_FAILURE_TTL_S, ge=1)
     max_worker_losses: int = Field(default=DEFAULT_MAX_WORKER_LOSSES, ge=1, le=100)
+    # Tokenizers and templates are loaded (and with trust_remote_code, executed) on the
+    # coordinator: only these path prefixes and hub ids may be named in a job spec, besides the
+    # bundled DeepSeek tokenizer and the shipped templates. "*" allows anything.
+    tokenizer_allowlist: str = Field(default="", description="comma list of path prefixes or hub ids")
+    allow_trust_remote_code: bool = False
+    max_queued_per_class: int = Field(default=DEFAULT_MAX_QUEUED_PER_CLASS, ge=1)
+
+    def allowlist(self) -> list[str]:
+        return [entry.strip() for entry in self.tokenizer_allowlist.split(",") if entry.strip()]
 
 
 class WorkerSettings(CommonSettings):

@@ -22,6 +22,7 @@ from datagen.spec import JobSpec
 from datagen.states import JobState
 from datagen.storage import Storage, validate_job_id
 from datagen.tokenization import renderer_for
+from service.allowlist import check_allowed
 from service.fleetview import FleetView
 from service.ingest import IngestOptions, Ingestor
 from service.metrics import CoordinatorMetrics
@@ -65,6 +66,7 @@ class Coordinator:
                     failure_ttl_s=settings.failure_ttl_s,
                     max_worker_losses=settings.max_worker_losses,
                 ),
+                max_queued_per_class=settings.max_queued_per_class,
             ),
             metrics=self.metrics,
         )
@@ -94,6 +96,7 @@ class Coordinator:
     def submit(self, spec: JobSpec, dataset: IO[bytes], job_id: str | None) -> tuple[str, bool]:
         """Validate, store the upload, create or extend the job, start ingesting. Returns (id, created)."""
         job_id = validate_job_id(job_id) if job_id else uuid.uuid4().hex
+        check_allowed(spec, self.settings)
         renderer = renderer_for(spec)  # fails fast with a 400 on a bad tokenizer or template
         with self._lock:
             running = self._threads.get(job_id)

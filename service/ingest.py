@@ -50,6 +50,14 @@ UNKNOWN = "unknown"
 class IngestOptions:
     chunk: int
     enqueue: EnqueueOptions
+    # Backpressure: a chunk waits while its class's queue already holds this many prompts, so
+    # Redis holds a bounded window of a dataset of any size; the rest waits in the file.
+    max_queued_per_class: int = 200_000
+    backpressure_poll_s: float = 1.0
+
+
+class _Stopped(Exception):
+    """The coordinator is shutting down; the ingestion resumes from its checkpoint later."""
 
 
 @dataclass
@@ -93,6 +101,9 @@ class Ingestor:
             try:
                 self._run(job_id, input_path, stop)
                 return
+            except _Stopped:
+                log.info("job %s: ingestion paused by shutdown; it resumes from its checkpoint", job_id)
+                return
             except RedisError as exc:
                 log.warning(
                     "job %s: Redis unreachable during ingestion, resuming in %.0f s: %s", job_id, delay_s, exc
@@ -129,9 +140,9 @@ class Ingestor:
                     return
                 self._add(chunk, item, conversation, job_id, spec, renderer, context_len)
                 if len(chunk.prompts) + len(chunk.rejected) >= self.options.chunk:
-                    self._flush(job_id, chunk)
+                    self._flush(job_id, chunk, stop)
                     chunk = _Chunk()
-        self._flush(job_id, chunk)
+        self._flush(job_id, chunk, stop)
         self.jobs.finish_ingest(job_id)
         log.info("job %s: ingestion finished", job_id)
 
@@ -210,7 +221,14 @@ class Ingestor:
             )
             chunk.prompts.append((item, payload))
 
-    def _flush(self, job_id: str, chunk: _Chunk) -> None:
+    def _wait_for_room(self, payloads: list[PromptPayload], stop: threading.Event) -> None:
+        for cls, queue in self._queues.items():
+            wanted = sum(1 for p in payloads if p.cls is cls)
+            while wanted and queue.count + wanted > self.options.max_queued_per_class:
+                if stop.wait(self.options.backpressure_poll_s):
+                    raise _Stopped
+
+    def _flush(self, job_id: str, chunk: _Chunk, stop: threading.Event) -> None:
         if chunk.rows == 0:
             return
         members = [prompt_key(p.sample_id, p.turn, p.gen) for _, p in chunk.prompts]
@@ -232,6 +250,7 @@ class Ingestor:
             "prompt_tokens": sum(len(p.prompt_ids) for _, p, _ in fresh),
         }
         fresh_payloads = [p for _, p, _ in fresh]
+        self._wait_for_room(fresh_payloads, stop)
         breakdown = self._breakdown(job_id, chunk, fresh_payloads)
         with self.redis.pipeline(transaction=True) as pipe:
             enqueue_prompts(pipe, self._queues, self.keys, job_id, fresh_payloads, self.options.enqueue)

@@ -198,7 +198,15 @@ def test_duplicate_ids_in_one_upload_are_enqueued_once(client: TestClient, redis
     assert short.count == 1
 
 
-def test_appending_with_another_tokenizer_or_template_is_refused(client: TestClient, tmp_path: Path) -> None:
+def test_appending_with_another_tokenizer_or_template_is_refused(
+    settings: CoordinatorSettings, tmp_path: Path
+) -> None:
+    allowed = settings.model_copy(update={"tokenizer_allowlist": str(tmp_path)})
+    with TestClient(create_app(allowed)) as client:
+        _refused_after_template_change(client, tmp_path)
+
+
+def _refused_after_template_change(client: TestClient, tmp_path: Path) -> None:
     rows = [json.dumps({"prompt": "x"})]
     # Same spec (same paths), but the template file's content changed on disk since.
     template = tmp_path / "copy.jinja"
@@ -236,3 +244,53 @@ def test_metrics_show_running_jobs_by_partition_and_class(client: TestClient) ->
     assert 'datagen_queue_depth{class="short"} 1.0' in text
     assert 'datagen_ingested_rows_total{outcome="accepted"} 2.0' in text
     assert 'datagen_jobs{state="running"} 1.0' in text
+
+
+@pytest.mark.parametrize(
+    ("overrides", "fragment"),
+    [
+        ({"tokenizer": "/etc"}, "DATAGEN_TOKENIZER_ALLOWLIST"),
+        ({"tokenizer": "deepseek-ai/DeepSeek-R1"}, "not allowed"),
+        ({"tokenizer": bundled_tokenizer_path() + "/../.."}, "not allowed"),  # no way out through ".."
+        ({"chat_template": "/etc/hostname"}, "chat template"),
+        ({"trust_remote_code": True}, "DATAGEN_ALLOW_TRUST_REMOTE_CODE"),
+    ],
+)
+def test_tokenizers_and_templates_come_from_the_operators_allowlist(
+    client: TestClient, overrides: dict[str, Any], fragment: str
+) -> None:
+    response = _post(client, [json.dumps({"prompt": "x"})], spec=_spec(**overrides))
+    assert response.status_code == 400
+    assert fragment in response.json()["error"]
+
+
+def test_an_allowlisted_hub_id_passes_the_allowlist(settings: CoordinatorSettings) -> None:
+    allowed = settings.model_copy(update={"tokenizer_allowlist": "deepseek-ai/DeepSeek-R1"})
+    with TestClient(create_app(allowed)) as client:
+        response = _post(
+            client, [json.dumps({"prompt": "x"})], spec=_spec(tokenizer="deepseek-ai/DeepSeek-R1")
+        )
+    # Allowed, so it is loaded, and offline it cannot be: a 400 that says so, not "not allowed".
+    assert response.status_code == 400
+    assert "not allowed" not in response.json()["error"]
+
+
+def test_ingestion_waits_while_the_queue_is_full(
+    settings: CoordinatorSettings, redis_client: redis.Redis
+) -> None:
+    bounded = settings.model_copy(update={"max_queued_per_class": 4, "enqueue_chunk": 2})
+    rows = [
+        json.dumps({"id": f"r{i}", "messages": [{"role": "user", "content": f"q{i}"}]}) for i in range(10)
+    ]
+    short = Queue(Keys(NS).queue_name(PromptClass.SHORT), connection=redis_client, serializer=JSONSerializer)
+    with TestClient(create_app(bounded)) as client:
+        job_id = _post(client, rows).json()["id"]
+        time.sleep(1.5)
+        assert short.count == 4  # Redis holds a bounded window; the rest waits in the file
+        assert client.get(f"/jobs/{job_id}").json()["state"] == "ingesting"
+        for _ in range(3):  # a worker takes prompts: ingestion refills the window
+            short.connection.lpop(short.key)
+            short.connection.lpop(short.key)
+            time.sleep(1.2)
+        job = _wait_ingested(client, job_id, timeout_s=10)
+    assert (job["total"], job["state"]) == (10, "running")
