@@ -294,3 +294,32 @@ def test_ingestion_waits_while_the_queue_is_full(
             time.sleep(1.2)
         job = _wait_ingested(client, job_id, timeout_s=10)
     assert (job["total"], job["state"]) == (10, "running")
+
+
+def _post_bytes(client: TestClient, body: bytes) -> Any:
+    return client.post(
+        "/jobs", data={"spec": _spec()}, files={"dataset": ("d.jsonl", body, "application/jsonl")}
+    )
+
+
+@pytest.mark.parametrize(
+    ("body", "rejected", "reason"),
+    [
+        (bytes(b for b in range(256) if b != 10) * 40, 1, "UTF-8"),  # not JSONL at all: one binary line
+        (b"", 0, None),  # zero rows
+        (b'{"prompt": "' + b"x" * (10 * 1024 * 1024) + b'"}\n{"prompt": "ok"}\n', 1, "longer than"),
+        (b'{"prompt": "\xff\xfe"}\n{"prompt": "ok"}\n', 1, "UTF-8"),
+        (b'[1, 2]\nnull\n"text"\n', 3, "object"),
+    ],
+)
+def test_hostile_datasets_get_per_row_rejections_and_the_coordinator_stays_healthy(
+    client: TestClient, body: bytes, rejected: int, reason: str | None
+) -> None:
+    response = _post_bytes(client, body)
+    assert response.status_code == 202, response.text
+    job = _wait_ingested(client, response.json()["id"])
+    assert job["rejected"] == rejected
+    if reason is not None:
+        errors = client.get(f"/jobs/{job['id']}/errors").json()["errors"]
+        assert reason in errors[0]["reason"]
+    assert client.get("/healthz").status_code == 200
