@@ -101,6 +101,7 @@ class JobProgress:
     created_at_ms: int
     finished_at_ms: int
     error: str | None
+    storage_error: str | None = None
 
     @property
     def queued(self) -> int:
@@ -135,6 +136,7 @@ class JobProgress:
             "created_at_ms": self.created_at_ms,
             "finished_at_ms": self.finished_at_ms or None,
             "error": self.error,
+            "storage_error": self.storage_error,
         }
 
 
@@ -204,6 +206,7 @@ class JobStore:
             created_at_ms=ints["created_at_ms"],
             finished_at_ms=ints["finished_at_ms"],
             error=fields.get("error"),
+            storage_error=fields.get("storage_error"),
         )
 
     def list_ids(self, limit: int = 1000) -> list[str]:
@@ -239,6 +242,14 @@ class JobStore:
         self.redis.hset(
             self.keys.job(job_id), mapping={"state": JobState.INGESTING.value, "finished_at_ms": 0}
         )
+
+    def set_storage_error(self, job_id: str, error: str | None) -> None:
+        """A worker cannot commit this job's records (None: it can again)."""
+        key = self.keys.job(job_id)
+        if error is None:
+            self.redis.hdel(key, "storage_error")
+        else:
+            self.redis.hset(key, "storage_error", f"{error} (since {now_ms()} ms)")
 
     def fail(self, job_id: str, error: str) -> None:
         self.redis.hset(

@@ -154,6 +154,7 @@ class Worker:
             worker_tag=self.tag,
             commit_interval_s=settings.commit_interval_s,
             shard_max_records=settings.shard_max_records,
+            on_storage_error=self.jobs.set_storage_error,
         )
         self.writer.start()
         reaper = Reaper(

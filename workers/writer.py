@@ -14,6 +14,7 @@ import contextlib
 import logging
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from datagen.errors import StorageError
@@ -44,6 +45,7 @@ class RecordWriter:
         worker_tag: str,
         commit_interval_s: float,
         shard_max_records: int,
+        on_storage_error: Callable[[str, str | None], None] | None = None,
     ) -> None:
         self.storage = storage
         self.metrics = metrics
@@ -55,6 +57,8 @@ class RecordWriter:
         self._seq = 0
         self._task: asyncio.Task[None] | None = None
         self._failures = 0
+        self.on_storage_error = on_storage_error
+        self._failing: set[str] = set()
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._loop(), name="record-writer")
@@ -95,14 +99,29 @@ class RecordWriter:
                     self._failures += 1
                     self.metrics.commit_errors.inc()
                     log.error("commit failed, %d records kept and retried: %s", self.pending, exc)
+                    self._report(job_id, str(exc))
                     return False
                 self._failures = 0
+                self._report(job_id, None)
                 del self._pending[job_id][: len(batch)]
                 for item in batch:
                     if not item.done.done():
                         item.done.set_result(None)
             self._pending.pop(job_id, None)
         return True
+
+    def _report(self, job_id: str, error: str | None) -> None:
+        """Tell the job's status about a storage failure, and that it is over."""
+        if self.on_storage_error is None or (error is None and job_id not in self._failing):
+            return
+        if error is None:
+            self._failing.discard(job_id)
+        else:
+            self._failing.add(job_id)
+        try:
+            self.on_storage_error(job_id, error)
+        except Exception as exc:  # the status is advisory; the commit retry loop must go on
+            log.warning("cannot report the storage state of job %s: %s", job_id, exc)
 
     async def _commit_batch(self, job_id: str, batch: list[_Pending]) -> None:
         self._seq += 1
