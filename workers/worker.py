@@ -108,6 +108,7 @@ class Worker:
 
     # Lifecycle ----------------------------------------------------------------------------------
     async def start(self) -> None:
+        """Connect, register the RQ identities, probe the servers, start the background loops."""
         self.redis = redis.Redis.from_url(
             self.settings.require_redis_url(), socket_timeout=REDIS_SOCKET_TIMEOUT_S, health_check_interval=30
         )
@@ -124,19 +125,7 @@ class Worker:
         for identity in self.identities.values():
             identity.register()
         self.fleet = Fleet([self._make_server(spec) for spec in self.server_specs], self.metrics)
-        settings = self.settings
-        probes = [
-            HealthProbe(
-                self.redis,
-                self.keys,
-                self.fleet,
-                server,
-                interval_s=settings.health_interval_s,
-                timeout_s=settings.health_timeout_s,
-                timeouts_to_down=settings.health_timeouts_to_down,
-            )
-            for server in self.fleet.servers
-        ]
+        probes = [self._probe(server) for server in self.fleet.servers]
         await asyncio.gather(*(probe.probe() for probe in probes))
         self.sync = FleetSync(
             self.redis,
@@ -144,30 +133,51 @@ class Worker:
             self.fleet,
             self.metrics,
             worker_name=self.name,
-            interval_s=settings.control_interval_s,
-            shared_factor=settings.kv_controller,
+            interval_s=self.settings.control_interval_s,
+            shared_factor=self.settings.kv_controller,
         )
         self.sync.sync_once()
         self.writer = RecordWriter(
             self.storage,
             self.metrics,
             worker_tag=self.tag,
-            commit_interval_s=settings.commit_interval_s,
-            shard_max_records=settings.shard_max_records,
+            commit_interval_s=self.settings.commit_interval_s,
+            shard_max_records=self.settings.shard_max_records,
             on_storage_error=self.jobs.set_storage_error,
         )
         self.writer.start()
+        self._start_loops(probes)
+        log.info(
+            "worker %s started: servers up %s, queues %s",
+            self.name,
+            [s.name for s in self.fleet.servers if s.up],
+            [i.queue.name for i in self.identities.values()],
+        )
+
+    def _probe(self, server: Server) -> HealthProbe:
+        settings = self.settings
+        return HealthProbe(
+            self.redis,
+            self.keys,
+            self.fleet,
+            server,
+            interval_s=settings.health_interval_s,
+            timeout_s=settings.health_timeout_s,
+            timeouts_to_down=settings.health_timeouts_to_down,
+        )
+
+    def _start_loops(self, probes: list[HealthProbe]) -> None:
         reaper = Reaper(
             self.redis,
             self.keys,
             self.jobs,
             [identity.queue for identity in self.identities.values()],
             owner=self.name,
-            interval_s=settings.reaper_interval_s,
+            interval_s=self.settings.reaper_interval_s,
             metrics=self.metrics,
         )
         loops = [self._heartbeat_loop(), self.sync.run(), reaper.run(), *(p.run() for p in probes)]
-        if settings.kv_controller:
+        if self.settings.kv_controller:
             loops += [self._kv_control(server).run() for server in self.fleet.servers]
         self._background = [asyncio.create_task(loop) for loop in loops]
         if self.settings.metrics_port:
@@ -178,13 +188,6 @@ class Worker:
             loop = asyncio.get_running_loop()
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.add_signal_handler(sig, self._on_signal)
-        up = [s.name for s in self.fleet.servers if s.up]
-        log.info(
-            "worker %s started: servers up %s, queues %s",
-            self.name,
-            up,
-            [i.queue.name for i in self.identities.values()],
-        )
 
     def _make_server(self, spec: ServerSpec) -> Server:
         client = SGLangClient(
