@@ -1,0 +1,355 @@
+"""Helpers for the deployment tests: the dashboards' queries, compose.yaml, a real Prometheus.
+
+The expected metric table below is written by hand on purpose: a metric renamed or relabelled in
+code fails ``test_deploy_metric_names.py``, and a dashboard query naming a metric that is not in
+the table fails ``test_deploy_dashboards.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+import httpx
+import yaml
+
+from datagen.redis_server import free_port
+
+REPO = Path(__file__).resolve().parents[2]
+DASHBOARDS = REPO / "dashboards"
+DEPLOY = REPO / "deploy"
+COMPOSE_FILE = REPO / "compose.yaml"
+PROMETHEUS_CONFIG = DEPLOY / "prometheus.yml"
+GRAFANA_PROVISIONING = DEPLOY / "grafana" / "provisioning"
+
+INSTALL_HINT = (
+    "is not installed: run scripts/check as root (it installs Debian's `prometheus` package, "
+    "which ships both `prometheus` and `promtool`), or `apt-get install prometheus`"
+)
+
+# Grafana's built-in variables that panels may use without defining them.
+BUILTIN_VARIABLES = frozenset(
+    {"__rate_interval", "__interval", "__interval_ms", "__range", "__range_s", "__range_ms", "__dashboard"}
+)
+# What the tests put in place of Grafana's interval variables.
+WINDOW = "30s"
+
+# Every datagen_* metric family: (type, label names). Counters are queried as NAME_total and
+# histograms as NAME_bucket / NAME_sum / NAME_count. A `job` label is the datagen job id.
+EXPECTED_METRICS: dict[str, tuple[str, frozenset[str]]] = {
+    name: (kind, frozenset(labels))
+    for name, kind, labels in [
+        # workers/metrics.py
+        ("datagen_worker_requests", "counter", ("server", "class", "outcome")),
+        ("datagen_worker_prompt_tokens", "counter", ("server", "class")),
+        ("datagen_worker_generated_tokens", "counter", ("server", "class")),
+        ("datagen_worker_request_latency_seconds", "histogram", ("server", "class")),
+        ("datagen_worker_in_flight", "gauge", ("server", "class")),
+        ("datagen_worker_time_to_result_seconds", "histogram", ("class",)),
+        ("datagen_worker_finishes", "counter", ("class", "finish")),
+        ("datagen_worker_output_length_tokens", "histogram", ("class",)),
+        ("datagen_worker_prompt_length_tokens", "histogram", ("class",)),
+        ("datagen_worker_retries", "counter", ("reason",)),
+        ("datagen_worker_failures", "counter", ("reason",)),
+        ("datagen_worker_server_up", "gauge", ("server",)),
+        ("datagen_worker_server_paused", "gauge", ("server",)),
+        ("datagen_worker_queue_paused", "gauge", ("class",)),
+        ("datagen_worker_in_flight_target", "gauge", ("server", "class")),
+        ("datagen_worker_controller_changes", "counter", ("server", "direction")),
+        ("datagen_worker_kv_token_usage", "gauge", ("server",)),
+        ("datagen_worker_server_queue", "gauge", ("server",)),
+        ("datagen_worker_server_running", "gauge", ("server",)),
+        ("datagen_worker_server_retractions", "gauge", ("server",)),
+        ("datagen_worker_reaped", "counter", ("outcome",)),
+        ("datagen_worker_records_committed", "counter", ()),
+        ("datagen_worker_commit_errors", "counter", ()),
+        # service/metrics.py
+        ("datagen_jobs_submitted", "counter", ()),
+        ("datagen_upload_bytes", "counter", ()),
+        ("datagen_ingested_rows", "counter", ("outcome",)),
+        ("datagen_ingested_prompts", "counter", ("class",)),
+        ("datagen_queue_depth", "gauge", ("class",)),
+        ("datagen_queue_started", "gauge", ("class",)),
+        ("datagen_queue_paused", "gauge", ("class",)),
+        ("datagen_server_paused", "gauge", ("server",)),
+        ("datagen_jobs", "gauge", ("state",)),
+        ("datagen_job_prompts", "counter", ("job", "partition", "class", "status")),
+        ("datagen_job_generated_tokens", "counter", ("job", "partition", "class")),
+        ("datagen_job_progress_ratio", "gauge", ("job",)),
+        ("datagen_job_eta_seconds", "gauge", ("job",)),
+    ]
+}
+
+_SUFFIXES = {"counter": ("_total",), "gauge": ("",), "histogram": ("_bucket", "_sum", "_count")}
+
+
+def series_names(kind: str, name: str) -> list[str]:
+    """The names a family's samples are stored under."""
+    return [name + suffix for suffix in _SUFFIXES[kind]]
+
+
+def queryable_datagen_names() -> set[str]:
+    return {s for name, (kind, _) in EXPECTED_METRICS.items() for s in series_names(kind, name)}
+
+
+# -- dashboards ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PanelQuery:
+    dashboard: str
+    panel_id: int
+    title: str
+    ref_id: str
+    expr: str
+
+    @property
+    def key(self) -> str:
+        return f"{self.dashboard} / {self.title} / {self.ref_id}"
+
+
+def dashboard_files() -> list[Path]:
+    return sorted(DASHBOARDS.glob("*.json"))
+
+
+def load_dashboards() -> dict[str, dict[str, Any]]:
+    return {path.name: json.loads(path.read_text()) for path in dashboard_files()}
+
+
+def iter_panels(board: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    """Every panel, including those nested in collapsed rows."""
+    for panel in board.get("panels", []):
+        yield panel
+        yield from panel.get("panels", [])
+
+
+def panel_queries(name: str, board: dict[str, Any]) -> list[PanelQuery]:
+    return [
+        PanelQuery(name, panel["id"], panel["title"], target["refId"], target["expr"])
+        for panel in iter_panels(board)
+        for target in panel.get("targets", [])
+        if not target.get("hide")
+    ]
+
+
+def variables(board: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {v["name"]: v for v in board.get("templating", {}).get("list", [])}
+
+
+_VARIABLE_RE = re.compile(r"\$\{(\w+)(?::[^}]*)?\}|\[\[(\w+)(?::[^\]]*)?\]\]|\$(\w+)")
+
+
+def used_variables(text: str) -> set[str]:
+    return {next(g for g in m.groups() if g) for m in _VARIABLE_RE.finditer(text)}
+
+
+def variable_query(variable: dict[str, Any]) -> str:
+    query = variable.get("query")
+    return str(query.get("query", "") if isinstance(query, dict) else query or "")
+
+
+_LABEL_VALUES_RE = re.compile(r"^label_values\(\s*(?:(?P<match>.+?)\s*,\s*)?(?P<label>\w+)\s*\)$")
+
+
+def parse_label_values(query: str) -> tuple[str | None, str]:
+    """``label_values(selector, label)`` or ``label_values(label)`` -> (selector, label)."""
+    found = _LABEL_VALUES_RE.match(query.strip())
+    if found is None:
+        raise ValueError(f"not a label_values query: {query!r}")
+    return found["match"], found["label"]
+
+
+def grafana_regex_escape(value: str) -> str:
+    """What Grafana's Prometheus data source does to a value going into a regex matcher."""
+    value = value.replace("\\", "\\\\\\\\")
+    return re.sub(r"[$^*{}\[\]'+?.()|]", lambda m: "\\\\" + m.group(0), value)
+
+
+def fill(expr: str, values: dict[str, list[str]]) -> str:
+    """Replace template variables the way Grafana does for multi-value regex matchers."""
+
+    def one(match: re.Match[str]) -> str:
+        name = next(g for g in match.groups() if g)
+        if name in ("__rate_interval", "__interval", "__range"):
+            return WINDOW
+        chosen = values[name]
+        escaped = [grafana_regex_escape(v) for v in chosen]
+        return escaped[0] if len(escaped) == 1 else "(" + "|".join(escaped) + ")"
+
+    return _VARIABLE_RE.sub(one, expr)
+
+
+# -- compose ------------------------------------------------------------------------------------
+
+_INTERPOLATION_RE = re.compile(r"\$\$|\$\{(\w+)(?:(:?[-?])([^}]*))?\}|\$(\w+)")
+
+
+def interpolate(text: str, env: dict[str, str]) -> str:
+    """Compose's variable substitution: ${VAR}, ${VAR:-default}, ${VAR-default}, ${VAR:?err}, $$."""
+
+    def one(match: re.Match[str]) -> str:
+        if match.group(0) == "$$":
+            return "$"
+        name = match.group(1) or match.group(4)
+        op, arg = match.group(2), match.group(3) or ""
+        value = env.get(name)
+        if (op in (":-", ":?") and not value) or (op in ("-", "?") and value is None):
+            if op.endswith("?"):
+                raise ValueError(f"compose needs {name}: {arg}")
+            return arg
+        return value or ""
+
+    return _INTERPOLATION_RE.sub(one, text)
+
+
+def interpolation_names(text: str) -> set[str]:
+    return {m.group(1) or m.group(4) for m in _INTERPOLATION_RE.finditer(text) if m.group(0) != "$$"}
+
+
+def load_compose(env: dict[str, str] | None = None) -> dict[str, Any]:
+    """compose.yaml with anchors merged and variables substituted (defaults unless ``env`` sets them)."""
+    raw = yaml.safe_load(COMPOSE_FILE.read_text())
+    return dict(_substitute(raw, env or {}))
+
+
+def _substitute(node: Any, env: dict[str, str]) -> Any:
+    if isinstance(node, str):
+        return interpolate(node, env)
+    if isinstance(node, list):
+        return [_substitute(item, env) for item in node]
+    if isinstance(node, dict):
+        return {key: _substitute(value, env) for key, value in node.items()}
+    return node
+
+
+def as_list(command: str | list[str] | None) -> list[str]:
+    if command is None:
+        return []
+    return command.split() if isinstance(command, str) else [str(c) for c in command]
+
+
+def environment(service: dict[str, Any]) -> dict[str, str]:
+    env = service.get("environment") or {}
+    if isinstance(env, list):
+        env = dict(item.split("=", 1) for item in env)
+    return {str(k): "" if v is None else str(v) for k, v in env.items()}
+
+
+def active_services(compose: dict[str, Any], profiles: set[str]) -> dict[str, dict[str, Any]]:
+    """Services ``docker compose --profile …`` starts: no profile, or one of ``profiles``."""
+    return {
+        name: service
+        for name, service in compose["services"].items()
+        if not service.get("profiles") or profiles & set(service["profiles"])
+    }
+
+
+def prometheus_targets(config: dict[str, Any]) -> dict[str, list[tuple[str, dict[str, str]]]]:
+    """Scrape job -> [(host:port, extra labels)] from static_configs."""
+    return {
+        job["job_name"]: [
+            (target, dict(static.get("labels") or {}))
+            for static in job.get("static_configs", [])
+            for target in static["targets"]
+        ]
+        for job in config["scrape_configs"]
+    }
+
+
+# -- Prometheus ---------------------------------------------------------------------------------
+
+
+def require_binary(name: str) -> str:
+    path = shutil.which(name)
+    if path is None:
+        raise AssertionError(f"`{name}` {INSTALL_HINT}")
+    return path
+
+
+class Prometheus:
+    """A real Prometheus on a free loopback port with its TSDB under ``tmp``."""
+
+    READY_TIMEOUT_S = 30.0
+
+    def __init__(self, tmp: Path, config: dict[str, Any]) -> None:
+        self.tmp = tmp
+        self.config = config
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._log: IO[bytes] | None = None
+
+    def __enter__(self) -> Prometheus:
+        binary = require_binary("prometheus")
+        config_file = self.tmp / "prometheus.yml"
+        config_file.write_text(yaml.safe_dump(self.config, sort_keys=False))
+        self._log = open(self.tmp / "prometheus.log", "wb")
+        self._proc = subprocess.Popen(
+            [
+                binary,
+                f"--config.file={config_file}",
+                f"--storage.tsdb.path={self.tmp / 'tsdb'}",
+                f"--web.listen-address=127.0.0.1:{self.port}",
+                "--log.level=warn",
+            ],
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            cwd=self.tmp,
+        )
+        deadline = time.monotonic() + self.READY_TIMEOUT_S
+        while time.monotonic() < deadline:
+            assert self._proc.poll() is None, f"prometheus exited:\n{self.log()}"
+            try:
+                if httpx.get(f"{self.url}/-/ready", timeout=1).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        self.__exit__(None, None, None)
+        raise AssertionError(f"prometheus did not become ready:\n{self.log()}")
+
+    def __exit__(self, *exc: object) -> None:
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.terminate()
+            try:
+                self._proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
+        if self._log is not None:
+            self._log.close()
+
+    def log(self) -> str:
+        path = self.tmp / "prometheus.log"
+        return path.read_text(errors="replace")[-3000:] if path.exists() else ""
+
+    def _get(self, path: str, params: dict[str, Any]) -> Any:
+        reply = httpx.get(f"{self.url}{path}", params=params, timeout=10)
+        body = reply.json()
+        assert reply.status_code == 200 and body["status"] == "success", (path, params, body)
+        return body["data"]
+
+    def query(self, expr: str) -> list[dict[str, Any]]:
+        data = self._get("/api/v1/query", {"query": expr})
+        assert data["resultType"] == "vector", (expr, data["resultType"])
+        return list(data["result"])
+
+    def label_values(self, label: str, match: str | None) -> list[str]:
+        params = {"match[]": match} if match else {}
+        return sorted(self._get(f"/api/v1/label/{label}/values", params))
+
+    def targets(self) -> list[dict[str, Any]]:
+        return list(self._get("/api/v1/targets", {"state": "active"})["activeTargets"])
+
+
+def clean_env() -> dict[str, str]:
+    """The test process's environment without DATAGEN_* variables."""
+    return {k: v for k, v in os.environ.items() if not k.startswith("DATAGEN_")}

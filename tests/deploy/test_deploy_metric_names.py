@@ -1,0 +1,102 @@
+"""Metric names and label sets are pinned, so the dashboards cannot drift from the code silently.
+
+The expected table (deploy_helpers.EXPECTED_METRICS) is written by hand. A change to a metric's
+name or labels must change that table and, with it, the dashboards that query the metric.
+"""
+
+from __future__ import annotations
+
+import redis
+from prometheus_client import CollectorRegistry
+from prometheus_client.metrics import MetricWrapperBase
+
+from datagen.jobs import JobStore
+from datagen.keys import Keys
+from datagen.spec import JobSpec
+from service.fleetview import FleetView
+from service.metrics import CoordinatorMetrics
+from simulator.metrics import SimMetrics
+from tests.deploy.deploy_helpers import EXPECTED_METRICS
+from workers.metrics import WorkerMetrics
+
+Family = tuple[str, frozenset[str]]
+
+# What the dashboards read from the simulator (SGLang's names and labels, simulator/metrics.py).
+SCHEDULER_LABELS = frozenset({"model_name", "engine_type", "tp_rank", "pp_rank", "moe_ep_rank"})
+TOKENIZER_LABELS = frozenset({"model_name", "engine_type"})
+EXPECTED_SGLANG: dict[str, Family] = {
+    "sglang:token_usage": ("gauge", SCHEDULER_LABELS),
+    "sglang:num_used_tokens": ("gauge", SCHEDULER_LABELS),
+    "sglang:max_total_num_tokens": ("gauge", SCHEDULER_LABELS),
+    "sglang:num_running_reqs": ("gauge", SCHEDULER_LABELS),
+    "sglang:num_queue_reqs": ("gauge", SCHEDULER_LABELS),
+    "sglang:gen_throughput": ("gauge", SCHEDULER_LABELS),
+    "sglang:context_len": ("gauge", SCHEDULER_LABELS),
+    "sglang:num_retracted_requests": ("counter", SCHEDULER_LABELS),
+    "sglang:queue_time_seconds": ("histogram", SCHEDULER_LABELS),
+    "sglang:prompt_tokens": ("counter", TOKENIZER_LABELS),
+    "sglang:generation_tokens": ("counter", TOKENIZER_LABELS),
+    "sglang:num_requests": ("counter", TOKENIZER_LABELS),
+    "sglang:num_aborted_requests": ("counter", TOKENIZER_LABELS),
+    "sglang:e2e_request_latency_seconds": ("histogram", TOKENIZER_LABELS),
+    "sglang:time_to_first_token_seconds": ("histogram", TOKENIZER_LABELS),
+    "sglang:inter_token_latency_seconds": ("histogram", TOKENIZER_LABELS),
+}
+
+
+def _families(registry: CollectorRegistry) -> dict[str, Family]:
+    """Name -> (type, label names) of every family a registry exposes, samples or not.
+
+    Declared metrics expose no samples (hence no label names) until a child exists, so their
+    declaration is read (prometheus_client's ``_labelnames``); custom collectors' families are
+    read from their samples, which the caller makes sure exist.
+    """
+    found: dict[str, Family] = {}
+    for collector in list(registry._collector_to_names):
+        if isinstance(collector, MetricWrapperBase):
+            found[collector._name] = (str(collector._type), frozenset(collector._labelnames))
+            continue
+        for family in collector.collect():
+            assert family.samples, f"{family.name}: no samples to read its labels from"
+            labels = {frozenset(s.labels) - {"le"} for s in family.samples}
+            assert len(labels) == 1, (family.name, labels)
+            found[family.name] = (family.type, labels.pop())
+    return found
+
+
+def _datagen(table: dict[str, Family]) -> dict[str, Family]:
+    return {name: family for name, family in table.items() if name.startswith("datagen_")}
+
+
+def test_worker_metrics_are_pinned() -> None:
+    expected = {n: f for n, f in EXPECTED_METRICS.items() if n.startswith("datagen_worker_")}
+    assert _families(WorkerMetrics().registry) == expected
+
+
+def test_coordinator_metrics_are_pinned(redis_client: redis.Redis) -> None:
+    keys = Keys("pin")
+    jobs = JobStore(redis_client, keys)
+    # A running job with progress and a paused server, so every collected family has samples.
+    jobs.create("j1", JobSpec(tokenizer="tok"))
+    with redis_client.pipeline() as pipe:
+        jobs.add_ingest_counts(pipe, "j1", {"accepted": 4, "done": 1, "output_tokens": 30}, line=4)
+        jobs.add_breakdown(
+            pipe,
+            "j1",
+            {
+                ("accepted", "math", "short"): 4,
+                ("done", "math", "short"): 1,
+                ("output_tokens", "math", "short"): 30,
+            },
+        )
+        pipe.sadd(keys.paused_servers(), "gpu0")
+        pipe.execute()
+    metrics = CoordinatorMetrics(fleet=FleetView(redis_client, keys), jobs=jobs)
+    found = _families(metrics.registry)
+    expected = {n: f for n, f in EXPECTED_METRICS.items() if not n.startswith("datagen_worker_")}
+    assert _datagen(found) == expected
+    assert set(found) == set(expected)  # nothing outside the datagen_ prefix
+
+
+def test_simulator_metrics_match_sglang_names() -> None:
+    assert _families(SimMetrics("sim/model").registry) == EXPECTED_SGLANG

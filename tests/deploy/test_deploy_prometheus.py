@@ -1,0 +1,361 @@
+"""Every dashboard query against a real Prometheus scraping a running job.
+
+A coordinator, a worker and two simulators run as processes; Prometheus (Debian's binary) scrapes
+them every second with deploy/prometheus.yml's scrape jobs pointed at them. The second simulator
+is scraped with a relabel rule that stores its series as ``sglang_…``, so the KV dashboard has to
+match both name forms. Faults are planted so the error panels have something to show: 503s and
+500s on one simulator (the worker gives a prompt one attempt, so 500s fail prompts), a small KV
+pool with a low admission reserve on the other (retractions), and a ``max_new_tokens`` small enough
+to truncate generations.
+
+While the job runs, every query of every panel, with its variables filled in from Prometheus's
+label values, must answer, with finite values; rate panels must show something above zero.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import yaml
+
+from datagen.redis_server import LocalRedis, free_port
+from datagen.tokenization import bundled_tokenizer_path, default_chat_template_path
+from tests.deploy.deploy_helpers import (
+    PROMETHEUS_CONFIG,
+    PanelQuery,
+    Prometheus,
+    fill,
+    load_dashboards,
+    panel_queries,
+    parse_label_values,
+    require_binary,
+    variable_query,
+    variables,
+)
+from tests.helpers import ProcessStack
+
+pytestmark = pytest.mark.e2e
+
+NS = "prom"
+SCRAPE_INTERVAL = "1s"
+PROMPTS = 500
+LONG_EVERY = 10  # every tenth prompt is forced into the long class
+SHORT_MAX_NEW = 200  # below the simulator's typical output length: many records are truncated
+LONG_MAX_NEW = 400
+TIME_SCALE = "0.3"
+KV_TOKENS = "3000"  # about fifteen running requests before decode overflows the pool
+JOB_BUDGET_S = 100
+MIN_ROUNDS = 3
+# Panels counting events this test does not cause: they must answer, but may answer zero.
+MAY_STAY_ZERO = {
+    "Dead workers' prompts handed back": "no worker dies here (tests/e2e/test_lifecycle.py)",
+    "Shard commit errors": "storage does not fail here",
+}
+UNDERSCORE_RELABEL = {
+    "source_labels": ["__name__"],
+    "regex": "sglang:(.*)",
+    "target_label": "__name__",
+    "replacement": "sglang_$1",
+}
+
+
+@dataclass
+class Seen:
+    rounds: int = 0
+    answered: int = 0
+    positive: bool = False
+    not_finite: list[str] = field(default_factory=list)
+    last_expr: str = ""
+
+
+@dataclass
+class Observed:
+    seen: dict[str, Seen]
+    queries: list[PanelQuery]
+    job_state: str
+    planted: dict[str, float]
+    name_forms: dict[str, int]
+    targets: list[dict[str, Any]]
+    job_id: str
+    job_label_values: list[str]
+
+
+def _config(coordinator: str, worker: str, sim_a: str, sim_b: str) -> dict[str, Any]:
+    """deploy/prometheus.yml with its targets pointed at this test's processes."""
+    config = yaml.safe_load(PROMETHEUS_CONFIG.read_text())
+    config["global"].update(
+        scrape_interval=SCRAPE_INTERVAL, scrape_timeout=SCRAPE_INTERVAL, evaluation_interval=SCRAPE_INTERVAL
+    )
+    jobs = {job["job_name"]: job for job in config["scrape_configs"]}
+    for job in jobs.values():
+        job.pop("file_sd_configs", None)
+    jobs["datagen-coordinator"]["static_configs"] = [{"targets": [coordinator]}]
+    jobs["datagen-workers"]["static_configs"] = [{"targets": [worker]}]
+    jobs["sglang"]["static_configs"] = [{"targets": [sim_a], "labels": {"server": "simA"}}]
+    underscore = copy.deepcopy(jobs["sglang"])
+    underscore.update(
+        job_name="sglang-underscore-names",
+        static_configs=[{"targets": [sim_b], "labels": {"server": "simB"}}],
+        metric_relabel_configs=[UNDERSCORE_RELABEL],
+    )
+    config["scrape_configs"].append(underscore)
+    return config
+
+
+def _dataset(path: Path) -> None:
+    rows = []
+    for i in range(PROMPTS):
+        row: dict[str, Any] = {
+            "id": f"p{i}",
+            "messages": [{"role": "user", "content": f"Question {i}: " + "word " * (i % 40)}],
+            "partition": ("math", "code", "chat")[i % 3],
+        }
+        if i % LONG_EVERY == 0:
+            row["class"] = "long"
+        rows.append(row)
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def _resolve(prom: Prometheus, board: dict[str, Any]) -> dict[str, list[str]] | None:
+    """Each query variable's values, as Grafana would offer them; None while one has none yet."""
+    values = {}
+    for name, var in variables(board).items():
+        if var["type"] != "query":
+            continue
+        match, label = parse_label_values(variable_query(var))
+        found = prom.label_values(label, match)
+        if not found:
+            return None
+        values[name] = found
+    return values
+
+
+def _observe_round(
+    prom: Prometheus, boards: dict[str, dict[str, Any]], queries: list[PanelQuery], seen: dict[str, Seen]
+) -> None:
+    resolved = {name: _resolve(prom, board) for name, board in boards.items()}
+    for query in queries:
+        values = resolved[query.dashboard]
+        state = seen[query.key]
+        state.rounds += 1
+        if values is None:
+            continue
+        expr = fill(query.expr, values)
+        state.last_expr = expr
+        result = prom.query(expr)
+        state.answered += bool(result)
+        for sample in result:
+            value = float(sample["value"][1])
+            if not math.isfinite(value):
+                state.not_finite.append(f"{sample['metric']} = {value}")
+            state.positive |= value > 0
+
+
+def _satisfied(query: PanelQuery, state: Seen) -> bool:
+    needs_positive = ("rate(" in query.expr or "increase(" in query.expr) and query.title not in MAY_STAY_ZERO
+    return state.answered > 0 and (state.positive or not needs_positive)
+
+
+def _planted(prom: Prometheus) -> dict[str, float]:
+    checks = {
+        "retractions, underscore form": 'sum(sglang_num_retracted_requests_total{server="simB"})',
+        "503 retries": 'sum(datagen_worker_retries_total{reason="ServerUnavailableError"})',
+        "truncated records": 'sum(datagen_worker_finishes_total{finish="length"})',
+        "failed prompts": "sum(datagen_worker_failures_total)",
+        "failed prompts in the job": 'sum(datagen_job_prompts_total{status="failed"})',
+    }
+    out = {}
+    for name, expr in checks.items():
+        result = prom.query(expr)
+        out[name] = float(result[0]["value"][1]) if result else 0.0
+    return out
+
+
+def _name_forms(prom: Prometheus) -> dict[str, int]:
+    return {form: len(prom.query(f'{{__name__="{form}token_usage"}}')) for form in ("sglang:", "sglang_")}
+
+
+def _spawn_processes(stack: ProcessStack, ports: dict[str, int], tokenizer: str) -> None:
+    sim = ("sim", "--tokenizer", tokenizer, "--time-scale", TIME_SCALE)
+    stack.spawn(
+        "simA", *sim, "--port", str(ports["simA"]), "--fail-503-rate", "0.1", "--fail-500-rate", "0.03"
+    )
+    stack.spawn(
+        "simB", *sim, "--port", str(ports["simB"]), "--kv-tokens", KV_TOKENS, "--reserve-fraction", "0.3"
+    )
+    stack.spawn("coordinator", "coordinator", "--port", str(ports["coordinator"]))
+    stack.spawn(
+        "worker",
+        "worker",
+        *("--server", f"simA=http://127.0.0.1:{ports['simA']}"),
+        *("--server", f"simB=http://127.0.0.1:{ports['simB']}"),
+        *("--metrics-port", str(ports["worker"])),
+        *("--short-concurrency", "32", "--long-concurrency", "8"),
+    )
+    for name, path in (
+        ("simA", "/health"),
+        ("simB", "/health"),
+        ("coordinator", "/healthz"),
+        ("worker", "/metrics"),
+    ):
+        stack.wait_http(f"http://127.0.0.1:{ports[name]}{path}")
+
+
+def _wait_targets_up(prom: Prometheus, expected: int) -> None:
+    deadline = time.monotonic() + 30
+    while True:
+        targets = prom.targets()
+        if len(targets) == expected and all(t["health"] == "up" for t in targets):
+            return
+        assert time.monotonic() < deadline, f"targets not up: {targets}\n{prom.log()}"
+        time.sleep(0.2)
+
+
+def _submit(stack: ProcessStack, coordinator: str, tokenizer: str) -> str:
+    dataset = stack.tmp / "dataset.jsonl"
+    _dataset(dataset)
+    result = stack.cli(
+        *("submit", str(dataset), "--coordinator", coordinator, "--tokenizer", tokenizer),
+        *("--chat-template", str(default_chat_template_path()), "--seed", "7"),
+        *("--short-max-new-tokens", str(SHORT_MAX_NEW), "--long-max-new-tokens", str(LONG_MAX_NEW)),
+    )
+    assert result.returncode == 0, f"{result.stdout}\n{result.stderr}\n{stack.logs()}"
+    return result.stdout.strip().splitlines()[0]
+
+
+def _job_state(coordinator: str, job_id: str) -> str:
+    return str(httpx.get(f"{coordinator}/jobs/{job_id}", timeout=5).json()["state"])
+
+
+def _watch(
+    prom: Prometheus,
+    boards: dict[str, dict[str, Any]],
+    queries: list[PanelQuery],
+    job_state: Callable[[], str],
+) -> tuple[dict[str, Seen], str]:
+    """Query every panel in rounds until each has answered (and risen) or the job has ended."""
+    started = time.monotonic()
+    seen = {q.key: Seen() for q in queries}
+    rounds = 0
+    while True:
+        _observe_round(prom, boards, queries, seen)
+        rounds += 1
+        state = job_state()
+        satisfied = all(_satisfied(q, seen[q.key]) for q in queries) and rounds >= MIN_ROUNDS
+        if satisfied or state in ("completed", "failed", "cancelled"):
+            return seen, state
+        assert time.monotonic() - started < JOB_BUDGET_S, f"job still {state} after {JOB_BUDGET_S} s"
+        time.sleep(0.5)
+
+
+@pytest.fixture(scope="module")
+def observed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Observed]:
+    require_binary("prometheus")
+    tmp = tmp_path_factory.mktemp("prometheus")
+    boards = load_dashboards()
+    queries = [q for name, board in boards.items() for q in panel_queries(name, board)]
+    tokenizer = bundled_tokenizer_path()
+    ports = {name: free_port() for name in ("simA", "simB", "coordinator", "worker")}
+    coordinator = f"http://127.0.0.1:{ports['coordinator']}"
+    with LocalRedis() as redis_server:
+        env = {
+            "DATAGEN_REDIS_URL": redis_server.url,
+            "DATAGEN_STORAGE": str(tmp / "data"),
+            "DATAGEN_NAMESPACE": NS,
+            # One attempt per prompt: a 500 fails it, so the failure panels have data.
+            "DATAGEN_MAX_ATTEMPTS": "1",
+            "DATAGEN_RETRY_BASE_S": "0.05",
+            "DATAGEN_RETRY_MAX_S": "0.2",
+            "DATAGEN_HEALTH_INTERVAL_S": "0.2",
+            "DATAGEN_CONTROLLER_INTERVAL_S": "0.5",
+            "DATAGEN_COMMIT_INTERVAL_S": "0.5",
+            "DATAGEN_HEARTBEAT_INTERVAL_S": "1",
+            "DATAGEN_REAPER_INTERVAL_S": "1",
+        }
+        stack = ProcessStack(tmp, env)
+        try:
+            _spawn_processes(stack, ports, tokenizer)
+            addresses = {name: f"127.0.0.1:{port}" for name, port in ports.items()}
+            config = _config(
+                addresses["coordinator"], addresses["worker"], addresses["simA"], addresses["simB"]
+            )
+            with Prometheus(tmp, config) as prom:
+                _wait_targets_up(prom, expected=4)
+                job_id = _submit(stack, coordinator, tokenizer)
+                seen, state = _watch(prom, boards, queries, lambda: _job_state(coordinator, job_id))
+                yield Observed(
+                    seen=seen,
+                    queries=queries,
+                    job_state=state,
+                    planted=_planted(prom),
+                    name_forms=_name_forms(prom),
+                    targets=prom.targets(),
+                    job_id=job_id,
+                    job_label_values=prom.label_values("job", "datagen_job_prompts_total"),
+                )
+        finally:
+            stack.stop()
+
+
+def test_prometheus_is_installed() -> None:
+    """Fails, rather than skips, without Prometheus: CI installs it (scripts/check, as root)."""
+    require_binary("prometheus")
+    require_binary("promtool")
+
+
+def test_every_panel_query_answers_while_the_job_runs(observed: Observed) -> None:
+    silent = [
+        f"{q.key}: {observed.seen[q.key].last_expr or q.expr}"
+        for q in observed.queries
+        if not observed.seen[q.key].answered
+    ]
+    assert not silent, "queries that never returned data:\n" + "\n".join(silent)
+
+
+def test_every_value_is_finite(observed: Observed) -> None:
+    bad = {
+        q.key: observed.seen[q.key].not_finite[:3]
+        for q in observed.queries
+        if observed.seen[q.key].not_finite
+    }
+    assert not bad, bad
+
+
+def test_rate_panels_rise_above_zero(observed: Observed) -> None:
+    flat = [q.key for q in observed.queries if not _satisfied(q, observed.seen[q.key])]
+    assert not flat, f"rate queries that stayed at zero: {flat}"
+    # The exemptions name real panels, so a renamed panel does not keep a stale pass.
+    assert set(MAY_STAY_ZERO) <= {q.title for q in observed.queries}
+
+
+def test_the_job_was_still_running_when_every_query_had_answered(observed: Observed) -> None:
+    assert observed.job_state in ("ingesting", "running"), observed.job_state
+
+
+def test_planted_faults_are_visible(observed: Observed) -> None:
+    assert all(value > 0 for value in observed.planted.values()), observed.planted
+
+
+def test_job_series_keep_the_datagen_job_id(observed: Observed) -> None:
+    # Without honor_labels the scrape job's name would take the label and the id would move
+    # to exported_job: the $job variable would offer "datagen-coordinator".
+    assert observed.job_label_values == [observed.job_id]
+
+
+def test_both_sglang_name_forms_are_stored(observed: Observed) -> None:
+    assert observed.name_forms == {"sglang:": 1, "sglang_": 1}
+    assert {t["labels"]["job"] for t in observed.targets} == {
+        "datagen-coordinator",
+        "datagen-workers",
+        "sglang",
+        "sglang-underscore-names",
+    }
