@@ -29,7 +29,8 @@ FAILED_REPORTS_CAP = 10_000
 
 # KEYS: job hash, the job's running set, its failure reports, its breakdown hash, its labelled
 # partitions. ARGV: counter field, increment, output tokens, now ms, RQ id leaving the running set
-# ("" for none), failure report ("" for none), report cap, partition, class. A prompt is counted
+# ("" for none), failure report ("" for none), report cap, partition, class, finish reason ("" for
+# none). A prompt is counted
 # only if it was still in the running set, so finishing the same prompt twice (a stalled worker
 # and its rescuer) counts once.
 _COUNT_AND_MAYBE_COMPLETE = """
@@ -43,6 +44,7 @@ if tonumber(ARGV[2]) ~= 0 then
   local suffix = '|' .. label .. '|' .. ARGV[9]
   redis.call('HINCRBY', KEYS[4], ARGV[1] .. suffix, ARGV[2])
   if tonumber(ARGV[3]) ~= 0 then redis.call('HINCRBY', KEYS[4], 'output_tokens' .. suffix, ARGV[3]) end
+  if ARGV[10] ~= '' then redis.call('HINCRBY', KEYS[4], 'finish:' .. ARGV[10] .. suffix, 1) end
 end
 if tonumber(ARGV[3]) ~= 0 then redis.call('HINCRBY', key, 'output_tokens', ARGV[3]) end
 if ARGV[6] ~= '' then
@@ -236,7 +238,9 @@ class JobStore:
 
     def finish_ingest(self, job_id: str) -> None:
         self.redis.hset(self.keys.job(job_id), "state", JobState.RUNNING.value)
-        self._count_script(keys=self._count_keys(job_id), args=["done", 0, 0, now_ms(), "", "", 0, "", ""])
+        self._count_script(
+            keys=self._count_keys(job_id), args=["done", 0, 0, now_ms(), "", "", 0, "", "", ""]
+        )
 
     def restart_ingest(self, job_id: str) -> None:
         self.redis.hset(
@@ -277,9 +281,17 @@ class JobStore:
         ]
 
     def count_done(
-        self, pipe: Pipeline, job_id: str, rq_id: str, output_tokens: int, *, partition: str, cls: str
+        self,
+        pipe: Pipeline,
+        job_id: str,
+        rq_id: str,
+        output_tokens: int,
+        *,
+        partition: str,
+        cls: str,
+        finish: str = "",
     ) -> None:
-        args: list[str | int] = ["done", 1, output_tokens, now_ms(), rq_id, "", 0, partition, cls]
+        args: list[str | int] = ["done", 1, output_tokens, now_ms(), rq_id, "", 0, partition, cls, finish]
         self._count_script(keys=self._count_keys(job_id), args=args, client=pipe)
 
     def count_failed(
@@ -296,6 +308,7 @@ class JobStore:
             FAILED_REPORTS_CAP,
             partition,
             cls,
+            "",
         ]
         self._count_script(keys=self._count_keys(job_id), args=args, client=pipe)
 

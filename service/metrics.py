@@ -25,6 +25,7 @@ __all__ = ["CoordinatorMetrics"]
 
 # How many jobs a scrape looks at (newest first).
 SCRAPE_JOBS = 200
+FINISH_PREFIX = "finish:"
 
 
 class _FleetCollector(Collector):
@@ -68,6 +69,11 @@ class _JobsCollector(Collector):
             "Generated tokens of running jobs",
             labels=["job", "partition", "class"],
         )
+        finishes = CounterMetricFamily(
+            "datagen_job_finishes",
+            "Records of running jobs by finish reason",
+            labels=["job", "partition", "class", "finish"],
+        )
         progress_ratio = GaugeMetricFamily(
             "datagen_job_progress_ratio", "Finished / accepted", labels=["job"]
         )
@@ -78,24 +84,26 @@ class _JobsCollector(Collector):
             for job in jobs:
                 states[job.state] += 1
                 if not job.state.is_final:
-                    self._job(job, prompts, tokens, progress_ratio, eta)
+                    self._job(job, (prompts, tokens, finishes), progress_ratio, eta)
         except RedisError:
             return
         for state, count in states.items():
             by_state.add_metric([state.value], count)
-        yield from (by_state, prompts, tokens, progress_ratio, eta)
+        yield from (by_state, prompts, tokens, finishes, progress_ratio, eta)
 
     def _job(
         self,
         job: JobProgress,
-        prompts: CounterMetricFamily,
-        tokens: CounterMetricFamily,
+        counters: tuple[CounterMetricFamily, CounterMetricFamily, CounterMetricFamily],
         progress_ratio: GaugeMetricFamily,
         eta: GaugeMetricFamily,
     ) -> None:
+        prompts, tokens, finishes = counters
         for (counter, label, cls), value in self.jobs.breakdown(job.job_id).items():
             if counter == "output_tokens":
                 tokens.add_metric([job.job_id, label, cls], value)
+            elif counter.startswith(FINISH_PREFIX):
+                finishes.add_metric([job.job_id, label, cls, counter.removeprefix(FINISH_PREFIX)], value)
             else:
                 prompts.add_metric([job.job_id, label, cls, counter], value)
         if job.accepted:

@@ -405,6 +405,7 @@ class Worker:
                 record.output_len,
                 partition=record.partition,
                 cls=record.cls,
+                finish=record.finish_type,
             )
             if following is not None:
                 # In the same transaction as the done count: the job cannot complete in between.
@@ -441,6 +442,9 @@ class Worker:
 
     def _fail(self, identity: QueueIdentity, item: InFlight, job_id: str | None, exc: BaseException) -> None:
         reason = type(exc).__name__
+        if isinstance(exc.__cause__, RetryableError):
+            # Retries ran out: the cause says why (timeouts, 5xx, aborts), not the FatalError wrapper.
+            reason = f"gave_up_{type(exc.__cause__).__name__}"
         message = str(exc) or reason
         self.metrics.failures.labels(reason).inc()
         log.warning("failed %s: %s", item.job.id, message)

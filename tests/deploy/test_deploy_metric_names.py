@@ -87,6 +87,7 @@ def test_coordinator_metrics_are_pinned(redis_client: redis.Redis) -> None:
                 ("accepted", "math", "short"): 4,
                 ("done", "math", "short"): 1,
                 ("output_tokens", "math", "short"): 30,
+                ("finish:stop", "math", "short"): 1,
             },
         )
         pipe.sadd(keys.paused_servers(), "gpu0")
