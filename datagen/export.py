@@ -1,49 +1,251 @@
-"""Exports read committed records straight from storage (no Redis, no coordinator).
+"""Exports read committed records straight from storage (no Redis, no coordinator), streaming.
 
-Records are deduplicated on (sample id, turn, gen): processing is at-least-once, so a prompt
-that ran twice (a worker died after committing but before acknowledging) has two records, and
-the first committed one wins.
+    committed shards ─► dedupe + filters + clip ─► [bucket shuffle] ─► format ─► files (renamed at the end)
+
+Records are deduplicated on (sample id, turn, gen): processing is at-least-once, so a prompt that
+ran twice (a worker died after committing but before acknowledging) has two records, and the first
+committed one wins. Then, in this order, rows are dropped by ``partitions``, by truncation
+(``finish_type == "length"``; in ``conversations`` also a row cut by ``max_length``), and when fewer
+than ``min_supervised_tokens`` output tokens remain after clipping to ``max_length``.
+
+Truncated rows are kept by default in the token-id formats (``specforge``, ``speculators``,
+``parquet``): every token of a truncated record is still an exact sample of the target model, and
+dropping them would cut the long tail of generation lengths out of the training data; ``finish_reason``
+stays available in ``speculators`` and ``parquet``. They are dropped by default in ``conversations``,
+whose text trainers re-render the turn as a finished one.
+
+Memory stays flat for any job size except for the dedupe set (about 90 bytes a record) and, for
+``conversations``, the input index (about 130 bytes a prompt); a shuffle holds one bucket of about
+64 MiB (see ``datagen._export_shuffle``). ``bench/export.py`` measures all three.
 """
 
 from __future__ import annotations
 
-import json
-from collections.abc import Callable, Iterator
+import tempfile
+from collections.abc import Callable, Generator, Iterable, Iterator
+from contextlib import closing
 from dataclasses import dataclass
+from enum import StrEnum
 from pathlib import Path
 from typing import Any, TextIO
 
-from datagen.records import loss_mask
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from datagen._export_conversations import ConversationFormatter, InputIndex
+from datagen._export_formats import (
+    PARQUET_SCHEMA,
+    SpeculatorsFormatter,
+    export_id,
+    parquet_table,
+    specforge_lines,
+)
+from datagen._export_rows import (
+    ROW_COLUMNS,
+    DropReason,
+    ExportStats,
+    RowFilter,
+    RowFilterOptions,
+    filtered_batches,
+    total_records,
+)
+from datagen._export_shuffle import bucket_count, shuffled_batches
+from datagen._export_sinks import JsonlSink, ParquetSink
+from datagen._export_tokens import load_job_tokens
+from datagen.errors import ConfigError, StorageError
+from datagen.states import MultiTurnMode
 from datagen.storage import Storage
 
-__all__ = ["ExportStats", "export_id", "export_specforge", "iter_unique_rows"]
+__all__ = [
+    "DEFAULT_MIN_SUPERVISED_TOKENS",
+    "DropReason",
+    "ExportFormat",
+    "ExportOptions",
+    "ExportStats",
+    "export_id",
+    "export_job",
+    "export_specforge",
+    "iter_unique_rows",
+    "total_records",
+]
 
-_COLUMNS = ["sample_id", "turn", "gen", "input_ids", "prompt_len", "finish_type"]
+DEFAULT_MIN_SUPERVISED_TOKENS = 1
 
 
-@dataclass
-class ExportStats:
-    records: int = 0
-    duplicates: int = 0
-    written: int = 0
-    tokens: int = 0
+class ExportFormat(StrEnum):
+    SPECFORGE = "specforge"
+    SPECULATORS = "speculators"
+    CONVERSATIONS = "conversations"
+    PARQUET = "parquet"
+
+    @property
+    def drops_truncated_by_default(self) -> bool:
+        return self is ExportFormat.CONVERSATIONS
 
 
-def export_id(sample_id: str, turn: int, gen: int) -> str:
-    return sample_id if turn == 0 and gen == 0 else f"{sample_id}_t{turn}_g{gen}"
+@dataclass(frozen=True)
+class ExportOptions:
+    drop_truncated: bool | None = None  # None: the format's default
+    min_supervised_tokens: int = DEFAULT_MIN_SUPERVISED_TOKENS
+    max_length: int | None = None
+    shuffle_seed: int | None = None
+    shard_size: int | None = None  # rows per output file; JSONL output becomes a directory
+    partitions: frozenset[str] | None = None
+    tokenizer: str | None = None  # the job's tokenizer files at another path
+
+    def __post_init__(self) -> None:
+        if self.min_supervised_tokens < 0:
+            raise ConfigError("--min-supervised-tokens must be 0 or more")
+        if self.max_length is not None and self.max_length < 1:
+            raise ConfigError("--max-length must be at least 1")
+        if self.shard_size is not None and self.shard_size < 1:
+            raise ConfigError("--shard-size must be at least 1")
+
+    def filter_options(self, fmt: ExportFormat) -> RowFilterOptions:
+        drop = fmt.drops_truncated_by_default if self.drop_truncated is None else self.drop_truncated
+        return RowFilterOptions(
+            partitions=self.partitions,
+            drop_truncated=drop,
+            min_supervised_tokens=self.min_supervised_tokens,
+            max_length=self.max_length,
+            clipped_is_truncated=fmt is ExportFormat.CONVERSATIONS,
+        )
+
+
+# Progress events: ("read", records read so far) and ("written", rows written so far).
+ProgressCallback = Callable[[str, int], None]
+
+
+def _ordered(
+    batches: Iterable[pa.RecordBatch], storage: Storage, job_id: str, options: ExportOptions, out: Path
+) -> Generator[pa.RecordBatch, None, None]:
+    if options.shuffle_seed is None:
+        yield from batches
+        return
+    out.parent.mkdir(parents=True, exist_ok=True)  # temporary buckets go on the output's disk
+    with tempfile.TemporaryDirectory(prefix=".datagen-shuffle-", dir=out.parent) as tmp:
+        buckets = bucket_count(storage, job_id)
+        yield from shuffled_batches(batches, seed=options.shuffle_seed, buckets=buckets, tmp_dir=Path(tmp))
+
+
+def _line_writer(
+    fmt: ExportFormat, storage: Storage, job_id: str, options: ExportOptions, stats: ExportStats
+) -> tuple[Callable[[pa.RecordBatch], Iterable[bytes]], Callable[[], None]]:
+    """The batch → JSON lines function of a JSONL format, and what to close after."""
+    if fmt is ExportFormat.SPECFORGE:
+        return specforge_lines, lambda: None
+    tokens = load_job_tokens(storage, job_id, options.tokenizer)
+    if fmt is ExportFormat.SPECULATORS:
+        return SpeculatorsFormatter(tokens).lines, lambda: None
+    manifest = storage.read_manifest(job_id) or {}
+    mode = MultiTurnMode(manifest.get("spec", {}).get("multi_turn", MultiTurnMode.LAST.value))
+    if mode is not MultiTurnMode.LAST:
+        # Turn k+1 was rendered from the model's own turn k; the input holds the dataset's turn k.
+        raise ConfigError(
+            f"job {job_id} ran in multi-turn mode {mode.value!r}: its later turns follow the regenerated "
+            "earlier turns, which the conversations export does not rebuild yet; export a token format "
+            "(specforge, speculators, parquet), which is exact for every turn"
+        )
+    index = InputIndex(storage, job_id, mode)
+    return ConversationFormatter(tokens, index, stats).lines, index.close
+
+
+def _count_tokens(batch: pa.RecordBatch) -> int:
+    return int(pc.sum(pc.list_value_length(batch.column("input_ids"))).as_py() or 0)
+
+
+def _write_parquet(
+    batches: Iterable[pa.RecordBatch],
+    out: Path,
+    options: ExportOptions,
+    stats: ExportStats,
+    progress: ProgressCallback,
+) -> list[Path]:
+    sink = ParquetSink(out, PARQUET_SCHEMA, options.shard_size)
+    try:
+        for batch in batches:
+            sink.write(parquet_table(batch))
+            stats.written += batch.num_rows
+            stats.tokens += _count_tokens(batch)
+            progress("written", stats.written)
+        return sink.finish()
+    except OSError as exc:
+        sink.abort()
+        raise StorageError(f"cannot write the export to {out}: {exc}") from exc
+    except BaseException:
+        sink.abort()
+        raise
+
+
+def _write_jsonl(
+    batches: Iterable[pa.RecordBatch],
+    lines: Callable[[pa.RecordBatch], Iterable[bytes]],
+    out: Path,
+    options: ExportOptions,
+    stats: ExportStats,
+    progress: ProgressCallback,
+) -> list[Path]:
+    sink = JsonlSink(out, options.shard_size)
+    try:
+        for batch in batches:
+            for line in lines(batch):
+                sink.write(line)
+                stats.written += 1
+            stats.tokens += _count_tokens(batch)
+            progress("written", stats.written)
+        return sink.finish()
+    except OSError as exc:
+        sink.abort()
+        raise StorageError(f"cannot write the export to {out}: {exc}") from exc
+    except BaseException:
+        sink.abort()
+        raise
+
+
+def _no_progress(event: str, count: int) -> None:
+    pass
+
+
+def export_job(
+    storage: Storage,
+    job_id: str,
+    fmt: ExportFormat,
+    out: Path,
+    options: ExportOptions | None = None,
+    *,
+    on_progress: ProgressCallback | None = None,
+) -> ExportStats:
+    """Export one job; ``out`` is a file (JSONL) or a directory (sharded JSONL, Parquet).
+
+    ``on_progress`` is called with ("read", records read) and ("written", rows written).
+    """
+    options = options or ExportOptions()
+    progress = on_progress or _no_progress
+    stats = ExportStats()
+    row_filter = RowFilter(options.filter_options(fmt), stats)
+    filtered = filtered_batches(storage, job_id, row_filter, lambda n: progress("read", n))
+    # closing(): a failed export removes the shuffle's temporary files at once, not at garbage collection.
+    with closing(_ordered(filtered, storage, job_id, options, out)) as batches:
+        if fmt is ExportFormat.PARQUET:
+            files = _write_parquet(batches, out, options, stats, progress)
+        else:
+            lines, close = _line_writer(fmt, storage, job_id, options, stats)
+            try:
+                files = _write_jsonl(batches, lines, out, options, stats, progress)
+            finally:
+                close()
+    stats.files = [str(p) for p in files]
+    return stats
+
+
+# -- the simple API kept for callers that predate the formats ---------------------------------------
 
 
 def iter_unique_rows(storage: Storage, job_id: str, stats: ExportStats) -> Iterator[dict[str, Any]]:
-    seen: set[tuple[str, int, int]] = set()
-    for batch in storage.iter_record_batches(job_id):
-        for row in batch.select(_COLUMNS).to_pylist():
-            stats.records += 1
-            key = (row["sample_id"], row["turn"], row["gen"])
-            if key in seen:
-                stats.duplicates += 1
-                continue
-            seen.add(key)
-            yield row
+    """Every first record per key as a dict of the exported columns, unfiltered."""
+    row_filter = RowFilter(RowFilterOptions(min_supervised_tokens=0), stats)
+    for batch in filtered_batches(storage, job_id, row_filter):
+        yield from batch.select(ROW_COLUMNS).to_pylist()
 
 
 def export_specforge(
@@ -53,23 +255,15 @@ def export_specforge(
     *,
     on_row: Callable[[int], None] | None = None,
 ) -> ExportStats:
-    """Write ``{"id", "input_ids", "loss_mask"}`` JSONL, SpecForge's pre-tokenized input."""
+    """Write ``{"id", "input_ids", "loss_mask"}`` JSONL, SpecForge's pre-tokenized input, to a text
+    stream, with the default options."""
     stats = ExportStats()
-    for row in iter_unique_rows(storage, job_id, stats):
-        ids = row["input_ids"]
-        line = {
-            "id": export_id(row["sample_id"], row["turn"], row["gen"]),
-            "input_ids": ids,
-            "loss_mask": loss_mask(len(ids), row["prompt_len"]),
-        }
-        out.write(json.dumps(line, separators=(",", ":")) + "\n")
-        stats.written += 1
-        stats.tokens += len(ids)
-        if on_row is not None:
-            on_row(stats.written)
+    row_filter = RowFilter(ExportOptions().filter_options(ExportFormat.SPECFORGE), stats)
+    for batch in filtered_batches(storage, job_id, row_filter):
+        for line in specforge_lines(batch):
+            out.write(line.decode("utf-8"))
+            stats.written += 1
+            if on_row is not None:
+                on_row(stats.written)
+        stats.tokens += _count_tokens(batch)
     return stats
-
-
-def open_output(path: Path) -> TextIO:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    return open(path, "w", encoding="utf-8")

@@ -1,0 +1,201 @@
+"""The streaming front half of every export: committed record batches → deduplicated, filtered and
+clipped batches, one storage batch (``BATCH_ROWS`` records) in memory at a time.
+
+The one memory cost that grows with the job is the dedupe set: a 16-byte digest of every
+``(sample_id, turn, gen)`` key seen (about 90 bytes a key with the set's own overhead; measured by
+``bench/export.py``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from datagen.errors import StorageError
+from datagen.storage import Storage
+
+__all__ = [
+    "BATCH_ROWS",
+    "ROW_COLUMNS",
+    "DropReason",
+    "ExportStats",
+    "RowFilter",
+    "RowFilterOptions",
+    "filtered_batches",
+    "iter_committed_batches",
+    "key_digest",
+    "list_parts",
+    "total_records",
+]
+
+BATCH_ROWS = 1024
+# The record columns the exports read; the rest of a shard is never decoded.
+ROW_COLUMNS = [
+    "sample_id",
+    "turn",
+    "gen",
+    "partition",
+    "input_ids",
+    "prompt_len",
+    "output_len",
+    "finish_type",
+    "server",
+    "sampling_params",
+]
+_KEY_DIGEST_BYTES = 16
+_TURN_GEN = struct.Struct("<ii")
+
+
+class DropReason(StrEnum):
+    PARTITION = "partition"
+    TRUNCATED = "truncated"
+    MIN_SUPERVISED = "min_supervised"
+    NO_INPUT = "no_input"
+
+
+@dataclass
+class ExportStats:
+    """Counts of one export. ``records`` are committed records read (duplicates included)."""
+
+    records: int = 0
+    duplicates: int = 0
+    written: int = 0
+    tokens: int = 0
+    clipped: int = 0
+    dropped: Counter[str] = field(default_factory=Counter)
+    files: list[str] = field(default_factory=list)
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "records": self.records,
+            "written": self.written,
+            "duplicates": self.duplicates,
+            "dropped": {reason.value: self.dropped.get(reason.value, 0) for reason in DropReason},
+            "clipped": self.clipped,
+            "tokens": self.tokens,
+            "files": len(self.files),
+        }
+
+
+@dataclass(frozen=True)
+class RowFilterOptions:
+    partitions: frozenset[str] | None = None
+    drop_truncated: bool = False
+    min_supervised_tokens: int = 1
+    max_length: int | None = None
+    # Text exports: a row cut by max_length no longer holds the whole turn, so it counts as truncated.
+    clipped_is_truncated: bool = False
+
+
+def key_digest(sample_id: str, turn: int, gen: int) -> bytes:
+    """16 bytes standing for a record key (injective input: the id's bytes, then fixed-size ints)."""
+    data = sample_id.encode("utf-8") + _TURN_GEN.pack(turn, gen)
+    return hashlib.blake2b(data, digest_size=_KEY_DIGEST_BYTES).digest()
+
+
+def list_parts(array: pa.Array) -> tuple[np.ndarray, np.ndarray]:
+    """A list array's flat values and offsets into them (row i is values[offsets[i]:offsets[i+1]])."""
+    if isinstance(array, pa.ChunkedArray):
+        array = array.combine_chunks()
+    return array.values.to_numpy(zero_copy_only=False), array.offsets.to_numpy()
+
+
+def total_records(storage: Storage, job_id: str) -> int:
+    return sum(int(commit.get("records", 0)) for commit in storage.list_commits(job_id))
+
+
+class RowFilter:
+    """Keeps the first record per key, then drops by partition, truncation and supervised tokens
+    (counted after clipping to ``max_length``), and clips what it keeps."""
+
+    def __init__(self, options: RowFilterOptions, stats: ExportStats) -> None:
+        self.options = options
+        self.stats = stats
+        self.seen: set[bytes] = set()
+
+    def _drop_reason(self, partition: str, finish: str, prompt_len: int, length: int) -> DropReason | None:
+        opts = self.options
+        if opts.partitions is not None and partition not in opts.partitions:
+            return DropReason.PARTITION
+        kept = length if opts.max_length is None else min(length, opts.max_length)
+        truncated = finish == "length" or (opts.clipped_is_truncated and kept < length)
+        if opts.drop_truncated and truncated:
+            return DropReason.TRUNCATED
+        if kept - min(prompt_len, kept) < opts.min_supervised_tokens:
+            return DropReason.MIN_SUPERVISED
+        return None
+
+    def __call__(self, batch: pa.RecordBatch) -> pa.RecordBatch | None:
+        keys = zip(*(batch.column(c).to_pylist() for c in ("sample_id", "turn", "gen")), strict=True)
+        partitions = batch.column("partition").to_pylist()
+        finishes = batch.column("finish_type").to_pylist()
+        prompt_lens = batch.column("prompt_len").to_pylist()
+        lengths = pc.list_value_length(batch.column("input_ids")).to_pylist()
+        keep = []
+        for i, key in enumerate(keys):
+            self.stats.records += 1
+            digest = key_digest(*key)
+            if digest in self.seen:
+                self.stats.duplicates += 1
+                keep.append(False)
+                continue
+            self.seen.add(digest)
+            reason = self._drop_reason(partitions[i], finishes[i], prompt_lens[i], lengths[i])
+            if reason is not None:
+                self.stats.dropped[reason.value] += 1
+            keep.append(reason is None)
+        if not any(keep):
+            return None
+        return self._clip(batch.filter(pa.array(keep)))
+
+    def _clip(self, batch: pa.RecordBatch) -> pa.RecordBatch:
+        max_length = self.options.max_length
+        ids = batch.column("input_ids")
+        if max_length is None:
+            return batch
+        too_long = pc.sum(pc.greater(pc.list_value_length(ids), max_length)).as_py() or 0
+        if not too_long:
+            return batch
+        self.stats.clipped += too_long
+        # The same schema as an unclipped batch (types and nullability), so batches stay interchangeable.
+        clipped = pc.list_slice(ids, 0, max_length).cast(ids.type)
+        columns = [clipped if name == "input_ids" else batch.column(name) for name in batch.schema.names]
+        return pa.RecordBatch.from_arrays(columns, schema=batch.schema)
+
+
+def iter_committed_batches(
+    storage: Storage, job_id: str, columns: list[str], batch_rows: int = BATCH_ROWS
+) -> Iterator[pa.RecordBatch]:
+    """Like `Storage.iter_record_batches`, but decoding only ``columns``."""
+    job_dir = storage.job_dir(job_id)
+    for commit in storage.list_commits(job_id):
+        path = job_dir / commit["path"]
+        try:
+            yield from pq.ParquetFile(path).iter_batches(batch_size=batch_rows, columns=columns)
+        except OSError as exc:
+            raise StorageError(f"committed shard {path} is unreadable: {exc}") from exc
+
+
+def filtered_batches(
+    storage: Storage,
+    job_id: str,
+    row_filter: RowFilter,
+    on_read: Callable[[int], None] | None = None,
+) -> Iterator[pa.RecordBatch]:
+    """Committed records in commit order through ``row_filter``; ``on_read`` gets rows read so far."""
+    for batch in iter_committed_batches(storage, job_id, ROW_COLUMNS):
+        kept = row_filter(batch)
+        if on_read is not None:
+            on_read(row_filter.stats.records)
+        if kept is not None and kept.num_rows:
+            yield kept

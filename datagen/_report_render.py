@@ -1,0 +1,207 @@
+"""Views of a `datagen.report.JobReport`: a compact terminal view (rich), and files: report.json,
+PNG histograms (matplotlib's Agg renderer, no display needed) and a self-contained report.html that
+embeds them as base64."""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from rich.console import Console
+from rich.table import Table
+
+from datagen._report_stats import LENGTH_EDGES, LengthHistogram
+from datagen.errors import StorageError
+
+if TYPE_CHECKING:
+    from datagen.report import JobReport
+
+__all__ = ["print_report", "write_report"]
+
+TOP_PARTITIONS = 20
+BAR_WIDTH = 40
+EXAMPLES_SHOWN = 3
+PLOT_SIZE_IN = (8.0, 3.6)
+PLOT_DPI = 100
+_STATUS_STYLE = {
+    "ok": "[green]ok[/green]",
+    "warn": "[yellow]warn[/yellow]",
+    "fail": "[bold red]FAIL[/bold red]",
+}
+
+
+def _partition_rows(report: JobReport) -> list[tuple[str, int, dict[str, int]]]:
+    finishes = sorted(report.by_finish)
+    ranked = report.by_partition.most_common()
+    rows = [
+        (p, n, {f: report.by_partition_finish.get((p, f), 0) for f in finishes})
+        for p, n in ranked[:TOP_PARTITIONS]
+    ]
+    rest = ranked[TOP_PARTITIONS:]
+    if rest:
+        other = {f: sum(report.by_partition_finish.get((p, f), 0) for p, _ in rest) for f in finishes}
+        rows.append((f"other ({len(rest)})", sum(n for _, n in rest), other))
+    return rows
+
+
+def _length_rows(report: JobReport) -> list[tuple[str, LengthHistogram]]:
+    rows = [("prompt", report.prompt_lengths)]
+    rows += [(f"output ({f})", h) for f, h in sorted(report.output_lengths.items())]
+    return rows
+
+
+def _combined_outputs(report: JobReport) -> LengthHistogram:
+    combined = LengthHistogram()
+    for histogram in report.output_lengths.values():
+        combined.counts += histogram.counts
+        combined.count += histogram.count
+    return combined
+
+
+def _fmt(value: float | int | None) -> str:
+    if value is None:
+        return "-"
+    return f"{value:,.1f}" if isinstance(value, float) else f"{value:,}"
+
+
+def _bars(title: str, histogram: LengthHistogram) -> Table:
+    table = Table("tokens", "records", "", title=title, box=None, title_justify="left")
+    rows = histogram.octaves()
+    peak = max((count for _, _, count in rows), default=0) or 1
+    for low, high, count in rows:
+        label = f"{low:,}" if low == high else f"{low:,}-{high:,}"
+        table.add_row(label, f"{count:,}", "█" * round(BAR_WIDTH * count / peak))
+    return table
+
+
+def print_report(report: JobReport, console: Console) -> None:
+    console.print(f"[bold]job {report.job_id}[/bold]: {report.records:,} records, {report.unique:,} unique")
+    finishes = sorted(report.by_finish)
+    partitions = Table("partition", "records", *finishes, title="records by partition and finish")
+    for name, total, by_finish in _partition_rows(report):
+        partitions.add_row(name, f"{total:,}", *(f"{by_finish[f]:,}" for f in finishes))
+    partitions.add_row("[bold]all", f"{report.unique:,}", *(f"{report.by_finish[f]:,}" for f in finishes))
+    console.print(partitions)
+    console.print("classes: " + ", ".join(f"{c} {n:,}" for c, n in sorted(report.by_class.items())))
+    lengths = Table("tokens", "records", "min", "mean", "p50 ≤", "p90 ≤", "p99 ≤", "max", title="lengths")
+    for name, h in _length_rows(report):
+        cells = (h.count, h.minimum, h.mean, h.quantile(0.5), h.quantile(0.9), h.quantile(0.99), h.maximum)
+        lengths.add_row(name, *(_fmt(v) for v in cells))
+    console.print(lengths)
+    console.print(_bars("prompt lengths", report.prompt_lengths))
+    console.print(_bars("output lengths", _combined_outputs(report)))
+    checks = Table("check", "status", "found", "what", title="checks")
+    for check in report.checks.values():
+        examples = "; ".join(check.examples[:EXAMPLES_SHOWN])
+        what = check.description + (f"\n[dim]e.g. {examples}[/dim]" if examples else "")
+        checks.add_row(check.name, _STATUS_STYLE[check.status.value], f"{check.found:,}", what)
+    console.print(checks)
+    verdict = (
+        "[bold red]checks failed[/bold red]" if report.failed else "[bold green]all checks pass[/bold green]"
+    )
+    console.print(verdict)
+
+
+# -- files --------------------------------------------------------------------------------------------
+
+
+def _plot(histograms: list[tuple[str, LengthHistogram]], title: str) -> bytes:
+    from matplotlib.figure import Figure  # heavy import, only when plots are written
+
+    figure = Figure(figsize=PLOT_SIZE_IN, dpi=PLOT_DPI, layout="constrained")
+    axes = figure.subplots()
+    # Bins from 1 token up (a log axis has no 0); the open last bin is drawn one quarter-octave wide.
+    edges = [*LENGTH_EDGES[1:], int(LENGTH_EDGES[-1] * 2 ** (1 / 4))]
+    for label, histogram in histograms:
+        axes.stairs(histogram.counts[1:], edges, label=f"{label} ({histogram.count:,})")
+    axes.set_xscale("log", base=2)
+    axes.set_xlabel("tokens")
+    axes.set_ylabel("records")
+    axes.set_title(title)
+    populated = [h for _, h in histograms if h.count and h.maximum]
+    if populated:
+        low = min(max(h.minimum or 1, 1) for h in populated)
+        high = max(h.maximum or 1 for h in populated)
+        axes.set_xlim(max(1, low // 2), max(2, high * 2))
+    if histograms:
+        axes.legend(loc="upper right")
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format="png")
+    return buffer.getvalue()
+
+
+def _html_table(header: list[str], rows: list[list[str]]) -> str:
+    head = "".join(f"<th>{html.escape(h)}</th>" for h in header)
+    body = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>" for row in rows)
+    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+
+_CSS = (
+    "body{font-family:system-ui,sans-serif;margin:2em;max-width:60em}"
+    "table{border-collapse:collapse;margin:1em 0}"
+    "td,th{border:1px solid #ccc;padding:.25em .6em;text-align:left}"
+    ".ok{color:#176f2c}.warn{color:#a56a00}.fail{color:#b00020;font-weight:bold}img{max-width:100%}"
+)
+
+
+def _html(report: JobReport, plots: dict[str, bytes]) -> str:
+    finishes = sorted(report.by_finish)
+    partitions = [
+        [name, f"{total:,}", *(f"{by[f]:,}" for f in finishes)] for name, total, by in _partition_rows(report)
+    ]
+    lengths = [
+        [name, *(_fmt(v) for v in (h.count, h.minimum, h.mean, h.quantile(0.5), h.quantile(0.9), h.maximum))]
+        for name, h in _length_rows(report)
+    ]
+    checks = "".join(
+        f"<tr><td>{html.escape(c.name)}</td><td class='{c.status.value}'>{c.status.value}</td>"
+        f"<td>{c.found:,}</td><td>{html.escape(c.description)}<br><small>"
+        f"{html.escape('; '.join(c.examples))}</small></td></tr>"
+        for c in report.checks.values()
+    )
+    images = "".join(
+        f"<h2>{html.escape(name)}</h2><img alt='{html.escape(name)}' "
+        f"src='data:image/png;base64,{base64.b64encode(png).decode('ascii')}'>"
+        for name, png in plots.items()
+    )
+    verdict = "<p class='fail'>checks failed</p>" if report.failed else "<p class='ok'>all checks pass</p>"
+    return (
+        f"<!doctype html><html><head><meta charset='utf-8'><title>datagen report {html.escape(report.job_id)}"
+        f"</title><style>{_CSS}</style></head><body><h1>Job {html.escape(report.job_id)}</h1>"
+        f"<p>{report.records:,} records, {report.unique:,} unique; classes: "
+        f"{html.escape(', '.join(f'{c} {n:,}' for c, n in sorted(report.by_class.items())))}</p>{verdict}"
+        f"<h2>Checks</h2><table><thead><tr><th>check</th><th>status</th><th>found</th><th>what</th></tr>"
+        f"</thead><tbody>{checks}</tbody></table>"
+        f"<h2>Records by partition and finish</h2>"
+        f"{_html_table(['partition', 'records', *finishes], partitions)}"
+        f"<h2>Lengths (tokens)</h2>"
+        f"{_html_table(['', 'records', 'min', 'mean', 'p50 ≤', 'p90 ≤', 'max'], lengths)}"
+        f"{images}</body></html>"
+    )
+
+
+def write_report(report: JobReport, out_dir: Path) -> list[Path]:
+    """report.json, prompt_lengths.png, output_lengths.png and report.html under ``out_dir``."""
+    plots = {
+        "prompt lengths": _plot([("prompts", report.prompt_lengths)], "prompt lengths"),
+        "output lengths": _plot(
+            [(f"finish {f}", h) for f, h in sorted(report.output_lengths.items())], "output lengths"
+        ),
+    }
+    files = {
+        "report.json": json.dumps(report.to_json(), indent=2).encode("utf-8"),
+        "prompt_lengths.png": plots["prompt lengths"],
+        "output_lengths.png": plots["output lengths"],
+        "report.html": _html(report, plots).encode("utf-8"),
+    }
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        for name, data in files.items():
+            (out_dir / name).write_bytes(data)
+    except OSError as exc:
+        raise StorageError(f"cannot write the report to {out_dir}: {exc}") from exc
+    return [out_dir / name for name in files]

@@ -1,0 +1,295 @@
+"""``datagen report``: what a job produced, and whether its records are token-exact training data.
+
+One streaming pass over the committed records (one batch in memory, fixed-bin histograms) gives:
+
+- counts by finish reason, partition (and partition × finish) and class;
+- prompt-length and output-length histograms (outputs split by finish reason);
+- checks, each ``ok``, ``warn`` or ``fail`` (a failure makes the command exit 1):
+
+  ============================  ======  ================================================================
+  check                         level   what it flags
+  ============================  ======  ================================================================
+  ``generation_prompt``         fail    a prompt that does not end with the template's generation prompt
+  ``think_end``                 fail    after a prompt that opens a think block, an output without exactly
+                                        one think-end token (a length-truncated one may have none);
+                                        otherwise an output holding one
+  ``stop_id``                   fail    a ``stop`` finish whose last output id is not a stop id (the EOS
+                                        plus ``eos_token_id`` of a generation_config.json next to the
+                                        tokenizer)
+  ``duplicate_sequences``       fail    identical ``input_ids`` under two different keys (exports keep
+                                        both): a conversation repeated in the dataset under another
+                                        id, with a fixed sampling seed; examples name both rows
+  ``duplicate_keys``            warn    a key committed twice (at-least-once processing; exports keep the
+                                        first)
+  ``truncated``                 warn    ``length`` finishes
+  ``rejected_rows``             warn    dataset rows rejected at ingestion (``rejected.jsonl``)
+  ============================  ======  ================================================================
+
+Only the first record per key is counted and checked. The duplicate sets hold a 16-byte digest per
+record (keys and sequences: about 180 bytes a record together); everything else is fixed-size. When
+sequences repeat, a second pass names the earlier row of each example.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from datagen._export_formats import RowViews
+from datagen._export_rows import iter_committed_batches, key_digest
+from datagen._export_tokens import JobTokens, load_job_tokens
+from datagen._report_render import print_report, write_report
+from datagen._report_stats import LengthHistogram
+from datagen.errors import StorageError
+from datagen.storage import Storage
+
+__all__ = ["Check", "CheckStatus", "JobReport", "build_report", "print_report", "write_report"]
+
+MAX_EXAMPLES = 5
+_COLUMNS = ["sample_id", "turn", "gen", "partition", "class", "input_ids", "prompt_len", "finish_type"]
+_DIGEST_BYTES = 16
+
+
+class CheckStatus(StrEnum):
+    OK = "ok"
+    WARN = "warn"
+    FAIL = "fail"
+
+
+@dataclass
+class Check:
+    name: str
+    description: str
+    level: CheckStatus  # the status when anything is found
+    found: int = 0
+    examples: list[str] = field(default_factory=list)
+
+    @property
+    def status(self) -> CheckStatus:
+        return self.level if self.found else CheckStatus.OK
+
+    def flag(self, example: str) -> None:
+        self.found += 1
+        if len(self.examples) < MAX_EXAMPLES:
+            self.examples.append(example)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "status": self.status.value,
+            "found": self.found,
+            "description": self.description,
+            "examples": self.examples,
+        }
+
+
+def _checks(tokens: JobTokens) -> dict[str, Check]:
+    stops = ", ".join(str(i) for i in sorted(tokens.stop_ids))
+    return {
+        check.name: check
+        for check in (
+            Check(
+                "generation_prompt",
+                f"every prompt ends with the generation prompt {tokens.generation_prompt}",
+                CheckStatus.FAIL,
+            ),
+            Check(
+                "think_end",
+                f"outputs after an open think block hold exactly one think-end ({tokens.think_end_id}; "
+                "length-truncated: at most one), other outputs none",
+                CheckStatus.FAIL,
+            ),
+            Check("stop_id", f"stop finishes end in a stop id ({stops})", CheckStatus.FAIL),
+            Check(
+                "duplicate_sequences",
+                "no two keys with identical input_ids (a conversation repeated under another id?)",
+                CheckStatus.FAIL,
+            ),
+            Check("duplicate_keys", "no key committed twice (exports keep the first)", CheckStatus.WARN),
+            Check("truncated", "records that hit max_new_tokens (finish length)", CheckStatus.WARN),
+            Check("rejected_rows", "dataset rows rejected at ingestion (rejected.jsonl)", CheckStatus.WARN),
+        )
+    }
+
+
+@dataclass
+class JobReport:
+    job_id: str
+    records: int = 0
+    unique: int = 0
+    by_finish: Counter[str] = field(default_factory=Counter)
+    by_partition: Counter[str] = field(default_factory=Counter)
+    by_partition_finish: Counter[tuple[str, str]] = field(default_factory=Counter)
+    by_class: Counter[str] = field(default_factory=Counter)
+    prompt_lengths: LengthHistogram = field(default_factory=LengthHistogram)
+    output_lengths: dict[str, LengthHistogram] = field(default_factory=dict)
+    rejected_reasons: Counter[str] = field(default_factory=Counter)
+    checks: dict[str, Check] = field(default_factory=dict)
+
+    @property
+    def failed(self) -> bool:
+        return any(check.status is CheckStatus.FAIL for check in self.checks.values())
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "job_id": self.job_id,
+            "records": self.records,
+            "unique": self.unique,
+            "failed": self.failed,
+            "by_finish": dict(self.by_finish),
+            "by_partition": {
+                p: {"total": n, **{f: c for (q, f), c in self.by_partition_finish.items() if q == p}}
+                for p, n in self.by_partition.most_common()
+            },
+            "by_class": dict(self.by_class),
+            "prompt_lengths": self.prompt_lengths.to_json(),
+            "output_lengths": {f: h.to_json() for f, h in sorted(self.output_lengths.items())},
+            "rejected_reasons": dict(self.rejected_reasons.most_common(MAX_EXAMPLES)),
+            "checks": [check.to_json() for check in self.checks.values()],
+        }
+
+
+def _sequence_digest(ids: np.ndarray) -> bytes:
+    return hashlib.blake2b(ids.tobytes(), digest_size=_DIGEST_BYTES).digest()
+
+
+def _name_repeats(storage: Storage, job_id: str, repeats: dict[bytes, str], check: Check) -> None:
+    """A second pass, only when sequences repeat: find the first holder of each example's ids."""
+    first: dict[bytes, str] = {}
+    for batch in iter_committed_batches(
+        storage, job_id, ["sample_id", "turn", "gen", "input_ids", "prompt_len"]
+    ):
+        rows = RowViews(batch)
+        for i, row_id in enumerate(rows.ids):
+            digest = _sequence_digest(rows.input_ids(i))
+            if digest in repeats and digest not in first:
+                first[digest] = row_id
+        if len(first) == len(repeats):
+            break
+    check.examples = [f"{later} repeats {first.get(d, '?')}" for d, later in repeats.items()]
+
+
+class _Scanner:
+    """Feeds record batches into a report, checking each first record per key."""
+
+    def __init__(self, report: JobReport, tokens: JobTokens) -> None:
+        self.report = report
+        self.tokens = tokens
+        self.generation_prompt = np.array(tokens.generation_prompt, dtype=np.int64)
+        self.keys: set[bytes] = set()
+        self.sequences: set[bytes] = set()
+        # Digests of the first repeated sequences found → the later row's id, to name the earlier one.
+        self.repeats: dict[bytes, str] = {}
+
+    def _is_new(self, sample_id: str, turn: int, gen: int, row_id: str) -> bool:
+        digest = key_digest(sample_id, turn, gen)
+        if digest in self.keys:
+            self.report.checks["duplicate_keys"].flag(row_id)
+            return False
+        self.keys.add(digest)
+        return True
+
+    def _check_tokens(self, rows: RowViews, i: int, finish: str) -> None:
+        checks, tokens = self.report.checks, self.tokens
+        prompt, output, row_id = rows.prompt(i), rows.output(i), rows.ids[i]
+        size = self.generation_prompt.size
+        if prompt.size < size or not np.array_equal(prompt[prompt.size - size :], self.generation_prompt):
+            checks["generation_prompt"].flag(row_id)
+        think_ends = (
+            0 if tokens.think_end_id is None else int(np.count_nonzero(output == tokens.think_end_id))
+        )
+        # Reasoning closes its think block once; a length-truncated output may stop before it does.
+        expected = {0, 1} if finish == "length" else {1}
+        allowed = expected if tokens.opens_think(prompt) else {0}
+        if think_ends not in allowed:
+            checks["think_end"].flag(f"{row_id} ({think_ends} think-end tokens, finish {finish})")
+        if finish == "stop" and (not output.size or int(output[-1]) not in tokens.stop_ids):
+            last = int(output[-1]) if output.size else None
+            checks["stop_id"].flag(f"{row_id} (last output id {last})")
+        if finish == "length":
+            checks["truncated"].flag(row_id)
+        digest = _sequence_digest(rows.input_ids(i))
+        if digest in self.sequences:
+            check = checks["duplicate_sequences"]
+            if len(self.repeats) < MAX_EXAMPLES:
+                self.repeats.setdefault(digest, row_id)
+            check.found += 1
+        self.sequences.add(digest)
+
+    def add(self, batch: pa.RecordBatch) -> None:
+        report = self.report
+        rows = RowViews(batch)
+        columns = {c: batch.column(c).to_pylist() for c in ("sample_id", "turn", "gen", "partition", "class")}
+        finishes = batch.column("finish_type").to_pylist()
+        lengths = np.diff(rows.offsets)
+        new = np.zeros(len(rows), dtype=bool)
+        for i in range(len(rows)):
+            report.records += 1
+            if not self._is_new(columns["sample_id"][i], columns["turn"][i], columns["gen"][i], rows.ids[i]):
+                continue
+            new[i] = True
+            report.unique += 1
+            partition, finish = columns["partition"][i], finishes[i]
+            report.by_finish[finish] += 1
+            report.by_partition[partition] += 1
+            report.by_partition_finish[(partition, finish)] += 1
+            report.by_class[columns["class"][i]] += 1
+            self._check_tokens(rows, i, finish)
+        prompt_lens = np.minimum(rows.prompt_lens, lengths)
+        report.prompt_lengths.add(prompt_lens[new])
+        finish_array = np.array(finishes, dtype=object)
+        for finish in set(finishes):
+            selected = new & (finish_array == finish)
+            histogram = report.output_lengths.setdefault(finish, LengthHistogram())
+            histogram.add((lengths - prompt_lens)[selected])
+
+
+def _read_rejected(storage: Storage, job_id: str, report: JobReport) -> None:
+    path = storage.rejected_path(job_id)
+    if not path.is_file():
+        return
+    check = report.checks["rejected_rows"]
+    try:
+        with open(path, encoding="utf-8") as fh:
+            for text in fh:
+                if not text.strip():
+                    continue
+                try:
+                    row = json.loads(text)
+                except ValueError:
+                    row = {"line": None, "reason": "unreadable entry in rejected.jsonl"}
+                reason = str(row.get("reason", ""))
+                # Group by the reason's kind: the text before details such as a column number.
+                report.rejected_reasons[reason.split(":")[0].split(" (")[0]] += 1
+                check.flag(f"line {row.get('line')}: {reason}")
+    except OSError as exc:
+        raise StorageError(f"cannot read {path}: {exc}") from exc
+
+
+def build_report(
+    storage: Storage,
+    job_id: str,
+    *,
+    tokenizer: str | None = None,
+    on_read: Callable[[int], None] | None = None,
+) -> JobReport:
+    """Scan a job's committed records and rejected rows; ``tokenizer`` overrides the manifest's path."""
+    tokens = load_job_tokens(storage, job_id, tokenizer)
+    report = JobReport(job_id=job_id, checks=_checks(tokens))
+    scanner = _Scanner(report, tokens)
+    for batch in iter_committed_batches(storage, job_id, _COLUMNS):
+        scanner.add(batch)
+        if on_read is not None:
+            on_read(report.records)
+    if scanner.repeats:
+        _name_repeats(storage, job_id, scanner.repeats, report.checks["duplicate_sequences"])
+    _read_rejected(storage, job_id, report)
+    return report
