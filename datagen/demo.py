@@ -171,6 +171,8 @@ def _summary(console: Console, job: dict[str, Any], storage: Storage, wall_s: fl
         f"  finish reasons: {', '.join(f'{k} {v}' for k, v in sorted(finishes.items()))}\n"
         f"  tokens: {job['prompt_tokens']} prompt, {job['generated_tokens']} generated, "
         f"{job['tokens_per_s']:.0f} generated tok/s\n"
+        f"  check with:\n"
+        f"    datagen report {job['id']} --storage {storage.root}\n"
         f"  export with:\n"
         f"    datagen export {job['id']} --storage {storage.root} --format specforge --out {job['id']}.jsonl",
         soft_wrap=True,

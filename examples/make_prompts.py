@@ -9,10 +9,13 @@ reasoning in earlier turns), unicode, function tools, ShareGPT and plain `prompt
 
 from __future__ import annotations
 
+import io
 import json
 import random
 from pathlib import Path
 from typing import Any
+
+from datagen.dataset import Prompt, iter_prompts
 
 SEED = 20251130
 OUTPUT = Path(__file__).resolve().parent / "prompts.jsonl"
@@ -494,6 +497,19 @@ def build_rows() -> list[Row]:
     rng = random.Random(SEED)
     rows = short_rows(rng) + long_rows(rng) + other_form_rows(rng) + tool_rows()
     rows += [multi_turn_row(rng, i) for i in range(N_MULTI_TURN)]
+    # The same conversation twice under two ids would be a duplicate training sample (and
+    # `datagen report` flags identical sequences): keep the first of each.
+    seen: set[str] = set()
+    unique = []
+    for row in rows:
+        # Compare what the model sees: the row forms (messages, ShareGPT, prompt) normalized.
+        [prompt] = iter_prompts(io.BytesIO(json.dumps(row).encode()))
+        assert isinstance(prompt, Prompt), prompt
+        content = json.dumps([prompt.messages, prompt.tools], sort_keys=True, ensure_ascii=False)
+        if content not in seen:
+            seen.add(content)
+            unique.append(row)
+    rows = unique
     rng.shuffle(rows)
     without_id = set(rng.sample(range(len(rows)), N_WITHOUT_ID))
     out = []
