@@ -196,6 +196,9 @@ def submit(
     seed: Annotated[int | None, typer.Option(help="sampling_seed sent to SGLang")] = None,
     job_id: Annotated[str | None, typer.Option(help="reuse an id to append to or resume a job")] = None,
     wait: Annotated[bool, typer.Option(help="show progress and wait until the job ends")] = False,
+    dry_run: Annotated[
+        bool, typer.Option(help="render a sample of rows and show them; enqueue nothing")
+    ] = False,
 ) -> None:
     """Submit a dataset and print the job id.
 
@@ -216,10 +219,40 @@ def submit(
         {"temperature": temperature, "top_p": top_p, "sampling_seed": seed},
     )
     with CoordinatorClient(settings.coordinator_url, api_token=settings.api_token) as client:
+        if dry_run:
+            _print_dry_run(client.dry_run(dataset, spec))
+            return
         job = client.submit(dataset, spec, job_id)
         typer.echo(job["id"])
         if wait:
             raise typer.Exit(wait_for_job(client, job["id"]))
+
+
+def _print_dry_run(preview: dict[str, Any]) -> None:
+    out = Console()
+    for example in preview["examples"]:
+        out.rule(
+            f"line {example['line']} · {example['sample_id']} · turn {example['turn']} · "
+            f"{example['class']} · {example['prompt_tokens']} tokens"
+        )
+        out.print(example["prompt"], markup=False, highlight=False)
+    out.rule("summary")
+    classes = preview["classes"]
+    out.print(
+        f"sampled {preview['rows_sampled']} rows "
+        f"({preview['bytes_sampled']} of {preview['bytes_total']} bytes): "
+        f"{preview['prompts']} prompts, {classes['short']} short / {classes['long']} long, "
+        f"{len(preview['rejected'])} rejected, {preview['prompt_tokens_sampled']} prompt tokens",
+        markup=False,
+    )
+    out.print(
+        f"estimated for the whole file: {preview['estimated_rows']} rows, "
+        f"{preview['estimated_prompts']} prompts, "
+        f"{preview['estimated_prompt_tokens']} prompt tokens",
+        markup=False,
+    )
+    for row in preview["rejected"]:
+        out.print(f"rejected line {row['line']}: {row['reason']}", markup=False)
 
 
 def wait_for_job(client: Any, job_id: str) -> int:

@@ -41,6 +41,12 @@ class CoordinatorClient:
             response = self._request("POST", "/jobs", data=data, files=files, timeout=UPLOAD_TIMEOUT_S)
         return response
 
+    def dry_run(self, dataset: Path, spec: dict[str, Any]) -> dict[str, Any]:
+        with open(dataset, "rb") as fh:
+            files = {"dataset": (dataset.name, fh, "application/jsonl")}
+            data = {"spec": json.dumps(spec)}
+            return self._request("POST", "/jobs/dry-run", data=data, files=files, timeout=UPLOAD_TIMEOUT_S)
+
     def job(self, job_id: str) -> dict[str, Any]:
         return self._request("GET", f"/jobs/{job_id}")
 

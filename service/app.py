@@ -103,6 +103,15 @@ def _install_routes(app: FastAPI) -> None:
         body["created"] = created
         return JSONResponse(status_code=202, content=body, headers={"Location": f"/jobs/{job}"})
 
+    @app.post("/jobs/dry-run", dependencies=guarded)
+    def dry_run_job(
+        coord: Coord,
+        dataset: Annotated[UploadFile, File(description="JSONL dataset, one row per line")],
+        spec: Annotated[str, Form(description="job spec as JSON")],
+    ) -> dict[str, Any]:
+        """Render a sample of the rows as ingestion would, and enqueue nothing."""
+        return coord.dry_run(_parse_spec(spec), dataset.file)
+
     @app.get("/jobs", dependencies=guarded)
     def list_jobs(coord: Coord) -> dict[str, Any]:
         jobs = []

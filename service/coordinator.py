@@ -13,7 +13,7 @@ from redis import Redis
 
 from datagen.enqueue import EnqueueOptions
 from datagen.errors import InvalidSpecError, JobNotFoundError
-from datagen.fleet import read_servers
+from datagen.fleet import fleet_context_len, read_servers
 from datagen.jobs import JobStore
 from datagen.keys import Keys
 from datagen.redistext import as_text
@@ -23,6 +23,7 @@ from datagen.states import JobState
 from datagen.storage import Storage, validate_job_id
 from datagen.tokenization import renderer_for
 from service.allowlist import check_allowed
+from service.dryrun import dry_run
 from service.fleetview import FleetView
 from service.ingest import IngestOptions, Ingestor
 from service.metrics import CoordinatorMetrics
@@ -127,6 +128,12 @@ class Coordinator:
             self.metrics.jobs_submitted.inc()
             self._start_ingest(job_id, path)
         return job_id, created
+
+    def dry_run(self, spec: JobSpec, dataset: IO[bytes]) -> dict[str, Any]:
+        check_allowed(spec, self.settings)
+        renderer = renderer_for(spec)
+        context_len = spec.context_len or fleet_context_len(self.redis, self.keys)
+        return dry_run(spec, renderer, dataset, context_len)
 
     def _check_provenance(self, job_id: str, identity: dict[str, str]) -> None:
         """Refuse to add prompts to a job made with another tokenizer, template or model."""

@@ -174,3 +174,21 @@ def test_cli_pause_resume_and_status(stack: Any) -> None:
     _wait(lambda: _job(stack, job_id)["state"] == "completed", 60, "the job after resume")
     bad = stack.cli("pause", "--server", "nope")
     assert bad.returncode != 0 and "no worker has reported a server named 'nope'" in bad.stderr
+
+
+def test_cli_dry_run_shows_decoded_prompts_and_enqueues_nothing(stack: Any) -> None:
+    dataset = stack.tmp / "dry.jsonl"
+    dataset.write_text(json.dumps({"id": "hi", "messages": [{"role": "user", "content": "Hi"}]}) + "\n")
+    result = stack.cli(
+        "submit",
+        str(dataset),
+        "--tokenizer",
+        bundled_tokenizer_path(),
+        "--chat-template",
+        str(default_chat_template_path()),
+        "--dry-run",
+    )
+    assert result.returncode == 0, result.stderr
+    assert "<｜begin▁of▁sentence｜><｜User｜>Hi<｜Assistant｜><think>" in result.stdout
+    assert "1 prompts, 1 short / 0 long, 0 rejected" in result.stdout
+    assert httpx.get(f"{stack.coordinator}/jobs", timeout=5).json()["jobs"] == []

@@ -323,3 +323,29 @@ def test_hostile_datasets_get_per_row_rejections_and_the_coordinator_stays_healt
         errors = client.get(f"/jobs/{job['id']}/errors").json()["errors"]
         assert reason in errors[0]["reason"]
     assert client.get("/healthz").status_code == 200
+
+
+def test_dry_run_renders_a_sample_and_enqueues_nothing(client: TestClient, redis_client: redis.Redis) -> None:
+    rows = [
+        json.dumps({"id": "hi", "messages": [{"role": "user", "content": "Hi"}]}),
+        "{broken",
+        json.dumps({"id": "big", "messages": [{"role": "user", "content": "word " * 80}]}),
+    ]
+    body = ("\n".join(rows) + "\n").encode()
+    files = {"dataset": ("d.jsonl", body, "application/jsonl")}
+    response = client.post("/jobs/dry-run", data={"spec": _spec(samples=2)}, files=files)
+    assert response.status_code == 200, response.text
+    preview = response.json()
+    # Written by hand: the decoded prompt with its special tokens visible.
+    assert preview["examples"][0]["prompt"] == "<｜begin▁of▁sentence｜><｜User｜>Hi<｜Assistant｜><think>\n"
+    assert preview["examples"][0]["prompt_tokens"] == len(HI_PROMPT_IDS)
+    assert (preview["rows_sampled"], preview["prompts"], preview["classes"]) == (
+        3,
+        4,
+        {"short": 2, "long": 2},
+    )
+    assert [r["line"] for r in preview["rejected"]] == [2]
+    assert preview["estimated_prompts"] == 4 and preview["bytes_total"] == len(body)
+    assert client.get("/jobs").json()["jobs"] == []
+    short = Queue(Keys(NS).queue_name(PromptClass.SHORT), connection=redis_client, serializer=JSONSerializer)
+    assert short.count == 0

@@ -1,0 +1,100 @@
+"""``POST /jobs/dry-run``: what a dataset would become, without enqueueing anything.
+
+The first ``DRY_RUN_ROWS`` rows are parsed and rendered exactly as ingestion would; the rest of
+the upload is only counted, and totals are extrapolated from the sample by bytes.
+"""
+
+from __future__ import annotations
+
+import io
+from typing import IO, Any
+
+from datagen.dataset import Prompt, RowError, iter_prompts
+from datagen.errors import InvalidRowError
+from datagen.spec import JobSpec
+from datagen.tokenization import PromptRenderer
+
+__all__ = ["DRY_RUN_EXAMPLES", "DRY_RUN_ROWS", "dry_run"]
+
+DRY_RUN_ROWS = 1000
+DRY_RUN_EXAMPLES = 5
+COUNT_CHUNK_BYTES = 1024 * 1024
+
+
+def dry_run(
+    spec: JobSpec, renderer: PromptRenderer, dataset: IO[bytes], context_len: int | None
+) -> dict[str, Any]:
+    sample, sampled_bytes, total_bytes = _split(dataset)
+    classes = {"short": 0, "long": 0}
+    rejected: list[dict[str, Any]] = []
+    examples: list[dict[str, Any]] = []
+    prompt_tokens = prompts = 0
+    rows: set[int] = set()
+    for item in iter_prompts(io.BytesIO(sample), multi_turn=spec.multi_turn):
+        rows.add(item.line)
+        result = _render(item, spec, renderer, context_len)
+        if isinstance(result, dict):
+            rejected.append(result)
+            continue
+        ids, cls = result
+        assert isinstance(item, Prompt)
+        prompts += 1
+        prompt_tokens += len(ids)
+        classes[cls] += 1
+        if len(examples) < DRY_RUN_EXAMPLES:
+            examples.append(
+                {
+                    "line": item.line,
+                    "sample_id": item.sample_id,
+                    "turn": item.turn,
+                    "class": cls,
+                    "prompt_tokens": len(ids),
+                    "prompt": renderer.decode(ids, skip_special_tokens=False),
+                }
+            )
+    scale = total_bytes / sampled_bytes if sampled_bytes else 0.0
+    return {
+        "rows_sampled": len(rows),
+        "bytes_sampled": sampled_bytes,
+        "bytes_total": total_bytes,
+        "prompts": prompts * spec.samples,
+        "classes": {k: v * spec.samples for k, v in classes.items()},
+        "rejected": rejected,
+        "prompt_tokens_sampled": prompt_tokens * spec.samples,
+        "estimated_rows": round(len(rows) * scale),
+        "estimated_prompts": round(prompts * spec.samples * scale),
+        "estimated_prompt_tokens": round(prompt_tokens * spec.samples * scale),
+        "examples": examples,
+    }
+
+
+def _split(dataset: IO[bytes]) -> tuple[bytes, int, int]:
+    """The first rows (whole lines) and the byte counts of the sample and of the whole upload."""
+    lines = []
+    for _ in range(DRY_RUN_ROWS):
+        line = dataset.readline()
+        if not line:
+            break
+        lines.append(line)
+    sample = b"".join(lines)
+    total = len(sample)
+    while block := dataset.read(COUNT_CHUNK_BYTES):
+        total += len(block)
+    return sample, len(sample), total
+
+
+def _render(
+    item: Prompt | RowError, spec: JobSpec, renderer: PromptRenderer, context_len: int | None
+) -> tuple[list[int], str] | dict[str, Any]:
+    if isinstance(item, RowError):
+        return {"line": item.line, "reason": item.reason}
+    try:
+        ids = renderer.render(item.messages, item.tools)
+    except InvalidRowError as exc:
+        return {"line": item.line, "reason": str(exc)}
+    if context_len is not None and len(ids) + 1 >= context_len:
+        return {
+            "line": item.line,
+            "reason": f"prompt has {len(ids)} tokens; the context length is {context_len}",
+        }
+    return ids, spec.classify(len(ids), item.cls).value
