@@ -43,6 +43,8 @@ WORKERS_HASH_TTL_S = 300
 DOWN_PROBE_INTERVAL_S = 1.0
 METRICS_TIMEOUT_S = 10.0
 LEASE_INTERVALS = 3
+# Consecutive unreadable /metrics pages before the controller says it is blind.
+METRICS_MISSES_TO_WARN = 3
 
 
 class FleetSync:
@@ -231,6 +233,7 @@ class KvControl:
         self.interval_s = interval_s
         self.floor_fraction = floor_fraction
         self._previous: KvSignals | None = None
+        self._misses = 0
 
     async def run(self) -> None:
         while True:
@@ -260,8 +263,18 @@ class KvControl:
         try:
             current = parse_kv_signals(await server.client.metrics_text(timeout_s=METRICS_TIMEOUT_S))
         except (DatagenError, ValueError) as exc:
-            log.debug("no metrics from %s: %s", server.name, exc)
+            self._misses += 1
+            if self._misses == METRICS_MISSES_TO_WARN:
+                log.warning(
+                    "server %s: no usable /metrics (%s); its in-flight target stays where it is, as if "
+                    "the KV controller were off (start SGLang with --enable-metrics)",
+                    server.name,
+                    exc,
+                )
             return
+        if self._misses >= METRICS_MISSES_TO_WARN:
+            log.info("server %s: /metrics readable again; KV control resumes", server.name)
+        self._misses = 0
         self._observe(current)
         key = self.keys.server_control(server.name)
         raw_target = self.redis.hget(key, "target")
