@@ -163,29 +163,52 @@ def sim(
 
 
 def _spec_from_options(
-    tokenizer: str,
+    spec_file: Path | None,
+    tokenizer: str | None,
     chat_template: Path | None,
-    trust_remote_code: bool,
+    trust_remote_code: bool | None,
     limits: dict[str, int | None],
     sampling: dict[str, float | int | None],
 ) -> dict[str, Any]:
-    spec: dict[str, Any] = {"tokenizer": tokenizer, "trust_remote_code": trust_remote_code}
+    """The job spec: the spec file (if any) with the flags that were given on top."""
+    from datagen.specfile import load_spec_file, merge_spec
+
+    flags: dict[str, Any] = {k: v for k, v in limits.items() if v is not None}
+    if tokenizer is not None:
+        flags["tokenizer"] = tokenizer
     if chat_template is not None:
-        spec["chat_template"] = str(chat_template.resolve())
-    spec.update({k: v for k, v in limits.items() if v is not None})
-    spec["sampling"] = {k: v for k, v in sampling.items() if v is not None}
-    return spec
+        flags["chat_template"] = str(chat_template.resolve())
+    if trust_remote_code is not None:
+        flags["trust_remote_code"] = trust_remote_code
+    flags["sampling"] = {k: v for k, v in sampling.items() if v is not None}
+    base = load_spec_file(spec_file) if spec_file is not None else {}
+    if "tokenizer" not in base and "tokenizer" not in flags:
+        raise ConfigError("name a tokenizer: --tokenizer PATH_OR_ID, or `tokenizer:` in a --spec file")
+    return merge_spec(base, flags)
+
+
+@app.command()
+def spec(example: Annotated[bool, typer.Option(help="print a commented example job spec")] = True) -> None:
+    """Print a commented example job spec (YAML) for `datagen submit --spec`."""
+    from datagen.specfile import EXAMPLE_SPEC
+
+    typer.echo(EXAMPLE_SPEC, nl=False)
 
 
 @app.command()
 def submit(
     dataset: Annotated[Path, typer.Argument(exists=True, dir_okay=False, help="JSONL dataset")],
-    tokenizer: Annotated[str, typer.Option(help="tokenizer path or hub id, as the coordinator sees it")],
+    tokenizer: Annotated[
+        str | None, typer.Option(help="tokenizer path or hub id, as the coordinator sees it")
+    ] = None,
+    spec_file: Annotated[
+        Path | None, typer.Option("--spec", exists=True, dir_okay=False, help="job spec file (YAML or JSON)")
+    ] = None,
     coordinator: Annotated[str | None, typer.Option(help="coordinator URL (DATAGEN_COORDINATOR_URL)")] = None,
     chat_template: Annotated[
         Path | None, typer.Option(help="chat template file overriding the tokenizer's")
     ] = None,
-    trust_remote_code: Annotated[bool, typer.Option()] = False,
+    trust_remote_code: Annotated[bool | None, typer.Option()] = None,
     short_max_new_tokens: Annotated[int | None, typer.Option()] = None,
     long_max_new_tokens: Annotated[int | None, typer.Option()] = None,
     long_threshold_tokens: Annotated[
@@ -208,6 +231,7 @@ def submit(
 
     settings = load(ClientSettings, coordinator_url=coordinator)
     spec = _spec_from_options(
+        spec_file,
         tokenizer,
         chat_template,
         trust_remote_code,

@@ -192,3 +192,20 @@ def test_cli_dry_run_shows_decoded_prompts_and_enqueues_nothing(stack: Any) -> N
     assert "<｜begin▁of▁sentence｜><｜User｜>Hi<｜Assistant｜><think>" in result.stdout
     assert "1 prompts, 1 short / 0 long, 0 rejected" in result.stdout
     assert httpx.get(f"{stack.coordinator}/jobs", timeout=5).json()["jobs"] == []
+
+
+def test_cli_submit_with_a_spec_file(stack: Any) -> None:
+    dataset = stack.tmp / "spec.jsonl"
+    dataset.write_text(json.dumps({"id": "hi", "messages": [{"role": "user", "content": "Hi"}]}) + "\n")
+    spec = stack.tmp / "job.yaml"
+    spec.write_text(
+        f"tokenizer: {bundled_tokenizer_path()}\nchat_template: {default_chat_template_path()}\n"
+        "short_max_new_tokens: 64\nsamples: 2\n"
+    )
+    result = stack.cli("submit", str(dataset), "--spec", str(spec), "--dry-run")
+    assert result.returncode == 0, result.stderr
+    assert "2 prompts, 2 short / 0 long" in result.stdout
+    bad = stack.tmp / "bad.yaml"
+    bad.write_text("tokenizer: x\nmax_tokens: 5\n")
+    refused = stack.cli("submit", str(dataset), "--spec", str(bad))
+    assert refused.returncode == 3 and "max_tokens" in refused.stderr

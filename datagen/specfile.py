@@ -1,0 +1,75 @@
+"""Job specs as files: ``datagen submit --spec job.yaml`` and ``datagen spec --example``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import ValidationError
+
+from datagen.errors import InvalidSpecError
+from datagen.spec import JobSpec
+
+__all__ = ["EXAMPLE_SPEC", "load_spec_file", "merge_spec"]
+
+EXAMPLE_SPEC = """\
+# eagle3-datagen job spec (YAML or JSON). Unknown keys are refused.
+# Tokenizer: a path on the coordinator or a hub id; must be in DATAGEN_TOKENIZER_ALLOWLIST.
+tokenizer: /models/DeepSeek-R1
+# A chat template file that replaces the tokenizer's own (optional).
+chat_template: null
+# Runs code from the tokenizer's repository on the coordinator; needs DATAGEN_ALLOW_TRUST_REMOTE_CODE=1.
+trust_remote_code: false
+# Passed to the chat template as variables (e.g. thinking / enable_thinking).
+chat_template_kwargs: {}
+# SGLang sampling_params, under SGLang's names. max_new_tokens is set per class below.
+sampling:
+  temperature: 0.6
+  top_p: 0.95
+  top_k: -1
+  min_p: 0.0
+  repetition_penalty: 1.0
+  sampling_seed: null        # a number makes outputs reproducible
+# Prompts with at least long_threshold_tokens tokens go to the long queue (or a row's "class").
+short_max_new_tokens: 2048
+long_max_new_tokens: 16384
+long_threshold_tokens: 4096
+# Context length in tokens; null: learnt from the servers.
+context_len: null
+# Only these partitions (a row's "partition"); null: all.
+partitions: null
+# last: regenerate the final assistant turn; all: every assistant turn, on-policy.
+multi_turn: last
+# Generations per prompt (gen 0..N-1), seeds sampling_seed + gen; temperatures cycle over them.
+samples: 1
+temperatures: null
+"""
+
+
+def load_spec_file(path: Path) -> dict[str, Any]:
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (OSError, yaml.YAMLError) as exc:
+        raise InvalidSpecError(f"cannot read job spec {path}: {exc}") from exc
+    if not isinstance(data, dict):
+        raise InvalidSpecError(f"job spec {path} must be a mapping of fields, not {type(data).__name__}")
+    return data
+
+
+def merge_spec(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """The spec file with command-line flags on top, validated as the coordinator will."""
+    merged = dict(base)
+    for key, value in overrides.items():
+        if key == "sampling":
+            merged["sampling"] = {**(merged.get("sampling") or {}), **value}
+        else:
+            merged[key] = value
+    try:
+        JobSpec.model_validate(merged)
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in e['loc']) or 'spec'}: {e['msg']}" for e in exc.errors()
+        )
+        raise InvalidSpecError(f"invalid job spec: {problems}") from exc
+    return merged
