@@ -122,12 +122,11 @@ def synthesize(root: Path, n: int) -> dict[str, Any]:
         "servers": {},
     }
     storage.write_manifest_once(JOB_ID, manifest)
-    with open(storage.new_input_path(JOB_ID), "w", encoding="utf-8") as fh:
-        for i in range(n):
-            fh.write(
-                json.dumps({"id": f"s{i}", "messages": [{"role": "user", "content": f"Question {i}?"}]})
-                + "\n"
-            )
+    rows = (
+        json.dumps({"id": f"s{i}", "messages": [{"role": "user", "content": f"Question {i}?"}]}) + "\n"
+        for i in range(n)
+    )
+    storage.write_input(JOB_ID, (row.encode("utf-8") for row in rows))
     rng = np.random.default_rng(SEED)
     tokens = truncated = 0
     for start in range(0, n, SHARD_RECORDS):
@@ -140,7 +139,7 @@ def synthesize(root: Path, n: int) -> dict[str, Any]:
         storage.commit_shard(
             JOB_ID, f"w-{start // SHARD_RECORDS:08d}", records_to_table(records), {"worker": "w"}
         )
-    shard_bytes = sum(p.stat().st_size for p in (storage.job_dir(JOB_ID) / "records").glob("*.parquet"))
+    shard_bytes = sum(p.stat().st_size for p in Path(storage.url(JOB_ID, "records")).glob("*.parquet"))
     return {"records": n, "tokens": tokens, "truncated": truncated, "shard_mb": shard_bytes / MB}
 
 

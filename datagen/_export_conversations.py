@@ -74,18 +74,21 @@ class InputIndex:
 
     def __init__(self, storage: Storage, job_id: str, multi_turn: MultiTurnMode) -> None:
         self.multi_turn = multi_turn
-        directory = storage.input_dir(job_id)
-        files = sorted(directory.glob("*.jsonl"), key=lambda p: (p.stat().st_mtime_ns, p.name))
         self._files: list[BinaryIO] = []
         self._where: dict[bytes, int] = {}
         try:
-            for number, path in enumerate(files):
-                fh = open(path, "rb")  # noqa: SIM115 - closed in close()
+            for number, name in enumerate(storage.input_names(job_id)):
+                # Many seeks follow (one per record): small cached blocks on an object store.
+                fh = storage.open_input(job_id, name, random_access=True)
                 self._files.append(fh)
                 self._index(number, fh)
         except OSError as exc:
             self.close()
-            raise StorageError(f"cannot read the input of job {job_id} under {directory}: {exc}") from exc
+            where = storage.url(job_id, "input")
+            raise StorageError(f"cannot read the input of job {job_id} under {where}: {exc}") from exc
+        except BaseException:
+            self.close()
+            raise
 
     def _index(self, number: int, fh: BinaryIO) -> None:
         for offset, line in _lines_with_offsets(fh):

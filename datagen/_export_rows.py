@@ -19,9 +19,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.parquet as pq
 
-from datagen.errors import StorageError
 from datagen.storage import Storage
 
 __all__ = [
@@ -177,13 +175,7 @@ def iter_committed_batches(
     storage: Storage, job_id: str, columns: list[str], batch_rows: int = BATCH_ROWS
 ) -> Iterator[pa.RecordBatch]:
     """Like `Storage.iter_record_batches`, but decoding only ``columns``."""
-    job_dir = storage.job_dir(job_id)
-    for commit in storage.list_commits(job_id):
-        path = job_dir / commit["path"]
-        try:
-            yield from pq.ParquetFile(path).iter_batches(batch_size=batch_rows, columns=columns)
-        except OSError as exc:
-            raise StorageError(f"committed shard {path} is unreadable: {exc}") from exc
+    return storage.iter_record_batches(job_id, batch_rows, columns=columns)
 
 
 def filtered_batches(

@@ -52,8 +52,7 @@ def _estimated_bytes(metadata: pq.FileMetaData) -> int:
 
 
 def bucket_count(storage: Storage, job_id: str, bucket_bytes: int = SHUFFLE_BUCKET_BYTES) -> int:
-    job_dir = storage.job_dir(job_id)
-    total = sum(_estimated_bytes(pq.read_metadata(job_dir / c["path"])) for c in storage.list_commits(job_id))
+    total = sum(_estimated_bytes(metadata) for metadata in storage.iter_shard_metadata(job_id))
     return max(1, min(MAX_SHUFFLE_BUCKETS, math.ceil(total / bucket_bytes)))
 
 

@@ -118,7 +118,7 @@ def load_job_tokens(storage: Storage, job_id: str, tokenizer: str | None = None)
     manifest = storage.read_manifest(job_id)
     if manifest is None or not isinstance(manifest.get("spec"), dict):
         raise ConfigError(
-            f"job {job_id} has no manifest with a spec under {storage.job_dir(job_id)}; "
+            f"job {job_id} has no manifest with a spec under {storage.url(job_id)}; "
             "this format and the report need the job's tokenizer"
         )
     spec = manifest["spec"]

@@ -161,7 +161,7 @@ def _summary(console: Console, job: dict[str, Any], storage: Storage, wall_s: fl
     for row in iter_unique_rows(storage, job["id"], stats):
         finishes[row["finish_type"]] = finishes.get(row["finish_type"], 0) + 1
     shards = len(storage.list_commits(job["id"]))
-    records_dir = storage.job_dir(job["id"]) / "records"
+    records_dir = storage.url(job["id"], "records")
     console.print(
         f"\n[bold green]done[/bold green] in {wall_s:.1f} s: job {job['id']} is {job['state']}\n"
         f"  prompts: {job['total']} accepted, {job['done']} done, {job['failed']} failed, "

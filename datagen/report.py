@@ -33,7 +33,6 @@ sequences repeat, a second pass names the earlier row of each example.
 from __future__ import annotations
 
 import hashlib
-import json
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -48,7 +47,6 @@ from datagen._export_rows import iter_committed_batches, key_digest
 from datagen._export_tokens import JobTokens, load_job_tokens
 from datagen._report_render import print_report, write_report
 from datagen._report_stats import LengthHistogram
-from datagen.errors import StorageError
 from datagen.storage import Storage
 
 __all__ = ["Check", "CheckStatus", "JobReport", "build_report", "print_report", "write_report"]
@@ -253,25 +251,12 @@ class _Scanner:
 
 
 def _read_rejected(storage: Storage, job_id: str, report: JobReport) -> None:
-    path = storage.rejected_path(job_id)
-    if not path.is_file():
-        return
     check = report.checks["rejected_rows"]
-    try:
-        with open(path, encoding="utf-8") as fh:
-            for text in fh:
-                if not text.strip():
-                    continue
-                try:
-                    row = json.loads(text)
-                except ValueError:
-                    row = {"line": None, "reason": "unreadable entry in rejected.jsonl"}
-                reason = str(row.get("reason", ""))
-                # Group by the reason's kind: the text before details such as a column number.
-                report.rejected_reasons[reason.split(":")[0].split(" (")[0]] += 1
-                check.flag(f"line {row.get('line')}: {reason}")
-    except OSError as exc:
-        raise StorageError(f"cannot read {path}: {exc}") from exc
+    for row in storage.iter_rejected(job_id):
+        reason = str(row.get("reason", ""))
+        # Group by the reason's kind: the text before details such as a column number.
+        report.rejected_reasons[reason.split(":")[0].split(" (")[0]] += 1
+        check.flag(f"line {row.get('line')}: {reason}")
 
 
 def build_report(

@@ -1,39 +1,57 @@
-"""Job storage on a local directory (a mounted volume on multi-node setups).
+"""Job storage on a local directory or any fsspec URL (``s3://bucket/prefix``; a shared volume or an
+object store on multi-node setups).
 
 Layout (CONVENTIONS.md)::
 
-    jobs/<job>/input/<upload>.jsonl     the dataset as uploaded
-    jobs/<job>/manifest.json            provenance, written once
-    jobs/<job>/records/<shard>.parquet  committed records
-    jobs/<job>/commits/<shard>.json     one per committed shard; a shard without it is not data
-    jobs/<job>/rejected.jsonl           rows that could not become prompts
+    jobs/<job>/input/<upload>.jsonl             the dataset as uploaded
+    jobs/<job>/manifest.json                    provenance, written once
+    jobs/<job>/records/<shard>.parquet          committed records
+    jobs/<job>/commits/<shard>.json             one per committed shard; a shard without it is not data
+    jobs/<job>/rejected/<upload>-<line>.jsonl   rows of one ingestion chunk that could not become prompts
 
-A shard is committed by writing a temporary file, fsyncing it, renaming it into place, and only
-then writing its commit file the same way; readers trust commit files only. Records are
-therefore never half-visible, and a crash between the two steps leaves an orphan shard that
-readers ignore.
+Objects are written whole, never appended to or renamed, so the same code serves an object store.
+A shard is committed by writing its Parquet object, then its commit object; readers trust commit
+objects only. Records are therefore never half-visible, and a crash between the two steps leaves
+an orphan shard that readers ignore. On a local directory each object is written to a temporary
+file, fsynced and renamed into place (`datagen._storage_files`).
+
+Rejected rows are one object per ingestion chunk, named by the upload and the chunk's first
+rejected line: a resumed ingestion rewrites the same object instead of appending a second copy,
+and readers merge the objects, one row per upload and line (with the ``rejected.jsonl`` that jobs
+stored before this layout have).
+
+Every stored path is built here, from validated job ids and names. An object store's credentials
+and endpoint come from its library's environment (for S3: ``AWS_ACCESS_KEY_ID``,
+``AWS_SECRET_ACCESS_KEY``, ``AWS_ENDPOINT_URL``), never from the URL, so messages cannot leak them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import posixpath
 import re
 import uuid
-from collections.abc import Iterator
-from pathlib import Path
-from typing import Any
+from collections.abc import Iterable, Iterator
+from typing import IO, Any, BinaryIO
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from datagen.errors import InvalidSpecError, StorageError
+from datagen._storage_files import ObjectFiles
+from datagen.errors import DatagenError, InvalidSpecError, StorageError
 
 __all__ = ["JOB_ID_PATTERN", "Storage", "validate_job_id"]
 
 JOB_ID_PATTERN = re.compile(r"^[A-Za-z0-9_]{1,64}$")
 _SHARD_PATTERN = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
+# One path segment: no separator, and no leading dot (so never "." or "..").
+_NAME_PATTERN = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9_.-]{0,199}$")
 PARQUET_COMPRESSION = "zstd"
+INPUT_SUFFIX = ".jsonl"
+LEGACY_REJECTED = "rejected.jsonl"
+_LINE_DIGITS = 12
 
 
 def validate_job_id(job_id: str) -> str:
@@ -45,107 +63,205 @@ def validate_job_id(job_id: str) -> str:
     return job_id
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
+def _name(part: str) -> str:
+    if not _NAME_PATTERN.match(part):
+        raise StorageError(f"bad stored name {part!r}")
+    return part
+
+
+def _upload_of(rejected_chunk: str) -> str:
+    """The upload a rejected-rows object belongs to (``<upload>-<first line>.jsonl``)."""
+    return rejected_chunk.rsplit("-", 1)[0]
+
+
+@contextlib.contextmanager
+def _translated(what: str) -> Iterator[None]:
+    """Storage failures as `StorageError`: OSError locally; an object store's client (botocore,
+    aiohttp) raises its own types too, so everything but our own errors is translated here."""
     try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+        yield
+    except DatagenError:
+        raise
+    except Exception as exc:
+        raise StorageError(f"{what}: {exc}") from exc
 
 
 class Storage:
     def __init__(self, root: str | os.PathLike[str]) -> None:
-        self.root = Path(root).expanduser().resolve()
+        self._files = ObjectFiles(root)
+        # What `Storage(root)` accepts again: a resolved local path, or the URL.
+        self.root: str = self._files.root
+        self.is_local: bool = self._files.local
 
-    def job_dir(self, job_id: str) -> Path:
-        return self.root / "jobs" / validate_job_id(job_id)
+    def _path(self, job_id: str, *parts: str) -> str:
+        return self._files.under_root("jobs", validate_job_id(job_id), *(_name(p) for p in parts))
 
-    def input_dir(self, job_id: str) -> Path:
-        return self.job_dir(job_id) / "input"
+    def url(self, job_id: str, *parts: str) -> str:
+        """Where a job (or an object of it) is, for messages and tools: a local path or a URL."""
+        return self._files.display(self._path(job_id, *parts))
 
-    def new_input_path(self, job_id: str) -> Path:
-        directory = self.input_dir(job_id)
-        directory.mkdir(parents=True, exist_ok=True)
-        return directory / f"{uuid.uuid4().hex}.jsonl"
+    def job_exists(self, job_id: str) -> bool:
+        path = self._path(job_id)
+        with _translated(f"cannot look for job {job_id} under {self.root}"):
+            return self._files.is_dir(path)
 
-    def rejected_path(self, job_id: str) -> Path:
-        return self.job_dir(job_id) / "rejected.jsonl"
+    # Uploads ------------------------------------------------------------------------------------
+    def write_input(self, job_id: str, blocks: Iterable[bytes]) -> str:
+        """Stream ``blocks`` into a new input object; returns its name. If ``blocks`` raises, the
+        error propagates and no object is left."""
+        name = f"{uuid.uuid4().hex}{INPUT_SUFFIX}"
+        path = self._path(job_id, "input", name)
+
+        def write(fh: BinaryIO) -> None:
+            for block in blocks:
+                fh.write(block)
+
+        with _translated(f"cannot store the upload at {self._files.display(path)}"):
+            self._files.write(path, write)
+        return name
+
+    def input_names(self, job_id: str) -> list[str]:
+        """The job's uploads, oldest first."""
+        directory = self._path(job_id, "input")
+        with _translated(f"cannot list the input of job {job_id} under {self._files.display(directory)}"):
+            names = self._files.list_names(directory, INPUT_SUFFIX)
+            dated = [(self._files.modified_s(posixpath.join(directory, n)), n) for n in names]
+        return [n for _, n in sorted(dated)]
+
+    def input_exists(self, job_id: str, name: str) -> bool:
+        path = self._path(job_id, "input", name)
+        with _translated(f"cannot look for {self._files.display(path)}"):
+            return self._files.exists(path)
+
+    def open_input(self, job_id: str, name: str, *, random_access: bool = False) -> BinaryIO:
+        """An upload for reading (``readline``, ``seek``, ``tell``); ``random_access`` suits many
+        seeks (small cached blocks on an object store) rather than one pass."""
+        path = self._path(job_id, "input", name)
+        with _translated(f"cannot open the upload {self._files.display(path)}"):
+            return self._files.open_read(path, random_access=random_access)
 
     # Manifest -----------------------------------------------------------------------------------
     def write_manifest_once(self, job_id: str, manifest: dict[str, Any]) -> dict[str, Any]:
         """Write the manifest unless one exists; return the one in force."""
-        path = self.job_dir(job_id) / "manifest.json"
         existing = self.read_manifest(job_id)
         if existing is not None:
             return existing
-        self._atomic_write(path, json.dumps(manifest, indent=2, sort_keys=True).encode("utf-8"))
+        path = self._path(job_id, "manifest.json")
+        data = json.dumps(manifest, indent=2, sort_keys=True).encode("utf-8")
+        with _translated(f"cannot write {self._files.display(path)}"):
+            self._files.write(path, lambda fh: fh.write(data))
         return manifest
 
     def read_manifest(self, job_id: str) -> dict[str, Any] | None:
-        path = self.job_dir(job_id) / "manifest.json"
-        try:
-            return json.loads(path.read_text("utf-8"))
-        except FileNotFoundError:
-            return None
-        except (OSError, ValueError) as exc:
-            raise StorageError(f"cannot read manifest {path}: {exc}") from exc
+        path = self._path(job_id, "manifest.json")
+        with _translated(f"cannot read manifest {self._files.display(path)}"):
+            try:
+                data = self._files.read_bytes(path)
+            except FileNotFoundError:
+                return None
+            return json.loads(data)
 
     # Shards -------------------------------------------------------------------------------------
-    def commit_shard(self, job_id: str, shard: str, table: pa.Table, info: dict[str, Any]) -> Path:
+    def commit_shard(self, job_id: str, shard: str, table: pa.Table, info: dict[str, Any]) -> str:
+        """Write the shard, then its commit object; returns where the shard is."""
         if not _SHARD_PATTERN.match(shard):
             raise ValueError(f"bad shard name {shard!r}")
-        job_dir = self.job_dir(job_id)
-        records_path = job_dir / "records" / f"{shard}.parquet"
-        commit_path = job_dir / "commits" / f"{shard}.json"
-        try:
-            records_path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = records_path.with_suffix(".parquet.tmp")
-            pq.write_table(table, tmp, compression=PARQUET_COMPRESSION)
-            with open(tmp, "rb+") as fh:
-                os.fsync(fh.fileno())
-            os.replace(tmp, records_path)
-            _fsync_dir(records_path.parent)
-            body = dict(info, shard=shard, records=table.num_rows, path=f"records/{shard}.parquet")
-            self._atomic_write(commit_path, json.dumps(body, sort_keys=True).encode("utf-8"))
-        except OSError as exc:
-            raise StorageError(f"cannot commit shard {shard} of job {job_id} under {job_dir}: {exc}") from exc
-        return records_path
+        records_path = self._path(job_id, "records", f"{shard}.parquet")
+        commit_path = self._path(job_id, "commits", f"{shard}.json")
+        body = dict(info, shard=shard, records=table.num_rows, path=f"records/{shard}.parquet")
+        data = json.dumps(body, sort_keys=True).encode("utf-8")
+
+        def write_shard(fh: BinaryIO) -> None:
+            pq.write_table(table, fh, compression=PARQUET_COMPRESSION)
+
+        with _translated(f"cannot commit shard {shard} of job {job_id} under {self.url(job_id)}"):
+            self._files.write(records_path, write_shard)
+            self._files.write(commit_path, lambda fh: fh.write(data))
+        return self._files.display(records_path)
 
     def list_commits(self, job_id: str) -> list[dict[str, Any]]:
-        directory = self.job_dir(job_id) / "commits"
-        if not directory.is_dir():
-            return []
-        commits = []
-        for path in sorted(directory.glob("*.json")):
-            try:
-                commits.append(json.loads(path.read_text("utf-8")))
-            except (OSError, ValueError) as exc:
-                raise StorageError(f"cannot read commit file {path}: {exc}") from exc
-        return commits
+        directory = self._path(job_id, "commits")
+        where = self._files.display(directory)
+        with _translated(f"cannot read the commit objects under {where}"):
+            names = self._files.list_names(directory, ".json")
+            bodies = self._files.read_many([posixpath.join(directory, n) for n in names])
+            return [json.loads(body) for body in bodies]
 
-    def iter_record_batches(self, job_id: str, batch_rows: int = 1024) -> Iterator[pa.RecordBatch]:
-        """Committed records only, in commit-file order, streaming (memory stays flat)."""
-        job_dir = self.job_dir(job_id)
+    def _shard_path(self, job_id: str, commit: dict[str, Any]) -> str:
+        return self._path(job_id, *str(commit["path"]).split("/"))
+
+    def iter_record_batches(
+        self, job_id: str, batch_rows: int = 1024, columns: list[str] | None = None
+    ) -> Iterator[pa.RecordBatch]:
+        """Committed records only, in commit order, streaming (memory stays flat); ``columns``
+        decodes only those."""
         for commit in self.list_commits(job_id):
-            path = job_dir / commit["path"]
+            path = self._shard_path(job_id, commit)
+            with (
+                _translated(f"committed shard {self._files.display(path)} is unreadable"),
+                self._files.open_parquet(path) as fh,
+            ):
+                yield from pq.ParquetFile(fh).iter_batches(batch_size=batch_rows, columns=columns)
+
+    def iter_shard_metadata(self, job_id: str) -> Iterator[pq.FileMetaData]:
+        """The Parquet footer of each committed shard, in commit order."""
+        for commit in self.list_commits(job_id):
+            path = self._shard_path(job_id, commit)
+            with (
+                _translated(f"committed shard {self._files.display(path)} is unreadable"),
+                self._files.open_parquet(path) as fh,
+            ):
+                yield pq.read_metadata(fh)
+
+    # Rejected rows ------------------------------------------------------------------------------
+    def write_rejected(self, job_id: str, input_name: str, rows: list[dict[str, Any]]) -> None:
+        """One ingestion chunk's rejected rows (each with its ``line``) of upload ``input_name``."""
+        if not rows:
+            return
+        upload = input_name.removesuffix(INPUT_SUFFIX)
+        first = min(int(r["line"]) for r in rows)
+        path = self._path(job_id, "rejected", f"{_name(upload)}-{first:0{_LINE_DIGITS}d}.jsonl")
+        data = b"".join(json.dumps(r, ensure_ascii=False).encode("utf-8") + b"\n" for r in rows)
+        with _translated(f"cannot write {self._files.display(path)}"):
+            self._files.write(path, lambda fh: fh.write(data))
+
+    def iter_rejected(self, job_id: str) -> Iterator[dict[str, Any]]:
+        """Rejected rows, one per upload and line (a resumed chunk reports a row again), by upload
+        (oldest first) and line. An unreadable entry comes out as ``{"line": None, "reason": ...}``."""
+        directory = self._path(job_id, "rejected")
+        with _translated(f"cannot list {self._files.display(directory)}"):
+            names = self._files.list_names(directory, ".jsonl")
+        order = {
+            n.removesuffix(INPUT_SUFFIX): i for i, n in enumerate(self.input_names(job_id) if names else [])
+        }
+        chunks = sorted(names, key=lambda n: (order.get(_upload_of(n), len(order)), n))
+        sources = [("", self._path(job_id, LEGACY_REJECTED))]
+        sources += [(_upload_of(n), posixpath.join(directory, n)) for n in chunks]
+        seen: set[tuple[str, int]] = set()
+        for upload, path in sources:
+            for row in self._read_rejected(path):
+                line = row.get("line")
+                if isinstance(line, int):
+                    if (upload, line) in seen:
+                        continue
+                    seen.add((upload, line))
+                yield row
+
+    def _read_rejected(self, path: str) -> Iterator[dict[str, Any]]:
+        where = self._files.display(path)
+        with _translated(f"cannot read {where}"):
             try:
-                yield from pq.ParquetFile(path).iter_batches(batch_size=batch_rows)
-            except OSError as exc:
-                raise StorageError(f"committed shard {path} is unreadable: {exc}") from exc
-
-    def job_exists(self, job_id: str) -> bool:
-        return self.job_dir(job_id).is_dir()
-
-    # Helpers ------------------------------------------------------------------------------------
-    def _atomic_write(self, path: Path, data: bytes) -> None:
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_name(path.name + ".tmp")
-            with open(tmp, "wb") as fh:
-                fh.write(data)
-                fh.flush()
-                os.fsync(fh.fileno())
-            os.replace(tmp, path)
-            _fsync_dir(path.parent)
-        except OSError as exc:
-            raise StorageError(f"cannot write {path}: {exc}") from exc
+                fh: IO[bytes] = self._files.open_read(path)
+            except FileNotFoundError:
+                return
+            with fh:
+                for raw in fh:
+                    if not raw.strip():
+                        continue
+                    try:
+                        row = json.loads(raw)
+                    except ValueError:
+                        row = None
+                    if not isinstance(row, dict):
+                        row = {"line": None, "reason": f"unreadable entry in {where}"}
+                    yield row

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import threading
 import uuid
-from pathlib import Path
+from collections.abc import Iterator
 from typing import IO, Any
 
 from redis import Redis
@@ -84,9 +85,9 @@ class Coordinator:
             except JobNotFoundError:
                 continue
             if progress.state is JobState.INGESTING:
-                path = self._current_input(job_id)
-                if path is not None:
-                    self._start_ingest(job_id, path)
+                input_name = self._current_input(job_id)
+                if input_name is not None:
+                    self._start_ingest(job_id, input_name)
 
     def close(self) -> None:
         self._stop.set()
@@ -114,7 +115,7 @@ class Coordinator:
             identity = renderer.identity()
             if existing is not None:
                 self._check_provenance(job_id, identity)
-            path = self._store_upload(job_id, dataset)
+            input_name = self._store_upload(job_id, dataset)
             created = self.jobs.create(
                 job_id,
                 spec,
@@ -124,9 +125,9 @@ class Coordinator:
                 self.storage.write_manifest_once(job_id, self._manifest(job_id, spec, identity))
             else:
                 self.jobs.restart_ingest(job_id)
-            self.redis.hset(self.keys.job(job_id), mapping={"ingest_input": path.name, "ingest_line": 0})
+            self.redis.hset(self.keys.job(job_id), mapping={"ingest_input": input_name, "ingest_line": 0})
             self.metrics.jobs_submitted.inc()
-            self._start_ingest(job_id, path)
+            self._start_ingest(job_id, input_name)
         return job_id, created
 
     def dry_run(self, spec: JobSpec, dataset: IO[bytes]) -> dict[str, Any]:
@@ -166,22 +167,25 @@ class Coordinator:
         except JobNotFoundError:
             return None
 
-    def _store_upload(self, job_id: str, dataset: IO[bytes]) -> Path:
-        path = self.storage.new_input_path(job_id)
+    def _store_upload(self, job_id: str, dataset: IO[bytes]) -> str:
+        """Stream the upload into storage in blocks; returns the input's name (nothing is left of
+        an upload over the limit)."""
         written = 0
-        with open(path, "wb") as out:
+
+        def blocks() -> Iterator[bytes]:
+            nonlocal written
             while block := dataset.read(COPY_CHUNK_BYTES):
                 written += len(block)
                 if written > self.settings.max_upload_bytes:
-                    out.close()
-                    path.unlink(missing_ok=True)
                     raise UploadTooLargeError(
                         f"dataset is larger than the limit of {self.settings.max_upload_bytes} bytes "
                         "(DATAGEN_MAX_UPLOAD_BYTES); split it and submit the parts with the same --job-id"
                     )
-                out.write(block)
+                yield block
+
+        name = self.storage.write_input(job_id, blocks())
         self.metrics.upload_bytes.inc(written)
-        return path
+        return name
 
     def _manifest(self, job_id: str, spec: JobSpec, identity: dict[str, str]) -> dict[str, Any]:
         return {
@@ -191,16 +195,19 @@ class Coordinator:
             "servers": read_servers(self.redis, self.keys),
         }
 
-    def _current_input(self, job_id: str) -> Path | None:
+    def _current_input(self, job_id: str) -> str | None:
+        """The name of the upload the job was ingesting, if it is still stored."""
         name = self.redis.hget(self.keys.job(job_id), "ingest_input")
         if not name:
             return None
-        path = self.storage.input_dir(job_id) / as_text(name)
-        return path if path.is_file() else None
+        return as_text(name) if self.storage.input_exists(job_id, as_text(name)) else None
 
-    def _start_ingest(self, job_id: str, path: Path) -> None:
+    def _start_ingest(self, job_id: str, input_name: str) -> None:
         thread = threading.Thread(
-            target=self.ingestor.run, args=(job_id, path, self._stop), name=f"ingest-{job_id}", daemon=True
+            target=self.ingestor.run,
+            args=(job_id, input_name, self._stop),
+            name=f"ingest-{job_id}",
+            daemon=True,
         )
         self._threads[job_id] = thread
         thread.start()
@@ -212,15 +219,5 @@ class Coordinator:
 
     def rejected(self, job_id: str, limit: int) -> list[dict[str, Any]]:
         self.jobs.progress(job_id)  # 404 for an unknown job
-        path = self.storage.rejected_path(job_id)
-        if not path.is_file():
-            return []
-        seen: dict[int, dict[str, Any]] = {}
-        with open(path, encoding="utf-8") as fh:
-            for raw in fh:
-                row = json.loads(raw)
-                # A resumed ingestion may report a row twice; the line number identifies it.
-                seen.setdefault(int(row["line"]), row)
-                if len(seen) >= limit:
-                    break
-        return [seen[line] for line in sorted(seen)]
+        # Merged over the ingestion chunks' objects, one row per upload and line.
+        return list(itertools.islice(self.storage.iter_rejected(job_id), limit))

@@ -10,7 +10,6 @@ being enqueued twice, since RQ itself accepts a second enqueue of the same job i
 from __future__ import annotations
 
 import itertools
-import json
 import logging
 import threading
 from collections import Counter
@@ -62,6 +61,7 @@ class _Stopped(Exception):
 
 @dataclass
 class _Chunk:
+    input_name: str
     prompts: list[tuple[Prompt, PromptPayload]] = field(default_factory=list)
     rejected: list[dict[str, Any]] = field(default_factory=list)
     rows: int = 0
@@ -90,8 +90,11 @@ class Ingestor:
             for cls in PromptClass
         }
 
-    def run(self, job_id: str, input_path: Path, stop: threading.Event) -> None:
+    def run(self, job_id: str, source: str | Path, stop: threading.Event) -> None:
         """Ingest one uploaded file; resumable from the job's checkpoint. Never raises.
+
+        ``source`` is the name of one of the job's stored uploads (`Storage.write_input`), or a
+        local file (benchmarks).
 
         While Redis is unreachable (a restart) it waits and resumes from the checkpoint: each
         chunk's enqueue and checkpoint are one transaction, so nothing is enqueued twice.
@@ -99,7 +102,7 @@ class Ingestor:
         delay_s = REDIS_RETRY_MIN_S
         while not stop.is_set():
             try:
-                self._run(job_id, input_path, stop)
+                self._run(job_id, source, stop)
                 return
             except _Stopped:
                 log.info("job %s: ingestion paused by shutdown; it resumes from its checkpoint", job_id)
@@ -125,15 +128,16 @@ class Ingestor:
         except RedisError as exc:
             log.error("job %s: cannot mark the job failed (Redis unreachable): %s", job_id, exc)
 
-    def _run(self, job_id: str, input_path: Path, stop: threading.Event) -> None:
+    def _run(self, job_id: str, source: str | Path, stop: threading.Event) -> None:
         spec = self.jobs.spec(job_id)
         renderer = renderer_for(spec)
         context_len = spec.context_len or fleet_context_len(self.redis, self.keys)
         start_line = self.jobs.ingest_line(job_id)
+        input_name = source.name if isinstance(source, Path) else source
         if start_line:
-            log.info("job %s: resuming ingestion of %s after line %d", job_id, input_path.name, start_line)
-        chunk = _Chunk()
-        with open(input_path, "rb") as stream:
+            log.info("job %s: resuming ingestion of %s after line %d", job_id, input_name, start_line)
+        chunk = _Chunk(input_name)
+        with self._open(job_id, source) as stream:
             for item, conversation in self._items(stream, spec, start_line):
                 if stop.is_set():
                     log.info("job %s: ingestion paused at line %d (shutdown)", job_id, chunk.last_line)
@@ -141,10 +145,15 @@ class Ingestor:
                 self._add(chunk, item, conversation, job_id, spec, renderer, context_len)
                 if len(chunk.prompts) + len(chunk.rejected) >= self.options.chunk:
                     self._flush(job_id, chunk, stop)
-                    chunk = _Chunk()
+                    chunk = _Chunk(input_name)
         self._flush(job_id, chunk, stop)
         self.jobs.finish_ingest(job_id)
         log.info("job %s: ingestion finished", job_id)
+
+    def _open(self, job_id: str, source: str | Path) -> BinaryIO:
+        if isinstance(source, Path):
+            return open(source, "rb")
+        return self.storage.open_input(job_id, source)
 
     @staticmethod
     def _items(
@@ -241,7 +250,8 @@ class Ingestor:
                 in_chunk.add(member)
                 fresh.append((item, payload, member))
         if chunk.rejected:
-            self._write_rejected(job_id, chunk.rejected)
+            # One object per chunk (object stores cannot append); a resumed chunk rewrites it.
+            self.storage.write_rejected(job_id, chunk.input_name, chunk.rejected)
         counts = {
             "rows": chunk.rows,
             "rejected": len(chunk.rejected),
@@ -274,10 +284,3 @@ class Ingestor:
         if chunk.rejected:
             counts["rejected", UNKNOWN, UNKNOWN] += len(chunk.rejected)
         return dict(counts)
-
-    def _write_rejected(self, job_id: str, rejected: list[dict[str, Any]]) -> None:
-        path = self.storage.rejected_path(job_id)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with open(path, "a", encoding="utf-8") as fh:
-            for row in rejected:
-                fh.write(json.dumps(row, ensure_ascii=False) + "\n")

@@ -89,11 +89,11 @@ def ingest_rows(
     """Create a job and ingest ``rows`` the way the coordinator does, synchronously."""
     jobs = JobStore(redis_client, keys)
     jobs.create(job_id, spec)
-    path = storage.new_input_path(job_id)
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    data = "".join(json.dumps(r) + "\n" for r in rows).encode("utf-8")
+    input_name = storage.write_input(job_id, [data])
     enqueue = EnqueueOptions(result_ttl_s=600, failure_ttl_s=600, max_worker_losses=max_worker_losses)
     options = IngestOptions(chunk=50, enqueue=enqueue)
-    Ingestor(redis_client, keys, jobs, storage, options).run(job_id, path, threading.Event())
+    Ingestor(redis_client, keys, jobs, storage, options).run(job_id, input_name, threading.Event())
 
 
 class ProcessStack:

@@ -135,7 +135,7 @@ def build_job(
             seen.add(s.sample_id)
             row = {"id": s.sample_id, "messages": s.conversation, "partition": s.partition, **s.extra}
             lines.append(json.dumps({**row, "tools": s.tools} if s.tools else row) + "\n")
-    storage.new_input_path(job_id).write_text("".join(lines), encoding="utf-8")
+    storage.write_input(job_id, ["".join(lines).encode("utf-8")])
     records = [_record(job_id, s, s.prompt or render.render(s.conversation, s.tools)) for s in samples]
     size = -(-len(records) // shards)
     for n in range(shards):
@@ -446,7 +446,7 @@ def test_stop_ids_read_generation_config(tmp_path: Path) -> None:
 
 def test_tokenizer_override_must_match_the_manifest(mixed_job: Storage, tmp_path: Path) -> None:
     assert load_job_tokens(mixed_job, JOB).stop_ids == {EOS}
-    manifest_path = mixed_job.job_dir(JOB) / "manifest.json"
+    manifest_path = Path(mixed_job.url(JOB, "manifest.json"))
     manifest = json.loads(manifest_path.read_text())
     manifest["tokenizer"]["tokenizer_sha256"] = "0" * 64
     manifest_path.write_text(json.dumps(manifest))

@@ -93,7 +93,7 @@ def test_planted_defects_are_flagged(storage: Storage) -> None:
     ]
     build_job(storage, samples)
     rejected = [{"line": 4, "reason": "invalid JSON: Expecting value (column 1)"}, {"line": 9, "reason": "x"}]
-    storage.rejected_path(JOB).write_text("".join(json.dumps(r) + "\n" for r in rejected))
+    storage.write_rejected(JOB, "upload.jsonl", rejected)
     assert _statuses(storage) == {
         "generation_prompt": ("fail", 1),
         "think_end": ("fail", 1),

@@ -60,12 +60,12 @@ def test_commit_is_visible_only_with_its_commit_file(tmp_path: Path) -> None:
         "job1", "w-00000001", records_to_table([_record("a"), _record("b")]), {"worker": "w"}
     )
     # An orphan shard without a commit file (a crash between the two steps) is not data.
-    orphan = storage.job_dir("job1") / "records" / "w-00000002.parquet"
+    orphan = Path(storage.url("job1", "records", "w-00000002.parquet"))
     pq.write_table(records_to_table([_record("zzz")]), orphan)
     rows = [r for batch in storage.iter_record_batches("job1") for r in batch.to_pylist()]
     assert [r["sample_id"] for r in rows] == ["a", "b"]
     assert storage.list_commits("job1")[0]["records"] == 2
-    assert not list((storage.job_dir("job1") / "records").glob("*.tmp"))
+    assert not list(orphan.parent.glob("*.tmp"))
 
 
 def test_commit_failure_is_a_storage_error(tmp_path: Path) -> None:
@@ -78,7 +78,7 @@ def test_commit_failure_is_a_storage_error(tmp_path: Path) -> None:
 
 def test_job_ids_cannot_escape_the_root(tmp_path: Path) -> None:
     with pytest.raises(InvalidSpecError, match="invalid job id"):
-        Storage(tmp_path).job_dir("../etc")
+        Storage(tmp_path).url("../etc")
 
 
 def test_manifest_is_written_once(tmp_path: Path) -> None:

@@ -335,9 +335,15 @@ def test_sim_profile_services_run_as_plain_processes(tmp_path: Path) -> None:
                     break
                 assert time.monotonic() < deadline, f"servers not up: {up}\n{stack.logs()}"
                 time.sleep(0.2)
-            # ... and published them in the shared Redis, where the coordinator reads them.
-            servers = httpx.get(rewriter.url("coordinator", "/servers"), timeout=5).json()["servers"]
-            assert {s["name"]: s["state"] for s in servers} == {"sim-0": "up", "sim-1": "up"}
+            # ... and published them in the shared Redis (every control interval), where the
+            # coordinator reads them.
+            while True:
+                servers = httpx.get(rewriter.url("coordinator", "/servers"), timeout=5).json()["servers"]
+                states = {s["name"]: s["state"] for s in servers}
+                if states == {"sim-0": "up", "sim-1": "up"}:
+                    break
+                assert time.monotonic() < deadline, f"coordinator shows {states}\n{stack.logs()}"
+                time.sleep(0.2)
         finally:
             for stack in stacks:
                 stack.stop()

@@ -36,7 +36,7 @@ async def test_commits_wait_for_storage_and_nothing_is_acknowledged_meanwhile(
     )
     rows = [{"id": f"r{i}", "messages": [{"role": "user", "content": f"question {i}"}]} for i in range(N)]
     ingest_rows(redis_client, storage, Keys(NS), "job", spec, rows)
-    records_dir: Path = storage.job_dir("job") / "records"
+    records_dir = Path(storage.url("job", "records"))
     records_dir.parent.mkdir(parents=True, exist_ok=True)
     records_dir.write_text("not a directory")  # every shard commit now fails with an OSError
     queue = Queue(Keys(NS).queue_name(PromptClass.SHORT), connection=redis_client)
