@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import logging
 import math
+import random
 import re
 import time
 from collections import OrderedDict
@@ -88,8 +89,14 @@ class Fleet:
     def free_slots(self, cls: PromptClass) -> int:
         return sum(s.free(cls) for s in self.servers)
 
-    async def acquire(self, cls: PromptClass, *, affinity: str | None = None) -> Server:
+    async def acquire(
+        self, cls: PromptClass, *, affinity: str | None = None, avoid: frozenset[str] = frozenset()
+    ) -> Server:
         """A slot on the least loaded server.
+
+        ``avoid`` names servers where this prompt already failed (a timeout, a 5xx, an abort):
+        others are preferred while they have room, so a retry does not go back to a wedged server
+        whose ``/health`` still answers. Ties are broken at random, not by listing order.
 
         With ``affinity`` (the samples of one prompt), the server that took the first request of
         that key is preferred: the request waits up to ``AFFINITY_WAIT_S`` for a slot there, so
@@ -106,7 +113,7 @@ class Fleet:
                     preferred is not None and preferred.accepting and time.monotonic() < deadline
                 )
                 if not waiting_for_preferred and self.free_slots(cls) > 0:
-                    server = max(self.servers, key=lambda s: s.free(cls))
+                    server = self._least_loaded(cls, avoid)
                     break
                 timeout_s = max(0.0, deadline - time.monotonic()) if waiting_for_preferred else None
                 with contextlib.suppress(TimeoutError):
@@ -116,6 +123,12 @@ class Fleet:
             self._remember(affinity, server)
         self.metrics.in_flight.labels(server.name, cls.value).inc()
         return server
+
+    def _least_loaded(self, cls: PromptClass, avoid: frozenset[str]) -> Server:
+        with_room = [s for s in self.servers if s.free(cls) > 0]
+        pool = [s for s in with_room if s.name not in avoid] or with_room
+        most = max(s.free(cls) for s in pool)
+        return random.choice([s for s in pool if s.free(cls) == most])
 
     def _remember(self, affinity: str, server: Server) -> None:
         self._sticky[affinity] = server

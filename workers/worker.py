@@ -474,9 +474,10 @@ class Worker:
         attempts = int(job.meta.get("attempts", 0))
         started_at_ms = now_ms()
         tries = 0
+        failed_on: set[str] = set()  # servers where this prompt timed out, got a 5xx or was aborted
         while True:
             tries += 1
-            server = await self.fleet.acquire(cls, affinity=affinity)
+            server = await self.fleet.acquire(cls, affinity=affinity, avoid=frozenset(failed_on))
             try:
                 max_new = self._max_new_tokens(payload, server)
                 params = spec.sampling_for(payload.gen, max_new)
@@ -492,6 +493,8 @@ class Worker:
                 )
             finally:
                 await self.fleet.release(server, cls)
+            if not error.server_fault:
+                failed_on.add(server.name)
             attempts = await self._after_retryable(job, server, error, attempts, tries)
             await asyncio.sleep(self._backoff_s(tries))
 

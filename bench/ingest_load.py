@@ -1,0 +1,359 @@
+"""Ingesting a large dataset through a real coordinator process while a worker runs (issue 5, case 10).
+
+One private Redis, one simulated SGLang server (``datagen sim``, ``--time-scale 0`` by default),
+one ``datagen coordinator`` and one ``datagen worker`` run as child processes. N one-turn prompts
+(default 1,000,000) are written to a JSONL file and submitted with ``POST /jobs``; the worker
+takes prompts off the queue while the coordinator ingests the rest.
+
+Lines printed:
+
+``raw tokenizer``
+    ``PromptRenderer.render`` on the first ``--render-n`` rows of the same file, parsed beforehand,
+    in this process before anything else starts: the ceiling of the coordinator's single ingestion
+    thread, measured in the same run.
+``ingest``
+    From the ``202`` of ``POST /jobs`` to the job leaving ``ingesting``: parse, render, duplicate
+    guard, ``enqueue_many`` and checkpoint per chunk, in the coordinator process, with Redis, the
+    worker and the simulator sharing the machine. The ratio to the raw tokenizer rate is printed
+    (1.0 would mean ingestion costs nothing beyond rendering). The upload (``POST /jobs`` until
+    ``202``) is printed on its own line.
+``GET /jobs/{id}``
+    Latency of the progress route sampled every ``--sample-interval-s`` during ingestion, p50, p99
+    and max (target: p99 < 100 ms), so that a busy ingestion thread does not stall the API.
+    Redis PING latency from the benchmark is sampled alongside: when both are high, Redis was
+    busy (a chunk's MULTI/EXEC runs as one command); when only the route is slow, the coordinator
+    process was (its ingestion thread shares the GIL with the API).
+``memory``
+    Peak RSS of the coordinator (``VmHWM``, the kernel's high-water mark) and Redis's
+    ``used_memory_peak``, with bytes per prompt. ``--max-queued`` sets
+    ``DATAGEN_MAX_QUEUED_PER_CLASS``; by default it is N, so ingestion never waits for room and
+    Redis holds every prompt at the end (about 1.2 KiB each: job hash with its payload, queue entry,
+    guard-set member). With ``--drain-per-s R`` a thread pops R prompts a second off the queue and
+    deletes their job hashes (a fast fleet whose results expire), and a ``--max-queued`` below N
+    then keeps Redis to a bounded window, which the ``memory`` line shows.
+
+Rates are lower bounds on a 2-core machine that also runs Redis, the simulator and the worker:
+compare the ratio, not the rates. ``tests/faults/test_fault_ingest_memory.py`` is the CI check
+that memory stays flat with size.
+
+Run: ``python bench/ingest_load.py [--n 1000000] [--chunk 1000] [--max-queued N] [--drain-per-s R]
+[--render-n 100000] [--concurrency 32] [--time-scale 0] [--sample-interval-s 0.05]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+import httpx
+import redis
+from _common import job_spec, offline_hub, simulator_process
+from rq import Queue
+
+from datagen.dataset import Prompt, iter_prompts
+from datagen.keys import Keys
+from datagen.redis_server import LocalRedis, free_port
+from datagen.settings import DEFAULT_ENQUEUE_CHUNK, ENV_PREFIX
+from datagen.states import PromptClass
+from datagen.tokenization import renderer_for
+
+DEFAULT_N = 1_000_000
+DEFAULT_RENDER_N = 100_000
+DEFAULT_CONCURRENCY = 32
+DEFAULT_SAMPLE_INTERVAL_S = 0.05
+NAMESPACE = "ingestload"
+P99_TARGET_S = 0.100
+STARTUP_TIMEOUT_S = 120.0
+STOP_TIMEOUT_S = 30.0
+HTTP_TIMEOUT_S = 30.0
+UPLOAD_TIMEOUT_S = 3600.0
+DRAIN_TICK_S = 0.05
+_TOPICS = ("sorting", "recursion", "photosynthesis", "inflation", "entropy", "plate tectonics", "jazz")
+
+
+def rows(n: int) -> Iterator[dict[str, Any]]:
+    """The rows of ``_common.short_rows``, generated one at a time (a million dicts would not fit)."""
+    for i in range(n):
+        topic = _TOPICS[i % len(_TOPICS)]
+        yield {
+            "id": f"p{i}",
+            "messages": [{"role": "user", "content": f"Question {i}: explain {topic} briefly."}],
+        }
+
+
+def write_dataset(path: Path, n: int) -> int:
+    with open(path, "w", encoding="utf-8") as fh:
+        for row in rows(n):
+            fh.write(json.dumps(row) + "\n")
+    return path.stat().st_size
+
+
+def raw_render_rate(path: Path, n: int) -> tuple[float, int]:
+    """Prompts per second of ``PromptRenderer.render`` alone, on the first ``n`` rows of the file."""
+    spec = job_spec()
+    renderer = renderer_for(spec)  # loads the tokenizer once, outside the timing
+    prompts: list[Prompt] = []
+    with open(path, "rb") as stream:
+        for item in iter_prompts(stream, multi_turn=spec.multi_turn):
+            if len(prompts) >= n:
+                break
+            assert isinstance(item, Prompt), item
+            prompts.append(item)
+    started = time.perf_counter()
+    tokens = sum(len(renderer.render(p.messages, p.tools)) for p in prompts)
+    return len(prompts) / (time.perf_counter() - started), tokens // max(1, len(prompts))
+
+
+def peak_rss_bytes(pid: int) -> int:
+    """The kernel's high-water mark of the process's resident set (``VmHWM``); Linux only."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise SystemExit("no VmHWM in /proc/<pid>/status: this benchmark needs Linux")
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, int(len(ordered) * q / 100 + 0.5) - 1))] if ordered else 0.0
+
+
+class Children:
+    """``python -m datagen …`` child processes with their output in log files; all stopped at exit."""
+
+    def __init__(self, tmp: Path, env: dict[str, str]) -> None:
+        self.tmp = tmp
+        self.env = {k: v for k, v in os.environ.items() if not k.startswith(ENV_PREFIX)}
+        self.env.update(env, HF_HUB_OFFLINE="1")
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self._logs: list[IO[bytes]] = []
+
+    def spawn(self, name: str, *args: str) -> subprocess.Popen[bytes]:
+        log = open(self.tmp / f"{name}.log", "wb")  # noqa: SIM115 - closed in stop()
+        self._logs.append(log)
+        command = [sys.executable, "-m", "datagen", *args]
+        self.procs[name] = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=self.env)
+        return self.procs[name]
+
+    def wait_http(self, url: str) -> None:
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while time.monotonic() < deadline:
+            for name, proc in self.procs.items():
+                if proc.poll() is not None:
+                    log = (self.tmp / f"{name}.log").read_text(errors="replace")[-2000:]
+                    raise SystemExit(f"{name} exited with code {proc.returncode}:\n{log}")
+            try:
+                if httpx.get(url, timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        raise SystemExit(f"{url} did not answer within {STARTUP_TIMEOUT_S:.0f} s")
+
+    def stop(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in self.procs.values():
+            try:
+                proc.wait(timeout=STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        for log in self._logs:
+            log.close()
+
+
+@dataclass
+class Observations:
+    """What the sampler thread saw while the job was ingesting."""
+
+    latencies_s: list[float] = field(default_factory=list)
+    redis_ping_s: list[float] = field(default_factory=list)
+    errors: int = 0
+    queue_peak: int = 0
+    last: dict[str, Any] = field(default_factory=dict)
+
+
+def observe(
+    coordinator_url: str, job_id: str, client: redis.Redis, interval_s: float, stop: threading.Event
+) -> Observations:
+    """Sample ``GET /jobs/{id}`` latency and the queue length until the job leaves ``ingesting``."""
+    seen = Observations()
+    queue = Queue(Keys(NAMESPACE).queue_name(PromptClass.SHORT), connection=client)
+    with httpx.Client(base_url=coordinator_url, timeout=HTTP_TIMEOUT_S) as http:
+        while not stop.is_set():
+            started = time.perf_counter()
+            try:
+                response = http.get(f"/jobs/{job_id}")
+            except httpx.HTTPError:
+                seen.errors += 1
+                stop.wait(interval_s)
+                continue
+            seen.latencies_s.append(time.perf_counter() - started)
+            if response.status_code != 200:
+                seen.errors += 1
+            else:
+                seen.last = response.json()
+                if seen.last["state"] != "ingesting":
+                    break
+            seen.queue_peak = max(seen.queue_peak, queue.count)
+            pinged = time.perf_counter()
+            client.ping()
+            seen.redis_ping_s.append(time.perf_counter() - pinged)
+            stop.wait(interval_s)
+    return seen
+
+
+def drain(client: redis.Redis, per_s: float, stop: threading.Event) -> None:
+    """Pop ``per_s`` prompts a second off the short queue and delete their RQ job hashes."""
+    key = Queue(Keys(NAMESPACE).queue_name(PromptClass.SHORT), connection=client).key
+    started, popped = time.monotonic(), 0
+    while not stop.wait(DRAIN_TICK_S):
+        due = int((time.monotonic() - started) * per_s) - popped
+        ids = client.lpop(key, due) if due > 0 else None
+        if ids:
+            client.delete(*[b"rq:job:" + i for i in ids])
+            popped += len(ids)
+
+
+def submit(coordinator_url: str, dataset: Path) -> str:
+    spec = json.loads(job_spec(short_max_new_tokens=64, long_threshold_tokens=100_000).model_dump_json())
+    with open(dataset, "rb") as fh:
+        response = httpx.post(
+            f"{coordinator_url}/jobs",
+            data={"spec": json.dumps(spec)},
+            files={"dataset": (dataset.name, fh, "application/jsonl")},
+            timeout=UPLOAD_TIMEOUT_S,
+        )
+    if response.status_code != 202:
+        raise SystemExit(f"POST /jobs answered {response.status_code}: {response.text}")
+    return str(response.json()["id"])
+
+
+@dataclass(frozen=True)
+class Result:
+    n: int
+    dataset_bytes: int
+    render_rate: float
+    mean_tokens: int
+    upload_s: float
+    ingest_s: float
+    seen: Observations
+    rss_peak: int
+    redis_peak: int
+
+
+def run(args: argparse.Namespace, tmp: Path, max_queued: int) -> Result:
+    dataset = tmp / "prompts.jsonl"
+    size = write_dataset(dataset, args.n)
+    render_rate, mean_tokens = raw_render_rate(dataset, min(args.n, args.render_n))
+    with LocalRedis() as server, simulator_process(time_scale=args.time_scale) as sim_url:
+        client = redis.Redis.from_url(server.url)
+        port = free_port()
+        coordinator_url = f"http://127.0.0.1:{port}"
+        env = {
+            "DATAGEN_REDIS_URL": server.url,
+            "DATAGEN_STORAGE": str(tmp / "data"),
+            "DATAGEN_NAMESPACE": NAMESPACE,
+            "DATAGEN_ENQUEUE_CHUNK": str(args.chunk),
+            "DATAGEN_MAX_QUEUED_PER_CLASS": str(max_queued),
+            "DATAGEN_METRICS_PORT": "0",
+            "DATAGEN_LOG_LEVEL": "WARNING",
+        }
+        children = Children(tmp, env)
+        stop = threading.Event()
+        try:
+            coordinator = children.spawn("coordinator", "coordinator", "--port", str(port))
+            if args.concurrency:
+                worker_args = ["--server", f"sim={sim_url}", "--short-concurrency", str(args.concurrency)]
+                children.spawn("worker", "worker", *worker_args)
+            children.wait_http(f"{coordinator_url}/healthz")
+            if args.drain_per_s:
+                threading.Thread(target=drain, args=(client, args.drain_per_s, stop), daemon=True).start()
+            posted = time.perf_counter()
+            job_id = submit(coordinator_url, dataset)
+            accepted_at = time.perf_counter()
+            seen = observe(coordinator_url, job_id, client, args.sample_interval_s, stop)
+            ingest_s = time.perf_counter() - accepted_at
+            stop.set()
+            rss_peak = peak_rss_bytes(coordinator.pid)
+            redis_peak = int(client.info("memory")["used_memory_peak"])
+        finally:
+            stop.set()
+            children.stop()
+            client.close()
+    job = seen.last
+    if job.get("state") not in ("running", "completed") or job.get("total") != args.n:
+        raise SystemExit(f"ingestion did not accept all {args.n} prompts: {job}")
+    upload_s = accepted_at - posted
+    return Result(args.n, size, render_rate, mean_tokens, upload_s, ingest_s, seen, rss_peak, redis_peak)
+
+
+def report(args: argparse.Namespace, max_queued: int, r: Result) -> None:
+    ingest_rate = r.n / r.ingest_s
+    lat = r.seen.latencies_s
+    p99 = percentile(lat, 99)
+    verdict = "meets" if p99 < P99_TARGET_S else "MISSES"
+    print(
+        f"ingest_load: N={r.n} prompts ({r.dataset_bytes / 2**20:.1f} MiB JSONL, mean {r.mean_tokens} "
+        f"prompt tokens), chunk {args.chunk}, max queued {max_queued}, drain {args.drain_per_s or 'off'}, "
+        f"worker c={args.concurrency} on a time-scale-{args.time_scale} simulator"
+    )
+    rendered = min(r.n, args.render_n)
+    print(f"  raw tokenizer: PromptRenderer.render, {rendered} rows  {r.render_rate:9.0f} prompts/s")
+    print(f"  upload: POST /jobs until 202                       {r.upload_s:9.1f} s")
+    print(
+        f"  ingest: 202 until the job left ingesting           {r.ingest_s:9.1f} s {ingest_rate:7.0f} "
+        f"prompts/s ({ingest_rate / r.render_rate:.2f}x the raw tokenizer rate)"
+    )
+    print(f"  worker done during ingestion                        {r.seen.last.get('done', 0):9d} prompts")
+    print(
+        f"  GET /jobs/{{id}} during ingestion: {len(lat)} samples, p50 {percentile(lat, 50) * 1000:.1f} ms, "
+        f"p99 {p99 * 1000:.1f} ms, max {max(lat, default=0) * 1000:.1f} ms, {r.seen.errors} errors "
+        f"({verdict} the p99 < {P99_TARGET_S * 1000:.0f} ms target)"
+    )
+    ping = r.seen.redis_ping_s
+    print(
+        f"  Redis PING from here meanwhile: p50 {percentile(ping, 50) * 1000:.1f} ms, "
+        f"p99 {percentile(ping, 99) * 1000:.1f} ms, max {max(ping, default=0) * 1000:.1f} ms "
+        "(Redis blocked by an enqueue transaction shows here too)"
+    )
+    print(
+        f"  memory: coordinator peak RSS {r.rss_peak / 2**20:.1f} MiB; Redis used_memory_peak "
+        f"{r.redis_peak / 2**20:.1f} MiB ({r.redis_peak / r.n:.0f} B a prompt); "
+        f"queue peak {r.seen.queue_peak}"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--n", type=int, default=DEFAULT_N, help="prompts (default %(default)s)")
+    parser.add_argument("--chunk", type=int, default=DEFAULT_ENQUEUE_CHUNK, help="DATAGEN_ENQUEUE_CHUNK")
+    parser.add_argument("--max-queued", type=int, default=None, help="DATAGEN_MAX_QUEUED_PER_CLASS (N)")
+    parser.add_argument("--drain-per-s", type=float, default=0.0, help="pop this many prompts/s (off)")
+    parser.add_argument("--render-n", type=int, default=DEFAULT_RENDER_N, help="rows for the raw rate")
+    parser.add_argument(
+        "--concurrency", type=int, default=DEFAULT_CONCURRENCY, help="worker's in flight (0: no worker)"
+    )
+    parser.add_argument("--time-scale", type=float, default=0.0, help="the simulator's time scale")
+    parser.add_argument("--sample-interval-s", type=float, default=DEFAULT_SAMPLE_INTERVAL_S)
+    args = parser.parse_args()
+    offline_hub()
+    max_queued = args.max_queued or args.n
+    with tempfile.TemporaryDirectory(prefix="bench-ingest-load-") as tmp:
+        result = run(args, Path(tmp), max_queued)
+    report(args, max_queued, result)
+
+
+if __name__ == "__main__":
+    main()
