@@ -27,6 +27,7 @@ from datagen.tokenization import bundled_tokenizer_path, default_chat_template_p
 __all__ = [
     "BENCH_JOB_ID",
     "BENCH_NAMESPACE",
+    "SimProcess",
     "job_spec",
     "offline_hub",
     "short_rows",
@@ -78,30 +79,73 @@ def job_spec(**overrides: Any) -> JobSpec:
 
 
 @contextmanager
-def simulator_process(*, time_scale: float) -> Iterator[str]:
+def simulator_process(*, time_scale: float, **options: float | int | None) -> Iterator[str]:
     """Run ``datagen sim`` on a free loopback port in a child process; yields its base URL.
 
     A separate process, like a real SGLang server, so that its scheduler loop does not share the
     measured process's GIL. Its stderr goes to a temporary file that is shown if it fails to start.
+    ``options`` are more ``datagen sim`` flags by their Python names (``kv_tokens=65536``).
     """
-    port = free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith(ENV_PREFIX)}
-    env["HF_HUB_OFFLINE"] = "1"
-    args = [sys.executable, "-m", "datagen", "sim", "--port", str(port)]
-    args += ["--tokenizer", bundled_tokenizer_path(), "--time-scale", str(time_scale)]
-    url = f"http://127.0.0.1:{port}"
-    with tempfile.TemporaryFile() as log:
-        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env)
+    sim = SimProcess(time_scale=time_scale, **options)
+    sim.start()
+    try:
+        yield sim.url
+    finally:
+        sim.stop()
+
+
+class SimProcess:
+    """One ``datagen sim`` child process on a fixed loopback port that can be killed and restarted."""
+
+    def __init__(self, *, time_scale: float, port: int | None = None, **options: float | int | None) -> None:
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.args = [sys.executable, "-m", "datagen", "sim", "--port", str(self.port)]
+        self.args += ["--tokenizer", bundled_tokenizer_path(), "--time-scale", str(time_scale)]
+        for name, value in options.items():
+            if value is not None:
+                self.args += [f"--{name.replace('_', '-')}", str(value)]
+        self.proc: subprocess.Popen[bytes] | None = None
+        self._log: Any = None
+
+    def start(self, *, wait_healthy: bool = True) -> None:
+        env = {k: v for k, v in os.environ.items() if not k.startswith(ENV_PREFIX)}
+        env["HF_HUB_OFFLINE"] = "1"
+        self._log = tempfile.TemporaryFile()  # noqa: SIM115 - closed by kill() or stop()
+        self.proc = subprocess.Popen(self.args, stdout=self._log, stderr=subprocess.STDOUT, env=env)
+        if wait_healthy:
+            self.wait_healthy()
+
+    def wait_healthy(self) -> None:
+        """Until ``/health`` answers 200; stops the process and raises RuntimeError if it never does."""
+        assert self.proc is not None, "start() first"
         try:
-            _wait_healthy(url, proc, log)
-            yield url
-        finally:
-            proc.terminate()
+            _wait_healthy(self.url, self.proc, self._log)
+        except RuntimeError:
+            self.stop()
+            raise
+
+    def kill(self) -> None:
+        """SIGKILL, like a crashed server: in-flight requests see their connections reset."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self._close_log()
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
             try:
-                proc.wait(timeout=SIM_STOP_TIMEOUT_S)
+                self.proc.wait(timeout=SIM_STOP_TIMEOUT_S)
             except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+                self.proc.kill()
+                self.proc.wait()
+        self._close_log()
+
+    def _close_log(self) -> None:
+        if self._log is not None:
+            self._log.close()
+            self._log = None
 
 
 def _wait_healthy(url: str, proc: subprocess.Popen[bytes], log: Any) -> None:

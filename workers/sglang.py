@@ -72,6 +72,8 @@ DEFAULT_CONTROL_TIMEOUT_S = 30.0
 # Error bodies that are not SGLang JSON (proxy HTML pages) are cut to this in messages.
 ERROR_TEXT_MAX_CHARS = 1000
 DUPLICATE_RID_MARKER = "Duplicate request ID"
+# Connections of the control pool (health, metrics, info); /generate has its own pool.
+CONTROL_CONNECTIONS = 2
 
 GENERATE_PATH = "/generate"
 HEALTH_PATH = "/health"
@@ -399,6 +401,7 @@ class SGLangClient:
         self._max_connections = max_connections
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._transport = transport
+        self._control_http: httpx.AsyncClient | None = None
         self._http: httpx.AsyncClient | None = None
         self._closed = False
 
@@ -419,6 +422,9 @@ class SGLangClient:
         if self._http is not None:
             http, self._http = self._http, None
             await http.aclose()
+        if self._control_http is not None:
+            control, self._control_http = self._control_http, None
+            await control.aclose()
 
     async def __aenter__(self) -> Self:
         await self.start()
@@ -431,6 +437,28 @@ class SGLangClient:
         tb: TracebackType | None,
     ) -> None:
         await self.aclose()
+
+    def _control(self) -> httpx.AsyncClient:
+        """A second, small pool for /health, /metrics and the info routes.
+
+        They must not queue behind hundreds of long /generate calls in the main pool: a health
+        probe or a metrics read that waits for a free connection is late exactly when it matters.
+        """
+        if self._closed:
+            raise RuntimeError(f"{self!r} is closed")
+        if self._control_http is None:
+            limits = httpx.Limits(
+                max_connections=CONTROL_CONNECTIONS, max_keepalive_connections=CONTROL_CONNECTIONS
+            )
+            self._control_http = httpx.AsyncClient(
+                base_url=self.base_url,
+                headers=self._headers,
+                timeout=self.timeouts.to_httpx(),
+                limits=limits,
+                transport=self._transport,
+                follow_redirects=False,
+            )
+        return self._control_http
 
     def _client(self) -> httpx.AsyncClient:
         if self._closed:
@@ -460,8 +488,9 @@ class SGLangClient:
         phase_timeouts: httpx.Timeout,
         body: Mapping[str, object] | None = None,
     ) -> httpx.Response:
+        client = self._client() if path == GENERATE_PATH else self._control()
         try:
-            return await self._client().request(method, path, json=body, timeout=phase_timeouts)
+            return await client.request(method, path, json=body, timeout=phase_timeouts)
         except httpx.TimeoutException as exc:
             raise RequestTimeoutError(
                 f"{what} on SGLang server {self._label} timed out ({type(exc).__name__}); "

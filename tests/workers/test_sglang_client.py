@@ -821,11 +821,15 @@ async def test_one_async_client_is_reused_across_calls_and_closed_once() -> None
     await client.health(timeout_s=1.0)
 
     assert client._http is opened
+    control = client._control_http  # /health went to the small control pool, not the /generate one
+    assert control is not None and control is not opened
+    await client.health(timeout_s=1.0)
+    assert client._control_http is control
     assert transport.closed == 0
     await client.aclose()
-    assert transport.closed == 1
+    assert transport.closed == 2  # each pool closed once (the test shares one transport)
     await client.aclose()  # closing twice is harmless
-    assert transport.closed == 1
+    assert transport.closed == 2
 
 
 async def test_first_call_opens_the_client_without_start() -> None:

@@ -1,0 +1,290 @@
+"""A fleet of three KV-bound servers of different speeds: datagen's routing and KV controller against
+the sum of what each server does alone.
+
+Three simulated SGLang servers (``datagen sim`` child processes) with the same small KV pool as
+``saturation.py`` and decode steps that cost 1x, 1.5x and 3x (``--time-scale`` T, 1.5 T, 3 T).
+N prompts; output lengths depend only on the prompt ids and ``sampling_seed``, so the token
+totals are checked equal across variants.
+
+Lines:
+
+``solo <server>``
+    Each server alone with the hand-written asyncio + httpx script (``Semaphore(C)`` around
+    ``POST /generate``, ``--solo-concurrency`` 128, a KV-saturating concurrency: ``saturation.py``
+    finds 64 to 256 equally good on this KV pool) for a warm-up of 3 s x its step cost, then
+    ``--solo-s`` seconds more; then the requests left are cancelled and aborted. Its capacity is
+    its own decode rate (``sglang:gen_throughput``, sampled) averaged after the warm-up. The sum
+    of the three is the ``capacity``: what a perfect scheduler would get from the fleet.
+``datagen + controller``
+    One ``Worker`` (burst) over the three servers with least-outstanding routing and the KV
+    controller on (``controller_interval_s`` 0.5 s); each server's limit starts at ``--limit``
+    (default: the production default ``short_concurrency`` of 64).
+``datagen 512/server, no controller``
+    The same worker with equal fixed limits of 512 per server and the controller off: every
+    prompt is sent at once, a third to each server, the way a hand-written script spreads work.
+``plain round robin`` (only with ``--round-robin``)
+    The hand-written script over the three servers, prompt i to server i mod 3, 512 per server.
+
+Columns: wall seconds; generated tokens/s over the whole run (all tokens / wall) and its ratio to
+the capacity (target for datagen + controller: at least 0.95); ``decode``: the servers' summed
+decode rate while prompts were left to send (from the start to the moment the last prompt left
+the queue: every server could be fed; "-" when everything was sent at once) and its ratio; how
+many prompts each server answered; and the servers' gauges sampled from ``/metrics`` every
+0.25 s over the whole run, summed over the three servers (KV usage is their mean), each as
+mean/p95. The whole-run figure includes the end of the run, in which the slowest server
+finishes its last long requests alone; the ``decode`` figure shows how well the fleet was used
+before that.
+
+Run: ``python bench/fleet.py [--n 1200] [--time-scale 0.1] [--limit 64] [--round-robin]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import redis
+from _common import SimProcess, job_spec, offline_hub, short_rows
+from _load import (
+    STATS_HEADER,
+    ServerSampler,
+    Stats,
+    ingest,
+    plain_run,
+    read_records,
+    render,
+    run_worker,
+    worker_settings,
+)
+
+from datagen.redis_server import LocalRedis
+from datagen.settings import DEFAULT_SHORT_CONCURRENCY
+from datagen.spec import JobSpec
+from datagen.storage import Storage
+
+DEFAULT_N = 1200
+DEFAULT_TIME_SCALE = 0.1
+DEFAULT_KV_TOKENS = 16384
+DEFAULT_RESERVE_FRACTION = 0.1
+DEFAULT_MAX_NEW_TOKENS = 2048
+DEFAULT_SOLO_CONCURRENCY = 128
+DEFAULT_SOLO_S = 8.0
+# Solo runs, x the server's step cost: the decode rate counts only after this. A cold KV-bound
+# server first admits more requests than it can keep (none has generated anything yet) and runs
+# a larger batch for a few seconds before it settles.
+SOLO_WARMUP_S = 3.0
+DEFAULT_LIMIT = DEFAULT_SHORT_CONCURRENCY  # the production default, 64
+DEFAULT_CONTROLLER_INTERVAL_S = 0.5
+FIXED_LIMIT = 512
+SPEEDS = {"x1": 1.0, "x1.5": 1.5, "x3": 3.0}  # server name: decode step cost multiplier
+SAMPLING_SEED = 1234
+TARGET_RATIO = 0.95
+PROMPTS_FILE = "prompts.jsonl"
+# A "while prompts were left to send" window shorter than this share of the run (everything was
+# sent at once) says nothing about feeding the servers: no figure.
+MIN_FED_SHARE = 0.25
+
+
+@dataclass(frozen=True)
+class Line:
+    label: str
+    wall_s: float
+    tokens: int  # generated tokens the client received (0 for solo lines: they are cut short)
+    fed: Stats  # the servers' gauges while every prompt was not yet sent (solo: after the warm-up)
+    fed_s: float  # how long that was
+    by_server: dict[str, int]
+    stats: Stats  # over the whole run
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.wall_s
+
+
+def warmup_s(name: str, args: argparse.Namespace) -> float:
+    """A cold server first admits more than it can keep (nothing generated yet): skip that."""
+    return SOLO_WARMUP_S * SPEEDS[name]
+
+
+def solo(
+    name: str, url: str, prompts: list[list[int]], params: dict[str, object], args: argparse.Namespace
+) -> Line:
+    """The plain script on one server, warm-up then --solo-s seconds; capacity: its mean decode rate."""
+    duration_s = warmup_s(name, args) + args.solo_s
+    with ServerSampler({name: url}) as sampler:
+        run = asyncio.run(
+            plain_run(
+                [url], prompts, params, args.solo_concurrency, label=f"solo-{name}", duration_s=duration_s
+            )
+        )
+    if run.wall_s < duration_s:
+        raise SystemExit(
+            f"solo {name} answered all {len(prompts)} prompts before its {duration_s:.0f} s: raise --n"
+        )
+    fed = sampler.stats(name, since=run.started_at + warmup_s(name, args))
+    answered = sum(1 for done in run.done_at if done)
+    label = f"solo {name} (plain, c={args.solo_concurrency})"
+    return Line(label, run.wall_s, 0, fed, args.solo_s, {name: answered}, sampler.stats(name))
+
+
+def round_robin(urls: dict[str, str], prompts: list[list[int]], params: dict[str, object]) -> Line:
+    with ServerSampler(urls) as sampler:
+        run = asyncio.run(plain_run(list(urls.values()), prompts, params, FIXED_LIMIT, label="rr"))
+    last_sent = max(run.sent_at)
+    fed = sampler.all_stats(until=last_sent)
+    by_server = {name: run.servers.count(i) for i, name in enumerate(urls)}
+    label = f"plain round robin, {FIXED_LIMIT}/server"
+    return Line(
+        label, run.wall_s, run.tokens, fed, last_sent - run.started_at, by_server, sampler.all_stats()
+    )
+
+
+def datagen(
+    label: str,
+    client: redis.Redis,
+    where: tuple[dict[str, str], str, Path],
+    args: argparse.Namespace,
+    **opts: object,
+) -> Line:
+    urls, redis_url, tmp = where
+    storage = Storage(tempfile.mkdtemp(prefix="storage-", dir=tmp))
+    ingest(client, storage, _spec(args), tmp / PROMPTS_FILE, args.n)
+    settings = worker_settings(redis_url, storage, args.time_scale, **opts)
+    with ServerSampler(urls) as sampler:
+        wall_started_ms = time.time() * 1000
+        run = asyncio.run(run_worker(settings, urls))
+    records = read_records(client, storage, args.n)
+    # The last prompt left the queue when its request started (perf_counter time of that moment).
+    last_sent = run.started_at + (max(r["started_at_ms"] for r in records) - wall_started_ms) / 1000
+    by_server = {name: sum(1 for r in records if r["server"] == name) for name in urls}
+    tokens = sum(r["output_len"] for r in records)
+    fed = sampler.all_stats(until=last_sent)
+    return Line(label, run.wall_s, tokens, fed, last_sent - run.started_at, by_server, sampler.all_stats())
+
+
+def _spec(args: argparse.Namespace) -> JobSpec:
+    return job_spec(short_max_new_tokens=args.max_new_tokens, sampling={"sampling_seed": SAMPLING_SEED})
+
+
+def report(solos: list[Line], lines: list[Line], args: argparse.Namespace) -> None:
+    capacity = sum(line.fed.gen_tps_mean for line in solos)
+    print(
+        f"fleet: N={args.n} prompts, servers {', '.join(SPEEDS)} (decode step cost; time_scale "
+        f"{args.time_scale} x cost), kv_tokens={args.kv_tokens}, reserve_fraction={args.reserve_fraction}, "
+        f"max_new_tokens={args.max_new_tokens}"
+    )
+    print(
+        f"  {'line':<38} {'wall s':>6} {'tok/s':>7} {'vs cap':>7} {'decode':>7} {'vs cap':>7} "
+        f"{'prompts x1/x1.5/x3':>19}   {STATS_HEADER}"
+    )
+    for line in solos:
+        shares = "/".join(str(line.by_server.get(name, 0)) for name in SPEEDS)
+        print(
+            f"  {line.label:<38} {line.wall_s:6.2f} {'-':>7} {'':>7} {line.fed.gen_tps_mean:7.0f} {'':>7} "
+            f"{shares:>19}   {line.stats.brief()}"
+        )
+    print(
+        f"  {'capacity: sum of solo decode rates':<38} {'':>6} "
+        f"{capacity:7.0f} {1:6.3f}x {capacity:7.0f} {1:6.3f}x"
+    )
+    for line in lines:
+        shares = "/".join(str(line.by_server.get(name, 0)) for name in SPEEDS)
+        rate = f"{line.tokens_per_s:7.0f} {line.tokens_per_s / capacity:6.3f}x"
+        decode = f"{line.fed.gen_tps_mean:7.0f} {line.fed.gen_tps_mean / capacity:6.3f}x"
+        if line.fed_s < MIN_FED_SHARE * line.wall_s:
+            decode = f"{'-':>7} {'-':>7}"
+        print(f"  {line.label:<38} {line.wall_s:6.2f} {rate} {decode} {shares:>19}   {line.stats.brief()}")
+    counts = {line.tokens for line in lines}
+    same = len(counts) == 1
+    print(f"  generated tokens: {sorted(counts)} ({'equal in every fleet variant' if same else 'MISMATCH'})")
+    controlled = lines[0]
+    ratio = controlled.tokens_per_s / capacity
+    verdict = "met" if ratio >= TARGET_RATIO else "NOT met"
+    print(
+        f"  {controlled.label}: {ratio:.3f} x capacity over the whole run "
+        f"(target >= {TARGET_RATIO}: {verdict}),"
+    )
+    fed = controlled.fed
+    print(
+        f"    {fed.gen_tps_mean / capacity:.3f} x in decode rate while prompts were left to send "
+        f"(servers' queues then: {fed.queue_mean:.1f} waiting on average, p95 {fed.queue_p95:.0f}, "
+        f"beside {fed.running_mean:.1f} running)"
+    )
+    for line in lines[1:]:
+        print(f"  {line.label} (baseline): {line.tokens_per_s / capacity:.3f} x capacity over the whole run")
+    if not same:
+        raise SystemExit("the variants generated different token counts; the comparison is void")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--n", type=int, default=DEFAULT_N, help="prompts (default %(default)s)")
+    parser.add_argument("--time-scale", type=float, default=DEFAULT_TIME_SCALE, help="of the fastest server")
+    parser.add_argument("--kv-tokens", type=int, default=DEFAULT_KV_TOKENS)
+    parser.add_argument("--reserve-fraction", type=float, default=DEFAULT_RESERVE_FRACTION)
+    parser.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS)
+    parser.add_argument("--solo-concurrency", type=int, default=DEFAULT_SOLO_CONCURRENCY)
+    parser.add_argument("--solo-s", type=float, default=DEFAULT_SOLO_S, help="length of each solo run")
+    parser.add_argument(
+        "--limit", type=int, default=DEFAULT_LIMIT, help="datagen's starting limit per server"
+    )
+    parser.add_argument("--controller-interval-s", type=float, default=DEFAULT_CONTROLLER_INTERVAL_S)
+    parser.add_argument("--round-robin", action="store_true", help="also run the plain round-robin script")
+    args = parser.parse_args()
+    offline_hub()
+    spec = _spec(args)
+    params = spec.sampling.to_sglang(args.max_new_tokens)
+    sims = {
+        name: SimProcess(
+            time_scale=args.time_scale * cost,
+            kv_tokens=args.kv_tokens,
+            reserve_fraction=args.reserve_fraction,
+        )
+        for name, cost in SPEEDS.items()
+    }
+    with tempfile.TemporaryDirectory(prefix="bench-fleet-") as tmp_name, LocalRedis() as server:
+        try:
+            for sim in sims.values():
+                sim.start(wait_healthy=False)
+            for sim in sims.values():
+                sim.wait_healthy()
+            urls = {name: sim.url for name, sim in sims.items()}
+            tmp = Path(tmp_name)
+            prompts = render(spec, short_rows(args.n), tmp / PROMPTS_FILE)
+            solos = []
+            for name in SPEEDS:
+                solos.append(solo(name, urls[name], prompts, params, args))
+                print(f"  ... {solos[-1].label}: {solos[-1].fed.gen_tps_mean:.0f} tok/s decoded", flush=True)
+            client = redis.Redis.from_url(server.url)
+            where = (urls, server.url, tmp)
+            lines = [
+                datagen(
+                    f"datagen + controller, from {args.limit}/server",
+                    client,
+                    where,
+                    args,
+                    short_concurrency=args.limit,
+                    kv_controller=True,
+                    controller_interval_s=args.controller_interval_s,
+                )
+            ]
+            print(f"  ... {lines[-1].label}: {lines[-1].tokens_per_s:.0f} tok/s", flush=True)
+            label = f"datagen {FIXED_LIMIT}/server, no controller"
+            lines.append(
+                datagen(label, client, where, args, short_concurrency=FIXED_LIMIT, kv_controller=False)
+            )
+            print(f"  ... {lines[-1].label}: {lines[-1].tokens_per_s:.0f} tok/s", flush=True)
+            if args.round_robin:
+                lines.append(round_robin(urls, prompts, params))
+            client.close()
+        finally:
+            for sim in sims.values():
+                sim.stop()
+    report(solos, lines, args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,255 @@
+"""Saturating one KV-bound server: a hand-written asyncio script against datagen, with and without
+the KV-pressure controller.
+
+One simulated SGLang server (``datagen sim`` in a child process) with a small KV pool
+(``--kv-tokens``) and SGLang's admission rule at its usual steady-state reserve
+(``--reserve-fraction 0.1``, SGLang's ``min_new_token_ratio``), so that the number of running
+requests is set by the KV pool (a few dozen), far below ``max_running_requests`` (256). Output
+lengths are the simulator's heavy-tailed lognormal draws (median about 200 tokens, p99 about
+1,500, cut at ``--max-new-tokens``), and depend only on the prompt ids and ``sampling_seed``: every
+variant sends the same N prompts and must generate the same number of tokens, which is checked.
+
+Variants:
+
+``(a) plain c=C``
+    What people write by hand: ``asyncio.Semaphore(C)`` around ``httpx.AsyncClient.post`` of
+    ``{"input_ids", "sampling_params"}`` to ``/generate``, all prompts gathered at once. Given a
+    connection pool as large as C and no timeouts; no Redis, no storage. Swept over ``--sweep``;
+    the best C is ``best(a)``.
+``(b) datagen c=best``
+    ``Ingestor.run`` (not timed) then ``Worker`` in burst mode with ``short_concurrency`` = the best
+    C of (a) and ``kv_controller=False``: RQ bookkeeping, Parquet records committed before each
+    job finishes. Timed from ``Worker.main()`` to its return.
+``(c) datagen from 512 + controller``
+    The same with ``short_concurrency=--start-limit`` (too high on purpose) and the KV controller
+    on (``controller_interval_s`` 0.5 s), which must find the right in-flight target by itself.
+
+Columns: wall seconds; generated tokens/s (all tokens / wall); the ratio to best(a) (targets: (b)
+and (c) at least 0.97); then the server's own gauges sampled from ``/metrics`` every 0.25 s during
+the variant, each as mean/p95: ``sglang:token_usage`` (KV), ``sglang:num_running_reqs`` (run),
+``sglang:num_queue_reqs`` (wait), and the retractions counted meanwhile; and the CPU seconds of
+this process during the variant (the client; the simulator and Redis are other processes).
+
+How to read it: the baseline is KV-bound when ``run`` stays far below 256 while ``wait`` is above
+zero (the server had work queued and admitted no more); the simulator is not the bottleneck when
+the variants that hold few requests in flight still reach the same tokens/s. For (c), the line
+under the table gives p95 of waiting against mean running: a controller that keeps work out of
+the server's queue keeps that p95 small.
+
+Run: ``python bench/saturation.py [--n 700] [--time-scale 0.05] [--sweep 16,32,64,128,256,512]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import tempfile
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import redis
+from _common import job_spec, offline_hub, short_rows, simulator_process
+from _load import (
+    STATS_HEADER,
+    ServerSampler,
+    Stats,
+    ingest,
+    plain_run,
+    read_records,
+    render,
+    run_worker,
+    worker_settings,
+)
+
+from datagen.redis_server import LocalRedis
+from datagen.spec import JobSpec
+from datagen.states import PromptClass
+from datagen.storage import Storage
+from workers.worker import Worker
+
+DEFAULT_N = 700
+DEFAULT_TIME_SCALE = 0.05
+DEFAULT_KV_TOKENS = 16384
+DEFAULT_RESERVE_FRACTION = 0.1
+DEFAULT_MAX_NEW_TOKENS = 2048
+DEFAULT_SWEEP = "16,32,64,128,256,512"
+DEFAULT_START_LIMIT = 512
+DEFAULT_CONTROLLER_INTERVAL_S = 0.5
+SAMPLING_SEED = 1234
+SERVER = "sim"
+TARGET_RATIO = 0.97
+TRACE_INTERVAL_S = 0.25
+PROMPTS_FILE = "prompts.jsonl"
+TRACE_SHOWN = 14
+# The server queue counts as drained at or below this (the controller's own tolerance).
+QUEUE_DRAINED = 2
+
+
+@dataclass(frozen=True)
+class Line:
+    label: str
+    wall_s: float
+    tokens: int
+    stats: Stats
+    cpu_s: float
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.wall_s
+
+
+def trace_limits(trace: list[tuple[float, int, int]]) -> Callable[[Worker], Awaitable[None]]:
+    """A watcher that records (time, this worker's short limit, in flight) every TRACE_INTERVAL_S."""
+
+    async def watch(worker: Worker) -> None:
+        server = worker.fleet.servers[0]
+        while True:
+            cls = PromptClass.SHORT
+            trace.append((time.perf_counter(), server.limits[cls], server.in_flight[cls]))
+            await asyncio.sleep(TRACE_INTERVAL_S)
+
+    return watch
+
+
+@dataclass(frozen=True)
+class DatagenRun:
+    line: Line
+    trace: list[tuple[float, int, int]]  # (perf_counter, this worker's short limit, in flight)
+    started_at: float
+    sampler: ServerSampler
+
+
+def run_datagen(
+    label: str, client: redis.Redis, urls: tuple[str, str, Path], args: argparse.Namespace, **opts: object
+) -> DatagenRun:
+    """Ingest, then one burst worker.
+
+    ``urls``: the simulator's URL, Redis's URL and the working directory (prompts.jsonl in it).
+    """
+    url, redis_url, tmp = urls
+    storage = Storage(tempfile.mkdtemp(prefix="storage-", dir=tmp))
+    ingest(client, storage, _spec(args), tmp / PROMPTS_FILE, args.n)
+    settings = worker_settings(redis_url, storage, args.time_scale, **opts)
+    trace: list[tuple[float, int, int]] = []
+    with ServerSampler({SERVER: url}) as sampler:
+        run = asyncio.run(run_worker(settings, {SERVER: url}, trace_limits(trace)))
+    tokens = sum(r["output_len"] for r in read_records(client, storage, args.n))
+    line = Line(label, run.wall_s, tokens, sampler.stats(SERVER), run.cpu_s - sampler.cpu_s)
+    return DatagenRun(line, trace, run.started_at, sampler)
+
+
+def _spec(args: argparse.Namespace) -> JobSpec:
+    return job_spec(short_max_new_tokens=args.max_new_tokens, sampling={"sampling_seed": SAMPLING_SEED})
+
+
+def report(sweep: list[Line], ours: list[Line], args: argparse.Namespace) -> None:
+    best = max(sweep, key=lambda line: line.tokens_per_s)
+    print(
+        f"saturation: N={args.n} prompts, time_scale={args.time_scale}, kv_tokens={args.kv_tokens}, "
+        f"reserve_fraction={args.reserve_fraction}, max_new_tokens={args.max_new_tokens}, "
+        f"max_running_requests=256"
+    )
+    print(f"  {'variant':<34} {'wall s':>7} {'gen tok/s':>10} {'vs best':>8}   {STATS_HEADER}   {'CPU s':>6}")
+    for line in [*sweep, *ours]:
+        mark = " <- best(a)" if line is best else ""
+        print(
+            f"  {line.label:<34} {line.wall_s:7.2f} {line.tokens_per_s:10.0f} "
+            f"{line.tokens_per_s / best.tokens_per_s:7.3f}x   {line.stats.brief()}   {line.cpu_s:6.2f}{mark}"
+        )
+    counts = {line.tokens for line in [*sweep, *ours]}
+    same = "equal in every variant" if len(counts) == 1 else "MISMATCH"
+    print(f"  generated tokens: {sorted(counts)} ({same})")
+    for line in ours:
+        ratio = line.tokens_per_s / best.tokens_per_s
+        verdict = "met" if ratio >= TARGET_RATIO else "NOT met"
+        print(f"  {line.label}: {ratio:.3f} x best(a) (target >= {TARGET_RATIO}: {verdict})")
+    if len(counts) != 1:
+        raise SystemExit("the variants generated different token counts; the comparison is void")
+
+
+def report_controller(run: DatagenRun) -> None:
+    stats = run.line.stats
+    print(
+        f"  (c) server queue over the whole run: p95 {stats.queue_p95:.0f} waiting "
+        f"(mean {stats.queue_mean:.1f}) beside {stats.running_mean:.1f} running on average "
+        f"(p95 {stats.running_p95:.0f})"
+    )
+    samples = run.sampler.samples[SERVER]
+    peak = max(range(len(samples)), key=lambda i: samples[i].queue, default=0)
+    drained = next((s.at for s in samples[peak:] if s.queue <= QUEUE_DRAINED), samples[-1].at)
+    after = run.sampler.stats(SERVER, since=drained)
+    print(
+        f"  (c) after the first burst left the server queue ({drained - run.started_at:.1f} s in): p95 "
+        f"{after.queue_p95:.0f} waiting (mean {after.queue_mean:.1f}) beside "
+        f"{after.running_mean:.1f} running (p95 {after.running_p95:.0f}), KV {after.usage_mean:.0%}"
+    )
+    if run.trace:
+        points = [(t - run.started_at, limit) for t, limit, _ in run.trace]
+        changes = [points[0]] + [p for prev, p in itertools.pairwise(points) if p[1] != prev[1]]
+        shown = ", ".join(f"{t:.1f}s:{limit}" for t, limit in changes[:TRACE_SHOWN])
+        more = f" ... ({len(changes)} values)" if len(changes) > TRACE_SHOWN else ""
+        print(f"  (c) this worker's short in-flight limit over time: {shown}{more}")
+        peak_in_flight = max(in_flight for _, _, in_flight in run.trace)
+        print(f"  (c) most requests in flight at once: {peak_in_flight}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--n", type=int, default=DEFAULT_N, help="prompts (default %(default)s)")
+    parser.add_argument("--time-scale", type=float, default=DEFAULT_TIME_SCALE, help="simulator speed")
+    parser.add_argument("--kv-tokens", type=int, default=DEFAULT_KV_TOKENS, help="simulator KV pool")
+    parser.add_argument("--reserve-fraction", type=float, default=DEFAULT_RESERVE_FRACTION)
+    parser.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS)
+    parser.add_argument("--sweep", default=DEFAULT_SWEEP, help="plain concurrencies (default %(default)s)")
+    parser.add_argument("--start-limit", type=int, default=DEFAULT_START_LIMIT, help="(c)'s in-flight limit")
+    parser.add_argument("--controller-interval-s", type=float, default=DEFAULT_CONTROLLER_INTERVAL_S)
+    args = parser.parse_args()
+    offline_hub()
+    spec = _spec(args)
+    params = spec.sampling.to_sglang(args.max_new_tokens)
+    sim = {"kv_tokens": args.kv_tokens, "reserve_fraction": args.reserve_fraction}
+    with (
+        tempfile.TemporaryDirectory(prefix="bench-saturation-") as tmp_name,
+        LocalRedis() as server,
+        simulator_process(time_scale=args.time_scale, **sim) as url,
+    ):
+        tmp = Path(tmp_name)
+        prompts = render(spec, short_rows(args.n), tmp / PROMPTS_FILE)
+        sweep: list[Line] = []
+        for concurrency in [int(c) for c in args.sweep.split(",")]:
+            with ServerSampler({SERVER: url}) as sampler:
+                plain = asyncio.run(plain_run([url], prompts, params, concurrency))
+            label = f"(a) plain c={concurrency}"
+            sweep.append(
+                Line(label, plain.wall_s, plain.tokens, sampler.stats(SERVER), plain.cpu_s - sampler.cpu_s)
+            )
+            print(f"  ... {label}: {plain.tokens_per_s:.0f} tok/s", flush=True)
+        best = max(sweep, key=lambda line: line.tokens_per_s)
+        best_c = int(best.label.rsplit("=", 1)[1])
+        client = redis.Redis.from_url(server.url)
+        try:
+            where = (url, server.url, tmp)
+            label = f"(b) datagen c={best_c}, no controller"
+            fixed = run_datagen(label, client, where, args, short_concurrency=best_c, kv_controller=False)
+            print(f"  ... {fixed.line.label}: {fixed.line.tokens_per_s:.0f} tok/s", flush=True)
+            label = f"(c) datagen from {args.start_limit} + controller"
+            controlled = run_datagen(
+                label,
+                client,
+                where,
+                args,
+                short_concurrency=args.start_limit,
+                kv_controller=True,
+                controller_interval_s=args.controller_interval_s,
+            )
+        finally:
+            client.close()
+    report(sweep, [fixed.line, controlled.line], args)
+    report_controller(controlled)
+
+
+if __name__ == "__main__":
+    main()
