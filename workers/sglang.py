@@ -444,38 +444,26 @@ class SGLangClient:
         They must not queue behind hundreds of long /generate calls in the main pool: a health
         probe or a metrics read that waits for a free connection is late exactly when it matters.
         """
-        if self._closed:
-            raise RuntimeError(f"{self!r} is closed")
         if self._control_http is None:
-            limits = httpx.Limits(
-                max_connections=CONTROL_CONNECTIONS, max_keepalive_connections=CONTROL_CONNECTIONS
-            )
-            self._control_http = httpx.AsyncClient(
-                base_url=self.base_url,
-                headers=self._headers,
-                timeout=self.timeouts.to_httpx(),
-                limits=limits,
-                transport=self._transport,
-                follow_redirects=False,
-            )
+            self._control_http = self._open(CONTROL_CONNECTIONS)
         return self._control_http
 
     def _client(self) -> httpx.AsyncClient:
+        if self._http is None:
+            self._http = self._open(self._max_connections)
+        return self._http
+
+    def _open(self, connections: int) -> httpx.AsyncClient:
         if self._closed:
             raise RuntimeError(f"{self!r} is closed")
-        if self._http is None:
-            limits = httpx.Limits(
-                max_connections=self._max_connections, max_keepalive_connections=self._max_connections
-            )
-            self._http = httpx.AsyncClient(
-                base_url=self.base_url,
-                headers=self._headers,
-                timeout=self.timeouts.to_httpx(),
-                limits=limits,
-                transport=self._transport,
-                follow_redirects=False,
-            )
-        return self._http
+        return httpx.AsyncClient(
+            base_url=self.base_url,
+            headers=self._headers,
+            timeout=self.timeouts.to_httpx(),
+            limits=httpx.Limits(max_connections=connections, max_keepalive_connections=connections),
+            transport=self._transport,
+            follow_redirects=False,
+        )
 
     # -- transport ---------------------------------------------------------------------------------
 
