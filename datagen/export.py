@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import tempfile
 from collections.abc import Callable, Generator, Iterable, Iterator
-from contextlib import closing
+from contextlib import closing, contextmanager
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
@@ -162,19 +162,13 @@ def _write_parquet(
     progress: ProgressCallback,
 ) -> list[Path]:
     sink = ParquetSink(out, PARQUET_SCHEMA, options.shard_size)
-    try:
+    with _aborting(sink, out):
         for batch in batches:
             sink.write(parquet_table(batch))
             stats.written += batch.num_rows
             stats.tokens += _count_tokens(batch)
             progress("written", stats.written)
         return sink.finish()
-    except OSError as exc:
-        sink.abort()
-        raise StorageError(f"cannot write the export to {out}: {exc}") from exc
-    except BaseException:
-        sink.abort()
-        raise
 
 
 def _write_jsonl(
@@ -186,7 +180,7 @@ def _write_jsonl(
     progress: ProgressCallback,
 ) -> list[Path]:
     sink = JsonlSink(out, options.shard_size)
-    try:
+    with _aborting(sink, out):
         for batch in batches:
             for line in lines(batch):
                 sink.write(line)
@@ -194,6 +188,13 @@ def _write_jsonl(
             stats.tokens += _count_tokens(batch)
             progress("written", stats.written)
         return sink.finish()
+
+
+@contextmanager
+def _aborting(sink: ParquetSink | JsonlSink, out: Path) -> Iterator[None]:
+    """Remove a half-written export on any error; a failed write says where it failed."""
+    try:
+        yield
     except OSError as exc:
         sink.abort()
         raise StorageError(f"cannot write the export to {out}: {exc}") from exc

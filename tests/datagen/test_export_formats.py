@@ -28,6 +28,7 @@ from datagen.tokenization import (
     default_chat_template_path,
     get_renderer,
 )
+from tests.helpers import make_record
 
 # Ids read once off the DeepSeek tokenizer (tokenizer.encode(text, add_special_tokens=False)).
 BOS, EOS, USER, ASSISTANT, THINK, NEWLINE, THINK_END, TOOL_CALLS = (
@@ -81,31 +82,20 @@ def renderer() -> Any:
 
 def _record(job_id: str, sample: Sample, prompt: list[int]) -> Record:
     params = {"max_new_tokens": 64, "temperature": 0.6, "top_p": 0.95, "sampling_seed": 7}
-    return Record(
+    return make_record(
+        sample.sample_id,
+        prompt + sample.output,
+        len(prompt),
         job_id=job_id,
-        sample_id=sample.sample_id,
         turn=sample.turn,
         gen=sample.gen,
         partition=sample.partition,
-        cls="short",
-        input_ids=prompt + sample.output,
-        prompt_len=len(prompt),
         finish_type=sample.finish,
         finish_matched=str(sample.output[-1]) if sample.finish == "stop" else None,
         finish_length=len(sample.output) if sample.finish == "length" else None,
         max_new_tokens=64,
         server=sample.server,
-        tokenizer="tok",
         sampling_params=json.dumps(params, sort_keys=True),
-        rid="r",
-        worker="w",
-        attempts=1,
-        cached_tokens=0,
-        num_retractions=0,
-        e2e_latency_s=0.1,
-        enqueued_at_ms=1,
-        started_at_ms=2,
-        finished_at_ms=3,
     )
 
 

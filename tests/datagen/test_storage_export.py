@@ -11,37 +11,14 @@ from datagen.errors import InvalidSpecError, StorageError
 from datagen.export import export_id, export_specforge
 from datagen.records import RECORD_SCHEMA, SCHEMA_VERSION, Record, loss_mask, records_to_table
 from datagen.storage import Storage
+from tests.helpers import make_record
 
 
 def _record(
     sample_id: str, turn: int = 0, gen: int = 0, ids: list[int] | None = None, prompt_len: int = 3
 ) -> Record:
-    return Record(
-        job_id="job1",
-        sample_id=sample_id,
-        turn=turn,
-        gen=gen,
-        partition="p",
-        cls="short",
-        input_ids=ids if ids is not None else [0, 128803, 128804, 42, 1],
-        prompt_len=prompt_len,
-        finish_type="stop",
-        finish_matched="1",
-        finish_length=None,
-        max_new_tokens=16,
-        server="sim",
-        tokenizer="tok",
-        sampling_params="{}",
-        rid="r",
-        worker="w",
-        attempts=1,
-        cached_tokens=0,
-        num_retractions=0,
-        e2e_latency_s=0.5,
-        enqueued_at_ms=1,
-        started_at_ms=2,
-        finished_at_ms=3,
-    )
+    ids = ids if ids is not None else [0, 128803, 128804, 42, 1]
+    return make_record(sample_id, ids, prompt_len, turn=turn, gen=gen, partition="p", server="sim")
 
 
 def test_table_matches_schema_with_uint32_ids() -> None:

@@ -36,7 +36,7 @@ from service.app import create_app
 from service.coordinator import Coordinator
 from service.ingest import IngestOptions, Ingestor
 from simulator.model import SpecialIds, expected_output
-from tests.helpers import fast_worker_settings, running_simulator
+from tests.helpers import fast_worker_settings, make_record, running_simulator
 from workers.fleet import ServerSpec
 from workers.worker import Worker
 
@@ -78,32 +78,7 @@ def store(request: pytest.FixtureRequest, tmp_path: Path) -> Storage:
 
 
 def _record(sample_id: str, ids: list[int], prompt_len: int = 2) -> Record:
-    return Record(
-        job_id="job1",
-        sample_id=sample_id,
-        turn=0,
-        gen=0,
-        partition="default",
-        cls="short",
-        input_ids=ids,
-        prompt_len=prompt_len,
-        finish_type="stop",
-        finish_matched="1",
-        finish_length=None,
-        max_new_tokens=16,
-        server="s",
-        worker="w",
-        rid="r",
-        tokenizer="t",
-        sampling_params="{}",
-        attempts=1,
-        cached_tokens=0,
-        num_retractions=0,
-        e2e_latency_s=0.1,
-        enqueued_at_ms=1,
-        started_at_ms=2,
-        finished_at_ms=3,
-    )
+    return make_record(sample_id, ids, prompt_len)
 
 
 # Storage on both back ends -------------------------------------------------------------------------
