@@ -8,21 +8,19 @@ override (the same files at another path, e.g. on a laptop) must hash to the man
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from datagen.errors import ConfigError
+from datagen.preflight import GENERATION_CONFIG_NAME, read_stop_ids
 from datagen.storage import Storage
 from datagen.tokenization import PromptRenderer, canonical_kwargs_json, get_renderer
 
 __all__ = ["GENERATION_CONFIG_NAME", "TOOL_CALL_TOKENS", "JobTokens", "load_job_tokens", "read_stop_ids"]
 
-GENERATION_CONFIG_NAME = "generation_config.json"
 # Tokens that open a tool call in the chat formats in use (DeepSeek, Qwen/Hermes, Mistral, Llama 3).
 TOOL_CALL_TOKENS = (
     "<｜tool▁calls▁begin｜>",
@@ -31,35 +29,6 @@ TOOL_CALL_TOKENS = (
     "[TOOL_CALLS]",
     "<|python_tag|>",
 )
-
-
-def _generation_config_path(tokenizer: str) -> Path | None:
-    local = Path(tokenizer).expanduser()
-    if local.is_dir():
-        path = local / GENERATION_CONFIG_NAME
-        return path if path.is_file() else None
-    from huggingface_hub import try_to_load_from_cache  # a hub id: the local cache only, no download
-
-    try:
-        cached = try_to_load_from_cache(tokenizer, GENERATION_CONFIG_NAME)
-    except ValueError:  # not a valid repo id
-        return None
-    return Path(cached) if isinstance(cached, str) else None
-
-
-def read_stop_ids(tokenizer: str, eos_id: int | None) -> frozenset[int]:
-    """The tokenizer's EOS plus ``eos_token_id`` (an int or a list) of a generation_config.json next
-    to the tokenizer: SGLang stops on all of them (Qwen's chat models stop on ``<|im_end|>``)."""
-    ids = {eos_id} if eos_id is not None else set()
-    path = _generation_config_path(tokenizer)
-    if path is not None:
-        try:
-            value = json.loads(path.read_text("utf-8")).get("eos_token_id")
-        except (OSError, ValueError, AttributeError) as exc:
-            raise ConfigError(f"cannot read {path}: {exc}; fix or remove the file") from exc
-        values = value if isinstance(value, list) else [value]
-        ids.update(v for v in values if isinstance(v, int) and not isinstance(v, bool))
-    return frozenset(ids)
 
 
 @dataclass(frozen=True)

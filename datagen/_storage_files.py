@@ -108,6 +108,13 @@ class ObjectFiles:
             raise
         _fsync_dir(directory)
 
+    def remove_tree(self, path: str) -> bool:
+        """Remove a directory (a prefix on object stores) and all under it; False if absent."""
+        if not self.fs.exists(path):
+            return False
+        self.fs.rm(path, recursive=True)
+        return True
+
     def remove(self, path: str) -> None:
         """Best effort: the object may not exist, or the store may be unreachable."""
         with contextlib.suppress(Exception):

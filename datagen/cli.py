@@ -93,7 +93,7 @@ def worker(
     storage: Annotated[str | None, typer.Option(help="DATAGEN_STORAGE")] = None,
 ) -> None:
     """Run a worker that sends queued prompts to SGLang servers and stores the records."""
-    from workers.fleet import ServerSpec
+    from workers.fleet import ServerSpec, with_api_keys
     from workers.worker import Worker
 
     settings = load(
@@ -112,6 +112,7 @@ def worker(
         raise ConfigError(str(exc)) from exc
     if not specs:
         raise ConfigError("no SGLang server given: use --server NAME=URL (repeatable) or DATAGEN_SERVERS")
+    specs = with_api_keys(specs, settings.server_keys())
     _logging(settings.log_level)
     asyncio.run(Worker(settings, specs, burst=burst).main())
 
@@ -135,6 +136,9 @@ def sim(
     fail_500_rate: Annotated[float | None, typer.Option(help="fraction of /generate answered 500")] = None,
     abort_rate: Annotated[float | None, typer.Option(help="fraction of /generate aborted")] = None,
     starting_s: Annotated[float | None, typer.Option(help="seconds /health answers 503 after start")] = None,
+    api_key: Annotated[
+        str | None, typer.Option(help="like SGLang's --api-key: a bearer token for all but /health, /metrics")
+    ] = None,
 ) -> None:
     """Run a simulated SGLang server (the real /generate contract, a simulated GPU)."""
     from simulator.config import SimConfig
@@ -154,6 +158,7 @@ def sim(
         "fail_500_rate": fail_500_rate,
         "abort_rate": abort_rate,
         "starting_s": starting_s,
+        "api_key": api_key,
     }
     try:
         config = SimConfig(**{k: v for k, v in given.items() if v is not None})
@@ -167,7 +172,7 @@ def _spec_from_options(
     tokenizer: str | None,
     chat_template: Path | None,
     trust_remote_code: bool | None,
-    limits: dict[str, int | None],
+    limits: dict[str, Any],
     sampling: dict[str, float | int | None],
 ) -> dict[str, Any]:
     """The job spec: the spec file (if any) with the flags that were given on top."""
@@ -214,9 +219,18 @@ def submit(
     long_threshold_tokens: Annotated[
         int | None, typer.Option(help="prompts this long or longer are long")
     ] = None,
+    context_len: Annotated[
+        int | None, typer.Option(help="the model's context length (default: what the workers report)")
+    ] = None,
     temperature: Annotated[float | None, typer.Option()] = None,
     top_p: Annotated[float | None, typer.Option()] = None,
     seed: Annotated[int | None, typer.Option(help="sampling_seed sent to SGLang")] = None,
+    priority: Annotated[
+        str | None, typer.Option(help="high, normal or low: higher work is always dispatched first")
+    ] = None,
+    weight: Annotated[
+        float | None, typer.Option(help="share of the fleet among jobs of the same priority (default 1)")
+    ] = None,
     job_id: Annotated[str | None, typer.Option(help="reuse an id to append to or resume a job")] = None,
     wait: Annotated[bool, typer.Option(help="show progress and wait until the job ends")] = False,
     dry_run: Annotated[
@@ -239,6 +253,9 @@ def submit(
             "short_max_new_tokens": short_max_new_tokens,
             "long_max_new_tokens": long_max_new_tokens,
             "long_threshold_tokens": long_threshold_tokens,
+            "context_len": context_len,
+            "priority": priority,
+            "weight": weight,
         },
         {"temperature": temperature, "top_p": top_p, "sampling_seed": seed},
     )
@@ -277,6 +294,17 @@ def _print_dry_run(preview: dict[str, Any]) -> None:
     )
     for row in preview["rejected"]:
         out.print(f"rejected line {row['line']}: {row['reason']}", markup=False)
+    checks = preview.get("preflight") or {}
+    if checks.get("refused"):
+        out.print(f"pre-flight: submit would be refused: {checks['refused']}", markup=False)
+    elif checks:
+        out.print(
+            f"pre-flight: passed; context length {checks['context_len']}, stop ids {checks['stop_ids']}, "
+            f"model vocabulary {checks['vocab_size'] or 'unknown'}",
+            markup=False,
+        )
+        for warning in checks.get("warnings", []):
+            out.print(f"pre-flight warning: {warning}", markup=False)
 
 
 def wait_for_job(client: Any, job_id: str) -> int:
@@ -298,7 +326,8 @@ def wait_for_job(client: Any, job_id: str) -> int:
                 f"{job['tokens_per_s']:.0f} tok/s"
                 + (f" · ETA {job['eta_s']:.0f}s" if job.get("eta_s") else "")
             )
-            progress.update(task, completed=job["done"] + job["failed"], total=total, detail=detail)
+            finished = job["done"] + job["failed"] + job.get("cancelled", 0)
+            progress.update(task, completed=finished, total=total, detail=detail)
             if job["state"] in ("completed", "failed", "cancelled"):
                 break
             time.sleep(WAIT_POLL_S)
@@ -330,12 +359,26 @@ def status(
         jobs, queues, servers = client.jobs(), client.queues(), client.servers()
     out = Console()
     jobs_table = Table(
-        "job", "state", "total", "done", "failed", "rejected", "in flight", "tok/s", "ETA s", title="jobs"
+        "job",
+        "state",
+        "priority",
+        "share now/target",
+        "total",
+        "done",
+        "failed",
+        "rejected",
+        "in flight",
+        "tok/s",
+        "ETA s",
+        title="jobs",
     )
     for job in jobs:
         eta = "" if job["eta_s"] is None else f"{job['eta_s']:.0f}"
         cells = [job[k] for k in ("total", "done", "failed", "rejected", "in_flight")]
-        jobs_table.add_row(job["id"], job["state"], *map(str, cells), f"{job['tokens_per_s']:.0f}", eta)
+        state = job["state"] + (" (paused)" if job.get("paused") else "")
+        jobs_table.add_row(
+            job["id"], state, _priority(job), _share(job), *map(str, cells), f"{job['tokens_per_s']:.0f}", eta
+        )
     queues_table = Table("queue", "paused", "queued", "started", "failed", title="queues")
     for queue in queues:
         queues_table.add_row(
@@ -362,35 +405,109 @@ def status(
         out.print(table)
 
 
-def _pause(paused: bool, queue: str | None, server: str | None) -> None:
-    if (queue is None) == (server is None):
-        raise ConfigError("name a queue (short or long) or a server with --server NAME, not both")
+QUEUE_NAMES = ("short", "long")
+
+
+def _priority(job: dict[str, Any]) -> str:
+    weight = job.get("weight", 1.0)
+    return f"{job.get('priority', 'normal')}" + ("" if weight == 1.0 else f" ×{weight:g}")
+
+
+def _share(job: dict[str, Any]) -> str:
+    share = job.get("share")
+    return "" if not share else f"{share['recent']:.0%} / {share['target']:.0%}"
+
+
+def _pause(paused: bool, target: str | None, server: str | None, job: str | None) -> None:
+    if target is not None and target not in QUEUE_NAMES:
+        target, job = None, job or target  # anything but a queue name is a job id
+    if sum(x is not None for x in (target, server, job)) != 1:
+        raise ConfigError("name one queue (short or long), one job (JOB or --job JOB) or one --server NAME")
     with _client() as client:
-        if queue is not None:
-            state = client.set_queue_paused(queue, paused)
+        if target is not None:
+            state = client.set_queue_paused(target, paused)
             word = "paused" if state["paused"] else "running"
             console.print(f"queue {state['name']}: {word}, {state['queued']} queued")
-        else:
+        elif server is not None:
             state = client.set_server_paused(server, paused)
             console.print(f"server {state['name']}: {state.get('state', 'resumed')}")
+        else:
+            state = client.set_job_paused(str(job), paused)
+            word = "paused" if state["paused"] else state["state"]
+            console.print(
+                f"job {state['id']}: {word}, {state['queued']} queued, {state['in_flight']} in flight"
+            )
 
 
 @app.command()
 def pause(
-    queue: Annotated[str | None, typer.Argument(help="short or long")] = None,
-    server: Annotated[str | None, typer.Option(help="pause a server instead of a queue")] = None,
+    target: Annotated[str | None, typer.Argument(help="short, long, or a job id")] = None,
+    server: Annotated[str | None, typer.Option(help="pause a server instead")] = None,
+    job: Annotated[str | None, typer.Option(help="pause this job (its prompts wait; others go on)")] = None,
 ) -> None:
-    """Stop dispatching from a queue, or to a server, within 2 s; in-flight requests finish."""
-    _pause(True, queue, server)
+    """Stop dispatching from a queue or a job, or to a server, within 2 s; in-flight requests finish."""
+    _pause(True, target, server, job)
 
 
 @app.command()
 def resume(
-    queue: Annotated[str | None, typer.Argument(help="short or long")] = None,
-    server: Annotated[str | None, typer.Option(help="resume a server instead of a queue")] = None,
+    target: Annotated[str | None, typer.Argument(help="short, long, or a job id")] = None,
+    server: Annotated[str | None, typer.Option(help="resume a server instead")] = None,
+    job: Annotated[str | None, typer.Option(help="resume this job")] = None,
 ) -> None:
     """Undo a pause."""
-    _pause(False, queue, server)
+    _pause(False, target, server, job)
+
+
+@app.command()
+def cancel(
+    job_id: Annotated[str, typer.Argument(help="job id")],
+    abort_in_flight: Annotated[
+        bool, typer.Option(help="abort prompts in flight too, instead of letting them finish")
+    ] = False,
+) -> None:
+    """Cancel a job: its queued prompts are dropped; committed records are kept."""
+    with _client() as client:
+        state = client.cancel(job_id, abort_in_flight=abort_in_flight)
+    fate = "being aborted" if abort_in_flight else "left to finish"
+    console.print(
+        f"job {job_id}: cancelled; {state['dropped']} queued prompts dropped, "
+        f"{state['in_flight']} in flight {fate}; {state['done']} done are kept"
+    )
+
+
+@app.command()
+def retry(
+    job_id: Annotated[str, typer.Argument(help="job id")],
+    reason: Annotated[
+        str | None,
+        typer.Option(help="only prompts failed with this reason (see GET /jobs/ID/errors?kind=failed)"),
+    ] = None,
+) -> None:
+    """Re-enqueue a job's failed prompts with fresh attempts."""
+    with _client() as client:
+        state = client.retry(job_id, reason=reason)
+    reasons = ", ".join(f"{k} {v}" for k, v in state["failed_by_reason"].items()) or "none"
+    console.print(
+        f"job {job_id}: {state['retried_now']} failed prompts re-enqueued (failed by reason: {reasons})"
+    )
+    if state["not_retryable"]:
+        console.print(
+            f"[yellow]{state['not_retryable']} failures are no longer in RQ's failed registry "
+            "(older than DATAGEN_FAILURE_TTL_S) and cannot be retried"
+        )
+
+
+@app.command()
+def delete(
+    job_id: Annotated[str, typer.Argument(help="job id")],
+    files: Annotated[bool, typer.Option(help="also delete the job's stored inputs and records")] = False,
+) -> None:
+    """Delete a finished or cancelled job's state in Redis (and with --files its stored data)."""
+    with _client() as client:
+        result = client.delete(job_id, files=files)
+    kept = "" if result["files_deleted"] else f"; its files are kept at {result['files']}"
+    console.print(f"job {job_id}: deleted ({result['rq_jobs']} RQ jobs removed){kept}")
 
 
 @app.command()

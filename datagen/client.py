@@ -69,6 +69,21 @@ class CoordinatorClient:
     def set_server_paused(self, name: str, paused: bool) -> dict[str, Any]:
         return self._request("POST", f"/servers/{name}/{'pause' if paused else 'resume'}")
 
+    def cancel(self, job_id: str, *, abort_in_flight: bool = False) -> dict[str, Any]:
+        params = {"abort_in_flight": "true"} if abort_in_flight else {}
+        return self._request("POST", f"/jobs/{job_id}/cancel", params=params)
+
+    def set_job_paused(self, job_id: str, paused: bool) -> dict[str, Any]:
+        return self._request("POST", f"/jobs/{job_id}/{'pause' if paused else 'resume'}")
+
+    def retry(self, job_id: str, *, reason: str | None = None) -> dict[str, Any]:
+        params = {"reason": reason} if reason else {}
+        return self._request("POST", f"/jobs/{job_id}/retry", params=params)
+
+    def delete(self, job_id: str, *, files: bool = False) -> dict[str, Any]:
+        params = {"files": "true"} if files else {}
+        return self._request("DELETE", f"/jobs/{job_id}", params=params)
+
     def _request(self, method: str, path: str, **kwargs: Any) -> Any:
         try:
             response = self._http.request(method, path, **kwargs)

@@ -89,6 +89,20 @@ def _wait_http(url: str, procs: _Processes) -> None:
     )
 
 
+def _wait_fleet(client: CoordinatorClient, procs: _Processes) -> None:
+    """Until the worker has taken its server: the coordinator's pre-flight checks need it."""
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while time.monotonic() < deadline:
+        procs.check_alive()
+        if any(server["state"] == "up" for server in client.servers()):
+            return
+        time.sleep(0.2)
+    raise ConfigError(
+        f"the worker did not take the simulated server within {STARTUP_TIMEOUT_S:.0f} s; "
+        f"see the logs in {procs.log_dir}"
+    )
+
+
 def _child_env(redis_url: str, storage: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(ENV_PREFIX)}
     env.update(
@@ -145,6 +159,7 @@ def run_demo(data_dir: Path, dataset: Path | None, console: Console) -> int:
             _wait_http(f"{coordinator_url}/healthz", procs)
             spec = dict(DEMO_SPEC, tokenizer=tokenizer, chat_template=str(default_chat_template_path()))
             with CoordinatorClient(coordinator_url) as client:
+                _wait_fleet(client, procs)
                 job = client.submit(dataset, spec)
                 console.print(f"submitted {dataset} as job [bold]{job['id']}[/bold]", soft_wrap=True)
                 code = wait_for_job(client, job["id"])

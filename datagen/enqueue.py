@@ -1,5 +1,6 @@
-"""Putting prompts on the RQ queues: shared by ingestion (coordinator) and by workers, which
-enqueue turn k+1 of a multi-turn ``all`` conversation when turn k is committed.
+"""Putting prompts on the RQ queues, by way of each job's backlog: shared by ingestion
+(coordinator) and by workers, which enqueue turn k+1 of a multi-turn ``all`` conversation
+when turn k is committed.
 
 Every enqueue goes into the caller's transaction together with the prompts' keys in the job's
 ``enqueued`` set, which is what keeps a prompt from being enqueued twice (RQ itself accepts a
@@ -14,10 +15,13 @@ from typing import Any
 
 from redis.client import Pipeline
 from rq import Queue, Retry
+from rq.job import JobStatus
+from rq.utils import now
 
+from datagen.dispatch import Dispatch
 from datagen.keys import Keys, prompt_key
 from datagen.payload import PromptPayload
-from datagen.states import PromptClass
+from datagen.states import Priority, PromptClass
 
 __all__ = ["JOB_TIMEOUT_S", "RQ_JOB_FUNC", "EnqueueOptions", "enqueue_prompts"]
 
@@ -44,12 +48,39 @@ def enqueue_prompts(
     job_id: str,
     payloads: Sequence[PromptPayload],
     options: EnqueueOptions,
+    *,
+    dispatch: Dispatch,
+    priority: Priority,
 ) -> None:
-    """Add RQ jobs for ``payloads`` (not yet enqueued: the caller checked) to ``pipe``."""
+    """Add RQ jobs for ``payloads`` (not yet enqueued: the caller checked) to ``pipe``.
+
+    The RQ jobs are saved as queued on their class's queue, but their ids wait in the job's
+    backlog until a worker's claim dispatches them (:mod:`datagen.dispatch`).
+    """
     for cls, queue in queues.items():
         datas = [_job_data(keys, p, options) for p in payloads if p.cls is cls]
-        if datas:
-            queue.enqueue_many(datas, pipeline=pipe)
+        if not datas:
+            continue
+        pipe.sadd(queue.redis_queues_keys, queue.key)
+        ids = []
+        for data in datas:
+            job = queue.create_job(
+                data.func,
+                args=data.args,
+                timeout=data.timeout,
+                result_ttl=data.result_ttl,
+                failure_ttl=data.failure_ttl,
+                description=data.description,
+                job_id=data.job_id,
+                meta=data.meta,
+                retry=data.retry,
+                status=JobStatus.QUEUED,
+            )
+            job.origin = queue.name
+            job.enqueued_at = now()
+            job.save(pipeline=pipe)
+            ids.append(job.id)
+        dispatch.add(pipe, job_id, cls, priority, ids)
     if payloads:
         pipe.sadd(keys.job_enqueued(job_id), *[prompt_key(p.sample_id, p.turn, p.gen) for p in payloads])
 

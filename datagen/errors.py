@@ -11,8 +11,10 @@
     └── FatalError                  retrying cannot help; the prompt or request must change
         ├── BadRequestError         400 from SGLang: prompt too long, bad sampling values, ...
         ├── InvalidSpecError        a job spec that cannot run (tokenizer, template, limits)
+        │   └── PreflightError      the spec, its tokenizer and the servers do not fit together
         ├── InvalidRowError         one dataset row that cannot become a prompt
         ├── JobNotFoundError        no job with that id
+        ├── JobStateError           the job's state forbids the operation (delete while running)
         └── ConfigError             settings or environment that cannot start a process
 
 Lower-level errors (httpx, redis, OSError) are translated into these at one boundary with
@@ -31,6 +33,8 @@ __all__ = [
     "InvalidRowError",
     "InvalidSpecError",
     "JobNotFoundError",
+    "JobStateError",
+    "PreflightError",
     "RequestTimeoutError",
     "RetryableError",
     "ServerError",
@@ -87,6 +91,13 @@ class InvalidSpecError(FatalError):
     pass
 
 
+class PreflightError(InvalidSpecError):
+    """A pre-flight check refused a job, or kept a worker off a server (:mod:`datagen.preflight`).
+
+    The message names what disagrees and what to fix; the coordinator answers 409 Conflict.
+    """
+
+
 class InvalidRowError(FatalError):
     def __init__(self, message: str, *, line: int | None = None) -> None:
         super().__init__(message)
@@ -95,6 +106,10 @@ class InvalidRowError(FatalError):
 
 class JobNotFoundError(FatalError):
     pass
+
+
+class JobStateError(FatalError):
+    """The operation does not fit the job's state (deleting a running job, resuming a finished one)."""
 
 
 class ConfigError(FatalError):

@@ -54,13 +54,29 @@ end
 if redis.call('HGET', key, 'state') == 'running' then
   local done = tonumber(redis.call('HGET', key, 'done') or '0')
   local failed = tonumber(redis.call('HGET', key, 'failed') or '0')
+  local cancelled = tonumber(redis.call('HGET', key, 'cancelled') or '0')
   local accepted = tonumber(redis.call('HGET', key, 'accepted') or '0')
-  if done + failed >= accepted then
+  if done + failed + cancelled >= accepted then
     redis.call('HSET', key, 'state', 'completed', 'finished_at_ms', ARGV[4])
     redis.call('DEL', KEYS[2])
     return 2
   end
 end
+return 1
+"""
+
+# KEYS: job hash. ARGV: the states it may move from (space-separated), the state it moves to,
+# then field/value pairs to set with it. Returns 1 if it moved.
+_TRANSITION = """
+local state = redis.call('HGET', KEYS[1], 'state')
+if not state then return 0 end
+local allowed = false
+for from in string.gmatch(ARGV[1], '%S+') do
+  if from == state then allowed = true end
+end
+if not allowed then return 0 end
+redis.call('HSET', KEYS[1], 'state', ARGV[2])
+for i = 3, #ARGV, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
 return 1
 """
 
@@ -75,6 +91,8 @@ _INT_FIELDS = (
     "skipped",
     "done",
     "failed",
+    "cancelled",
+    "retried",
     "prompt_tokens",
     "output_tokens",
     "created_at_ms",
@@ -104,10 +122,15 @@ class JobProgress:
     finished_at_ms: int
     error: str | None
     storage_error: str | None = None
+    cancelled: int = 0
+    retried: int = 0
+    paused: bool = False
+    priority: str = "normal"
+    weight: float = 1.0
 
     @property
     def queued(self) -> int:
-        return max(0, self.accepted - self.done - self.failed - self.in_flight)
+        return max(0, self.accepted - self.done - self.failed - self.cancelled - self.in_flight)
 
     def elapsed_s(self, at_ms: int | None = None) -> float:
         end = self.finished_at_ms or (at_ms if at_ms is not None else now_ms())
@@ -115,7 +138,7 @@ class JobProgress:
 
     def to_json(self, at_ms: int | None = None) -> dict[str, Any]:
         elapsed_s = self.elapsed_s(at_ms)
-        finished = self.done + self.failed
+        finished = self.done + self.failed + self.cancelled
         remaining = max(0, self.accepted - finished)
         rate = finished / elapsed_s
         eta_s = None if self.state.is_final else (remaining / rate if rate > 0 else None)
@@ -127,9 +150,15 @@ class JobProgress:
             "rejected": self.rejected,
             "skipped": self.skipped,
             "queued": self.queued if not self.state.is_final else 0,
-            "in_flight": self.in_flight if not self.state.is_final else 0,
+            # A cancelled job's prompts may still be finishing (or being aborted).
+            "in_flight": self.in_flight,
             "done": self.done,
             "failed": self.failed,
+            "cancelled": self.cancelled,
+            "retried": self.retried,
+            "paused": self.paused,
+            "priority": self.priority,
+            "weight": self.weight,
             "prompt_tokens": self.prompt_tokens,
             "generated_tokens": self.output_tokens,
             "tokens_per_s": round(self.output_tokens / elapsed_s, 2),
@@ -147,12 +176,16 @@ class JobStore:
         self.redis = redis
         self.keys = keys
         self._count_script = redis.register_script(_COUNT_AND_MAYBE_COMPLETE)
+        self._transition = redis.register_script(_TRANSITION)
 
     # Creation and lookup ------------------------------------------------------------------------
-    def create(self, job_id: str, spec: JobSpec, *, tokenizer_identity: str = "") -> bool:
+    def create(
+        self, job_id: str, spec: JobSpec, *, tokenizer_identity: str = "", stop_ids: list[int] | None = None
+    ) -> bool:
         """Create the job; False if it exists already (a resubmission appends to it).
 
-        ``tokenizer_identity`` (name and file hash) is what workers write into each record.
+        ``tokenizer_identity`` (name and file hash) is what workers write into each record;
+        ``stop_ids`` (from the pre-flight checks) are sent with every request of the job.
         """
         key = self.keys.job(job_id)
         created = now_ms()
@@ -165,6 +198,10 @@ class JobStore:
                     "state": JobState.INGESTING.value,
                     "spec": spec.model_dump_json(),
                     "tokenizer_identity": tokenizer_identity or spec.tokenizer,
+                    # Read by the dispatch script (datagen/dispatch.py) on every claim.
+                    "priority": spec.priority.value,
+                    "weight": repr(spec.weight),
+                    "stop_ids": json.dumps(sorted(set(stop_ids or []))),
                 },
             )
             pipe.zadd(self.keys.jobs_index(), {job_id: created})
@@ -177,6 +214,11 @@ class JobStore:
             raise JobNotFoundError(f"no job {job_id!r}")
         return JobSpec.model_validate_json(raw)
 
+    def stop_ids(self, job_id: str) -> list[int]:
+        """The stop ids the pre-flight checks resolved for the job (empty for older jobs)."""
+        raw = self.redis.hget(self.keys.job(job_id), "stop_ids")
+        return [int(i) for i in json.loads(raw)] if raw else []
+
     def tokenizer_identity(self, job_id: str) -> str:
         raw = self.redis.hget(self.keys.job(job_id), "tokenizer_identity")
         if raw is None:
@@ -187,7 +229,8 @@ class JobStore:
         with self.redis.pipeline(transaction=False) as pipe:
             pipe.hgetall(self.keys.job(job_id))
             pipe.scard(self.keys.job_running(job_id))
-            raw_hash, running = pipe.execute()
+            pipe.sismember(self.keys.paused_jobs(), job_id)
+            raw_hash, running, paused = pipe.execute()
         raw = cast(dict[bytes, bytes], raw_hash)
         if not raw or b"state" not in raw:
             raise JobNotFoundError(f"no job {job_id!r}")
@@ -209,6 +252,11 @@ class JobStore:
             finished_at_ms=ints["finished_at_ms"],
             error=fields.get("error"),
             storage_error=fields.get("storage_error"),
+            cancelled=ints["cancelled"],
+            retried=ints["retried"],
+            paused=bool(paused),
+            priority=fields.get("priority", "normal"),
+            weight=float(fields.get("weight", 1.0)),
         )
 
     def list_ids(self, limit: int = 1000) -> list[str]:
@@ -237,10 +285,26 @@ class JobStore:
         return partition if labelled else OTHER_PARTITION
 
     def finish_ingest(self, job_id: str) -> None:
-        self.redis.hset(self.keys.job(job_id), "state", JobState.RUNNING.value)
+        # Only from ingesting: a job cancelled meanwhile stays cancelled.
+        self.transition(job_id, (JobState.INGESTING,), JobState.RUNNING)
         self._count_script(
             keys=self._count_keys(job_id), args=["done", 0, 0, now_ms(), "", "", 0, "", "", ""]
         )
+
+    def transition(
+        self,
+        job_id: str,
+        sources: tuple[JobState, ...],
+        target: JobState,
+        fields: dict[str, str | int] | None = None,
+        *,
+        pipe: Pipeline | None = None,
+    ) -> bool:
+        """Move the job to ``target`` if it is in one of ``sources`` (atomically), setting ``fields``."""
+        args: list[str | int] = [" ".join(s.value for s in sources), target.value]
+        for name, value in (fields or {}).items():
+            args += [name, value]
+        return bool(self._transition(keys=[self.keys.job(job_id)], args=args, client=pipe))
 
     def restart_ingest(self, job_id: str) -> None:
         self.redis.hset(
@@ -311,6 +375,19 @@ class JobStore:
             "",
         ]
         self._count_script(keys=self._count_keys(job_id), args=args, client=pipe)
+
+    def count_cancelled(self, pipe: Pipeline, job_id: str, rq_id: str, *, partition: str, cls: str) -> None:
+        """An in-flight prompt of a cancelled job that a worker aborted."""
+        args: list[str | int] = ["cancelled", 1, 0, now_ms(), rq_id, "", 0, partition, cls, ""]
+        self._count_script(keys=self._count_keys(job_id), args=args, client=pipe)
+
+    def count_retried(self, pipe: Pipeline, job_id: str, by_where: dict[tuple[str, str], int]) -> None:
+        """Failed prompts put back for another try: ``(partition label, class) -> n``."""
+        n = sum(by_where.values())
+        key = self.keys.job(job_id)
+        pipe.hincrby(key, "failed", -n)
+        pipe.hincrby(key, "retried", n)
+        self.add_breakdown(pipe, job_id, {("failed", label, cls): -k for (label, cls), k in by_where.items()})
 
     # Breakdown by partition and class --------------------------------------------------------------
     def partition_labels(self, job_id: str, partitions: set[str]) -> dict[str, str]:

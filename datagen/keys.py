@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 
-from datagen.states import PromptClass
+from datagen.states import Priority, PromptClass
 
 __all__ = ["Keys"]
 
@@ -24,7 +24,11 @@ class Keys:
 
     def rq_job_id(self, job_id: str, sample_id: str, turn: int, gen: int) -> str:
         digest = hashlib.sha1(sample_id.encode("utf-8")).hexdigest()[:16]
-        return f"{self.namespace}-{job_id}-{digest}-t{turn}-g{gen}"
+        return f"{self.rq_job_prefix(job_id)}{digest}-t{turn}-g{gen}"
+
+    def rq_job_prefix(self, job_id: str) -> str:
+        """What every RQ id of the job starts with (job ids have no ``-``, so it is unambiguous)."""
+        return f"{self.namespace}-{job_id}-"
 
     def job_of_rq_id(self, rq_id: str) -> str | None:
         """The datagen job id inside an RQ job id built by :meth:`rq_job_id` (None if not ours)."""
@@ -65,6 +69,47 @@ class Keys:
     def job_failed(self, job_id: str) -> str:
         """List of JSON failure reports (sample id, turn, reason), capped."""
         return f"{self.namespace}:job:{job_id}:failed"
+
+    def job_backlog(self, job_id: str, cls: PromptClass) -> str:
+        """List of the RQ ids of the job's undispatched prompts of one class (datagen/dispatch.py)."""
+        return f"{self.job_key_prefix()}{job_id}{self.backlog_suffix(cls)}"
+
+    def job_key_prefix(self) -> str:
+        """:meth:`job` without the id: the dispatch script builds job and backlog keys from it."""
+        return f"{self.namespace}:job:"
+
+    def backlog_suffix(self, cls: PromptClass) -> str:
+        return f":backlog:{cls.value}"
+
+    def job_keys(self, job_id: str) -> list[str]:
+        """Every key of one job (for deleting it); RQ's own keys are found separately."""
+        fixed = [
+            self.job(job_id),
+            self.job_enqueued(job_id),
+            self.job_running(job_id),
+            self.job_breakdown(job_id),
+            self.job_partitions(job_id),
+            self.job_failed(job_id),
+        ]
+        return fixed + [self.job_backlog(job_id, cls) for cls in PromptClass]
+
+    # Dispatch across jobs -----------------------------------------------------------------------
+    def dispatch_jobs(self, cls: PromptClass, priority: Priority) -> str:
+        """Sorted set of the jobs with prompts of ``cls`` to dispatch at ``priority``, scored by
+        virtual time (dispatches divided by weight): the lowest goes next."""
+        return f"{self.namespace}:dispatch:{cls.value}:{priority.value}"
+
+    def dispatch_window(self, bucket: int) -> str:
+        """Hash job id -> prompts dispatched during one time bucket (the recent share)."""
+        return f"{self.namespace}:dispatch:window:{bucket}"
+
+    def paused_jobs(self) -> str:
+        """Set of paused job ids: their prompts are not dispatched."""
+        return f"{self.namespace}:paused:jobs"
+
+    def aborting_jobs(self) -> str:
+        """Set of cancelled job ids whose in-flight prompts workers abort."""
+        return f"{self.namespace}:aborting:jobs"
 
     # Fleet --------------------------------------------------------------------------------------
     def servers_index(self) -> str:

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any, TypeVar
 
-from pydantic import Field, ValidationError
+from pydantic import Field, SecretStr, ValidationError
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from datagen.errors import ConfigError
@@ -128,7 +129,43 @@ class WorkerSettings(CommonSettings):
     controller_floor: float = Field(default=DEFAULT_CONTROLLER_FLOOR, gt=0, le=1)
     reaper_interval_s: float = Field(default=DEFAULT_REAPER_INTERVAL_S, gt=0)
     drain_timeout_s: float = Field(default=DEFAULT_DRAIN_TIMEOUT_S, ge=0)
-    api_key: str | None = Field(default=None, description="SGLang --api-key, sent as a bearer token")
+    api_key: SecretStr | None = Field(
+        default=None, description="SGLang --api-key, sent as a bearer token to servers without their own"
+    )
+    server_api_keys: SecretStr | None = Field(default=None, description="comma list of NAME=KEY")
+    server_api_keys_file: Path | None = Field(default=None, description="file of NAME=KEY lines")
+
+    def server_keys(self) -> dict[str, SecretStr]:
+        """Per-server API keys from DATAGEN_SERVER_API_KEYS and the lines of DATAGEN_SERVER_API_KEYS_FILE.
+
+        Messages name the variable and the entry's position, never a key.
+        """
+        keys: dict[str, SecretStr] = {}
+        if self.server_api_keys is not None:
+            entries = self.server_api_keys.get_secret_value().split(",")
+            _add_keys(keys, entries, "DATAGEN_SERVER_API_KEYS entry")
+        if self.server_api_keys_file is not None:
+            try:
+                lines = self.server_api_keys_file.read_text("utf-8").splitlines()
+            except (OSError, UnicodeDecodeError) as exc:
+                raise ConfigError(
+                    f"cannot read DATAGEN_SERVER_API_KEYS_FILE {self.server_api_keys_file}: {exc}"
+                ) from exc
+            entries = [line for line in lines if not line.lstrip().startswith("#")]
+            _add_keys(keys, entries, f"line of {self.server_api_keys_file}")
+        return keys
+
+
+def _add_keys(keys: dict[str, SecretStr], entries: list[str], where: str) -> None:
+    for position, entry in enumerate(entries, 1):
+        if not entry.strip():
+            continue
+        name, sep, key = (part.strip() for part in entry.partition("="))
+        if not sep or not name or not key:
+            raise ConfigError(f"{where} {position} is not NAME=KEY; write one server name and its key")
+        if name in keys:
+            raise ConfigError(f"{where} {position}: server {name} already has an API key; give it one")
+        keys[name] = SecretStr(key)
 
 
 class ClientSettings(CommonSettings):

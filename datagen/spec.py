@@ -6,7 +6,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from datagen.states import MultiTurnMode, PromptClass
+from datagen.states import MultiTurnMode, Priority, PromptClass
 
 __all__ = ["MAX_NEW_TOKENS_LIMIT", "JobSpec", "SamplingParams"]
 
@@ -16,6 +16,7 @@ DEFAULT_SHORT_MAX_NEW_TOKENS = 2048
 DEFAULT_LONG_MAX_NEW_TOKENS = 16384
 DEFAULT_LONG_THRESHOLD_TOKENS = 4096
 MAX_SAMPLES = 64
+MAX_WEIGHT = 1000.0
 
 
 class SamplingParams(BaseModel):
@@ -33,6 +34,11 @@ class SamplingParams(BaseModel):
     min_p: float = Field(default=0.0, ge=0.0, le=1.0)
     repetition_penalty: float = Field(default=1.0, gt=0.0, le=2.0)
     sampling_seed: int | None = Field(default=None, ge=0, le=2**63 - 1)
+    stop_token_ids: list[int] | None = Field(
+        default=None,
+        max_length=64,
+        description="extra stop ids, sent with the tokenizer's and generation_config's",
+    )
 
     @field_validator("top_k")
     @classmethod
@@ -64,6 +70,25 @@ class JobSpec(BaseModel):
     samples: int = Field(default=1, ge=1, le=MAX_SAMPLES, description="generations per prompt (gen 0..N-1)")
     temperatures: list[float] | None = Field(
         default=None, min_length=1, max_length=MAX_SAMPLES, description="per-gen temperatures, cycled"
+    )
+    priority: Priority = Field(
+        default=Priority.NORMAL, description="high work is dispatched before normal, then low"
+    )
+    weight: float = Field(
+        default=1.0, gt=0.0, le=MAX_WEIGHT, description="share of the fleet among jobs of the same priority"
+    )
+    model_path: str | None = Field(
+        default=None,
+        max_length=4096,
+        description="refuse the job unless the servers' /model_info has this model_path",
+    )
+    weight_version: str | None = Field(
+        default=None, max_length=256, description="refuse the job unless the servers run this weight_version"
+    )
+    vocab_size: int | None = Field(
+        default=None,
+        ge=1,
+        description="the model's vocabulary size, when no config.json lies by the tokenizer",
     )
 
     @field_validator("temperatures")

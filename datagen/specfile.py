@@ -31,6 +31,7 @@ sampling:
   min_p: 0.0
   repetition_penalty: 1.0
   sampling_seed: null        # a number makes outputs reproducible
+  stop_token_ids: null       # extra stop ids, sent with the EOS of the tokenizer and generation_config.json
 # Prompts with at least long_threshold_tokens tokens go to the long queue (or a row's "class").
 short_max_new_tokens: 2048
 long_max_new_tokens: 16384
@@ -44,6 +45,16 @@ multi_turn: last
 # Generations per prompt (gen 0..N-1), seeds sampling_seed + gen; temperatures cycle over them.
 samples: 1
 temperatures: null
+# Dispatch: all high work goes before normal, normal before low; within a priority, jobs share
+# the fleet in proportion to their weights.
+priority: normal
+weight: 1.0
+# Pre-flight: refuse the job unless the servers' /model_info shows this model_path and
+# weight_version (null: any, as long as every server runs the same).
+model_path: null
+weight_version: null
+# The model's vocabulary size, when no config.json lies next to the tokenizer (null: read it there).
+vocab_size: null
 """
 
 

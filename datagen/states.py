@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from enum import StrEnum
 
-__all__ = ["FinishType", "JobState", "MultiTurnMode", "PromptClass"]
+__all__ = ["FinishType", "JobState", "MultiTurnMode", "Priority", "PromptClass"]
 
 
 class JobState(StrEnum):
@@ -35,3 +35,15 @@ class FinishType(StrEnum):
 class MultiTurnMode(StrEnum):
     LAST = "last"
     ALL = "all"
+
+
+class Priority(StrEnum):
+    """A job's dispatch priority: work of a higher level always goes first."""
+
+    HIGH = "high"
+    NORMAL = "normal"
+    LOW = "low"
+
+    @property
+    def rank(self) -> int:
+        return {Priority.HIGH: 0, Priority.NORMAL: 1, Priority.LOW: 2}[self]

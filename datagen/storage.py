@@ -105,6 +105,11 @@ class Storage:
         with _translated(f"cannot look for job {job_id} under {self.root}"):
             return self._files.is_dir(path)
 
+    def delete_job(self, job_id: str) -> bool:
+        """Remove everything stored for the job (inputs, records, manifest); False if nothing was."""
+        with _translated(f"cannot delete job {job_id} under {self.root}"):
+            return self._files.remove_tree(self._path(job_id))
+
     # Uploads ------------------------------------------------------------------------------------
     def write_input(self, job_id: str, blocks: Iterable[bytes]) -> str:
         """Stream ``blocks`` into a new input object; returns its name. If ``blocks`` raises, the

@@ -16,7 +16,14 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 
-from datagen.errors import DatagenError, FatalError, JobNotFoundError, RetryableError
+from datagen.errors import (
+    DatagenError,
+    FatalError,
+    JobNotFoundError,
+    JobStateError,
+    PreflightError,
+    RetryableError,
+)
 from datagen.settings import CoordinatorSettings
 from datagen.spec import JobSpec
 from datagen.states import PromptClass
@@ -115,17 +122,64 @@ def _install_routes(app: FastAPI) -> None:
     @app.get("/jobs", dependencies=guarded)
     def list_jobs(coord: Coord) -> dict[str, Any]:
         jobs = []
+        shares = coord.controls.dispatch.shares()
         for job in coord.jobs.list_ids():
             try:
-                jobs.append(coord.jobs.progress(job).to_json())
+                jobs.append(coord.job_json(job, shares))
             except JobNotFoundError:
                 continue
         return {"jobs": jobs}
 
     @app.get("/jobs/{job_id}", dependencies=guarded)
     def get_job(coord: Coord, job_id: str) -> dict[str, Any]:
-        return coord.jobs.progress(job_id).to_json()
+        return coord.job_json(job_id)
 
+    _install_job_reads(app, guarded)
+    _install_job_controls(app, guarded)
+    _install_fleet_routes(app, guarded)
+
+
+def _install_job_controls(app: FastAPI, guarded: list[Any]) -> None:
+    @app.post("/jobs/{job_id}/cancel", dependencies=guarded)
+    def cancel_job(
+        coord: Coord,
+        job_id: str,
+        abort_in_flight: Annotated[
+            bool, Query(description="abort prompts in flight too (default: let them finish)")
+        ] = False,
+    ) -> dict[str, Any]:
+        """Drop the job's queued prompts; committed records are kept."""
+        return coord.controls.cancel(job_id, abort_in_flight=abort_in_flight)
+
+    @app.post("/jobs/{job_id}/pause", dependencies=guarded)
+    def pause_job(coord: Coord, job_id: str) -> dict[str, Any]:
+        return coord.controls.pause(job_id)
+
+    @app.post("/jobs/{job_id}/resume", dependencies=guarded)
+    def resume_job(coord: Coord, job_id: str) -> dict[str, Any]:
+        return coord.controls.resume(job_id)
+
+    @app.post("/jobs/{job_id}/retry", dependencies=guarded)
+    def retry_job(
+        coord: Coord,
+        job_id: str,
+        reason: Annotated[
+            str | None, Query(max_length=200, description="only prompts that failed with this reason")
+        ] = None,
+    ) -> dict[str, Any]:
+        """Re-enqueue the job's failed prompts with fresh attempts."""
+        return coord.controls.retry(job_id, reason=reason)
+
+    @app.delete("/jobs/{job_id}", dependencies=guarded)
+    def delete_job(
+        coord: Coord,
+        job_id: str,
+        files: Annotated[bool, Query(description="also delete the job's stored data and records")] = False,
+    ) -> dict[str, Any]:
+        return coord.controls.delete(job_id, files=files)
+
+
+def _install_job_reads(app: FastAPI, guarded: list[Any]) -> None:
     @app.get("/jobs/{job_id}/errors", dependencies=guarded)
     def job_errors(
         coord: Coord,
@@ -137,8 +191,6 @@ def _install_routes(app: FastAPI) -> None:
             return {"kind": kind, "errors": coord.rejected(job_id, limit)}
         coord.jobs.progress(job_id)
         return {"kind": kind, "errors": coord.jobs.failed_reports(job_id, limit)}
-
-    _install_fleet_routes(app, guarded)
 
 
 def _install_fleet_routes(app: FastAPI, guarded: list[Any]) -> None:
@@ -188,6 +240,8 @@ def _install_error_handlers(app: FastAPI) -> None:
     async def datagen_error(request: Request, exc: DatagenError) -> JSONResponse:
         if isinstance(exc, JobNotFoundError):
             return _error(404, str(exc))
+        if isinstance(exc, JobStateError | PreflightError):
+            return _error(409, str(exc))
         if isinstance(exc, UploadTooLargeError):
             return _error(413, str(exc))
         if isinstance(exc, FatalError):

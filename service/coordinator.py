@@ -12,11 +12,13 @@ from typing import IO, Any
 
 from redis import Redis
 
+from datagen.dispatch import JobShare
 from datagen.enqueue import EnqueueOptions
-from datagen.errors import InvalidSpecError, JobNotFoundError
-from datagen.fleet import fleet_context_len, read_servers
+from datagen.errors import InvalidSpecError, JobNotFoundError, JobStateError, PreflightError
+from datagen.fleet import live_servers
 from datagen.jobs import JobStore
 from datagen.keys import Keys
+from datagen.preflight import PreflightResult, preflight_submit
 from datagen.redistext import as_text
 from datagen.settings import CoordinatorSettings
 from datagen.spec import JobSpec
@@ -27,6 +29,7 @@ from service.allowlist import check_allowed
 from service.dryrun import dry_run
 from service.fleetview import FleetView
 from service.ingest import IngestOptions, Ingestor
+from service.lifecycle import JobControls
 from service.metrics import CoordinatorMetrics
 
 __all__ = ["Coordinator", "UploadTooLargeError"]
@@ -55,6 +58,7 @@ class Coordinator:
         self.jobs = JobStore(redis, self.keys)
         self.storage = Storage(settings.storage)
         self.fleet = FleetView(redis, self.keys)
+        self.controls = JobControls(redis, self.keys, self.jobs, self.storage)
         self.metrics = CoordinatorMetrics(fleet=self.fleet, jobs=self.jobs)
         self.ingestor = Ingestor(
             redis,
@@ -100,6 +104,10 @@ class Coordinator:
         job_id = validate_job_id(job_id) if job_id else uuid.uuid4().hex
         check_allowed(spec, self.settings)
         renderer = renderer_for(spec)  # fails fast with a 400 on a bad tokenizer or template
+        servers = live_servers(self.redis, self.keys)
+        preflight = preflight_submit(spec, renderer, servers)  # 409 with what to fix
+        for warning in preflight.warnings:
+            log.warning("job %s: %s", job_id, warning)
         with self._lock:
             running = self._threads.get(job_id)
             if running is not None and running.is_alive():
@@ -107,6 +115,8 @@ class Coordinator:
                     f"job {job_id} is still ingesting an earlier upload; wait and resubmit"
                 )
             existing = self._existing_spec(job_id)
+            if existing is not None and self.jobs.progress(job_id).state is JobState.CANCELLED:
+                raise JobStateError(f"job {job_id} was cancelled; submit under a new job id")
             if existing is not None and existing != spec:
                 raise InvalidSpecError(
                     f"job {job_id} exists with a different spec; submit with the same spec to append, "
@@ -114,29 +124,58 @@ class Coordinator:
                 )
             identity = renderer.identity()
             if existing is not None:
-                self._check_provenance(job_id, identity)
+                self._check_provenance(job_id, identity, servers)
             input_name = self._store_upload(job_id, dataset)
             created = self.jobs.create(
                 job_id,
                 spec,
                 tokenizer_identity=f"{identity['tokenizer']}@sha256:{identity['tokenizer_sha256']}",
+                stop_ids=preflight.stop_ids,
             )
             if created:
-                self.storage.write_manifest_once(job_id, self._manifest(job_id, spec, identity))
+                manifest = self._manifest(job_id, spec, identity, servers, preflight)
+                self.storage.write_manifest_once(job_id, manifest)
             else:
                 self.jobs.restart_ingest(job_id)
-            self.redis.hset(self.keys.job(job_id), mapping={"ingest_input": input_name, "ingest_line": 0})
+            self.redis.hset(
+                self.keys.job(job_id),
+                # The context length checked now is the one ingestion rejects over-long prompts by.
+                mapping={"ingest_input": input_name, "ingest_line": 0, "context_len": preflight.context_len},
+            )
             self.metrics.jobs_submitted.inc()
             self._start_ingest(job_id, input_name)
         return job_id, created
 
+    def job_json(self, job_id: str, shares: dict[str, JobShare] | None = None) -> dict[str, Any]:
+        """A job's progress with its share of the fleet (None once it has nothing to dispatch)."""
+        body = self.jobs.progress(job_id).to_json()
+        share = (shares if shares is not None else self.controls.dispatch.shares()).get(job_id)
+        body["share"] = None if share is None else share.to_json()
+        return body
+
     def dry_run(self, spec: JobSpec, dataset: IO[bytes]) -> dict[str, Any]:
         check_allowed(spec, self.settings)
         renderer = renderer_for(spec)
-        context_len = spec.context_len or fleet_context_len(self.redis, self.keys)
-        return dry_run(spec, renderer, dataset, context_len)
+        # A dry run shows what submit would refuse, and still renders the sample.
+        try:
+            preflight = preflight_submit(spec, renderer, live_servers(self.redis, self.keys))
+        except PreflightError as exc:
+            preview = dry_run(spec, renderer, dataset, spec.context_len)
+            preview["preflight"] = {"refused": str(exc)}
+            return preview
+        preview = dry_run(spec, renderer, dataset, preflight.context_len)
+        preview["preflight"] = {
+            "refused": None,
+            "context_len": preflight.context_len,
+            "stop_ids": preflight.stop_ids,
+            "vocab_size": preflight.vocab_size,
+            "warnings": preflight.warnings,
+        }
+        return preview
 
-    def _check_provenance(self, job_id: str, identity: dict[str, str]) -> None:
+    def _check_provenance(
+        self, job_id: str, identity: dict[str, str], servers: dict[str, dict[str, Any]]
+    ) -> None:
         """Refuse to add prompts to a job made with another tokenizer, template or model."""
         manifest = self.storage.read_manifest(job_id)
         if manifest is None:
@@ -152,9 +191,7 @@ class Coordinator:
         models_then = {
             str(s["model_path"]) for s in manifest.get("servers", {}).values() if s.get("model_path")
         }
-        models_now = {
-            str(s["model_path"]) for s in read_servers(self.redis, self.keys).values() if s.get("model_path")
-        }
+        models_now = {str(s["model_path"]) for s in servers.values() if s.get("model_path")}
         if models_then and models_now and models_then != models_now:
             raise InvalidSpecError(
                 f"job {job_id} was generated by model {sorted(models_then)} but the servers now run "
@@ -187,12 +224,24 @@ class Coordinator:
         self.metrics.upload_bytes.inc(written)
         return name
 
-    def _manifest(self, job_id: str, spec: JobSpec, identity: dict[str, str]) -> dict[str, Any]:
+    @staticmethod
+    def _manifest(
+        job_id: str,
+        spec: JobSpec,
+        identity: dict[str, str],
+        servers: dict[str, dict[str, Any]],
+        preflight: PreflightResult,
+    ) -> dict[str, Any]:
         return {
             "job_id": job_id,
             "spec": json.loads(spec.model_dump_json()),
             "tokenizer": identity,
-            "servers": read_servers(self.redis, self.keys),
+            "servers": servers,
+            "preflight": {
+                "context_len": preflight.context_len,
+                "stop_ids": preflight.stop_ids,
+                "vocab_size": preflight.vocab_size,
+            },
         }
 
     def _current_input(self, job_id: str) -> str | None:

@@ -3,7 +3,8 @@
 Pauses live in Redis sets that workers read every ``control_interval_s`` (about a second), so a
 pause takes effect within two seconds and survives a coordinator restart. What the coordinator
 shows about a server is what the workers that list it published: their state, in flight and
-limits, plus the shared controller target and the KV signals it last read.
+limits, plus the shared controller target and the KV signals it last read. A server that every
+live worker keeps off after a failed pre-flight check is ``refused``, with each worker's reason.
 """
 
 from __future__ import annotations
@@ -14,8 +15,9 @@ from typing import Any, cast
 from redis import Redis
 from rq import Queue
 
+from datagen.dispatch import Dispatch
 from datagen.errors import JobNotFoundError
-from datagen.fleet import read_servers
+from datagen.fleet import DEFAULT_LIVE_WINDOW_S, SERVER_REFUSED, read_servers
 from datagen.jobs import now_ms
 from datagen.keys import Keys
 from datagen.redistext import as_text, as_texts
@@ -24,7 +26,7 @@ from datagen.states import PromptClass
 __all__ = ["FleetView", "UnknownServerError"]
 
 # A worker's view older than this is shown as stale and does not count towards totals.
-LIVE_WINDOW_MS = 30_000
+LIVE_WINDOW_MS = int(DEFAULT_LIVE_WINDOW_S * 1000)
 
 
 class UnknownServerError(JobNotFoundError):
@@ -35,6 +37,7 @@ class FleetView:
     def __init__(self, redis: Redis, keys: Keys) -> None:
         self.redis = redis
         self.keys = keys
+        self.dispatch = Dispatch(redis, keys)
 
     # Queues -------------------------------------------------------------------------------------
     def queues(self) -> list[dict[str, Any]]:
@@ -47,7 +50,8 @@ class FleetView:
                     "name": cls.value,
                     "rq_queue": queue.name,
                     "paused": cls.value in paused,
-                    "queued": queue.count,
+                    # RQ's list holds only handed-back prompts; the rest wait in job backlogs.
+                    "queued": queue.count + self.dispatch.depth(cls),
                     # Without cleanup: RQ's cleanup would fail a dead worker's prompts that the
                     # workers' reaper is about to hand back.
                     "started": queue.started_job_registry.get_job_count(cleanup=False),
@@ -97,6 +101,9 @@ class FleetView:
             "kv": json.loads(control["signals"]) if "signals" in control else None,
             "context_len": (info or {}).get("context_len"),
             "model_path": (info or {}).get("model_path"),
+            "weight_version": (info or {}).get("weight_version"),
+            # Why live workers keep off the server (pre-flight checks), by worker.
+            "refused": {w["worker"]: w["refused"] for w in live if w.get("refused")},
             "workers": workers,
         }
 
@@ -124,7 +131,7 @@ def _state(paused: bool, live: list[dict[str, Any]]) -> str:
     if paused:
         return "paused"
     states = {w["state"] for w in live}
-    for state in ("up", "draining", "down"):
+    for state in ("up", "draining", "down", SERVER_REFUSED):
         if state in states:
             return state
     return "unknown"

@@ -23,6 +23,7 @@ from rq import Queue
 from rq.serializers import JSONSerializer
 
 from datagen.dataset import Prompt, RowError, iter_prompts
+from datagen.dispatch import Dispatch
 from datagen.enqueue import EnqueueOptions, enqueue_prompts
 from datagen.errors import DatagenError, InvalidRowError
 from datagen.fleet import fleet_context_len
@@ -30,7 +31,7 @@ from datagen.jobs import JobStore
 from datagen.keys import Keys, prompt_key
 from datagen.payload import PromptPayload
 from datagen.spec import JobSpec
-from datagen.states import MultiTurnMode, PromptClass
+from datagen.states import JobState, MultiTurnMode, PromptClass
 from datagen.storage import Storage
 from datagen.tokenization import PromptRenderer, renderer_for
 from service.metrics import CoordinatorMetrics
@@ -49,14 +50,19 @@ UNKNOWN = "unknown"
 class IngestOptions:
     chunk: int
     enqueue: EnqueueOptions
-    # Backpressure: a chunk waits while its class's queue already holds this many prompts, so
-    # Redis holds a bounded window of a dataset of any size; the rest waits in the file.
+    # Backpressure: a chunk waits while the job's backlog of its class already holds this many
+    # prompts, so Redis holds a bounded window of a dataset of any size (the rest waits in the
+    # file), and one huge job's window never holds back another job's ingestion.
     max_queued_per_class: int = 200_000
     backpressure_poll_s: float = 1.0
 
 
 class _Stopped(Exception):
     """The coordinator is shutting down; the ingestion resumes from its checkpoint later."""
+
+
+class _Cancelled(Exception):
+    """The job was cancelled while it was ingesting."""
 
 
 @dataclass
@@ -89,6 +95,7 @@ class Ingestor:
             cls: Queue(keys.queue_name(cls), connection=redis, serializer=JSONSerializer)
             for cls in PromptClass
         }
+        self.dispatch = Dispatch(redis, keys)
 
     def run(self, job_id: str, source: str | Path, stop: threading.Event) -> None:
         """Ingest one uploaded file; resumable from the job's checkpoint. Never raises.
@@ -106,6 +113,9 @@ class Ingestor:
                 return
             except _Stopped:
                 log.info("job %s: ingestion paused by shutdown; it resumes from its checkpoint", job_id)
+                return
+            except _Cancelled:
+                log.info("job %s: ingestion stopped: the job was cancelled", job_id)
                 return
             except RedisError as exc:
                 log.warning(
@@ -131,7 +141,10 @@ class Ingestor:
     def _run(self, job_id: str, source: str | Path, stop: threading.Event) -> None:
         spec = self.jobs.spec(job_id)
         renderer = renderer_for(spec)
-        context_len = spec.context_len or fleet_context_len(self.redis, self.keys)
+        checked = self.redis.hget(self.keys.job(job_id), "context_len")
+        context_len = (
+            int(checked) if checked else spec.context_len or fleet_context_len(self.redis, self.keys)
+        )
         start_line = self.jobs.ingest_line(job_id)
         input_name = source.name if isinstance(source, Path) else source
         if start_line:
@@ -230,16 +243,22 @@ class Ingestor:
             )
             chunk.prompts.append((item, payload))
 
-    def _wait_for_room(self, payloads: list[PromptPayload], stop: threading.Event) -> None:
-        for cls, queue in self._queues.items():
+    def _wait_for_room(self, job_id: str, payloads: list[PromptPayload], stop: threading.Event) -> None:
+        for cls in PromptClass:
             wanted = sum(1 for p in payloads if p.cls is cls)
-            while wanted and queue.count + wanted > self.options.max_queued_per_class:
+            while wanted and self.dispatch.backlog(job_id, cls) + wanted > self.options.max_queued_per_class:
+                self._check_cancelled(job_id)
                 if stop.wait(self.options.backpressure_poll_s):
                     raise _Stopped
+
+    def _check_cancelled(self, job_id: str) -> None:
+        if self.jobs.progress(job_id).state is JobState.CANCELLED:
+            raise _Cancelled
 
     def _flush(self, job_id: str, chunk: _Chunk, stop: threading.Event) -> None:
         if chunk.rows == 0:
             return
+        self._check_cancelled(job_id)
         members = [prompt_key(p.sample_id, p.turn, p.gen) for _, p in chunk.prompts]
         present = self.redis.smismember(self.keys.job_enqueued(job_id), members) if members else []
         fresh: list[tuple[Prompt, PromptPayload, str]] = []
@@ -260,10 +279,19 @@ class Ingestor:
             "prompt_tokens": sum(len(p.prompt_ids) for _, p, _ in fresh),
         }
         fresh_payloads = [p for _, p, _ in fresh]
-        self._wait_for_room(fresh_payloads, stop)
+        self._wait_for_room(job_id, fresh_payloads, stop)
         breakdown = self._breakdown(job_id, chunk, fresh_payloads)
         with self.redis.pipeline(transaction=True) as pipe:
-            enqueue_prompts(pipe, self._queues, self.keys, job_id, fresh_payloads, self.options.enqueue)
+            enqueue_prompts(
+                pipe,
+                self._queues,
+                self.keys,
+                job_id,
+                fresh_payloads,
+                self.options.enqueue,
+                dispatch=self.dispatch,
+                priority=self.jobs.spec(job_id).priority,
+            )
             self.jobs.add_ingest_counts(pipe, job_id, counts, chunk.last_line)
             self.jobs.add_breakdown(pipe, job_id, breakdown)
             pipe.execute()

@@ -17,6 +17,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 from redis import RedisError
 
+from datagen.dispatch import Dispatch
 from datagen.jobs import JobProgress, JobStore
 from datagen.states import JobState
 from service.fleetview import FleetView
@@ -58,6 +59,7 @@ class _FleetCollector(Collector):
 class _JobsCollector(Collector):
     def __init__(self, jobs: JobStore) -> None:
         self.jobs = jobs
+        self.dispatch = Dispatch(jobs.redis, jobs.keys)
 
     def collect(self) -> Iterator[Metric]:
         by_state = GaugeMetricFamily("datagen_jobs", "Jobs by state", labels=["state"])
@@ -78,18 +80,35 @@ class _JobsCollector(Collector):
             "datagen_job_progress_ratio", "Finished / accepted", labels=["job"]
         )
         eta = GaugeMetricFamily("datagen_job_eta_seconds", "Estimated seconds left", labels=["job"])
+        share_target = GaugeMetricFamily(
+            "datagen_job_share_target",
+            "Share of the fleet the job's priority and weight entitle it to now",
+            labels=["job"],
+        )
+        share_recent = GaugeMetricFamily(
+            "datagen_job_share_recent", "Share of the fleet's dispatches of the last minute", labels=["job"]
+        )
+        weight = GaugeMetricFamily("datagen_job_weight", "The job's fair-share weight", labels=["job"])
+        paused = GaugeMetricFamily("datagen_job_paused", "1 while a job is paused", labels=["job"])
         try:
             jobs = [self.jobs.progress(job_id) for job_id in self.jobs.list_ids(SCRAPE_JOBS)]
+            shares = self.dispatch.shares()
             states = {state: 0 for state in JobState}
             for job in jobs:
                 states[job.state] += 1
                 if not job.state.is_final:
                     self._job(job, (prompts, tokens, finishes), progress_ratio, eta)
+                    share = shares.get(job.job_id)
+                    share_target.add_metric([job.job_id], share.target if share else 0.0)
+                    share_recent.add_metric([job.job_id], share.recent if share else 0.0)
+                    weight.add_metric([job.job_id], job.weight)
+                    paused.add_metric([job.job_id], 1 if job.paused else 0)
         except RedisError:
             return
         for state, count in states.items():
             by_state.add_metric([state.value], count)
         yield from (by_state, prompts, tokens, finishes, progress_ratio, eta)
+        yield from (share_target, share_recent, weight, paused)
 
     def _job(
         self,
@@ -107,7 +126,7 @@ class _JobsCollector(Collector):
             else:
                 prompts.add_metric([job.job_id, label, cls, counter], value)
         if job.accepted:
-            progress_ratio.add_metric([job.job_id], (job.done + job.failed) / job.accepted)
+            progress_ratio.add_metric([job.job_id], (job.done + job.failed + job.cancelled) / job.accepted)
         view = job.to_json(at_ms=int(time.time() * 1000))
         if view["eta_s"] is not None:
             eta.add_metric([job.job_id], view["eta_s"])

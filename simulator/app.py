@@ -8,9 +8,10 @@ simulated text is random), the prefix cache (``cached_tokens`` is always 0) and 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -31,6 +32,8 @@ logger = logging.getLogger(__name__)
 
 # The SGLang release whose contract the simulator follows.
 SGLANG_VERSION = "0.5.15"
+# Paths SGLang's --api-key leaves open (prefixes, so /health_generate and /metrics/... too).
+_OPEN_PATH_PREFIXES = ("/health", "/metrics")
 _FLUSHED = (
     "Cache flushed.\nPlease check backend logs for more details. "
     "(When there are running or waiting requests, the operation will not be performed.)\n"
@@ -58,12 +61,29 @@ def create_app(config: SimConfig) -> FastAPI:
 
     app = FastAPI(title="simulated SGLang", lifespan=lifespan, openapi_url=None)
     app.state.sim = server
+    if config.api_key is not None:
+        _require_api_key(app, config.api_key.get_secret_value())
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(HTTPException, _http_error)
     app.include_router(_generation_routes(server))
     app.include_router(_info_routes(server))
     app.include_router(_control_routes(server))
     return app
+
+
+def _require_api_key(app: FastAPI, api_key: str) -> None:
+    """SGLang's ``add_api_key_middleware``: a bearer token on every path but /health* and /metrics*."""
+    expected = f"Bearer {api_key}".encode()
+
+    @app.middleware("http")
+    async def authenticate(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
+        path = request.url.path
+        if request.method == "OPTIONS" or path.startswith(_OPEN_PATH_PREFIXES):
+            return await call_next(request)
+        given = request.headers.get("authorization", "").encode()
+        if not hmac.compare_digest(given, expected):
+            return JSONResponse({"error": "Unauthorized"}, status_code=401)
+        return await call_next(request)
 
 
 # -- error bodies (SGLang's http_server exception handlers) ----------------------------------
@@ -153,7 +173,7 @@ def _info_routes(server: SimServer) -> APIRouter:
             "served_model_name": cfg.served_model_name,
             "host": cfg.host,
             "port": cfg.port,
-            "context_length": cfg.context_len,
+            "context_length": None if server.chaos.hide_context_len else cfg.context_len,
             "max_running_requests": cfg.max_running_requests,
             "max_total_tokens": cfg.max_total_num_tokens,
             "max_prefill_tokens": cfg.max_prefill_tokens,
@@ -190,6 +210,8 @@ def _info_routes(server: SimServer) -> APIRouter:
             "parent": None,
             "max_model_len": cfg.context_len,
         }
+        if server.chaos.hide_context_len:
+            del card["max_model_len"]
         return {"object": "list", "data": [card]}
 
     @router.get("/metrics")

@@ -22,3 +22,6 @@ class Chaos(BaseModel):
     health_status: int | None = Field(default=None, ge=200, le=599)
     # /generate requests accept and never answer (a wedged server).
     hang_generate: bool = False
+    # /server_info and /v1/models do not say the context length (a server behind a proxy that
+    # strips them, or an old one): the context length is unknown.
+    hide_context_len: bool = False

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Self
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
 from simulator.model import DEFAULT_MEAN_ANSWER_TOKENS, DEFAULT_MEAN_REASONING_TOKENS
 
@@ -60,6 +60,8 @@ class SimConfig(BaseModel):
     weight_version: str = DEFAULT_WEIGHT_VERSION
     tokenizer_path: str | None = None
     log_level: str = DEFAULT_LOG_LEVEL
+    # SGLang's --api-key: every path but /health* and /metrics* wants "Authorization: Bearer <key>".
+    api_key: SecretStr | None = None
 
     context_len: int = Field(default=DEFAULT_CONTEXT_LEN, ge=16)
     max_total_num_tokens: int = Field(default=DEFAULT_MAX_TOTAL_NUM_TOKENS, ge=16)

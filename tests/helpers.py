@@ -132,6 +132,16 @@ class ProcessStack:
             time.sleep(0.1)
         raise AssertionError(f"{url} did not come up\n{self.logs()}")
 
+    def wait_server_up(self, coordinator: str, name: str, timeout_s: float = STARTUP_TIMEOUT_S * 2) -> None:
+        """Until a worker has taken server ``name``: submit's pre-flight checks learn from it."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            servers = httpx.get(f"{coordinator}/servers", timeout=5).json()["servers"]
+            if any(s["name"] == name and s["state"] == "up" for s in servers):
+                return
+            time.sleep(0.1)
+        raise AssertionError(f"no worker took server {name}\n{self.logs()}")
+
     def logs(self) -> str:
         return "\n".join(
             f"== {p.name}\n{p.read_text(errors='replace')[-3000:]}" for p in self.tmp.glob("*.log")

@@ -7,6 +7,9 @@
 - :class:`HealthProbe` (per server): ``/health`` with a timeout. Refused connections and 503 mark
   the server down at once; ``health_timeouts_to_down`` timeouts in a row do too (SGLang's probe
   runs a one-token generation and is slow under load). A probe never cancels in-flight work.
+  A server that comes up is read and checked first (:mod:`datagen.preflight`): an unknown context
+  length, another model than the fleet's, or a 401/403 (the API key) keeps the worker off it,
+  published as ``refused`` with the reason, until a later probe passes.
 - :class:`KvControl` (per server, in the one worker holding the server's controller lease):
   reads ``/metrics``, runs :func:`workers.controller.decide`, writes the shared target.
 """
@@ -21,10 +24,17 @@ from typing import cast
 
 from redis import Redis, RedisError
 
-from datagen.errors import DatagenError, RequestTimeoutError, RetryableError
-from datagen.fleet import publish_server
+from datagen.errors import (
+    ConfigError,
+    DatagenError,
+    PreflightError,
+    RequestTimeoutError,
+    RetryableError,
+)
+from datagen.fleet import SERVER_REFUSED, live_servers, publish_server
 from datagen.jobs import now_ms
 from datagen.keys import Keys
+from datagen.preflight import check_server_joins
 from datagen.redistext import as_text, as_texts
 from datagen.states import PromptClass
 from workers.controller import KvSignals, decide, parse_kv_signals
@@ -45,6 +55,16 @@ METRICS_TIMEOUT_S = 10.0
 LEASE_INTERVALS = 3
 # Consecutive unreadable /metrics pages before the controller says it is blind.
 METRICS_MISSES_TO_WARN = 3
+API_KEY_HINT = (
+    "Check the API key of server {name}: DATAGEN_SERVER_API_KEYS or DATAGEN_SERVER_API_KEYS_FILE "
+    "(NAME=KEY), else DATAGEN_API_KEY, must be the server's --api-key"
+)
+
+
+def _shares(view: dict[str, object], live_after_ms: int) -> bool:
+    """Whether another worker's view of a server makes it a live sharer of the server's slots."""
+    seen_at_ms = view.get("seen_at_ms", 0)
+    return isinstance(seen_at_ms, int) and seen_at_ms >= live_after_ms and view.get("state") != SERVER_REFUSED
 
 
 class FleetSync:
@@ -96,8 +116,7 @@ class FleetSync:
             others = sum(
                 1
                 for name, entry in cast(dict[bytes, bytes], raw_workers).items()
-                if as_text(name) != self.worker_name
-                and json.loads(entry).get("seen_at_ms", 0) >= live_after_ms
+                if as_text(name) != self.worker_name and _shares(json.loads(entry), live_after_ms)
             )
             was_paused = server.paused
             server.paused = server.name in paused_servers
@@ -129,6 +148,8 @@ class FleetSync:
                     "limits": {cls.value: server.limits[cls] for cls in PromptClass},
                     "factor": round(server.factor, 4),
                     "context_len": server.context_len,
+                    **server.model(),
+                    "refused": server.refused,
                     "seen_at_ms": now_ms(),
                 }
                 key = self.keys.server_workers(server.name)
@@ -165,10 +186,10 @@ class HealthProbe:
 
     async def run(self) -> None:
         while True:
-            # A down server is probed often, so that dispatch resumes within seconds of its return.
-            await asyncio.sleep(
-                self.interval_s if self.server.up else min(DOWN_PROBE_INTERVAL_S, self.interval_s)
-            )
+            # A down server is probed often, so that dispatch resumes within seconds of its return;
+            # a refused one waits for an operator, so it is probed at the normal pace.
+            steady = self.server.up or self.server.refused is not None
+            await asyncio.sleep(self.interval_s if steady else min(DOWN_PROBE_INTERVAL_S, self.interval_s))
             await self.probe()
 
     async def probe(self) -> None:
@@ -189,28 +210,63 @@ class HealthProbe:
         if not healthy:
             await self.fleet.mark_down(server, "/health answered 503 (starting, shutting down or unhealthy)")
             return
-        if server.context_len is None and not await self._learn(server):
+        if not server.up and not await self._learn(server):
             return
         await self.fleet.mark_up(server)
 
     async def _learn(self, server: Server) -> bool:
-        """Context length and model of a server seen healthy for the first time."""
+        """Read and check the context length and model of a server that comes up (again).
+
+        A failed pre-flight check keeps the worker off the server until a later probe passes.
+        """
         try:
-            server.context_len = await server.client.context_len()
+            context_len = await server.client.context_len()
             info = await server.client.model_info()
+        except ConfigError as exc:  # 401/403: the key is wrong; retrying cannot help until it changes
+            await self.fleet.refuse(server, f"{exc}. {API_KEY_HINT.format(name=server.name)}")
+            self._publish(server, {"seen_at_ms": now_ms()}, only_if_new=True)
+            return False
         except DatagenError as exc:
             log.warning("server %s is healthy but its info is not readable: %s", server.name, exc)
             return False
-        entry = {
-            "context_len": server.context_len,
-            "model_path": info.get("model_path"),
-            "seen_at_ms": now_ms(),
+        server.context_len = context_len
+        server.model_path, server.weight_version = info.get("model_path"), info.get("weight_version")
+        self._publish(server, {"context_len": context_len, **server.model(), "seen_at_ms": now_ms()})
+        reason = self._refusal(server)
+        if reason is not None:
+            await self.fleet.refuse(server, reason)
+            return False
+        return True
+
+    def _refusal(self, server: Server) -> str | None:
+        """Why the worker must keep off ``server``: an unknown context length, or another model than
+        the servers this worker accepted and those live workers use."""
+        if server.context_len is None:
+            return (
+                f"server {server.name} reports no context length (neither /server_info context_length "
+                "nor /v1/models max_model_len), so prompts cannot be sized to fit. Start SGLang with "
+                "--context-length"
+            )
+        accepted = {
+            s.name: s.model()
+            for s in self.fleet.servers
+            if s is not server and s.refused is None and s.model_path is not None
         }
         try:
-            publish_server(self.redis, self.keys, server.name, entry)
+            accepted = {**live_servers(self.redis, self.keys), **accepted}
+        except RedisError as exc:
+            log.warning("cannot read the fleet's servers from Redis: %s", exc)
+        try:
+            check_server_joins(server.name, server.model(), accepted)
+        except PreflightError as exc:
+            return str(exc)
+        return None
+
+    def _publish(self, server: Server, entry: dict[str, object], *, only_if_new: bool = False) -> None:
+        try:
+            publish_server(self.redis, self.keys, server.name, entry, only_if_new=only_if_new)
         except RedisError as exc:
             log.warning("cannot publish server %s: %s", server.name, exc)
-        return True
 
 
 class KvControl:

@@ -16,14 +16,20 @@ import random
 import re
 import time
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any
 from urllib.parse import urlsplit
 
+from pydantic import SecretStr
+
+from datagen.errors import ConfigError
+from datagen.fleet import SERVER_REFUSED
 from datagen.states import PromptClass
 from workers.metrics import WorkerMetrics
 from workers.sglang import SGLangClient
 
-__all__ = ["Fleet", "Server", "ServerSpec"]
+__all__ = ["Fleet", "Server", "ServerSpec", "with_api_keys"]
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +49,11 @@ class Server:
     up: bool = True
     paused: bool = False
     context_len: int | None = None
+    # What /model_info said when the server was last accepted or refused.
+    model_path: str | None = None
+    weight_version: str | None = None
+    # Why a pre-flight check keeps the worker off this server (None: accepted or not yet checked).
+    refused: str | None = None
     health_timeouts: int = 0
     factor: float = 1.0
     share: int = 1
@@ -59,7 +70,13 @@ class Server:
     def state(self) -> str:
         if self.paused:
             return "paused"
+        if self.refused is not None:
+            return SERVER_REFUSED
         return "up" if self.up else "down"
+
+    def model(self) -> dict[str, Any]:
+        """What the server runs, in the shape of its published entry."""
+        return {"model_path": self.model_path, "weight_version": self.weight_version}
 
     def free(self, cls: PromptClass) -> int:
         return max(0, self.limits[cls] - self.in_flight[cls]) if self.accepting else 0
@@ -147,7 +164,18 @@ class Fleet:
         server.up = False
         self.metrics.server_up.labels(server.name).set(0)
 
+    async def refuse(self, server: Server, reason: str) -> None:
+        """Keep off ``server`` until a later probe accepts it; the reason is logged once."""
+        if reason != server.refused:
+            log.error("server %s refused: %s", server.name, reason)
+        server.refused = reason
+        server.up = False
+        self.metrics.server_up.labels(server.name).set(0)
+
     async def mark_up(self, server: Server) -> None:
+        if server.refused is not None:
+            log.info("server %s accepted: its pre-flight checks pass now", server.name)
+            server.refused = None
         if not server.up:
             log.info("server %s is healthy again", server.name)
         server.up = True
@@ -167,6 +195,8 @@ class Fleet:
 class ServerSpec:
     name: str
     url: str
+    # This server's SGLang --api-key; None: the worker's default (DATAGEN_API_KEY).
+    api_key: SecretStr | None = field(default=None, repr=False, compare=False)
 
     @classmethod
     def parse(cls, value: str) -> ServerSpec:
@@ -192,3 +222,16 @@ class ServerSpec:
         if duplicates:
             raise ValueError(f"server names must be unique; repeated: {', '.join(duplicates)}")
         return specs
+
+
+def with_api_keys(specs: list[ServerSpec], keys: Mapping[str, SecretStr]) -> list[ServerSpec]:
+    """The specs with their per-server API keys; a key for a name not in ``specs`` is refused."""
+    names = {spec.name for spec in specs}
+    unknown = sorted(set(keys) - names)
+    if unknown:
+        raise ConfigError(
+            f"an API key is given for unknown server(s) {', '.join(unknown)}; this worker's servers are "
+            f"{', '.join(sorted(names))}. Make the names in DATAGEN_SERVER_API_KEYS (or the file of "
+            "DATAGEN_SERVER_API_KEYS_FILE) match those of --server NAME=URL"
+        )
+    return [replace(spec, api_key=keys[spec.name]) if spec.name in keys else spec for spec in specs]

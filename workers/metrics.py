@@ -71,6 +71,9 @@ class WorkerMetrics:
         )
         self.retries = Counter("datagen_worker_retries", "Retried attempts by reason", ["reason"], registry=r)
         self.failures = Counter("datagen_worker_failures", "Prompts failed for good", ["reason"], registry=r)
+        self.aborted = Counter(
+            "datagen_worker_aborted", "In-flight prompts aborted because their job was cancelled", registry=r
+        )
         self.server_up = Gauge(
             "datagen_worker_server_up", "1 while a server takes requests", ["server"], registry=r
         )

@@ -20,12 +20,16 @@ from typing import Any
 from redis import Redis
 from redis.client import Pipeline
 from rq import Queue
+from rq.exceptions import NoSuchJobError
 from rq.executions import Execution
 from rq.job import Job, JobStatus
 from rq.serializers import JSONSerializer
 from rq.utils import now
 from rq.worker import BaseWorker, WorkerStatus
 from rq.worker_registration import clean_worker_registry
+
+from datagen.dispatch import Dispatch
+from datagen.states import PromptClass
 
 __all__ = ["InFlight", "QueueIdentity", "payload_of"]
 
@@ -102,18 +106,20 @@ class QueueIdentity(BaseWorker):
         self.register_death()
 
     # Jobs ---------------------------------------------------------------------------------------
-    def claim(self) -> InFlight | None:
-        """Move the next job of the queue into started (LMOVE; never blocks)."""
-        result = self.queue_class.dequeue_any(
-            [self.queue],
-            None,
-            connection=self.connection,
-            job_class=self.job_class,
-            serializer=self.serializer,
-        )
-        if result is None:
-            return None
-        job, queue = result
+    def claim(self, dispatch: Dispatch, cls: PromptClass) -> InFlight | None:
+        """Move the next prompt due (:mod:`datagen.dispatch`) into started; never blocks."""
+        queue = self.queue
+        while True:
+            rq_id = dispatch.claim(cls, queue.key, queue.intermediate_queue_key)
+            if rq_id is None:
+                return None
+            try:
+                job = self.job_class.fetch(rq_id, connection=self.connection, serializer=self.serializer)
+            except NoSuchJobError:
+                # Deleted meanwhile (its job was cancelled or deleted): nothing to run.
+                self.connection.lrem(queue.intermediate_queue_key, 1, rq_id)
+                continue
+            break
         execution = self.prepare_execution(job)
         self.prepare_job_execution(job, remove_from_intermediate_queue=True)
         item = InFlight(job, queue, execution)
@@ -153,6 +159,19 @@ class QueueIdentity(BaseWorker):
             )
             item.execution.delete(job, pipe)
             self.increment_failed_job_count(pipe)
+            if hook is not None:
+                hook(pipe)
+            pipe.execute()
+        self.in_flight.discard(item)
+
+    def finish_cancelled(self, item: InFlight, hook: FinishHook | None) -> None:
+        """An in-flight prompt of a cancelled job, aborted: RQ's canceled registry, no record."""
+        job = item.job
+        job.ended_at = now()
+        with self.connection.pipeline() as pipe:
+            item.execution.delete(job, pipe)
+            job.set_status(JobStatus.CANCELED, pipeline=pipe)
+            item.queue.canceled_job_registry.add(job, pipeline=pipe)
             if hook is not None:
                 hook(pipe)
             pipe.execute()

@@ -29,6 +29,7 @@ from types import TracebackType
 from typing import Any, Self, TypeGuard
 
 import httpx
+from pydantic import SecretStr
 
 from datagen.errors import (
     BadRequestError,
@@ -388,7 +389,7 @@ class SGLangClient:
         *,
         timeouts: ClientTimeouts,
         max_connections: int,
-        api_key: str | None = None,
+        api_key: str | SecretStr | None = None,
         transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
         if max_connections < 1:
@@ -399,7 +400,8 @@ class SGLangClient:
         self.base_url = str(_check_base_url(base_url))
         self.timeouts = timeouts
         self._max_connections = max_connections
-        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        key = api_key.get_secret_value() if isinstance(api_key, SecretStr) else api_key
+        self._headers = {"Authorization": f"Bearer {key}"} if key else {}
         self._transport = transport
         self._control_http: httpx.AsyncClient | None = None
         self._http: httpx.AsyncClient | None = None

@@ -29,12 +29,14 @@ from prometheus_client import start_http_server
 from redis.client import Pipeline
 from rq.job import Job, JobStatus
 
+from datagen.dispatch import Dispatch
 from datagen.enqueue import EnqueueOptions, enqueue_prompts
-from datagen.errors import FatalError, RetryableError
+from datagen.errors import ConfigError, FatalError, RetryableError, ServerUnavailableError
 from datagen.jobs import JobStore, now_ms
 from datagen.keys import Keys, prompt_key
 from datagen.payload import PromptPayload
 from datagen.records import Record
+from datagen.redistext import as_texts
 from datagen.settings import (
     DEFAULT_FAILURE_TTL_S,
     DEFAULT_MAX_WORKER_LOSSES,
@@ -45,7 +47,7 @@ from datagen.spec import JobSpec
 from datagen.states import PromptClass
 from datagen.storage import Storage
 from datagen.tokenization import renderer_for
-from workers.control import FleetSync, HealthProbe, KvControl
+from workers.control import API_KEY_HINT, FleetSync, HealthProbe, KvControl
 from workers.fleet import Fleet, Server, ServerSpec
 from workers.metrics import WorkerMetrics
 from workers.reaper import Reaper
@@ -75,6 +77,7 @@ class _JobInfo:
 
     spec: JobSpec
     tokenizer: str
+    stop_ids: tuple[int, ...] = ()
 
 
 class Worker:
@@ -102,6 +105,10 @@ class Worker:
         self._tasks: dict[PromptClass, set[asyncio.Task[None]]] = {cls: set() for cls in PromptClass}
         self._generating: dict[PromptClass, int] = dict.fromkeys(PromptClass, 0)
         self._jobs_seen: dict[str, _JobInfo] = {}
+        # Job id of each running prompt task, and the tasks cancelled because their job was
+        # cancelled with abort (those finish as cancelled instead of being handed back).
+        self._task_jobs: dict[asyncio.Task[None], str] = {}
+        self._aborted: set[asyncio.Task[None]] = set()
         self._signals = 0
         self._background: list[asyncio.Task[None]] = []
         self._metrics_server: tuple[Any, Any] | None = None
@@ -113,6 +120,7 @@ class Worker:
             self.settings.require_redis_url(), socket_timeout=REDIS_SOCKET_TIMEOUT_S, health_check_interval=30
         )
         self.jobs = JobStore(self.redis, self.keys)
+        self.dispatch = Dispatch(self.redis, self.keys)
         self.identities = {
             cls: QueueIdentity(
                 self.keys.queue_name(cls),
@@ -176,7 +184,13 @@ class Worker:
             interval_s=self.settings.reaper_interval_s,
             metrics=self.metrics,
         )
-        loops = [self._heartbeat_loop(), self.sync.run(), reaper.run(), *(p.run() for p in probes)]
+        loops = [
+            self._heartbeat_loop(),
+            self._abort_loop(),
+            self.sync.run(),
+            reaper.run(),
+            *(p.run() for p in probes),
+        ]
         if self.settings.kv_controller:
             loops += [self._kv_control(server).run() for server in self.fleet.servers]
         self._background = [asyncio.create_task(loop) for loop in loops]
@@ -197,7 +211,7 @@ class Worker:
                 connect_s=self.settings.connect_timeout_s, read_s=self.settings.long_read_timeout_s
             ),
             max_connections=self.settings.short_concurrency + self.settings.long_concurrency,
-            api_key=self.settings.api_key,
+            api_key=spec.api_key or self.settings.api_key,
         )
         limits = {
             PromptClass.SHORT: self.settings.short_concurrency,
@@ -286,7 +300,7 @@ class Worker:
                     await asyncio.wait_for(self._slot_freed.wait(), timeout=poll_s)
                 continue
             try:
-                item = identity.claim()
+                item = identity.claim(self.dispatch, cls)
                 outage_s = 0.0
             except redis.RedisError as exc:
                 if not outage_s:
@@ -300,19 +314,25 @@ class Worker:
             self._generating[cls] += 1
             task = asyncio.create_task(self._process(identity, item, cls), name=item.job.id)
             tasks.add(task)
+            self._task_jobs[task] = str((payload_of(item.job) or {}).get("job", ""))
             task.add_done_callback(tasks.discard)
             task.add_done_callback(self._task_done)
 
     def _burst_done(self) -> bool:
-        """Burst mode ends when nothing runs here and both queues are empty."""
+        """Burst mode ends when nothing runs here and no unpaused job has prompts to dispatch."""
         if any(self._tasks.values()):
             return False
         try:
-            return all(identity.queue.count == 0 for identity in self.identities.values())
+            return all(
+                identity.queue.count == 0 and not self.dispatch.has_work(cls)
+                for cls, identity in self.identities.items()
+            )
         except redis.RedisError:
             return False
 
     def _task_done(self, task: asyncio.Task[None]) -> None:
+        self._task_jobs.pop(task, None)
+        self._aborted.discard(task)
         self._slot_freed.set()
 
     # One prompt ---------------------------------------------------------------------------------
@@ -324,6 +344,11 @@ class Worker:
             finish = await self._outcome(identity, item, cls, job_id)
             await self._while_redis_down(finish, already_done=lambda: _is_final(item.job))
         except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if task is not None and task in self._aborted and job_id is not None:
+                # Its job was cancelled with abort: closing the request made SGLang abort it.
+                await self._while_redis_down(functools.partial(self._cancelled, identity, item, job_id))
+                return
             try:
                 hook = (lambda pipe: self.jobs.handed_back(pipe, job_id, item.job.id)) if job_id else None
                 identity.hand_back(item, hook)
@@ -411,7 +436,16 @@ class Worker:
                 # In the same transaction as the done count: the job cannot complete in between.
                 queues = {cls: identity.queue for cls, identity in self.identities.items()}
                 options = _enqueue_options(item.job)
-                enqueue_prompts(pipe, queues, self.keys, record.job_id, [following], options)
+                enqueue_prompts(
+                    pipe,
+                    queues,
+                    self.keys,
+                    record.job_id,
+                    [following],
+                    options,
+                    dispatch=self.dispatch,
+                    priority=self._job(record.job_id).spec.priority,
+                )
                 self.jobs.add_prompt(
                     pipe, record.job_id, len(following.prompt_ids), label=label, cls=following.cls.value
                 )
@@ -452,17 +486,34 @@ class Worker:
         payload = payload_of(item.job) or {}
         report.update(sample_id=payload.get("sample_id"), turn=payload.get("turn"))
         where = {"partition": str(payload.get("partition", UNKNOWN)), "cls": str(payload.get("cls", UNKNOWN))}
+        item.job.meta["failure_reason"] = reason  # what `datagen retry --reason` filters on
 
         def hook(pipe: Pipeline) -> None:
+            pipe.hset(item.job.key, "meta", item.job.serializer.dumps(item.job.meta))
             if job_id is not None:
                 self.jobs.count_failed(pipe, job_id, item.job.id, report, **where)
 
         identity.finish_failure(item, message, hook)
 
+    def _cancelled(self, identity: QueueIdentity, item: InFlight, job_id: str) -> None:
+        payload = payload_of(item.job) or {}
+        where = {"partition": str(payload.get("partition", UNKNOWN)), "cls": str(payload.get("cls", UNKNOWN))}
+
+        def hook(pipe: Pipeline) -> None:
+            self.jobs.count_cancelled(pipe, job_id, item.job.id, **where)
+
+        identity.finish_cancelled(item, hook)
+        self.metrics.aborted.inc()
+        log.info("aborted %s: its job %s was cancelled", item.job.id, job_id)
+
     def _job(self, job_id: str) -> _JobInfo:
         info = self._jobs_seen.get(job_id)
         if info is None:
-            info = _JobInfo(self.jobs.spec(job_id), self.jobs.tokenizer_identity(job_id))
+            info = _JobInfo(
+                self.jobs.spec(job_id),
+                self.jobs.tokenizer_identity(job_id),
+                tuple(self.jobs.stop_ids(job_id)),
+            )
             self._jobs_seen[job_id] = info
         return info
 
@@ -481,10 +532,20 @@ class Worker:
             try:
                 max_new = self._max_new_tokens(payload, server)
                 params = spec.sampling_for(payload.gen, max_new)
+                if job_info.stop_ids:
+                    # The tokenizer's and generation_config.json's, so that a server started with
+                    # another generation config still stops where the model does.
+                    extra = params.get("stop_token_ids") or []
+                    params["stop_token_ids"] = sorted(set(job_info.stop_ids) | set(extra))
                 rid = f"{job.id}.a{tries}.{self.tag}"
                 result = await self._call(server, cls, payload, params, rid)
             except RetryableError as exc:
                 error: RetryableError = exc
+            except ConfigError as exc:
+                # 401/403 mid-run (the server was restarted with another key): keep off it, like
+                # its probe would, and run the prompt elsewhere without charging an attempt.
+                await self.fleet.refuse(server, f"{exc}. {API_KEY_HINT.format(name=server.name)}")
+                error = ServerUnavailableError(str(exc))
             else:
                 enqueued_at_ms = int(job.enqueued_at.timestamp() * 1000) if job.enqueued_at else None
                 timing = (enqueued_at_ms, started_at_ms)
@@ -615,6 +676,21 @@ class Worker:
             interval_s=self.settings.controller_interval_s,
             floor_fraction=self.settings.controller_floor,
         )
+
+    async def _abort_loop(self) -> None:
+        """Abort in-flight prompts of jobs cancelled with ``--abort-in-flight``."""
+        while True:
+            await asyncio.sleep(self.settings.control_interval_s)
+            if not self._task_jobs:
+                continue
+            try:
+                aborting = set(as_texts(self.redis.smembers(self.keys.aborting_jobs())))
+            except redis.RedisError:
+                continue
+            for task, job_id in list(self._task_jobs.items()):
+                if job_id in aborting and task not in self._aborted and not task.done():
+                    self._aborted.add(task)
+                    task.cancel()
 
     async def _heartbeat_loop(self) -> None:
         while True:

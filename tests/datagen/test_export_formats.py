@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 from typer.testing import CliRunner
 
@@ -442,3 +443,23 @@ def test_tokenizer_override_must_match_the_manifest(mixed_job: Storage, tmp_path
     manifest_path.write_text(json.dumps(manifest))
     with pytest.raises(ConfigError, match="not the one job"):
         load_job_tokens(mixed_job, JOB)
+
+
+def test_export_of_a_running_job_is_a_snapshot_of_committed_shards(
+    mixed_job: Storage, tmp_path: Path
+) -> None:
+    # A worker mid-commit: its shard is written but its commit object is not (yet).
+    extra = records_to_table([make_record("late", [0, 5, 6, 1], 2, job_id=JOB)])
+    records_dir = Path(mixed_job.url(JOB, "records"))
+    pq.write_table(extra, records_dir / "uncommitted.parquet")
+    out = tmp_path / "snapshot.jsonl"
+    stats = export_job(mixed_job, JOB, ExportFormat.SPECFORGE, out)
+    assert "late" not in {r["id"] for r in read_jsonl(out)}
+    assert stats.records == 6
+    # A shard committed while an export reads does not join it halfway.
+    batches = mixed_job.iter_record_batches(JOB)
+    first = next(batches)
+    mixed_job.commit_shard(JOB, "later", extra, {"worker": "w"})
+    seen = first.num_rows + sum(b.num_rows for b in batches)
+    assert seen == 6
+    assert sum(b.num_rows for b in mixed_job.iter_record_batches(JOB)) == 7  # the next export has it

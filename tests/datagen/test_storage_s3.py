@@ -207,6 +207,7 @@ def _spec_fields() -> dict[str, Any]:
         "long_max_new_tokens": 300,
         "long_threshold_tokens": 100_000,
         "sampling": {"sampling_seed": SEED},
+        "context_len": 32768,  # submitted before the worker runs
     }
 
 

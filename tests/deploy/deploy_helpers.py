@@ -59,6 +59,7 @@ EXPECTED_METRICS: dict[str, tuple[str, frozenset[str]]] = {
         ("datagen_worker_prompt_length_tokens", "histogram", ("class",)),
         ("datagen_worker_retries", "counter", ("reason",)),
         ("datagen_worker_failures", "counter", ("reason",)),
+        ("datagen_worker_aborted", "counter", ()),
         ("datagen_worker_server_up", "gauge", ("server",)),
         ("datagen_worker_server_paused", "gauge", ("server",)),
         ("datagen_worker_queue_paused", "gauge", ("class",)),
@@ -86,6 +87,10 @@ EXPECTED_METRICS: dict[str, tuple[str, frozenset[str]]] = {
         ("datagen_job_finishes", "counter", ("job", "partition", "class", "finish")),
         ("datagen_job_progress_ratio", "gauge", ("job",)),
         ("datagen_job_eta_seconds", "gauge", ("job",)),
+        ("datagen_job_share_target", "gauge", ("job",)),
+        ("datagen_job_share_recent", "gauge", ("job",)),
+        ("datagen_job_weight", "gauge", ("job",)),
+        ("datagen_job_paused", "gauge", ("job",)),
     ]
 }
 

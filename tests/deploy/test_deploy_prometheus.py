@@ -221,6 +221,7 @@ def _wait_targets_up(prom: Prometheus, expected: int) -> None:
 
 
 def _submit(stack: ProcessStack, coordinator: str, tokenizer: str) -> str:
+    stack.wait_server_up(coordinator, "simA")
     dataset = stack.tmp / "dataset.jsonl"
     _dataset(dataset)
     result = stack.cli(

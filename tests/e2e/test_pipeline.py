@@ -174,6 +174,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
             stack.spawn("coordinator", "coordinator", "--port", str(coord_port))
             coordinator = f"http://127.0.0.1:{coord_port}"
             stack.wait_http(f"{coordinator}/healthz")
+            stack.wait_server_up(coordinator, "sim")
             lines, valid = _dataset()
             dataset = tmp / "dataset.jsonl"
             dataset.write_text("\n".join(lines) + "\n", encoding="utf-8")

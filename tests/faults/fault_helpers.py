@@ -293,6 +293,7 @@ def job_spec(max_new_tokens: int, seed: int) -> dict[str, Any]:
         "short_max_new_tokens": max_new_tokens,
         "long_threshold_tokens": 100_000,
         "sampling": {"sampling_seed": seed},
+        "context_len": 32768,  # the simulator's; jobs are submitted before workers start
     }
 
 

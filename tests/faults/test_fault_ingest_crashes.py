@@ -4,11 +4,11 @@
 takes seconds and a kill lands between chunks or inside one. Each chunk's enqueue, its keys in the
 job's ``enqueued`` set and the line checkpoint are one MULTI/EXEC, so after any kill:
 
-- the queue, the job's ``accepted`` counter and the ``enqueued`` set agree (also at the moment of
+- the job's backlog, the job's ``accepted`` counter and the ``enqueued`` set agree (also at the moment of
   the kill, read straight from Redis);
 - the resumed ingestion starts from the checkpoint (no row is read twice: ``skipped`` stays 0,
   where a restart from line 1 behind the guard would skip every prompt already enqueued) and
-  ends with exactly the 20,000 expected RQ ids in the queue, none twice, each with its job hash.
+  ends with exactly the 20,000 expected RQ ids in the job's backlog, none twice, each with its job hash.
 
 Redis runs with AOF (``appendfsync everysec``) and is killed without a shutdown. A killed process
 loses no AOF write it made, so a second run also cuts the last ten chunks off the AOF before the
@@ -28,7 +28,6 @@ from typing import Any
 
 import pytest
 import redis
-from rq import Queue
 
 from datagen.states import PromptClass
 from tests.faults.fault_helpers import FaultStack, rows_for, wait_for
@@ -55,12 +54,15 @@ def _counter(stack: FaultStack, job_id: str, name: str) -> int:
 
 
 def _check_consistent(stack: FaultStack, job_id: str) -> dict[str, Any]:
-    """Queue, counters and guard set agree (read in one transaction); returns what was read."""
-    short, long = (Queue(stack.keys.queue_name(cls), connection=stack.redis) for cls in PromptClass)
+    """Backlog, counters and guard set agree (read in one transaction); returns what was read.
+
+    Enqueued prompts wait in the job's backlog (datagen/dispatch.py) until a worker claims them.
+    """
+    short, long = (stack.keys.job_backlog(job_id, cls) for cls in PromptClass)
     with stack.redis.pipeline(transaction=True) as pipe:
         pipe.hgetall(stack.keys.job(job_id))
-        pipe.lrange(short.key, 0, -1)
-        pipe.llen(long.key)
+        pipe.lrange(short, 0, -1)
+        pipe.llen(long)
         pipe.scard(stack.keys.job_enqueued(job_id))
         raw_job, raw_ids, long_count, enqueued = pipe.execute()
     job = {k.decode(): v.decode() for k, v in raw_job.items()}

@@ -27,9 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from rq import Queue
 
-from datagen.states import PromptClass
+from datagen.states import Priority, PromptClass
 from tests.faults.fault_helpers import FaultStack, rows_for, wait_for
 
 pytestmark = pytest.mark.faults
@@ -73,11 +72,16 @@ class Drainer:
 
     def __init__(self, stack: FaultStack) -> None:
         self.stack = stack
-        self.queue = Queue(stack.keys.queue_name(PromptClass.SHORT), connection=stack.redis)
         self.popped = 0
         self.queue_peak = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _backlog(self) -> str | None:
+        """The backlog of the one job being ingested (prompts wait there until dispatched)."""
+        keys = self.stack.keys
+        jobs = self.stack.redis.zrange(keys.dispatch_jobs(PromptClass.SHORT, Priority.NORMAL), 0, 0)
+        return keys.job_backlog(jobs[0].decode(), PromptClass.SHORT) if jobs else None
 
     def __enter__(self) -> Drainer:
         self._thread.start()
@@ -91,13 +95,16 @@ class Drainer:
         redis = self.stack.redis
         started: float | None = None
         while not self._stop.wait(DRAIN_TICK_S):
-            self.queue_peak = max(self.queue_peak, self.queue.count)
+            backlog = self._backlog()
+            if backlog is None:
+                continue
+            self.queue_peak = max(self.queue_peak, int(redis.llen(backlog)))
             if started is None:
                 if self.queue_peak < WINDOW - CHUNK:
                     continue
                 started = time.monotonic()
             due = int((time.monotonic() - started) * DRAIN_PER_S) - self.popped
-            ids = redis.lpop(self.queue.key, due) if due > 0 else None
+            ids = redis.lpop(backlog, due) if due > 0 else None
             if ids:
                 redis.delete(*[b"rq:job:" + i for i in ids])
                 self.popped += len(ids)

@@ -41,11 +41,12 @@ from tests.faults.fault_helpers import (
 
 pytestmark = pytest.mark.faults
 
-# 2,000 prompts at time scale 0.02 (about 0.05-0.3 s a request with 300 new tokens at most): the
-# worker is CPU-bound at 50-60 prompts/s on 2 cores, so the job lasts 35-40 s. Kills 2 and 3 each
-# wait ~11 s for the previous kill's orphans to be reaped, so the third kill comes after ~25 s,
-# with a full concurrency of prompts in flight and a few hundred prompts still queued.
-PROMPTS = 2000
+# 3,000 prompts at time scale 0.02 (about 0.05-0.3 s a request with 300 new tokens at most): the
+# worker runs 80-90 prompts/s on 2 cores, so the job lasts about 50 s. Kills 2 and 3 each wait
+# ~11 s for the previous kill's orphans to be reaped, so the third kill comes after ~25 s, with a
+# full concurrency of prompts in flight and about a thousand prompts still queued (with 2,000 the
+# third kill could land in the job's last few dozen prompts, with too few in flight).
+PROMPTS = 3000
 MAX_NEW_TOKENS = 300
 CONCURRENCY = 32
 KILLS = 3

@@ -11,9 +11,10 @@ from typing import Any
 import pytest
 import redis
 from fastapi.testclient import TestClient
-from rq import Queue
+from rq.job import Job
 from rq.serializers import JSONSerializer
 
+from datagen.dispatch import Dispatch
 from datagen.keys import Keys
 from datagen.payload import unpack_ids
 from datagen.settings import CoordinatorSettings
@@ -34,6 +35,8 @@ def _spec(**overrides: Any) -> str:
         "short_max_new_tokens": 64,
         "long_max_new_tokens": 256,
         "long_threshold_tokens": 50,
+        # No worker runs in these tests, so the pre-flight checks learn no context length.
+        "context_len": 32768,
     }
     spec.update(overrides)
     return json.dumps(spec)
@@ -80,11 +83,15 @@ def test_submit_enqueues_one_rq_job_per_prompt(client: TestClient, redis_client:
     assert response.headers["location"] == f"/jobs/{job_id}"
     job = _wait_ingested(client, job_id)
     assert (job["state"], job["total"], job["rejected"], job["queued"]) == ("running", 3, 0, 3)
-    short = Queue(Keys(NS).queue_name(PromptClass.SHORT), connection=redis_client, serializer=JSONSerializer)
-    long = Queue(Keys(NS).queue_name(PromptClass.LONG), connection=redis_client, serializer=JSONSerializer)
-    assert short.count == 1 and long.count == 2
-    rq_job = short.fetch_job(Keys(NS).rq_job_id(job_id, "hi", 0, 0))
-    assert rq_job is not None
+    short, long = (
+        _backlog(redis_client, job_id, PromptClass.SHORT),
+        _backlog(redis_client, job_id, PromptClass.LONG),
+    )
+    assert len(short) == 1 and len(long) == 2
+    # Saved as queued RQ jobs on their class's queue, waiting in the job's backlog for dispatch.
+    assert short == [Keys(NS).rq_job_id(job_id, "hi", 0, 0)]
+    rq_job = Job.fetch(short[0], connection=redis_client, serializer=JSONSerializer)
+    assert (rq_job.origin, rq_job.get_status()) == (Keys(NS).queue_name(PromptClass.SHORT), "queued")
     payload = rq_job.args[0]
     assert unpack_ids(payload["prompt_ids"]) == HI_PROMPT_IDS
     assert (payload["max_new_tokens"], payload["partition"], payload["cls"]) == (64, "chat", "short")
@@ -129,8 +136,7 @@ def test_resubmission_never_enqueues_a_prompt_twice(client: TestClient, redis_cl
     assert second.status_code == 202 and second.json()["created"] is False
     job = _wait_ingested(client, "fixed_id")
     assert (job["total"], job["skipped"]) == (6, 5)
-    short = Queue(Keys(NS).queue_name(PromptClass.SHORT), connection=redis_client, serializer=JSONSerializer)
-    assert short.count == 6
+    assert len(_backlog(redis_client, "fixed_id", PromptClass.SHORT)) == 6
 
 
 @pytest.mark.parametrize(
@@ -194,8 +200,7 @@ def test_duplicate_ids_in_one_upload_are_enqueued_once(client: TestClient, redis
     job_id = _post(client, [row, row, row]).json()["id"]
     job = _wait_ingested(client, job_id)
     assert (job["total"], job["skipped"]) == (1, 2)
-    short = Queue(Keys(NS).queue_name(PromptClass.SHORT), connection=redis_client, serializer=JSONSerializer)
-    assert short.count == 1
+    assert len(_backlog(redis_client, job_id, PromptClass.SHORT)) == 1
 
 
 def test_appending_with_another_tokenizer_or_template_is_refused(
@@ -282,18 +287,21 @@ def test_ingestion_waits_while_the_queue_is_full(
     rows = [
         json.dumps({"id": f"r{i}", "messages": [{"role": "user", "content": f"q{i}"}]}) for i in range(10)
     ]
-    short = Queue(Keys(NS).queue_name(PromptClass.SHORT), connection=redis_client, serializer=JSONSerializer)
     with TestClient(create_app(bounded)) as client:
         job_id = _post(client, rows).json()["id"]
+        backlog = Keys(NS).job_backlog(job_id, PromptClass.SHORT)
         time.sleep(1.5)
-        assert short.count == 4  # Redis holds a bounded window; the rest waits in the file
+        assert redis_client.llen(backlog) == 4  # Redis holds a bounded window; the rest waits in the file
         assert client.get(f"/jobs/{job_id}").json()["state"] == "ingesting"
         for _ in range(3):  # a worker takes prompts: ingestion refills the window
-            short.connection.lpop(short.key)
-            short.connection.lpop(short.key)
+            redis_client.lpop(backlog, 2)
             time.sleep(1.2)
         job = _wait_ingested(client, job_id, timeout_s=10)
     assert (job["total"], job["state"]) == (10, "running")
+
+
+def _backlog(redis_client: redis.Redis, job_id: str, cls: PromptClass) -> list[str]:
+    return [x.decode() for x in redis_client.lrange(Keys(NS).job_backlog(job_id, cls), 0, -1)]
 
 
 def _post_bytes(client: TestClient, body: bytes) -> Any:
@@ -347,5 +355,4 @@ def test_dry_run_renders_a_sample_and_enqueues_nothing(client: TestClient, redis
     assert [r["line"] for r in preview["rejected"]] == [2]
     assert preview["estimated_prompts"] == 4 and preview["bytes_total"] == len(body)
     assert client.get("/jobs").json()["jobs"] == []
-    short = Queue(Keys(NS).queue_name(PromptClass.SHORT), connection=redis_client, serializer=JSONSerializer)
-    assert short.count == 0
+    assert Dispatch(redis_client, Keys(NS)).depth(PromptClass.SHORT) == 0

@@ -15,6 +15,7 @@ from rq import Queue
 from rq.registry import FailedJobRegistry
 from rq.serializers import JSONSerializer
 
+from datagen.dispatch import Dispatch
 from datagen.jobs import JobStore
 from datagen.keys import Keys
 from datagen.settings import WorkerSettings
@@ -221,17 +222,20 @@ async def test_pausing_a_queue_stops_dispatch_within_two_seconds(
     redis_client: redis.Redis, redis_url: str, storage: Storage, tokenizer_path: str
 ) -> None:
     _ingest(redis_client, storage, "pause", 40)
-    queue = _short_queue(redis_client)
     fleet_view = FleetView(redis_client, KEYS)
+
+    def queued() -> int:
+        return int(fleet_view.queues()[0]["queued"])
+
     with running_simulator(tokenizer_path=tokenizer_path, time_scale=0.02) as url:
         worker = await _start(_settings(redis_url, storage), {"s": url})
         run = asyncio.create_task(worker.run())
-        await _eventually(lambda: queue.count <= 34)
+        await _eventually(lambda: queued() <= 34)
         fleet_view.set_queue_paused("short", True)
         await asyncio.sleep(2.0)
-        left = queue.count
+        left = queued()
         await asyncio.sleep(1.5)
-        assert queue.count == left > 0  # nothing dispatched after the pause took effect
+        assert queued() == left > 0  # nothing dispatched after the pause took effect
         assert worker._generating[PromptClass.SHORT] == 0  # in-flight requests finished
         assert fleet_view.queues()[0]["paused"] is True
         fleet_view.set_queue_paused("short", False)
@@ -303,7 +307,7 @@ async def test_controller_lowers_the_target_when_work_waits_in_the_server(
 def _claim(redis_client: redis.Redis, name: str) -> str:
     identity = QueueIdentity(KEYS.queue_name(PromptClass.SHORT), name, redis_client, 0.5)
     identity.register()
-    item = identity.claim()
+    item = identity.claim(Dispatch(redis_client, KEYS), PromptClass.SHORT)
     assert item is not None
     JobStore(redis_client, KEYS).started("reap", item.job.id)
     # The worker dies: its heartbeat lapses (the score is the expiry time).
@@ -358,9 +362,8 @@ def test_rqs_own_cleanup_follows_the_same_budget_and_is_reconciled(
     queue.started_job_registry.cleanup()  # RQ's own: a retry is left, so it requeues
     assert victim in queue.get_job_ids()
     assert FailedJobRegistry(queue=queue).get_job_ids(cleanup=False) == []
-    assert queue.get_job_ids() == [Keys(NS).rq_job_id("reap", "p1", 0, 0), victim]  # RQ requeues at the back
-    assert _claim(redis_client, "w2") != victim
-    assert _claim(redis_client, "w3") == victim
+    assert queue.get_job_ids() == [victim]  # RQ requeues onto its queue (p1 is in the job's backlog)
+    assert _claim(redis_client, "w2") == victim  # what is on RQ's queue goes before any backlog
     queue.started_job_registry.cleanup()  # no retry left: RQ fails it as abandoned
     assert victim in FailedJobRegistry(queue=queue).get_job_ids(cleanup=False)
     assert jobs.progress("reap").failed == 0  # not yet counted by the job ...

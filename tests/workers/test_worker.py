@@ -11,6 +11,7 @@ from rq import Queue
 from rq.registry import FailedJobRegistry, FinishedJobRegistry, StartedJobRegistry
 from rq.serializers import JSONSerializer
 
+from datagen.dispatch import Dispatch
 from datagen.jobs import JobStore
 from datagen.keys import Keys
 from datagen.settings import WorkerSettings
@@ -212,7 +213,9 @@ async def test_hard_stop_hands_prompts_back_to_the_queue(
     keys = Keys(NS)
     queue = Queue(keys.queue_name(PromptClass.SHORT), connection=redis_client, serializer=JSONSerializer)
     long = Queue(keys.queue_name(PromptClass.LONG), connection=redis_client, serializer=JSONSerializer)
-    assert queue.count + long.count == 10  # every prompt is queued again, none failed or lost
+    # Every prompt is queued again (handed back onto RQ's queue, or never dispatched), none lost.
+    waiting = Dispatch(redis_client, keys)
+    assert queue.count + long.count + waiting.depth(PromptClass.SHORT) + waiting.depth(PromptClass.LONG) == 10
     assert StartedJobRegistry(queue=queue).count == 0
     assert FailedJobRegistry(queue=queue).count == 0
     progress = JobStore(redis_client, keys).progress("job5")

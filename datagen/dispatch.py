@@ -1,0 +1,307 @@
+"""Which job's prompt a worker runs next: priority first, then weighted fair share.
+
+Prompts do not wait in RQ's class queue but in one backlog list per job and class. A job with
+prompts to dispatch sits in a sorted set per class and priority, scored by its virtual time
+(prompts dispatched divided by its weight). A worker's claim is one script: take a prompt put
+back on RQ's queue first (handed back by a stopping worker, or a dead worker's, requeued by the
+reaper), else pop the backlog of the unpaused job with the lowest virtual time at the highest
+priority that has work, and move the RQ id into RQ's intermediate list exactly as RQ's own
+LMOVE does, so the rest of RQ's bookkeeping (started registry, heartbeats, recovery) is unchanged.
+This is stride scheduling: over any stretch where two jobs both have work, their dispatches
+follow their weights, and a 10M-prompt job cannot hold back a small urgent one.
+
+A job that joins (or comes back after its backlog ran dry) starts at the lowest virtual time
+of its set, so it gets its share from then on without a catch-up burst, and a resumed job
+starts no lower than the unpaused jobs beside it.
+
+The scripts derive per-job keys from the prefixes in :mod:`datagen.keys` (no Redis Cluster).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, cast
+
+from redis import Redis
+from redis.client import Pipeline
+from rq.job import Job
+
+from datagen.keys import Keys
+from datagen.redistext import as_text, as_texts
+from datagen.states import Priority, PromptClass
+
+__all__ = ["SHARE_WINDOW_S", "Dispatch", "JobShare"]
+
+# The recent share counts dispatches over this window, in buckets of WINDOW_BUCKET_S.
+SHARE_WINDOW_S = 60
+WINDOW_BUCKET_S = 10
+# A claim looks at this many jobs per priority at most (paused jobs are skipped, not removed).
+SCAN_JOBS = 1000
+# Ids pushed per RPUSH inside a script (Lua's unpack has a stack limit).
+PUSH_SLICE = 1000
+RQ_JOB_PREFIX = Job.redis_job_namespace_prefix
+
+# KEYS: RQ queue, its intermediate list, paused jobs, the class's sets by priority (high, normal,
+# low), the current window bucket. ARGV: job key prefix, backlog suffix, bucket TTL, scan limit.
+_CLAIM = """
+local id = redis.call('LMOVE', KEYS[1], KEYS[2], 'LEFT', 'RIGHT')
+if id then return id end
+for z = 4, 6 do
+  local entries = redis.call('ZRANGE', KEYS[z], 0, tonumber(ARGV[4]) - 1)
+  for _, job in ipairs(entries) do
+    if redis.call('SISMEMBER', KEYS[3], job) == 0 then
+      local jobkey = ARGV[1] .. job
+      id = redis.call('LMOVE', jobkey .. ARGV[2], KEYS[2], 'LEFT', 'RIGHT')
+      if id then
+        local weight = tonumber(redis.call('HGET', jobkey, 'weight') or '1') or 1
+        if weight <= 0 then weight = 1 end
+        redis.call('ZINCRBY', KEYS[z], 1 / weight, job)
+        redis.call('HINCRBY', jobkey, 'dispatched', 1)
+        redis.call('HINCRBY', KEYS[7], job, 1)
+        redis.call('EXPIRE', KEYS[7], ARGV[3])
+        return id
+      end
+      redis.call('ZREM', KEYS[z], job)
+    end
+  end
+end
+return false
+"""
+
+# KEYS: job hash, backlog, the job's set for this class and priority. ARGV: job id, slice size,
+# RQ ids... A cancelled job takes no more prompts: they are counted cancelled instead (ingestion
+# may still be flushing a chunk when the cancel lands).
+_ADD = """
+local n = #ARGV - 2
+if n <= 0 then return 0 end
+if redis.call('HGET', KEYS[1], 'state') == 'cancelled' then
+  redis.call('HINCRBY', KEYS[1], 'cancelled', n)
+  return 0
+end
+local slice = tonumber(ARGV[2])
+for i = 3, #ARGV, slice do
+  redis.call('RPUSH', KEYS[2], unpack(ARGV, i, math.min(i + slice - 1, #ARGV)))
+end
+if not redis.call('ZSCORE', KEYS[3], ARGV[1]) then
+  local first = redis.call('ZRANGE', KEYS[3], 0, 0, 'WITHSCORES')
+  redis.call('ZADD', KEYS[3], first[2] or 0, ARGV[1])
+end
+return n
+"""
+
+# KEYS: backlog, job hash. ARGV: RQ job key prefix, how many. Drops up to that many undispatched
+# prompts of a cancelled job (their RQ job hashes too) and counts them cancelled.
+_DROP = """
+local ids = redis.call('LPOP', KEYS[1], tonumber(ARGV[2]))
+if not ids then return 0 end
+for _, id in ipairs(ids) do redis.call('UNLINK', ARGV[1] .. id) end
+redis.call('HINCRBY', KEYS[2], 'cancelled', #ids)
+return #ids
+"""
+
+DROP_CHUNK = 1000
+
+
+@dataclass(frozen=True)
+class JobShare:
+    """A job's place in the fleet: what its weight entitles it to, and what it got lately."""
+
+    priority: str
+    weight: float
+    active: bool
+    target: float
+    recent: float
+    dispatched: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "priority": self.priority,
+            "weight": self.weight,
+            "active": self.active,
+            "target": round(self.target, 4),
+            "recent": round(self.recent, 4),
+            "dispatched": self.dispatched,
+        }
+
+
+class Dispatch:
+    def __init__(self, redis: Redis, keys: Keys) -> None:
+        self.redis = redis
+        self.keys = keys
+        self._claim = redis.register_script(_CLAIM)
+        self._add = redis.register_script(_ADD)
+        self._drop = redis.register_script(_DROP)
+
+    # Workers -------------------------------------------------------------------------------------
+    def claim(self, cls: PromptClass, queue_key: str, intermediate_key: str) -> str | None:
+        """Move the next RQ id of ``cls`` into RQ's intermediate list; None when nothing is due."""
+        keys = self.keys
+        bucket = int(time.time() // WINDOW_BUCKET_S)
+        result = self._claim(
+            keys=[
+                queue_key,
+                intermediate_key,
+                keys.paused_jobs(),
+                *(keys.dispatch_jobs(cls, p) for p in Priority),
+                keys.dispatch_window(bucket),
+            ],
+            args=[
+                keys.job_key_prefix(),
+                keys.backlog_suffix(cls),
+                SHARE_WINDOW_S + WINDOW_BUCKET_S,
+                SCAN_JOBS,
+            ],
+        )
+        return None if result is None else as_text(result)
+
+    # Enqueueing ----------------------------------------------------------------------------------
+    def add(
+        self, pipe: Pipeline, job_id: str, cls: PromptClass, priority: Priority, rq_ids: Sequence[str]
+    ) -> None:
+        """Append prompts to the job's backlog inside the caller's transaction."""
+        if not rq_ids:
+            return
+        keys = [
+            self.keys.job(job_id),
+            self.keys.job_backlog(job_id, cls),
+            self.keys.dispatch_jobs(cls, priority),
+        ]
+        self._add(keys=keys, args=[job_id, PUSH_SLICE, *rq_ids], client=pipe)
+
+    # Operator controls ---------------------------------------------------------------------------
+    def pause(self, job_id: str) -> None:
+        self.redis.sadd(self.keys.paused_jobs(), job_id)
+
+    def resume(self, job_id: str) -> None:
+        """Unpause; the job restarts at the lowest virtual time of the unpaused jobs beside it."""
+        paused = set(as_texts(self.redis.smembers(self.keys.paused_jobs()))) - {job_id}
+        for cls in PromptClass:
+            for priority in Priority:
+                key = self.keys.dispatch_jobs(cls, priority)
+                own = self.redis.zscore(key, job_id)
+                if own is None:
+                    continue
+                others = [
+                    score
+                    for member, score in cast(
+                        list[tuple[bytes, float]], self.redis.zrange(key, 0, -1, withscores=True)
+                    )
+                    if as_text(member) not in paused and as_text(member) != job_id
+                ]
+                if others and min(others) > own:
+                    self.redis.zadd(key, {job_id: min(others)}, xx=True)
+        self.redis.srem(self.keys.paused_jobs(), job_id)
+
+    def is_paused(self, job_id: str) -> bool:
+        return bool(self.redis.sismember(self.keys.paused_jobs(), job_id))
+
+    def withdraw(self, job_id: str) -> int:
+        """Take the job out of dispatch and drop its undispatched prompts; returns how many."""
+        with self.redis.pipeline() as pipe:
+            for cls in PromptClass:
+                for priority in Priority:
+                    pipe.zrem(self.keys.dispatch_jobs(cls, priority), job_id)
+            pipe.execute()
+        dropped = 0
+        for cls in PromptClass:
+            while n := int(
+                self._drop(
+                    keys=[self.keys.job_backlog(job_id, cls), self.keys.job(job_id)],
+                    args=[RQ_JOB_PREFIX, DROP_CHUNK],
+                )
+            ):
+                dropped += n
+        return dropped
+
+    # Reading -------------------------------------------------------------------------------------
+    def backlog(self, job_id: str, cls: PromptClass) -> int:
+        return int(self.redis.llen(self.keys.job_backlog(job_id, cls)))
+
+    def depth(self, cls: PromptClass) -> int:
+        """Prompts of ``cls`` waiting in every job's backlog (paused jobs included)."""
+        jobs = {job for priority in Priority for job in self._members(cls, priority)}
+        if not jobs:
+            return 0
+        with self.redis.pipeline(transaction=False) as pipe:
+            for job in jobs:
+                pipe.llen(self.keys.job_backlog(job, cls))
+            return sum(int(n) for n in pipe.execute())
+
+    def has_work(self, cls: PromptClass) -> bool:
+        """Whether some unpaused job still has prompts of ``cls`` to dispatch."""
+        paused = set(as_texts(self.redis.smembers(self.keys.paused_jobs())))
+        for priority in Priority:
+            for job in self._members(cls, priority):
+                if job not in paused and self.redis.llen(self.keys.job_backlog(job, cls)):
+                    return True
+        return False
+
+    def shares(self) -> dict[str, JobShare]:
+        """Every job with prompts to dispatch (or dispatched recently): target and recent share.
+
+        The target is the weight over the sum of weights of the unpaused jobs at the highest
+        priority that has work (zero below it); the recent share is the job's part of the last
+        minute's dispatches of the whole fleet.
+        """
+        paused = set(as_texts(self.redis.smembers(self.keys.paused_jobs())))
+        ranks: dict[str, Priority] = {}
+        for priority in Priority:
+            for cls in PromptClass:
+                members = self._members(cls, priority)
+                with self.redis.pipeline(transaction=False) as pipe:
+                    for job in members:
+                        pipe.llen(self.keys.job_backlog(job, cls))
+                    lengths = pipe.execute()
+                for job, length in zip(members, lengths, strict=True):
+                    if length:  # a job whose backlog ran dry leaves its set at the next claim
+                        ranks.setdefault(job, priority)
+        recent = self._recent()
+        jobs = set(ranks) | set(recent)
+        if not jobs:
+            return {}
+        with self.redis.pipeline(transaction=False) as pipe:
+            for job in sorted(jobs):
+                pipe.hmget(self.keys.job(job), ["weight", "priority", "dispatched"])
+            rows = dict(zip(sorted(jobs), pipe.execute(), strict=True))
+        weights = {job: _float(rows[job][0], 1.0) for job in jobs}
+        active = {job for job in ranks if job not in paused}
+        top = min((ranks[job].rank for job in active), default=None)
+        entitled = [job for job in active if ranks[job].rank == top]
+        total_weight = sum(weights[job] for job in entitled)
+        total_recent = sum(recent.values())
+        out = {}
+        for job in jobs:
+            weight = weights[job]
+            out[job] = JobShare(
+                priority=as_text(rows[job][1]) if rows[job][1] else Priority.NORMAL.value,
+                weight=weight,
+                active=job in active,
+                target=weight / total_weight if job in entitled and total_weight else 0.0,
+                recent=recent.get(job, 0) / total_recent if total_recent else 0.0,
+                dispatched=int(rows[job][2] or 0),
+            )
+        return out
+
+    def _members(self, cls: PromptClass, priority: Priority) -> list[str]:
+        return as_texts(self.redis.zrange(self.keys.dispatch_jobs(cls, priority), 0, SCAN_JOBS - 1))
+
+    def _recent(self) -> dict[str, int]:
+        now_bucket = int(time.time() // WINDOW_BUCKET_S)
+        buckets = range(now_bucket - SHARE_WINDOW_S // WINDOW_BUCKET_S + 1, now_bucket + 1)
+        with self.redis.pipeline(transaction=False) as pipe:
+            for bucket in buckets:
+                pipe.hgetall(self.keys.dispatch_window(bucket))
+            counts: dict[str, int] = {}
+            for raw in pipe.execute():
+                for job, n in cast(dict[bytes, bytes], raw).items():
+                    counts[as_text(job)] = counts.get(as_text(job), 0) + int(n)
+        return counts
+
+
+def _float(raw: bytes | None, default: float) -> float:
+    try:
+        return float(raw) if raw is not None else default
+    except ValueError:
+        return default

@@ -1,0 +1,263 @@
+"""Operator controls over one job: cancel, pause, resume, retry failed prompts, delete.
+
+Every operation is safe to repeat (a retried HTTP call or CLI command does no harm) and says
+what it did in numbers. Records already committed are never touched, except by ``delete`` with
+``files``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+from redis import Redis
+from rq import Queue
+from rq.job import Job, JobStatus
+from rq.serializers import JSONSerializer
+
+from datagen.dispatch import RQ_JOB_PREFIX, Dispatch
+from datagen.errors import JobStateError
+from datagen.jobs import JobStore, now_ms
+from datagen.keys import Keys
+from datagen.redistext import as_text, as_texts
+from datagen.states import JobState, Priority, PromptClass
+from datagen.storage import Storage
+
+__all__ = ["JobControls"]
+
+log = logging.getLogger(__name__)
+
+LIVE = (JobState.INGESTING, JobState.RUNNING)
+# Failed prompts re-enqueued per transaction.
+RETRY_CHUNK = 500
+SCAN_COUNT = 1000
+RQ_RESULTS_PREFIX = "rq:results:"
+
+
+@dataclass(frozen=True)
+class _Failed:
+    job: Job
+    queue: Queue
+    reason: str
+    label: str
+    cls: str
+
+
+class JobControls:
+    def __init__(self, redis: Redis, keys: Keys, jobs: JobStore, storage: Storage) -> None:
+        self.redis = redis
+        self.keys = keys
+        self.jobs = jobs
+        self.storage = storage
+        self.dispatch = Dispatch(redis, keys)
+        self.queues = {
+            cls: Queue(keys.queue_name(cls), connection=redis, serializer=JSONSerializer)
+            for cls in PromptClass
+        }
+
+    # Cancel ---------------------------------------------------------------------------------------
+    def cancel(self, job_id: str, *, abort_in_flight: bool = False) -> dict[str, Any]:
+        """Stop dispatching the job and drop its queued prompts; in-flight prompts finish (and
+        their records are kept), or are aborted with ``abort_in_flight``."""
+        state = self.jobs.progress(job_id).state
+        if state in (JobState.COMPLETED, JobState.FAILED):
+            raise JobStateError(f"job {job_id} is already {state.value}; there is nothing to cancel")
+        # A job that completes at this very moment stays completed: only a live job moves.
+        moved = self.jobs.transition(
+            job_id, LIVE, JobState.CANCELLED, {"finished_at_ms": now_ms(), "cancelled_at_ms": now_ms()}
+        )
+        if not moved and self.jobs.progress(job_id).state is not JobState.CANCELLED:
+            raise JobStateError(f"job {job_id} finished before it could be cancelled")
+        if abort_in_flight:
+            self.redis.sadd(self.keys.aborting_jobs(), job_id)
+        dropped = self.dispatch.withdraw(job_id) + self._drop_handed_back(job_id)
+        self.redis.srem(self.keys.paused_jobs(), job_id)
+        progress = self.jobs.progress(job_id)
+        log.info(
+            "job %s cancelled: %d queued prompts dropped, %d in flight %s",
+            job_id,
+            dropped,
+            progress.in_flight,
+            "aborted" if abort_in_flight else "left to finish",
+        )
+        body = progress.to_json()
+        body.update(dropped=dropped, in_flight=progress.in_flight, abort_in_flight=abort_in_flight)
+        return body
+
+    def _drop_handed_back(self, job_id: str) -> int:
+        """Prompts of the job back on RQ's queues (handed back or requeued by the reaper)."""
+        prefix = self._rq_prefix(job_id)
+        dropped = 0
+        for queue in self.queues.values():
+            for rq_id in as_texts(self.redis.lrange(queue.key, 0, -1)):
+                if rq_id.startswith(prefix) and self.redis.lrem(queue.key, 1, rq_id):
+                    with self.redis.pipeline() as pipe:
+                        pipe.unlink(RQ_JOB_PREFIX + rq_id)
+                        pipe.hincrby(self.keys.job(job_id), "cancelled", 1)
+                        pipe.execute()
+                    dropped += 1
+        return dropped
+
+    # Pause and resume ------------------------------------------------------------------------------
+    def pause(self, job_id: str) -> dict[str, Any]:
+        state = self.jobs.progress(job_id).state
+        if state not in LIVE:
+            raise JobStateError(
+                f"job {job_id} is {state.value}; only an ingesting or running job can be paused"
+            )
+        self.dispatch.pause(job_id)
+        log.info("job %s paused: no new prompts are dispatched; in-flight ones finish", job_id)
+        return self.jobs.progress(job_id).to_json()
+
+    def resume(self, job_id: str) -> dict[str, Any]:
+        self.jobs.progress(job_id)  # 404 for an unknown job
+        self.dispatch.resume(job_id)
+        log.info("job %s resumed", job_id)
+        return self.jobs.progress(job_id).to_json()
+
+    # Retry -----------------------------------------------------------------------------------------
+    def retry(self, job_id: str, *, reason: str | None = None) -> dict[str, Any]:
+        """Put the job's failed prompts (those failed with ``reason``, or all) back in its backlog
+        with fresh attempts."""
+        progress = self.jobs.progress(job_id)
+        if progress.state is JobState.CANCELLED:
+            raise JobStateError(f"job {job_id} was cancelled; submit its dataset again under a new job id")
+        priority = Priority(progress.priority)
+        failed, missing = self._failed(job_id)
+        reasons = Counter(f.reason for f in failed)
+        chosen = [f for f in failed if reason is None or f.reason == reason]
+        for start in range(0, len(chosen), RETRY_CHUNK):
+            self._requeue(job_id, chosen[start : start + RETRY_CHUNK], priority)
+        if chosen:
+            self._forget_reports(job_id, {f.job.id for f in chosen})
+            self.jobs.transition(job_id, (JobState.COMPLETED,), JobState.RUNNING, {"finished_at_ms": 0})
+        log.info("job %s: %d failed prompts re-enqueued (reason filter %s)", job_id, len(chosen), reason)
+        body = self.jobs.progress(job_id).to_json()
+        body.update(
+            retried_now=len(chosen),
+            reason=reason,
+            failed_by_reason=dict(sorted(reasons.items())),
+            not_retryable=missing,
+        )
+        return body
+
+    def _failed(self, job_id: str) -> tuple[list[_Failed], int]:
+        """The job's prompts in RQ's failed registries, and how many of its failures are gone
+        from them (their failure TTL ran out)."""
+        prefix = self._rq_prefix(job_id)
+        reported = {
+            str(r.get("rq_id")): str(r.get("reason", "unknown"))
+            for r in (json.loads(raw) for raw in self.redis.lrange(self.keys.job_failed(job_id), 0, -1))
+        }
+        out: list[_Failed] = []
+        for cls, queue in self.queues.items():
+            registry = queue.failed_job_registry
+            ids = [i for i in registry.get_job_ids() if i.startswith(prefix)]
+            for rq_job in Job.fetch_many(ids, connection=self.redis, serializer=JSONSerializer):
+                if rq_job is None:
+                    continue
+                payload = rq_job.args[0] if rq_job.args else {}
+                partition = str(payload.get("partition", "")) if isinstance(payload, dict) else ""
+                reason = str(rq_job.meta.get("failure_reason") or reported.get(rq_job.id, "unknown"))
+                label = self.jobs.label_of(job_id, partition)
+                out.append(_Failed(rq_job, queue, reason, label, cls.value))
+        missing = max(0, self.jobs.progress(job_id).failed - len(out))
+        return out, missing
+
+    def _requeue(self, job_id: str, chosen: list[_Failed], priority: Priority) -> None:
+        by_class: dict[PromptClass, list[str]] = {}
+        where: Counter[tuple[str, str]] = Counter()
+        with self.redis.pipeline() as pipe:
+            for item in chosen:
+                rq_job = item.job
+                rq_job.meta.pop("failure_reason", None)
+                rq_job.meta["attempts"] = 0
+                rq_job.meta["retried"] = int(rq_job.meta.get("retried", 0)) + 1
+                losses = (rq_job.meta.get("enqueue") or {}).get("max_worker_losses")
+                if losses is not None:
+                    rq_job.retries_left = int(losses)
+                rq_job._status = JobStatus.QUEUED
+                item.queue.failed_job_registry.remove(rq_job, pipeline=pipe)
+                rq_job.save(pipeline=pipe)
+                pipe.persist(rq_job.key)  # the failure TTL no longer applies
+                by_class.setdefault(PromptClass(item.cls), []).append(rq_job.id)
+                where[item.label, item.cls] += 1
+            for cls, ids in by_class.items():
+                self.dispatch.add(pipe, job_id, cls, priority, ids)
+            self.jobs.count_retried(pipe, job_id, dict(where))
+            pipe.execute()
+
+    def _forget_reports(self, job_id: str, rq_ids: set[str]) -> None:
+        key = self.keys.job_failed(job_id)
+        with self.redis.pipeline() as pipe:
+            pipe.watch(key)
+            kept = [raw for raw in pipe.lrange(key, 0, -1) if json.loads(raw).get("rq_id") not in rq_ids]
+            pipe.multi()
+            pipe.delete(key)
+            if kept:
+                pipe.rpush(key, *kept)
+            pipe.execute()
+
+    # Delete ----------------------------------------------------------------------------------------
+    def delete(self, job_id: str, *, files: bool = False) -> dict[str, Any]:
+        """Remove the job's Redis keys and RQ jobs; with ``files``, its stored data as well."""
+        state = self.jobs.progress(job_id).state
+        if state in LIVE:
+            raise JobStateError(
+                f"job {job_id} is {state.value}; cancel it first (POST /jobs/{job_id}/cancel, "
+                f"datagen cancel {job_id})"
+            )
+        rq_jobs = self._delete_rq_jobs(job_id)
+        with self.redis.pipeline() as pipe:
+            pipe.unlink(*self.keys.job_keys(job_id))
+            pipe.zrem(self.keys.jobs_index(), job_id)
+            pipe.srem(self.keys.paused_jobs(), job_id)
+            pipe.srem(self.keys.aborting_jobs(), job_id)
+            for cls in PromptClass:
+                for priority in Priority:
+                    pipe.zrem(self.keys.dispatch_jobs(cls, priority), job_id)
+            pipe.execute()
+        removed_files = self.storage.delete_job(job_id) if files else False
+        log.info(
+            "job %s deleted: %d RQ jobs, files %s", job_id, rq_jobs, "removed" if removed_files else "kept"
+        )
+        return {
+            "id": job_id,
+            "deleted": True,
+            "rq_jobs": rq_jobs,
+            "files_deleted": removed_files,
+            "files": None if removed_files else self.storage.url(job_id),
+        }
+
+    def _delete_rq_jobs(self, job_id: str) -> int:
+        prefix = self._rq_prefix(job_id)
+        for queue in self.queues.values():
+            for registry in (
+                queue.finished_job_registry,
+                queue.failed_job_registry,
+                queue.started_job_registry,
+                queue.canceled_job_registry,
+            ):
+                members = [
+                    m for m in as_texts(self.redis.zrange(registry.key, 0, -1)) if m.startswith(prefix)
+                ]
+                if members:
+                    self.redis.zrem(registry.key, *members)
+            for rq_id in as_texts(self.redis.lrange(queue.key, 0, -1)):
+                if rq_id.startswith(prefix):
+                    self.redis.lrem(queue.key, 0, rq_id)
+        deleted = 0
+        for key in self.redis.scan_iter(match=f"{RQ_JOB_PREFIX}{prefix}*", count=SCAN_COUNT):
+            rq_id = as_text(key)[len(RQ_JOB_PREFIX) :]
+            if ":" in rq_id:  # a sub-key (dependents), not a job hash
+                self.redis.unlink(key)
+                continue
+            self.redis.unlink(key, RQ_RESULTS_PREFIX + rq_id)
+            deleted += 1
+        return deleted
+
+    def _rq_prefix(self, job_id: str) -> str:
+        return self.keys.rq_job_prefix(job_id)
