@@ -45,7 +45,8 @@ from rq import Queue
 from rq.serializers import JSONSerializer
 
 from datagen.dataset import Prompt, iter_prompts
-from datagen.enqueue import RQ_JOB_FUNC, EnqueueOptions
+from datagen.dispatch import Dispatch
+from datagen.enqueue import JOB_TIMEOUT_S, RQ_JOB_FUNC, EnqueueOptions
 from datagen.jobs import JobStore
 from datagen.keys import Keys
 from datagen.payload import PromptPayload
@@ -81,7 +82,10 @@ class Setup:
             raise SystemExit(f"{variant}: expected {self.n} queued jobs, found {queued}")
 
     def _count(self, cls: PromptClass) -> int:
-        return Queue(self.keys.queue_name(cls), connection=self.redis, serializer=JSONSerializer).count
+        # The baseline pushes onto RQ's queue; ours leaves prompts in the job's backlog until a
+        # worker's claim dispatches them (datagen/dispatch.py).
+        queue = Queue(self.keys.queue_name(cls), connection=self.redis, serializer=JSONSerializer)
+        return queue.count + Dispatch(self.redis, self.keys).depth(cls)
 
 
 def timed_tries(repeat: int, setup: Setup, variant: str, run: Callable[[], float]) -> list[float]:
@@ -110,16 +114,16 @@ def render_all(renderer: PromptRenderer, prompts: list[Prompt]) -> tuple[float, 
 
 
 def baseline_enqueue(setup: Setup, payloads: list[PromptPayload]) -> float:
-    """Queue.enqueue once per prompt, with exactly the job data Ingestor._job_data builds."""
+    """Queue.enqueue once per prompt, with the job data datagen.enqueue builds."""
     queue = setup.queue()
-    options = setup.options
+    options = setup.options.enqueue
     started = time.perf_counter()
     for p in payloads:
         queue.enqueue(
             RQ_JOB_FUNC,
             p.to_json(),
             job_id=setup.keys.rq_job_id(p.job, p.sample_id, p.turn, p.gen),
-            job_timeout=options.job_timeout_s[p.cls],
+            job_timeout=JOB_TIMEOUT_S[p.cls],
             result_ttl=options.result_ttl_s,
             failure_ttl=options.failure_ttl_s,
             description=f"{p.job} {p.sample_id} t{p.turn} g{p.gen}",

@@ -58,14 +58,15 @@ from typing import IO, Any
 import httpx
 import redis
 from _common import job_spec, offline_hub, simulator_process
-from rq import Queue
 
 from datagen.dataset import Prompt, iter_prompts
+from datagen.dispatch import Dispatch
 from datagen.keys import Keys
 from datagen.redis_server import LocalRedis, free_port
 from datagen.settings import DEFAULT_ENQUEUE_CHUNK, ENV_PREFIX
-from datagen.states import PromptClass
+from datagen.states import Priority, PromptClass
 from datagen.tokenization import renderer_for
+from simulator.config import DEFAULT_CONTEXT_LEN as SIM_CONTEXT_LEN
 
 DEFAULT_N = 1_000_000
 DEFAULT_RENDER_N = 100_000
@@ -189,7 +190,7 @@ def observe(
 ) -> Observations:
     """Sample ``GET /jobs/{id}`` latency and the queue length until the job leaves ``ingesting``."""
     seen = Observations()
-    queue = Queue(Keys(NAMESPACE).queue_name(PromptClass.SHORT), connection=client)
+    waiting = Dispatch(client, Keys(NAMESPACE))
     with httpx.Client(base_url=coordinator_url, timeout=HTTP_TIMEOUT_S) as http:
         while not stop.is_set():
             started = time.perf_counter()
@@ -206,7 +207,7 @@ def observe(
                 seen.last = response.json()
                 if seen.last["state"] != "ingesting":
                     break
-            seen.queue_peak = max(seen.queue_peak, queue.count)
+            seen.queue_peak = max(seen.queue_peak, waiting.depth(PromptClass.SHORT))
             pinged = time.perf_counter()
             client.ping()
             seen.redis_ping_s.append(time.perf_counter() - pinged)
@@ -215,19 +216,24 @@ def observe(
 
 
 def drain(client: redis.Redis, per_s: float, stop: threading.Event) -> None:
-    """Pop ``per_s`` prompts a second off the short queue and delete their RQ job hashes."""
-    key = Queue(Keys(NAMESPACE).queue_name(PromptClass.SHORT), connection=client).key
+    """Pop ``per_s`` prompts a second off the job's short backlog and delete their RQ job hashes."""
+    keys = Keys(NAMESPACE)
     started, popped = time.monotonic(), 0
     while not stop.wait(DRAIN_TICK_S):
+        jobs = client.zrange(keys.dispatch_jobs(PromptClass.SHORT, Priority.NORMAL), 0, 0)
+        if not jobs:
+            continue
         due = int((time.monotonic() - started) * per_s) - popped
-        ids = client.lpop(key, due) if due > 0 else None
+        ids = client.lpop(keys.job_backlog(jobs[0].decode(), PromptClass.SHORT), due) if due > 0 else None
         if ids:
             client.delete(*[b"rq:job:" + i for i in ids])
             popped += len(ids)
 
 
 def submit(coordinator_url: str, dataset: Path) -> str:
-    spec = json.loads(job_spec(short_max_new_tokens=64, long_threshold_tokens=100_000).model_dump_json())
+    # The simulator's context length, so that the pre-flight checks need not wait for the worker.
+    spec = job_spec(short_max_new_tokens=64, long_threshold_tokens=100_000, context_len=SIM_CONTEXT_LEN)
+    spec = json.loads(spec.model_dump_json())
     with open(dataset, "rb") as fh:
         response = httpx.post(
             f"{coordinator_url}/jobs",
