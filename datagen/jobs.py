@@ -285,11 +285,16 @@ class JobStore:
         return partition if labelled else OTHER_PARTITION
 
     def finish_ingest(self, job_id: str) -> None:
-        # Only from ingesting: a job cancelled meanwhile stays cancelled.
-        self.transition(job_id, (JobState.INGESTING,), JobState.RUNNING)
-        self._count_script(
-            keys=self._count_keys(job_id), args=["done", 0, 0, now_ms(), "", "", 0, "", "", ""]
-        )
+        # Only from ingesting: a job cancelled meanwhile stays cancelled. One transaction, so that
+        # a job with nothing left to run is never seen running before it is seen completed.
+        with self.redis.pipeline(transaction=True) as pipe:
+            self.transition(job_id, (JobState.INGESTING,), JobState.RUNNING, pipe=pipe)
+            self._count_script(
+                keys=self._count_keys(job_id),
+                args=["done", 0, 0, now_ms(), "", "", 0, "", "", ""],
+                client=pipe,
+            )
+            pipe.execute()
 
     def transition(
         self,
@@ -300,7 +305,10 @@ class JobStore:
         *,
         pipe: Pipeline | None = None,
     ) -> bool:
-        """Move the job to ``target`` if it is in one of ``sources`` (atomically), setting ``fields``."""
+        """Move the job to ``target`` if it is in one of ``sources`` (atomically), setting ``fields``.
+
+        Returns whether it moved; inside ``pipe`` that answer comes from ``pipe.execute()`` instead.
+        """
         args: list[str | int] = [" ".join(s.value for s in sources), target.value]
         for name, value in (fields or {}).items():
             args += [name, value]

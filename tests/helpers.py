@@ -11,7 +11,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, cast
 
 import httpx
 import redis
@@ -21,10 +21,11 @@ from datagen.enqueue import EnqueueOptions
 from datagen.jobs import JobStore
 from datagen.keys import Keys
 from datagen.records import Record
-from datagen.redis_server import free_port
+from datagen.redis_server import LocalRedis, free_port
 from datagen.settings import WorkerSettings
 from datagen.spec import JobSpec
 from datagen.storage import Storage
+from datagen.tokenization import bundled_tokenizer_path
 from service.ingest import IngestOptions, Ingestor
 from simulator.config import SimConfig
 from simulator.server import uvicorn_config
@@ -106,6 +107,18 @@ class ProcessStack:
         self.env.update(env, HF_HUB_OFFLINE="1")
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self._logs: list[IO[bytes]] = []
+        # Set by coordinator_stack().
+        self.coordinator = ""
+        self.redis: redis.Redis = cast(redis.Redis, None)
+        self.storage: Storage = cast(Storage, None)
+
+    def spawn_sim(self, name: str, *options: str) -> str:
+        """A ``datagen sim`` on a free port with the bundled tokenizer; returns its URL once healthy."""
+        port = free_port()
+        self.spawn(name, "sim", "--port", str(port), "--tokenizer", bundled_tokenizer_path(), *options)
+        url = f"http://127.0.0.1:{port}"
+        self.wait_http(f"{url}/health")
+        return url
 
     def spawn(self, name: str, *args: str) -> subprocess.Popen[bytes]:
         log = open(self.tmp / f"{name}.log", "wb")  # noqa: SIM115 - closed in stop()
@@ -159,6 +172,37 @@ class ProcessStack:
                 proc.wait()
         for log in self._logs:
             log.close()
+
+
+@contextmanager
+def coordinator_stack(tmp: Path, namespace: str, env: dict[str, str] | None = None) -> Iterator[ProcessStack]:
+    """A private Redis and a ``datagen coordinator`` process, with short intervals for workers
+    spawned later; the stack's ``coordinator``, ``redis`` and ``storage`` point at them."""
+    with LocalRedis() as redis_server:
+        stack = ProcessStack(
+            tmp,
+            {
+                "DATAGEN_REDIS_URL": redis_server.url,
+                "DATAGEN_STORAGE": str(tmp / "data"),
+                "DATAGEN_NAMESPACE": namespace,
+                "DATAGEN_CONTROL_INTERVAL_S": "0.2",
+                "DATAGEN_COMMIT_INTERVAL_S": "0.2",
+                "DATAGEN_METRICS_PORT": "0",
+                **(env or {}),
+            },
+        )
+        port = free_port()
+        stack.coordinator = f"http://127.0.0.1:{port}"
+        stack.env["DATAGEN_COORDINATOR_URL"] = stack.coordinator
+        stack.redis = redis.Redis.from_url(redis_server.url)
+        stack.storage = Storage(tmp / "data")
+        try:
+            stack.spawn("coordinator", "coordinator", "--port", str(port))
+            stack.wait_http(f"{stack.coordinator}/healthz")
+            yield stack
+        finally:
+            stack.stop()
+            stack.redis.close()
 
 
 def make_record(sample_id: str, input_ids: list[int], prompt_len: int, **fields: Any) -> Record:

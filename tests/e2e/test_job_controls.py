@@ -13,13 +13,10 @@ from typing import Any
 
 import httpx
 import pytest
-import redis
 
-from datagen.redis_server import LocalRedis, free_port
-from datagen.storage import Storage
 from datagen.tokenization import bundled_tokenizer_path, default_chat_template_path, get_renderer
 from simulator.model import SpecialIds, expected_output
-from tests.helpers import ProcessStack
+from tests.helpers import ProcessStack, coordinator_stack
 
 pytestmark = pytest.mark.e2e
 
@@ -29,45 +26,21 @@ MAX_NEW = 400
 
 
 @pytest.fixture
-def stack(tmp_path: Path) -> Iterator[Any]:
-    with LocalRedis() as redis_server:
-        stack = ProcessStack(
-            tmp_path,
-            {
-                "DATAGEN_REDIS_URL": redis_server.url,
-                "DATAGEN_STORAGE": str(tmp_path / "data"),
-                "DATAGEN_NAMESPACE": NS,
-                "DATAGEN_HEARTBEAT_INTERVAL_S": "0.5",
-                "DATAGEN_REAPER_INTERVAL_S": "1",
-                "DATAGEN_CONTROL_INTERVAL_S": "0.2",
-                "DATAGEN_COMMIT_INTERVAL_S": "0.2",
-                "DATAGEN_POLL_INTERVAL_S": "0.05",
-                "DATAGEN_METRICS_PORT": "0",
-                "DATAGEN_RETRY_BASE_S": "0.05",
-                "DATAGEN_RETRY_MAX_S": "0.1",
-                "COLUMNS": "200",  # `datagen status` tables unwrapped
-            },
-        )
-        coord_port = free_port()
-        stack.coordinator = f"http://127.0.0.1:{coord_port}"  # type: ignore[attr-defined]
-        stack.redis = redis.Redis.from_url(redis_server.url)  # type: ignore[attr-defined]
-        stack.storage = Storage(tmp_path / "data")  # type: ignore[attr-defined]
-        stack.env["DATAGEN_COORDINATOR_URL"] = stack.coordinator  # type: ignore[attr-defined]
-        try:
-            stack.spawn("coordinator", "coordinator", "--port", str(coord_port))
-            stack.wait_http(f"{stack.coordinator}/healthz")  # type: ignore[attr-defined]
-            yield stack
-        finally:
-            stack.stop()
-            stack.redis.close()  # type: ignore[attr-defined]
+def stack(tmp_path: Path) -> Iterator[ProcessStack]:
+    env = {
+        "DATAGEN_HEARTBEAT_INTERVAL_S": "0.5",
+        "DATAGEN_REAPER_INTERVAL_S": "1",
+        "DATAGEN_POLL_INTERVAL_S": "0.05",
+        "DATAGEN_RETRY_BASE_S": "0.05",
+        "DATAGEN_RETRY_MAX_S": "0.1",
+        "COLUMNS": "200",  # `datagen status` tables unwrapped
+    }
+    with coordinator_stack(tmp_path, NS, env) as stack:
+        yield stack
 
 
-def _sim(stack: Any, name: str, *options: str) -> str:
-    port = free_port()
-    stack.spawn(name, "sim", "--port", str(port), "--tokenizer", bundled_tokenizer_path(), *options)
-    url = f"http://127.0.0.1:{port}"
-    stack.wait_http(f"{url}/health")
-    return url
+def _sim(stack: ProcessStack, name: str, *options: str) -> str:
+    return stack.spawn_sim(name, *options)
 
 
 def _worker(stack: Any, name: str, server: str, *options: str, env: dict[str, str] | None = None) -> Any:

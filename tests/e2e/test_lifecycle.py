@@ -12,14 +12,12 @@ from typing import Any
 
 import httpx
 import pytest
-import redis
 from rq import Queue
 from rq.registry import FailedJobRegistry, StartedJobRegistry
 
-from datagen.redis_server import LocalRedis, free_port
 from datagen.storage import Storage
 from datagen.tokenization import bundled_tokenizer_path, default_chat_template_path
-from tests.helpers import ProcessStack
+from tests.helpers import ProcessStack, coordinator_stack
 
 pytestmark = pytest.mark.e2e
 
@@ -31,44 +29,11 @@ RECOVERY_BUDGET_S = 3 * HEARTBEAT_S + 10 + 2 * 1.0 + 5
 
 @pytest.fixture
 def stack(tmp_path: Path) -> Iterator[ProcessStack]:
-    with LocalRedis() as redis_server:
-        stack = ProcessStack(
-            tmp_path,
-            {
-                "DATAGEN_REDIS_URL": redis_server.url,
-                "DATAGEN_STORAGE": str(tmp_path / "data"),
-                "DATAGEN_NAMESPACE": NS,
-                "DATAGEN_HEARTBEAT_INTERVAL_S": str(HEARTBEAT_S),
-                "DATAGEN_REAPER_INTERVAL_S": "1",
-                "DATAGEN_CONTROL_INTERVAL_S": "0.2",
-                "DATAGEN_COMMIT_INTERVAL_S": "0.2",
-                "DATAGEN_METRICS_PORT": "0",
-            },
-        )
-        sim_port, coord_port = free_port(), free_port()
-        stack.sim_url = f"http://127.0.0.1:{sim_port}"  # type: ignore[attr-defined]
-        stack.coordinator = f"http://127.0.0.1:{coord_port}"  # type: ignore[attr-defined]
-        stack.redis = redis.Redis.from_url(redis_server.url)  # type: ignore[attr-defined]
-        stack.env["DATAGEN_COORDINATOR_URL"] = stack.coordinator  # type: ignore[attr-defined]
-        try:
-            # About 0.2-2 s per request: slow enough to catch prompts in flight.
-            stack.spawn(
-                "sim",
-                "sim",
-                "--port",
-                str(sim_port),
-                "--tokenizer",
-                bundled_tokenizer_path(),
-                "--time-scale",
-                "0.02",
-            )
-            stack.spawn("coordinator", "coordinator", "--port", str(coord_port))
-            stack.wait_http(f"{stack.sim_url}/health")  # type: ignore[attr-defined]
-            stack.wait_http(f"{stack.coordinator}/healthz")  # type: ignore[attr-defined]
-            yield stack
-        finally:
-            stack.stop()
-            stack.redis.close()  # type: ignore[attr-defined]
+    env = {"DATAGEN_HEARTBEAT_INTERVAL_S": str(HEARTBEAT_S), "DATAGEN_REAPER_INTERVAL_S": "1"}
+    with coordinator_stack(tmp_path, NS, env) as stack:
+        # About 0.2-2 s per request: slow enough to catch prompts in flight.
+        stack.sim_url = stack.spawn_sim("sim", "--time-scale", "0.02")  # type: ignore[attr-defined]
+        yield stack
 
 
 def _submit(stack: Any, n: int) -> str:

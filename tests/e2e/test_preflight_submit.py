@@ -12,13 +12,10 @@ from typing import Any
 
 import httpx
 import pytest
-import redis
 import yaml
 
-from datagen.redis_server import LocalRedis, free_port
-from datagen.storage import Storage
 from datagen.tokenization import bundled_tokenizer_path, default_chat_template_path
-from tests.helpers import ProcessStack
+from tests.helpers import ProcessStack, coordinator_stack
 
 pytestmark = pytest.mark.e2e
 
@@ -26,33 +23,11 @@ NS = "pre"
 
 
 @pytest.fixture
-def stack(tmp_path: Path) -> Iterator[Any]:
-    with LocalRedis() as redis_server:
-        stack = ProcessStack(
-            tmp_path,
-            {
-                "DATAGEN_REDIS_URL": redis_server.url,
-                "DATAGEN_STORAGE": str(tmp_path / "data"),
-                "DATAGEN_NAMESPACE": NS,
-                "DATAGEN_CONTROL_INTERVAL_S": "0.2",
-                "DATAGEN_COMMIT_INTERVAL_S": "0.2",
-                "DATAGEN_METRICS_PORT": "0",
-                "DATAGEN_TOKENIZER_ALLOWLIST": str(tmp_path),
-                "COLUMNS": "200",
-            },
-        )
-        sim_port, coord_port = free_port(), free_port()
-        stack.sim_url = f"http://127.0.0.1:{sim_port}"  # type: ignore[attr-defined]
-        stack.coordinator = f"http://127.0.0.1:{coord_port}"  # type: ignore[attr-defined]
-        stack.env["DATAGEN_COORDINATOR_URL"] = stack.coordinator  # type: ignore[attr-defined]
-        try:
-            stack.spawn("sim", "sim", "--port", str(sim_port), "--tokenizer", bundled_tokenizer_path())
-            stack.spawn("coordinator", "coordinator", "--port", str(coord_port))
-            stack.wait_http(f"{stack.sim_url}/health")  # type: ignore[attr-defined]
-            stack.wait_http(f"{stack.coordinator}/healthz")  # type: ignore[attr-defined]
-            yield stack
-        finally:
-            stack.stop()
+def stack(tmp_path: Path) -> Iterator[ProcessStack]:
+    env = {"DATAGEN_TOKENIZER_ALLOWLIST": str(tmp_path), "COLUMNS": "200"}
+    with coordinator_stack(tmp_path, NS, env) as stack:
+        stack.sim_url = stack.spawn_sim("sim")  # type: ignore[attr-defined]
+        yield stack
 
 
 def _dataset(stack: Any) -> Path:
@@ -128,14 +103,11 @@ def test_a_job_that_passes_sends_the_resolved_stop_ids(stack: Any) -> None:
     code, out = _submit(stack)
     assert code == 0, out
     job_id = httpx.get(f"{stack.coordinator}/jobs", timeout=5).json()["jobs"][0]["id"]
-    records = [r for b in Storage(stack.tmp / "data").iter_record_batches(job_id) for r in b.to_pylist()]
+    records = [r for b in stack.storage.iter_record_batches(job_id) for r in b.to_pylist()]
     assert len(records) == 5
     # The bundled tokenizer's EOS, <｜end▁of▁sentence｜>, is id 1; it has no generation_config.json.
     assert {json.dumps(json.loads(r["sampling_params"])["stop_token_ids"]) for r in records} == {"[1]"}
-    manifest = Storage(stack.tmp / "data").read_manifest(job_id)
+    manifest = stack.storage.read_manifest(job_id)
     assert manifest is not None and manifest["preflight"]["stop_ids"] == [1]
     assert manifest["preflight"]["context_len"] == 32768
-    assert (
-        redis.Redis.from_url(stack.env["DATAGEN_REDIS_URL"]).hget(f"{NS}:job:{job_id}", "context_len")
-        == b"32768"
-    )
+    assert stack.redis.hget(f"{NS}:job:{job_id}", "context_len") == b"32768"
