@@ -10,6 +10,9 @@ LMOVE does, so the rest of RQ's bookkeeping (started registry, heartbeats, recov
 This is stride scheduling: over any stretch where two jobs both have work, their dispatches
 follow their weights, and a 10M-prompt job cannot hold back a small urgent one.
 
+A prompt on RQ's list whose job is paused (a dead worker's, reaped during the pause) is moved
+to the front of that job's backlog rather than run.
+
 A job that joins (or comes back after its backlog ran dry) starts at the lowest virtual time
 of its set, so it gets its share from then on without a catch-up burst, and a resumed job
 starts no lower than the unpaused jobs beside it.
@@ -44,10 +47,27 @@ PUSH_SLICE = 1000
 RQ_JOB_PREFIX = Job.redis_job_namespace_prefix
 
 # KEYS: RQ queue, its intermediate list, paused jobs, the class's sets by priority (high, normal,
-# low), the current window bucket. ARGV: job key prefix, backlog suffix, bucket TTL, scan limit.
+# low), the current window bucket. ARGV: job key prefix, backlog suffix, bucket TTL, scan limit,
+# RQ id prefix (``{ns}-``; the job id follows it up to the next ``-``). A handed-back prompt of a
+# paused job goes back to the front of its backlog instead, so that a pause holds even for them.
 _CLAIM = """
-local id = redis.call('LMOVE', KEYS[1], KEYS[2], 'LEFT', 'RIGHT')
-if id then return id end
+local sets = {high = 4, normal = 5, low = 6}
+local id
+for _ = 1, tonumber(ARGV[4]) do
+  id = redis.call('LMOVE', KEYS[1], KEYS[2], 'LEFT', 'RIGHT')
+  if not id then break end
+  local rest = string.sub(id, #ARGV[5] + 1)
+  local dash = string.find(rest, '-', 1, true)
+  local job = dash and string.sub(rest, 1, dash - 1) or ''
+  if job == '' or redis.call('SISMEMBER', KEYS[3], job) == 0 then return id end
+  redis.call('RPOP', KEYS[2])
+  redis.call('LPUSH', ARGV[1] .. job .. ARGV[2], id)
+  local z = KEYS[sets[redis.call('HGET', ARGV[1] .. job, 'priority') or 'normal'] or 5]
+  if not redis.call('ZSCORE', z, job) then
+    local first = redis.call('ZRANGE', z, 0, 0, 'WITHSCORES')
+    redis.call('ZADD', z, first[2] or 0, job)
+  end
+end
 for z = 4, 6 do
   local entries = redis.call('ZRANGE', KEYS[z], 0, tonumber(ARGV[4]) - 1)
   for _, job in ipairs(entries) do
@@ -152,6 +172,7 @@ class Dispatch:
                 keys.backlog_suffix(cls),
                 SHARE_WINDOW_S + WINDOW_BUCKET_S,
                 SCAN_JOBS,
+                keys.rq_id_prefix(),
             ],
         )
         return None if result is None else as_text(result)

@@ -26,13 +26,17 @@ class Keys:
         digest = hashlib.sha1(sample_id.encode("utf-8")).hexdigest()[:16]
         return f"{self.rq_job_prefix(job_id)}{digest}-t{turn}-g{gen}"
 
+    def rq_id_prefix(self) -> str:
+        """What every RQ id of this namespace starts with; the job id follows, up to a ``-``."""
+        return f"{self.namespace}-"
+
     def rq_job_prefix(self, job_id: str) -> str:
         """What every RQ id of the job starts with (job ids have no ``-``, so it is unambiguous)."""
-        return f"{self.namespace}-{job_id}-"
+        return f"{self.rq_id_prefix()}{job_id}-"
 
     def job_of_rq_id(self, rq_id: str) -> str | None:
         """The datagen job id inside an RQ job id built by :meth:`rq_job_id` (None if not ours)."""
-        prefix = f"{self.namespace}-"
+        prefix = self.rq_id_prefix()
         if not rq_id.startswith(prefix):
             return None
         job, _, rest = rq_id[len(prefix) :].partition("-")

@@ -86,3 +86,21 @@ def test_a_cancelled_job_takes_no_prompts_and_withdraw_counts_them(redis_client:
     assert redis_client.llen(keys.job_backlog("c", SHORT)) == 0
     assert jobs.progress("c").cancelled == 8
     assert dispatch.claim(SHORT, QUEUE, INTERMEDIATE) is None
+
+
+def test_a_paused_jobs_handed_back_prompt_waits_in_its_backlog(redis_client: redis.Redis) -> None:
+    keys = Keys(NS)
+    _job(redis_client, "a", 2)
+    _job(redis_client, "b", 2)
+    dispatch = Dispatch(redis_client, keys)
+    assert _claims(dispatch, 2) == ["a", "b"]
+    dispatch.pause("a")
+    # A dead worker's prompt of the paused job, reaped onto RQ's list (ids as keys.rq_job_id builds).
+    reaped = keys.rq_job_id("a", "s9", 0, 0)
+    redis_client.lpush(QUEUE, reaped)
+    rq_id = dispatch.claim(SHORT, QUEUE, INTERMEDIATE)
+    assert rq_id is not None and rq_id.startswith("b-")  # not the paused job's
+    assert redis_client.lrange(keys.job_backlog("a", SHORT), 0, 0) == [reaped.encode()]
+    assert redis_client.lrange(INTERMEDIATE, 0, -1) == [b"a-0", b"b-0", b"b-1"]
+    dispatch.resume("a")
+    assert dispatch.claim(SHORT, QUEUE, INTERMEDIATE) == reaped  # first when resumed
