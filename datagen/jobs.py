@@ -208,6 +208,12 @@ class JobStore:
             pipe.execute()
         return True
 
+    def state(self, job_id: str) -> JobState:
+        raw = self.redis.hget(self.keys.job(job_id), "state")
+        if raw is None:
+            raise JobNotFoundError(f"no job {job_id!r}")
+        return JobState(as_text(raw))
+
     def spec(self, job_id: str) -> JobSpec:
         raw = self.redis.hget(self.keys.job(job_id), "spec")
         if raw is None:

@@ -52,7 +52,7 @@ class Keys:
 
     def job(self, job_id: str) -> str:
         """Hash: state, spec, counters, timestamps."""
-        return f"{self.namespace}:job:{job_id}"
+        return f"{self.job_key_prefix()}{job_id}"
 
     def job_enqueued(self, job_id: str) -> str:
         """Set of prompt keys already enqueued: the guard against enqueueing a prompt twice."""

@@ -157,9 +157,9 @@ class Ingestor:
                     return
                 self._add(chunk, item, conversation, job_id, spec, renderer, context_len)
                 if len(chunk.prompts) + len(chunk.rejected) >= self.options.chunk:
-                    self._flush(job_id, chunk, stop)
+                    self._flush(job_id, spec, chunk, stop)
                     chunk = _Chunk(input_name)
-        self._flush(job_id, chunk, stop)
+        self._flush(job_id, spec, chunk, stop)
         self.jobs.finish_ingest(job_id)
         log.info("job %s: ingestion finished", job_id)
 
@@ -252,10 +252,10 @@ class Ingestor:
                     raise _Stopped
 
     def _check_cancelled(self, job_id: str) -> None:
-        if self.jobs.progress(job_id).state is JobState.CANCELLED:
+        if self.jobs.state(job_id) is JobState.CANCELLED:
             raise _Cancelled
 
-    def _flush(self, job_id: str, chunk: _Chunk, stop: threading.Event) -> None:
+    def _flush(self, job_id: str, spec: JobSpec, chunk: _Chunk, stop: threading.Event) -> None:
         if chunk.rows == 0:
             return
         self._check_cancelled(job_id)
@@ -290,7 +290,7 @@ class Ingestor:
                 fresh_payloads,
                 self.options.enqueue,
                 dispatch=self.dispatch,
-                priority=self.jobs.spec(job_id).priority,
+                priority=spec.priority,
             )
             self.jobs.add_ingest_counts(pipe, job_id, counts, chunk.last_line)
             self.jobs.add_breakdown(pipe, job_id, breakdown)

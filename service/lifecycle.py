@@ -20,7 +20,7 @@ from rq.serializers import JSONSerializer
 
 from datagen.dispatch import RQ_JOB_PREFIX, Dispatch
 from datagen.errors import JobStateError
-from datagen.jobs import JobStore, now_ms
+from datagen.jobs import OTHER_PARTITION, JobStore, now_ms
 from datagen.keys import Keys
 from datagen.redistext import as_text, as_texts
 from datagen.states import JobState, Priority, PromptClass
@@ -62,14 +62,14 @@ class JobControls:
     def cancel(self, job_id: str, *, abort_in_flight: bool = False) -> dict[str, Any]:
         """Stop dispatching the job and drop its queued prompts; in-flight prompts finish (and
         their records are kept), or are aborted with ``abort_in_flight``."""
-        state = self.jobs.progress(job_id).state
+        state = self.jobs.state(job_id)
         if state in (JobState.COMPLETED, JobState.FAILED):
             raise JobStateError(f"job {job_id} is already {state.value}; there is nothing to cancel")
         # A job that completes at this very moment stays completed: only a live job moves.
         moved = self.jobs.transition(
             job_id, LIVE, JobState.CANCELLED, {"finished_at_ms": now_ms(), "cancelled_at_ms": now_ms()}
         )
-        if not moved and self.jobs.progress(job_id).state is not JobState.CANCELLED:
+        if not moved and self.jobs.state(job_id) is not JobState.CANCELLED:
             raise JobStateError(f"job {job_id} finished before it could be cancelled")
         if abort_in_flight:
             self.redis.sadd(self.keys.aborting_jobs(), job_id)
@@ -103,7 +103,7 @@ class JobControls:
 
     # Pause and resume ------------------------------------------------------------------------------
     def pause(self, job_id: str) -> dict[str, Any]:
-        state = self.jobs.progress(job_id).state
+        state = self.jobs.state(job_id)
         if state not in LIVE:
             raise JobStateError(
                 f"job {job_id} is {state.value}; only an ingesting or running job can be paused"
@@ -113,7 +113,7 @@ class JobControls:
         return self.jobs.progress(job_id).to_json()
 
     def resume(self, job_id: str) -> dict[str, Any]:
-        self.jobs.progress(job_id)  # 404 for an unknown job
+        self.jobs.state(job_id)  # 404 for an unknown job
         self.dispatch.resume(job_id)
         log.info("job %s resumed", job_id)
         return self.jobs.progress(job_id).to_json()
@@ -126,7 +126,8 @@ class JobControls:
         if progress.state is JobState.CANCELLED:
             raise JobStateError(f"job {job_id} was cancelled; submit its dataset again under a new job id")
         priority = Priority(progress.priority)
-        failed, missing = self._failed(job_id)
+        failed = self._failed(job_id)
+        missing = max(0, progress.failed - len(failed))  # their failure TTL ran out
         reasons = Counter(f.reason for f in failed)
         chosen = [f for f in failed if reason is None or f.reason == reason]
         for start in range(0, len(chosen), RETRY_CHUNK):
@@ -144,10 +145,10 @@ class JobControls:
         )
         return body
 
-    def _failed(self, job_id: str) -> tuple[list[_Failed], int]:
-        """The job's prompts in RQ's failed registries, and how many of its failures are gone
-        from them (their failure TTL ran out)."""
+    def _failed(self, job_id: str) -> list[_Failed]:
+        """The job's prompts still in RQ's failed registries."""
         prefix = self._rq_prefix(job_id)
+        labelled = set(as_texts(self.redis.smembers(self.keys.job_partitions(job_id))))
         reported = {
             str(r.get("rq_id")): str(r.get("reason", "unknown"))
             for r in (json.loads(raw) for raw in self.redis.lrange(self.keys.job_failed(job_id), 0, -1))
@@ -162,10 +163,9 @@ class JobControls:
                 payload = rq_job.args[0] if rq_job.args else {}
                 partition = str(payload.get("partition", "")) if isinstance(payload, dict) else ""
                 reason = str(rq_job.meta.get("failure_reason") or reported.get(rq_job.id, "unknown"))
-                label = self.jobs.label_of(job_id, partition)
+                label = partition if partition in labelled else OTHER_PARTITION
                 out.append(_Failed(rq_job, queue, reason, label, cls.value))
-        missing = max(0, self.jobs.progress(job_id).failed - len(out))
-        return out, missing
+        return out
 
     def _requeue(self, job_id: str, chosen: list[_Failed], priority: Priority) -> None:
         by_class: dict[PromptClass, list[str]] = {}
@@ -204,7 +204,7 @@ class JobControls:
     # Delete ----------------------------------------------------------------------------------------
     def delete(self, job_id: str, *, files: bool = False) -> dict[str, Any]:
         """Remove the job's Redis keys and RQ jobs; with ``files``, its stored data as well."""
-        state = self.jobs.progress(job_id).state
+        state = self.jobs.state(job_id)
         if state in LIVE:
             raise JobStateError(
                 f"job {job_id} is {state.value}; cancel it first (POST /jobs/{job_id}/cancel, "

@@ -25,7 +25,7 @@ from datagen.redis_server import LocalRedis, free_port
 from datagen.settings import WorkerSettings
 from datagen.spec import JobSpec
 from datagen.storage import Storage
-from datagen.tokenization import bundled_tokenizer_path
+from datagen.tokenization import bundled_tokenizer_path, default_chat_template_path
 from service.ingest import IngestOptions, Ingestor
 from simulator.config import SimConfig
 from simulator.server import uvicorn_config
@@ -131,6 +131,15 @@ class ProcessStack:
     def cli(self, *args: str, timeout_s: float = 300) -> subprocess.CompletedProcess[str]:
         command = [sys.executable, "-m", "datagen", *args]
         return subprocess.run(command, env=self.env, capture_output=True, text=True, timeout=timeout_s)
+
+    def submit(self, dataset: Path, *options: str) -> subprocess.CompletedProcess[str]:
+        """``datagen submit DATASET`` with the bundled tokenizer and the shipped R1 template."""
+        return self.cli(
+            "submit",
+            str(dataset),
+            *("--tokenizer", bundled_tokenizer_path(), "--chat-template", str(default_chat_template_path())),
+            *options,
+        )
 
     def wait_http(self, url: str, timeout_s: float = STARTUP_TIMEOUT_S * 4) -> None:
         deadline = time.monotonic() + timeout_s

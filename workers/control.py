@@ -87,6 +87,8 @@ class FleetSync:
         self.interval_s = interval_s
         self.shared_factor = shared_factor
         self.paused_classes: set[PromptClass] = set()
+        # Cancelled jobs whose in-flight prompts this worker must abort.
+        self.aborting_jobs: set[str] = set()
         self.draining = False
 
     async def run(self) -> None:
@@ -103,15 +105,17 @@ class FleetSync:
         with self.redis.pipeline(transaction=False) as pipe:
             pipe.smembers(self.keys.paused_queues())
             pipe.smembers(self.keys.paused_servers())
+            pipe.smembers(self.keys.aborting_jobs())
             for server in servers:
                 pipe.hget(self.keys.server_control(server.name), "factor")
                 pipe.hgetall(self.keys.server_workers(server.name))
             replies = pipe.execute()
         paused_queues, paused_servers = set(as_texts(replies[0])), set(as_texts(replies[1]))
+        self.aborting_jobs = set(as_texts(replies[2]))
         self._set_paused_classes(paused_queues)
         live_after_ms = now_ms() - int(max(LIVE_WINDOW_MIN_S, LIVE_WINDOW_INTERVALS * self.interval_s) * 1000)
         for i, server in enumerate(servers):
-            raw_factor, raw_workers = replies[2 + 2 * i], replies[3 + 2 * i]
+            raw_factor, raw_workers = replies[3 + 2 * i], replies[4 + 2 * i]
             factor = float(raw_factor) if raw_factor and self.shared_factor else 1.0
             others = sum(
                 1

@@ -36,7 +36,6 @@ from datagen.jobs import JobStore, now_ms
 from datagen.keys import Keys, prompt_key
 from datagen.payload import PromptPayload
 from datagen.records import Record
-from datagen.redistext import as_texts
 from datagen.settings import (
     DEFAULT_FAILURE_TTL_S,
     DEFAULT_MAX_WORKER_LOSSES,
@@ -678,14 +677,12 @@ class Worker:
         )
 
     async def _abort_loop(self) -> None:
-        """Abort in-flight prompts of jobs cancelled with ``--abort-in-flight``."""
+        """Abort in-flight prompts of jobs cancelled with ``--abort-in-flight`` (as FleetSync last
+        read them)."""
         while True:
             await asyncio.sleep(self.settings.control_interval_s)
-            if not self._task_jobs:
-                continue
-            try:
-                aborting = set(as_texts(self.redis.smembers(self.keys.aborting_jobs())))
-            except redis.RedisError:
+            aborting = self.sync.aborting_jobs
+            if not aborting:
                 continue
             for task, job_id in list(self._task_jobs.items()):
                 if job_id in aborting and task not in self._aborted and not task.done():

@@ -78,20 +78,8 @@ def _submit_result(stack: Any, name: str, n: int, *options: str) -> subprocess.C
         for i in range(n)
     ]
     dataset.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return stack.cli(  # type: ignore[no-any-return]
-        "submit",
-        str(dataset),
-        "--tokenizer",
-        bundled_tokenizer_path(),
-        "--chat-template",
-        str(default_chat_template_path()),
-        "--short-max-new-tokens",
-        str(MAX_NEW),
-        "--seed",
-        str(SEED),
-        "--job-id",
-        name,
-        *options,
+    return stack.submit(  # type: ignore[no-any-return]
+        dataset, "--short-max-new-tokens", str(MAX_NEW), "--seed", str(SEED), "--job-id", name, *options
     )
 
 

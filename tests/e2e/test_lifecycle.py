@@ -40,20 +40,8 @@ def _submit(stack: Any, n: int) -> str:
     dataset = stack.tmp / "d.jsonl"
     rows = [{"id": f"r{i}", "messages": [{"role": "user", "content": f"question {i}"}]} for i in range(n)]
     dataset.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    result = stack.cli(
-        "submit",
-        str(dataset),
-        "--tokenizer",
-        bundled_tokenizer_path(),
-        "--chat-template",
-        str(default_chat_template_path()),
-        "--short-max-new-tokens",
-        "600",
-        "--context-len",  # submitted before any worker runs
-        "32768",
-        "--seed",
-        "5",
-    )
+    # Submitted before any worker runs, so the context length is given.
+    result = stack.submit(dataset, "--short-max-new-tokens", "600", "--context-len", "32768", "--seed", "5")
     assert result.returncode == 0, result.stderr
     return str(result.stdout.strip())
 
@@ -147,15 +135,7 @@ def test_cli_pause_resume_and_status(stack: Any) -> None:
 def test_cli_dry_run_shows_decoded_prompts_and_enqueues_nothing(stack: Any) -> None:
     dataset = stack.tmp / "dry.jsonl"
     dataset.write_text(json.dumps({"id": "hi", "messages": [{"role": "user", "content": "Hi"}]}) + "\n")
-    result = stack.cli(
-        "submit",
-        str(dataset),
-        "--tokenizer",
-        bundled_tokenizer_path(),
-        "--chat-template",
-        str(default_chat_template_path()),
-        "--dry-run",
-    )
+    result = stack.submit(dataset, "--dry-run")
     assert result.returncode == 0, result.stderr
     assert "<｜begin▁of▁sentence｜><｜User｜>Hi<｜Assistant｜><think>" in result.stdout
     assert "1 prompts, 1 short / 0 long, 0 rejected" in result.stdout

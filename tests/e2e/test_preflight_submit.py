@@ -62,10 +62,7 @@ def test_unknown_context_length_is_refused_until_a_worker_reports_one(stack: Any
     assert "(409)" in out and "the context length is unknown" in out and "set context_len" in out
     assert httpx.get(f"{stack.coordinator}/jobs", timeout=5).json()["jobs"] == []  # nothing was created
     # The dry run shows the same refusal, and still renders the rows.
-    dry = stack.cli(
-        "submit", str(_dataset(stack)), "--tokenizer", bundled_tokenizer_path(), "--chat-template",
-        str(default_chat_template_path()), "--dry-run",
-    )  # fmt: skip
+    dry = stack.submit(_dataset(stack), "--dry-run")
     assert dry.returncode == 0
     assert "pre-flight: submit would be refused: the context length is unknown" in " ".join(
         dry.stdout.split()
