@@ -6,7 +6,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from datagen.states import MultiTurnMode, Priority, PromptClass
+from datagen.states import MultiTurnMode, Priority, PromptClass, SpecialTextPolicy
 
 __all__ = ["MAX_NEW_TOKENS_LIMIT", "JobSpec", "SamplingParams"]
 
@@ -89,6 +89,11 @@ class JobSpec(BaseModel):
         default=None,
         ge=1,
         description="the model's vocabulary size, when no config.json lies by the tokenizer",
+    )
+
+    special_text: SpecialTextPolicy = Field(
+        default=SpecialTextPolicy.WARN,
+        description="rows whose content spells a special token's text: allow, warn (flag), reject",
     )
 
     @field_validator("temperatures")

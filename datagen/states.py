@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from enum import StrEnum
 
-__all__ = ["FinishType", "JobState", "MultiTurnMode", "Priority", "PromptClass"]
+__all__ = ["FinishType", "JobState", "MultiTurnMode", "Priority", "PromptClass", "SpecialTextPolicy"]
 
 
 class JobState(StrEnum):
@@ -47,3 +47,12 @@ class Priority(StrEnum):
     @property
     def rank(self) -> int:
         return {Priority.HIGH: 0, Priority.NORMAL: 1, Priority.LOW: 2}[self]
+
+
+class SpecialTextPolicy(StrEnum):
+    """What ingestion does with a row whose content spells a special token's text (``<｜Assistant｜>``):
+    the tokenizer would encode it as the real special id, so the row could forge turn boundaries."""
+
+    ALLOW = "allow"
+    WARN = "warn"
+    REJECT = "reject"
