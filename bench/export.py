@@ -158,7 +158,8 @@ def child(name: str, root: Path, out: Path, shuffle_seed: int | None) -> None:
     storage = Storage(root)
     started = time.perf_counter()
     if name == "baseline":
-        from datagen._export_rows import ROW_COLUMNS, iter_committed_batches
+        from datagen.export.rows import ROW_COLUMNS
+        from datagen.recordset import iter_committed_batches
 
         nbytes = sum(b.nbytes for b in iter_committed_batches(storage, JOB_ID, ROW_COLUMNS))
         written, out_bytes = 0, 0
@@ -193,14 +194,16 @@ def run_child(name: str, root: Path, out: Path, shuffle_seed: int | None) -> dic
 
 
 def memory_per_entry(root: Path) -> dict[str, float]:
-    from datagen._export_conversations import InputIndex
-    from datagen._export_rows import key_digest
+    from datagen.export.conversations import InputIndex
+    from datagen.recordset import SeenKeys
     from datagen.states import MultiTurnMode
 
     storage = Storage(root)
     tracemalloc.start()
     before = tracemalloc.get_traced_memory()[0]
-    seen = {key_digest(f"s{i}", 0, 0) for i in range(100_000)}
+    seen = SeenKeys()
+    for i in range(100_000):
+        seen.first(f"s{i}", 0, 0)
     dedupe = (tracemalloc.get_traced_memory()[0] - before) / len(seen)
     del seen
     before = tracemalloc.get_traced_memory()[0]

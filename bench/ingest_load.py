@@ -44,16 +44,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
-import sys
 import tempfile
 import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import httpx
 import redis
@@ -61,9 +58,11 @@ from _common import job_spec, offline_hub, simulator_process
 
 from datagen.dataset import Prompt, iter_prompts
 from datagen.dispatch import Dispatch
+from datagen.errors import ConfigError
 from datagen.keys import Keys
+from datagen.processes import ChildProcesses, child_env
 from datagen.redis_server import LocalRedis, free_port
-from datagen.settings import DEFAULT_ENQUEUE_CHUNK, ENV_PREFIX
+from datagen.settings import DEFAULT_ENQUEUE_CHUNK
 from datagen.states import Priority, PromptClass
 from datagen.tokenization import renderer_for
 from simulator.config import DEFAULT_CONTEXT_LEN as SIM_CONTEXT_LEN
@@ -128,50 +127,17 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, max(0, int(len(ordered) * q / 100 + 0.5) - 1))] if ordered else 0.0
 
 
-class Children:
-    """``python -m datagen …`` child processes with their output in log files; all stopped at exit."""
-
-    def __init__(self, tmp: Path, env: dict[str, str]) -> None:
-        self.tmp = tmp
-        self.env = {k: v for k, v in os.environ.items() if not k.startswith(ENV_PREFIX)}
-        self.env.update(env, HF_HUB_OFFLINE="1")
-        self.procs: dict[str, subprocess.Popen[bytes]] = {}
-        self._logs: list[IO[bytes]] = []
-
-    def spawn(self, name: str, *args: str) -> subprocess.Popen[bytes]:
-        log = open(self.tmp / f"{name}.log", "wb")  # noqa: SIM115 - closed in stop()
-        self._logs.append(log)
-        command = [sys.executable, "-m", "datagen", *args]
-        self.procs[name] = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=self.env)
-        return self.procs[name]
-
-    def wait_http(self, url: str) -> None:
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while time.monotonic() < deadline:
-            for name, proc in self.procs.items():
-                if proc.poll() is not None:
-                    log = (self.tmp / f"{name}.log").read_text(errors="replace")[-2000:]
-                    raise SystemExit(f"{name} exited with code {proc.returncode}:\n{log}")
-            try:
-                if httpx.get(url, timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
-        raise SystemExit(f"{url} did not answer within {STARTUP_TIMEOUT_S:.0f} s")
-
-    def stop(self) -> None:
-        for proc in self.procs.values():
-            if proc.poll() is None:
-                proc.terminate()
-        for proc in self.procs.values():
-            try:
-                proc.wait(timeout=STOP_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        for log in self._logs:
-            log.close()
+def wait_http(children: ChildProcesses, url: str) -> None:
+    """Until ``url`` answers; exits with the log tail of a child that failed."""
+    try:
+        children.wait_http(url, STARTUP_TIMEOUT_S)
+    except ConfigError as exc:
+        tails = "".join(
+            f"\n== {name}\n{children.log_path(name).read_text(errors='replace')[-2000:]}"
+            for name, proc in children.procs.items()
+            if proc.poll() is not None
+        )
+        raise SystemExit(f"{exc}{tails}") from exc
 
 
 @dataclass
@@ -276,14 +242,14 @@ def run(args: argparse.Namespace, tmp: Path, max_queued: int) -> Result:
             "DATAGEN_METRICS_PORT": "0",
             "DATAGEN_LOG_LEVEL": "WARNING",
         }
-        children = Children(tmp, env)
+        children = ChildProcesses(tmp, child_env(env), stop_timeout_s=STOP_TIMEOUT_S)
         stop = threading.Event()
         try:
             coordinator = children.spawn("coordinator", "coordinator", "--port", str(port))
             if args.concurrency:
                 worker_args = ["--server", f"sim={sim_url}", "--short-concurrency", str(args.concurrency)]
                 children.spawn("worker", "worker", *worker_args)
-            children.wait_http(f"{coordinator_url}/healthz")
+            wait_http(children, f"{coordinator_url}/healthz")
             if args.drain_per_s:
                 threading.Thread(target=drain, args=(client, args.drain_per_s, stop), daemon=True).start()
             posted = time.perf_counter()

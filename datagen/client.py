@@ -8,7 +8,7 @@ from typing import Any
 
 import httpx
 
-from datagen.errors import ConfigError, DatagenError, InvalidSpecError, JobNotFoundError
+from datagen.errors import ConfigError, error_from_http
 
 __all__ = ["CoordinatorClient"]
 
@@ -92,22 +92,19 @@ class CoordinatorClient:
                 f"cannot reach the coordinator at {self._http.base_url}: {exc} "
                 "(is `datagen coordinator` running? set --coordinator or DATAGEN_COORDINATOR_URL)"
             ) from exc
-        if response.status_code == 404:
-            raise JobNotFoundError(_message(response))
-        if 400 <= response.status_code < 500:
-            raise InvalidSpecError(
-                f"coordinator refused the request ({response.status_code}): {_message(response)}"
-            )
-        if response.status_code >= 500:
-            raise DatagenError(f"coordinator error ({response.status_code}): {_message(response)}")
+        if response.status_code >= 400:
+            type_name, message = _error_body(response)
+            raise error_from_http(response.status_code, type_name, message)
         return response.json()
 
 
-def _message(response: httpx.Response) -> str:
+def _error_body(response: httpx.Response) -> tuple[str | None, str]:
+    """(error class name, message) of an error answer; a proxy's page has no class name."""
     try:
         body = response.json()
     except ValueError:
-        return response.text[:500]
+        return None, f"coordinator answered {response.status_code}: {response.text[:500]}"
     if isinstance(body, dict) and "error" in body:
-        return str(body["error"])
-    return json.dumps(body)[:500]
+        type_name = body.get("type")
+        return (type_name if isinstance(type_name, str) else None), str(body["error"])
+    return None, f"coordinator answered {response.status_code}: {json.dumps(body)[:500]}"

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, BinaryIO
@@ -40,6 +41,8 @@ __all__ = [
     "iter_prompts",
     "sample_id_for",
 ]
+
+log = logging.getLogger(__name__)
 
 DEFAULT_MAX_LINE_BYTES = 8 * 1024 * 1024
 DEFAULT_PARTITION = "default"
@@ -57,6 +60,8 @@ _SHAREGPT_ROLES = {
     "tool": "tool",
 }
 _PROMPT_ENDS = ("user", "tool")
+# A reason quotes at most this much of an unexpected error's text.
+_MAX_REASON_CHARS = 300
 
 
 @dataclass(frozen=True)
@@ -127,9 +132,36 @@ def _parse_json(text: str) -> dict[str, Any]:
         raise InvalidRowError(f"invalid JSON: {exc.msg} (column {exc.colno})") from exc
     except RecursionError as exc:
         raise InvalidRowError("invalid JSON: nested too deeply") from exc
+    except ValueError as exc:  # an integer over Python's 4,300-digit conversion limit
+        raise InvalidRowError(
+            "a number has more than 4,300 digits; shorten it or write it as a string"
+        ) from exc
     if not isinstance(row, dict):
         raise InvalidRowError(f"row is not a JSON object (got {_json_kind(row)})")
+    # Raw UTF-8 cannot hold a surrogate: only a JSON escape ("\\ud83d") can, so most rows skip the walk.
+    if "\\ud" in text.lower():
+        _refuse_lone_surrogates(row)
     return row
+
+
+def _refuse_lone_surrogates(row: dict[str, Any]) -> None:
+    """Refuse a string that is not valid Unicode: it cannot be tokenized, hashed or stored."""
+    stack: list[tuple[object, str]] = [(row, "")]
+    while stack:
+        value, path = stack.pop()
+        if isinstance(value, dict):
+            for key, item in value.items():
+                stack.extend([(key, f"{path or 'row'} key"), (item, f"{path}.{key}" if path else str(key))])
+        elif isinstance(value, list):
+            stack.extend((item, f"{path}[{index}]") for index, item in enumerate(value))
+        elif isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                raise InvalidRowError(
+                    f"{path} holds a lone surrogate {value[exc.start]!r} (half of an escaped pair such as "
+                    "\\ud83d\\ude00), which is not valid Unicode; re-encode the file as UTF-8"
+                ) from exc
 
 
 # -- row fields ------------------------------------------------------------------------------------
@@ -334,18 +366,20 @@ def _row_prompts(row: dict[str, Any], line: int, mode: MultiTurnMode, sample_id:
 
 
 def _line_items(raw: bytes, line: int, mode: MultiTurnMode) -> list[Prompt | RowError]:
+    sample_id = None
     try:
         text = _decode(raw, line)
         if not text:
             return []
         row = _parse_json(text)
         sample_id = _row_id(row)
-    except InvalidRowError as exc:
-        return [RowError(line, str(exc))]
-    try:
         return list[Prompt | RowError](_row_prompts(row, line, mode, sample_id))
     except InvalidRowError as exc:
         return [RowError(line, str(exc), sample_id)]
+    except Exception as exc:  # one row, whatever it holds, must never stop the rest of the file
+        log.debug("line %d: unexpected error reading the row", line, exc_info=True)
+        detail = f"{type(exc).__name__}: {exc}"[:_MAX_REASON_CHARS]
+        return [RowError(line, f"cannot read this row ({detail}); fix or remove it", sample_id)]
 
 
 def iter_prompts(

@@ -8,22 +8,20 @@ it started, also on Ctrl-C.
 
 from __future__ import annotations
 
-import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
-import httpx
 from rich.console import Console
 
 from datagen.client import CoordinatorClient
 from datagen.errors import ConfigError
 from datagen.export import ExportStats, iter_unique_rows
+from datagen.processes import ChildProcesses, child_env
+from datagen.progress import wait_for_job
 from datagen.redis_server import LocalRedis, free_port
-from datagen.settings import ENV_PREFIX
+from datagen.states import ServerState
 from datagen.storage import Storage
 from datagen.tokenization import bundled_tokenizer_path, default_chat_template_path
 
@@ -42,59 +40,12 @@ DEMO_SPEC: dict[str, Any] = {
 }
 
 
-class _Processes:
-    def __init__(self, log_dir: Path, env: dict[str, str]) -> None:
-        self.log_dir = log_dir
-        self.env = env
-        self.items: list[tuple[str, subprocess.Popen[bytes], IO[bytes]]] = []
-
-    def spawn(self, name: str, *args: str) -> None:
-        log = open(self.log_dir / f"{name}.log", "wb")  # noqa: SIM115 - closed in stop()
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "datagen", *args], stdout=log, stderr=subprocess.STDOUT, env=self.env
-        )
-        self.items.append((name, proc, log))
-
-    def check_alive(self) -> None:
-        for name, proc, _ in self.items:
-            if proc.poll() is not None:
-                raise ConfigError(f"{name} exited with code {proc.returncode}; see {self.log_dir / name}.log")
-
-    def stop(self) -> None:
-        for _, proc, _ in reversed(self.items):
-            if proc.poll() is None:
-                proc.terminate()
-        deadline = time.monotonic() + STOP_TIMEOUT_S
-        for _, proc, log in self.items:
-            try:
-                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-            log.close()
-
-
-def _wait_http(url: str, procs: _Processes) -> None:
-    deadline = time.monotonic() + STARTUP_TIMEOUT_S
-    while time.monotonic() < deadline:
-        procs.check_alive()
-        try:
-            if httpx.get(url, timeout=1.0).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise ConfigError(
-        f"{url} did not come up within {STARTUP_TIMEOUT_S:.0f} s; see the logs in {procs.log_dir}"
-    )
-
-
-def _wait_fleet(client: CoordinatorClient, procs: _Processes) -> None:
+def _wait_fleet(client: CoordinatorClient, procs: ChildProcesses) -> None:
     """Until the worker has taken its server: the coordinator's pre-flight checks need it."""
     deadline = time.monotonic() + STARTUP_TIMEOUT_S
     while time.monotonic() < deadline:
         procs.check_alive()
-        if any(server["state"] == "up" for server in client.servers()):
+        if any(server["state"] == ServerState.UP for server in client.servers()):
             return
         time.sleep(0.2)
     raise ConfigError(
@@ -104,16 +55,9 @@ def _wait_fleet(client: CoordinatorClient, procs: _Processes) -> None:
 
 
 def _child_env(redis_url: str, storage: Path) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(ENV_PREFIX)}
-    env.update(
-        {
-            "DATAGEN_REDIS_URL": redis_url,
-            "DATAGEN_STORAGE": str(storage),
-            "DATAGEN_NAMESPACE": "demo",
-            "HF_HUB_OFFLINE": "1",
-        }
+    return child_env(
+        {"DATAGEN_REDIS_URL": redis_url, "DATAGEN_STORAGE": str(storage), "DATAGEN_NAMESPACE": "demo"}
     )
-    return env
 
 
 def _interrupt(signum: int, frame: object) -> None:
@@ -121,8 +65,6 @@ def _interrupt(signum: int, frame: object) -> None:
 
 
 def run_demo(data_dir: Path, dataset: Path | None, console: Console) -> int:
-    from datagen.cli import wait_for_job
-
     dataset = dataset or DEMO_DATASET
     if not dataset.is_file():
         raise ConfigError(f"dataset {dataset} not found; pass --dataset FILE.jsonl")
@@ -134,7 +76,7 @@ def run_demo(data_dir: Path, dataset: Path | None, console: Console) -> int:
     # children running; turn it into the same path as Ctrl-C.
     signal.signal(signal.SIGTERM, _interrupt)
     with LocalRedis() as redis_server:
-        procs = _Processes(log_dir, _child_env(redis_server.url, data_dir))
+        procs = ChildProcesses(log_dir, _child_env(redis_server.url, data_dir), stop_timeout_s=STOP_TIMEOUT_S)
         try:
             sim_port, coord_port = free_port(), free_port()
             tokenizer = bundled_tokenizer_path()
@@ -149,20 +91,20 @@ def run_demo(data_dir: Path, dataset: Path | None, console: Console) -> int:
                 "--time-scale",
                 str(DEMO_TIME_SCALE),
             )
-            _wait_http(f"http://127.0.0.1:{sim_port}/health", procs)
+            procs.wait_http(f"http://127.0.0.1:{sim_port}/health", STARTUP_TIMEOUT_S)
             procs.spawn(
                 "worker", "worker", "--server", f"sim=http://127.0.0.1:{sim_port}",
                 "--short-concurrency", "64", "--long-concurrency", "16", "--metrics-port", "0",
             )  # fmt: skip
             procs.spawn("coordinator", "coordinator", "--port", str(coord_port))
             coordinator_url = f"http://127.0.0.1:{coord_port}"
-            _wait_http(f"{coordinator_url}/healthz", procs)
+            procs.wait_http(f"{coordinator_url}/healthz", STARTUP_TIMEOUT_S)
             spec = dict(DEMO_SPEC, tokenizer=tokenizer, chat_template=str(default_chat_template_path()))
             with CoordinatorClient(coordinator_url) as client:
                 _wait_fleet(client, procs)
                 job = client.submit(dataset, spec)
                 console.print(f"submitted {dataset} as job [bold]{job['id']}[/bold]", soft_wrap=True)
-                code = wait_for_job(client, job["id"])
+                code = wait_for_job(client, job["id"], console)
                 final = client.job(job["id"])
         finally:
             procs.stop()

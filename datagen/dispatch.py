@@ -31,9 +31,10 @@ from redis import Redis
 from redis.client import Pipeline
 from rq.job import Job
 
+from datagen.jobs import LUA_COUNT_CANCELLED_QUEUED
 from datagen.keys import Keys
 from datagen.redistext import as_text, as_texts
-from datagen.states import Priority, PromptClass
+from datagen.states import JobState, Priority, PromptClass
 
 __all__ = ["SHARE_WINDOW_S", "Dispatch", "JobShare"]
 
@@ -90,18 +91,23 @@ end
 return false
 """
 
-# KEYS: job hash, backlog, the job's set for this class and priority. ARGV: job id, slice size,
-# RQ ids... A cancelled job takes no more prompts: they are counted cancelled instead (ingestion
-# may still be flushing a chunk when the cancel lands).
-_ADD = """
-local n = #ARGV - 2
+# KEYS: job hash, backlog, the job's set for this class and priority, the job's breakdown. ARGV:
+# job id, slice size, class, the cancelled state, RQ ids... A cancelled job takes no more prompts:
+# they are counted cancelled instead (a worker may enqueue a multi-turn conversation's next turn as
+# the cancel lands); a deleted job takes none and counts nothing (its keys must not come back).
+_ADD = (
+    LUA_COUNT_CANCELLED_QUEUED
+    + """
+local n = #ARGV - 4
 if n <= 0 then return 0 end
-if redis.call('HGET', KEYS[1], 'state') == 'cancelled' then
-  redis.call('HINCRBY', KEYS[1], 'cancelled', n)
+local state = redis.call('HGET', KEYS[1], 'state')
+if not state then return 0 end
+if state == ARGV[4] then
+  count_cancelled_queued(KEYS[1], KEYS[4], ARGV[3], n)
   return 0
 end
 local slice = tonumber(ARGV[2])
-for i = 3, #ARGV, slice do
+for i = 5, #ARGV, slice do
   redis.call('RPUSH', KEYS[2], unpack(ARGV, i, math.min(i + slice - 1, #ARGV)))
 end
 if not redis.call('ZSCORE', KEYS[3], ARGV[1]) then
@@ -110,16 +116,21 @@ if not redis.call('ZSCORE', KEYS[3], ARGV[1]) then
 end
 return n
 """
+)
 
-# KEYS: backlog, job hash. ARGV: RQ job key prefix, how many. Drops up to that many undispatched
-# prompts of a cancelled job (their RQ job hashes too) and counts them cancelled.
-_DROP = """
+# KEYS: backlog, job hash, the job's breakdown. ARGV: RQ job key prefix, how many, class. Drops up
+# to that many undispatched prompts of a cancelled job (their RQ job hashes too) and counts them
+# cancelled.
+_DROP = (
+    LUA_COUNT_CANCELLED_QUEUED
+    + """
 local ids = redis.call('LPOP', KEYS[1], tonumber(ARGV[2]))
 if not ids then return 0 end
 for _, id in ipairs(ids) do redis.call('UNLINK', ARGV[1] .. id) end
-redis.call('HINCRBY', KEYS[2], 'cancelled', #ids)
+count_cancelled_queued(KEYS[2], KEYS[3], ARGV[3], #ids)
 return #ids
 """
+)
 
 DROP_CHUNK = 1000
 
@@ -188,8 +199,10 @@ class Dispatch:
             self.keys.job(job_id),
             self.keys.job_backlog(job_id, cls),
             self.keys.dispatch_jobs(cls, priority),
+            self.keys.job_breakdown(job_id),
         ]
-        self._add(keys=keys, args=[job_id, PUSH_SLICE, *rq_ids], client=pipe)
+        args = [job_id, PUSH_SLICE, cls.value, JobState.CANCELLED.value, *rq_ids]
+        self._add(keys=keys, args=args, client=pipe)
 
     # Operator controls ---------------------------------------------------------------------------
     def pause(self, job_id: str) -> None:
@@ -229,8 +242,12 @@ class Dispatch:
         for cls in PromptClass:
             while n := int(
                 self._drop(
-                    keys=[self.keys.job_backlog(job_id, cls), self.keys.job(job_id)],
-                    args=[RQ_JOB_PREFIX, DROP_CHUNK],
+                    keys=[
+                        self.keys.job_backlog(job_id, cls),
+                        self.keys.job(job_id),
+                        self.keys.job_breakdown(job_id),
+                    ],
+                    args=[RQ_JOB_PREFIX, DROP_CHUNK, cls.value],
                 )
             ):
                 dropped += n

@@ -1,45 +1,65 @@
-"""The one exception tree of the project.
+"""The one exception tree of the project, and the HTTP status of each error.
 
     DatagenError
-    ├── RetryableError              try again later, elsewhere, or after a backoff
+    ├── RetryableError              try again later, elsewhere, or after a backoff           503
     │   ├── ServerUnavailableError  connection refused/reset, 503, server starting or shutting down
     │   ├── RequestTimeoutError     connect or read timeout talking to a server
     │   ├── ServerError             500 and other 5xx, unparseable replies
     │   ├── GenerationAbortedError  finish_reason type "abort" (retraction OOM, waiting-queue abort, ...)
     │   ├── DuplicateRequestError   400 "Duplicate request ID": an earlier attempt is still running
-    │   └── StorageError            writing a shard or manifest failed; records were not committed
-    └── FatalError                  retrying cannot help; the prompt or request must change
+    │   ├── StorageError            writing a shard or manifest failed; records were not committed
+    │   └── BackendUnavailableError the coordinator cannot reach Redis
+    └── FatalError                  retrying cannot help; the prompt or request must change   400
         ├── BadRequestError         400 from SGLang: prompt too long, bad sampling values, ...
         ├── InvalidSpecError        a job spec that cannot run (tokenizer, template, limits)
-        │   └── PreflightError      the spec, its tokenizer and the servers do not fit together
+        │   └── PreflightError      the spec, its tokenizer and the servers do not fit together 409
         ├── InvalidRowError         one dataset row that cannot become a prompt
-        ├── JobNotFoundError        no job with that id
-        ├── JobStateError           the job's state forbids the operation (delete while running)
+        ├── UploadTooLargeError     an upload over DATAGEN_MAX_UPLOAD_BYTES                    413
+        ├── NotFoundError           no such thing                                              404
+        │   ├── JobNotFoundError    no job with that id
+        │   ├── UnknownServerError  no worker has reported a server of that name
+        │   └── UnknownQueueError   no queue of that name
+        ├── JobStateError           the job's state forbids the operation (delete while running) 409
+        ├── AuthError               a missing or wrong bearer token                            401
+        ├── InvalidRequestError     parameters or a body that do not match the HTTP API         422
         └── ConfigError             settings or environment that cannot start a process
 
 Lower-level errors (httpx, redis, OSError) are translated into these at one boundary with
-``raise ... from exc``; the HTTP layer maps them to status codes in one place.
+``raise ... from exc``. :data:`HTTP_STATUS` is the one table both sides of the HTTP API use: the
+coordinator answers ``{"error": message, "type": class name}`` with :func:`http_status`, and the
+client rebuilds the same class with :func:`error_from_http`.
 """
 
 from __future__ import annotations
 
 __all__ = [
+    "HTTP_STATUS",
+    "AuthError",
+    "BackendUnavailableError",
     "BadRequestError",
     "ConfigError",
     "DatagenError",
     "DuplicateRequestError",
     "FatalError",
     "GenerationAbortedError",
+    "InvalidRequestError",
     "InvalidRowError",
     "InvalidSpecError",
     "JobNotFoundError",
     "JobStateError",
+    "NotFoundError",
     "PreflightError",
     "RequestTimeoutError",
     "RetryableError",
     "ServerError",
     "ServerUnavailableError",
     "StorageError",
+    "UnknownQueueError",
+    "UnknownServerError",
+    "UploadTooLargeError",
+    "error_from_http",
+    "http_status",
+    "status_error_class",
 ]
 
 
@@ -79,6 +99,10 @@ class StorageError(RetryableError):
     pass
 
 
+class BackendUnavailableError(RetryableError):
+    """The coordinator's Redis did not answer; the request may be repeated as it was."""
+
+
 class FatalError(DatagenError):
     """Retrying the same request cannot succeed."""
 
@@ -104,7 +128,23 @@ class InvalidRowError(FatalError):
         self.line = line
 
 
-class JobNotFoundError(FatalError):
+class UploadTooLargeError(FatalError):
+    pass
+
+
+class NotFoundError(FatalError):
+    """The thing a request names does not exist."""
+
+
+class JobNotFoundError(NotFoundError):
+    pass
+
+
+class UnknownServerError(NotFoundError):
+    pass
+
+
+class UnknownQueueError(NotFoundError):
     pass
 
 
@@ -112,5 +152,65 @@ class JobStateError(FatalError):
     """The operation does not fit the job's state (deleting a running job, resuming a finished one)."""
 
 
+class AuthError(FatalError):
+    pass
+
+
+class InvalidRequestError(FatalError):
+    pass
+
+
 class ConfigError(FatalError):
     pass
+
+
+# Looked up along the class's MRO, so a subclass without an entry answers as its nearest ancestor.
+HTTP_STATUS: dict[type[DatagenError], int] = {
+    DatagenError: 500,
+    RetryableError: 503,
+    FatalError: 400,
+    PreflightError: 409,
+    JobStateError: 409,
+    NotFoundError: 404,
+    UploadTooLargeError: 413,
+    AuthError: 401,
+    InvalidRequestError: 422,
+}
+
+_STATUS_FALLBACK: dict[int, type[DatagenError]] = {
+    400: FatalError,
+    401: AuthError,
+    404: NotFoundError,
+    409: JobStateError,
+    413: UploadTooLargeError,
+    422: InvalidRequestError,
+    503: RetryableError,
+}
+
+
+def _tree(root: type[DatagenError]) -> dict[str, type[DatagenError]]:
+    # Only this module's classes: a name in an answer must never build an arbitrary class.
+    found = {root.__name__: root} if root.__module__ == __name__ else {}
+    for sub in root.__subclasses__():
+        found.update(_tree(sub))
+    return found
+
+
+def http_status(exc: DatagenError) -> int:
+    for cls in type(exc).__mro__:
+        if cls in HTTP_STATUS:
+            return HTTP_STATUS[cls]
+    return HTTP_STATUS[DatagenError]
+
+
+def status_error_class(status: int) -> type[DatagenError]:
+    """The class that stands for a status when nothing more specific is known."""
+    return _STATUS_FALLBACK.get(status, InvalidRequestError if 400 <= status < 500 else DatagenError)
+
+
+def error_from_http(status: int, type_name: object, message: str) -> DatagenError:
+    """The error a coordinator's answer stands for: its class by name, else by status."""
+    cls = _tree(DatagenError).get(type_name) if isinstance(type_name, str) else None
+    if cls is None:
+        cls = status_error_class(status)
+    return cls(message)

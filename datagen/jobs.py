@@ -10,173 +10,72 @@ The job turns ``completed`` in the same script that counts its last prompt.
 from __future__ import annotations
 
 import json
-import time
+import secrets
+import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
 from redis import Redis
 from redis.client import Pipeline
 
-from datagen.errors import JobNotFoundError
+from datagen import _job_scripts as scripts
+from datagen.errors import JobNotFoundError, JobStateError
+from datagen.job_progress import INT_FIELDS, JobProgress, now_ms
 from datagen.keys import Keys
 from datagen.redistext import as_text, as_texts
 from datagen.spec import JobSpec
-from datagen.states import JobState
+from datagen.states import JobState, PromptClass
 
-__all__ = ["FAILED_REPORTS_CAP", "JobProgress", "JobStore", "now_ms"]
+__all__ = [
+    "FAILED_REPORTS_CAP",
+    "LUA_COUNT_CANCELLED_QUEUED",
+    "JobProgress",
+    "JobStore",
+    "RequeueItem",
+    "now_ms",
+]
 
 FAILED_REPORTS_CAP = 10_000
 
-# KEYS: job hash, the job's running set, its failure reports, its breakdown hash, its labelled
-# partitions. ARGV: counter field, increment, output tokens, now ms, RQ id leaving the running set
-# ("" for none), failure report ("" for none), report cap, partition, class, finish reason ("" for
-# none). A prompt is counted
-# only if it was still in the running set, so finishing the same prompt twice (a stalled worker
-# and its rescuer) counts once.
-_COUNT_AND_MAYBE_COMPLETE = """
-local key = KEYS[1]
-if redis.call('EXISTS', key) == 0 then return 0 end
-if ARGV[5] ~= '' and redis.call('SREM', KEYS[2], ARGV[5]) == 0 then return -1 end
-if tonumber(ARGV[2]) ~= 0 then
-  redis.call('HINCRBY', key, ARGV[1], ARGV[2])
-  local label = ARGV[8]
-  if redis.call('SISMEMBER', KEYS[5], label) == 0 then label = 'other' end
-  local suffix = '|' .. label .. '|' .. ARGV[9]
-  redis.call('HINCRBY', KEYS[4], ARGV[1] .. suffix, ARGV[2])
-  if tonumber(ARGV[3]) ~= 0 then redis.call('HINCRBY', KEYS[4], 'output_tokens' .. suffix, ARGV[3]) end
-  if ARGV[10] ~= '' then redis.call('HINCRBY', KEYS[4], 'finish:' .. ARGV[10] .. suffix, 1) end
-end
-if tonumber(ARGV[3]) ~= 0 then redis.call('HINCRBY', key, 'output_tokens', ARGV[3]) end
-if ARGV[6] ~= '' then
-  redis.call('RPUSH', KEYS[3], ARGV[6])
-  redis.call('LTRIM', KEYS[3], 0, tonumber(ARGV[7]) - 1)
-end
-if redis.call('HGET', key, 'state') == 'running' then
-  local done = tonumber(redis.call('HGET', key, 'done') or '0')
-  local failed = tonumber(redis.call('HGET', key, 'failed') or '0')
-  local cancelled = tonumber(redis.call('HGET', key, 'cancelled') or '0')
-  local accepted = tonumber(redis.call('HGET', key, 'accepted') or '0')
-  if done + failed + cancelled >= accepted then
-    redis.call('HSET', key, 'state', 'completed', 'finished_at_ms', ARGV[4])
-    redis.call('DEL', KEYS[2])
-    return 2
-  end
-end
-return 1
-"""
-
-# KEYS: job hash. ARGV: the states it may move from (space-separated), the state it moves to,
-# then field/value pairs to set with it. Returns 1 if it moved.
-_TRANSITION = """
-local state = redis.call('HGET', KEYS[1], 'state')
-if not state then return 0 end
-local allowed = false
-for from in string.gmatch(ARGV[1], '%S+') do
-  if from == state then allowed = true end
-end
-if not allowed then return 0 end
-redis.call('HSET', KEYS[1], 'state', ARGV[2])
-for i = 3, #ARGV, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
-return 1
-"""
+_COUNT_STATES = (JobState.RUNNING.value, JobState.COMPLETED.value)
 
 # Partitions beyond this many per job are counted under the label "other" (bounded label sets).
 MAX_PARTITION_LABELS = 20
 OTHER_PARTITION = "other"
 
-_INT_FIELDS = (
-    "rows",
-    "accepted",
-    "rejected",
-    "skipped",
-    "done",
-    "failed",
-    "cancelled",
-    "retried",
-    "prompt_tokens",
-    "output_tokens",
-    "created_at_ms",
-    "finished_at_ms",
-    "ingest_line",
-)
 
+# The dispatch scripts count cancelled prompts by this shared rule too.
+LUA_COUNT_CANCELLED_QUEUED = scripts.COUNT_CANCELLED_QUEUED
+UNKNOWN_PARTITION = "unknown"
 
-def now_ms() -> int:
-    return int(time.time() * 1000)
+# How long a retry may hold the job's retry lock; a crashed coordinator's lock expires by itself.
+RETRY_LOCK_TTL_MS = 120_000
+# RQ ids per call of the report-forgetting script (Lua's stack limits ARGV).
+RETRY_FORGET_SLICE = 5000
 
 
 @dataclass(frozen=True)
-class JobProgress:
-    job_id: str
-    state: JobState
-    rows: int
-    accepted: int
-    rejected: int
-    skipped: int
-    done: int
-    failed: int
-    in_flight: int
-    prompt_tokens: int
-    output_tokens: int
-    created_at_ms: int
-    finished_at_ms: int
-    error: str | None
-    storage_error: str | None = None
-    cancelled: int = 0
-    retried: int = 0
-    paused: bool = False
-    priority: str = "normal"
-    weight: float = 1.0
+class RequeueItem:
+    """One failed prompt to put back: its RQ id, new RQ meta (serialized), worker-loss budget to
+    restore (None: keep), and where it counts (partition label, class)."""
 
-    @property
-    def queued(self) -> int:
-        return max(0, self.accepted - self.done - self.failed - self.cancelled - self.in_flight)
-
-    def elapsed_s(self, at_ms: int | None = None) -> float:
-        end = self.finished_at_ms or (at_ms if at_ms is not None else now_ms())
-        return max(1e-3, (end - self.created_at_ms) / 1000)
-
-    def to_json(self, at_ms: int | None = None) -> dict[str, Any]:
-        elapsed_s = self.elapsed_s(at_ms)
-        finished = self.done + self.failed + self.cancelled
-        remaining = max(0, self.accepted - finished)
-        rate = finished / elapsed_s
-        eta_s = None if self.state.is_final else (remaining / rate if rate > 0 else None)
-        return {
-            "id": self.job_id,
-            "state": self.state.value,
-            "rows": self.rows,
-            "total": self.accepted,
-            "rejected": self.rejected,
-            "skipped": self.skipped,
-            "queued": self.queued if not self.state.is_final else 0,
-            # A cancelled job's prompts may still be finishing (or being aborted).
-            "in_flight": self.in_flight,
-            "done": self.done,
-            "failed": self.failed,
-            "cancelled": self.cancelled,
-            "retried": self.retried,
-            "paused": self.paused,
-            "priority": self.priority,
-            "weight": self.weight,
-            "prompt_tokens": self.prompt_tokens,
-            "generated_tokens": self.output_tokens,
-            "tokens_per_s": round(self.output_tokens / elapsed_s, 2),
-            "elapsed_s": round(elapsed_s, 3),
-            "eta_s": None if eta_s is None else round(eta_s, 1),
-            "created_at_ms": self.created_at_ms,
-            "finished_at_ms": self.finished_at_ms or None,
-            "error": self.error,
-            "storage_error": self.storage_error,
-        }
+    rq_id: str
+    meta: bytes
+    retries_left: int | None
+    label: str
+    cls: str
 
 
 class JobStore:
     def __init__(self, redis: Redis, keys: Keys) -> None:
         self.redis = redis
         self.keys = keys
-        self._count_script = redis.register_script(_COUNT_AND_MAYBE_COMPLETE)
-        self._transition = redis.register_script(_TRANSITION)
+        self._count_script = redis.register_script(scripts.COUNT_AND_MAYBE_COMPLETE)
+        self._transition = redis.register_script(scripts.TRANSITION)
+        self._requeue = redis.register_script(scripts.REQUEUE_FAILED)
+        self._release = redis.register_script(scripts.RELEASE)
+        self._forget = redis.register_script(scripts.FORGET_REPORTS)
 
     # Creation and lookup ------------------------------------------------------------------------
     def create(
@@ -191,10 +90,14 @@ class JobStore:
         created = now_ms()
         if not self.redis.hsetnx(key, "created_at_ms", created):
             return False
+        # A new incarnation on every create: whatever an earlier job of this id (deleted) still
+        # has in flight carries the old one, and is refused by the counters, the writer and exports.
+        incarnation = uuid.uuid4().hex[:16]
         with self.redis.pipeline() as pipe:
             pipe.hset(
                 key,
                 mapping={
+                    "incarnation": incarnation,
                     "state": JobState.INGESTING.value,
                     "spec": spec.model_dump_json(),
                     "tokenizer_identity": tokenizer_identity or spec.tokenizer,
@@ -205,8 +108,35 @@ class JobStore:
                 },
             )
             pipe.zadd(self.keys.jobs_index(), {job_id: created})
+            pipe.set(self.keys.job_ingest_fence(job_id), incarnation)
             pipe.execute()
         return True
+
+    def incarnation(self, job_id: str) -> str | None:
+        """The job's current incarnation ("" for a job made before incarnations); None if it is gone."""
+        with self.redis.pipeline(transaction=False) as pipe:
+            pipe.exists(self.keys.job(job_id))
+            pipe.hget(self.keys.job(job_id), "incarnation")
+            exists, raw = pipe.execute()
+        if not exists:
+            return None
+        return as_text(raw) if raw else ""
+
+    def set_ingest_input(self, job_id: str, input_name: str, context_len: int | None) -> None:
+        """The upload ingestion reads next, from its first line, and the context length that was
+        checked at submit (ingestion rejects over-long prompts by it)."""
+        fields: dict[Any, Any] = {"ingest_input": input_name, "ingest_line": 0}
+        if context_len is not None:
+            fields["context_len"] = context_len
+        self.redis.hset(self.keys.job(job_id), mapping=fields)
+
+    def ingest_input(self, job_id: str) -> str | None:
+        raw = self.redis.hget(self.keys.job(job_id), "ingest_input")
+        return as_text(raw) if raw else None
+
+    def context_len(self, job_id: str) -> int | None:
+        raw = self.redis.hget(self.keys.job(job_id), "context_len")
+        return int(raw) if raw else None
 
     def state(self, job_id: str) -> JobState:
         raw = self.redis.hget(self.keys.job(job_id), "state")
@@ -241,7 +171,7 @@ class JobStore:
         if not raw or b"state" not in raw:
             raise JobNotFoundError(f"no job {job_id!r}")
         fields = {k.decode(): v.decode() for k, v in raw.items()}
-        ints = {name: int(fields.get(name, 0) or 0) for name in _INT_FIELDS}
+        ints = {name: int(fields.get(name, 0) or 0) for name in INT_FIELDS}
         return JobProgress(
             job_id=job_id,
             state=JobState(fields["state"]),
@@ -261,6 +191,7 @@ class JobStore:
             cancelled=ints["cancelled"],
             retried=ints["retried"],
             paused=bool(paused),
+            flagged=ints["flagged"],
             priority=fields.get("priority", "normal"),
             weight=float(fields.get("weight", 1.0)),
         )
@@ -286,6 +217,16 @@ class JobStore:
         pipe.hincrby(key, "prompt_tokens", prompt_tokens)
         self.add_breakdown(pipe, job_id, {("accepted", label, cls): 1})
 
+    def first_rows(self, job_id: str, sample_keys: list[str]) -> dict[str, str]:
+        """What :meth:`remember_rows` stored for these sample keys (absent: no row used them yet)."""
+        raw = self.redis.hmget(self.keys.job_rows(job_id), sample_keys)
+        return {k: as_text(v) for k, v in zip(sample_keys, raw, strict=True) if v is not None}
+
+    def remember_rows(self, pipe: Pipeline, job_id: str, rows: dict[str, str]) -> None:
+        """Sample key -> ``<content digest>:<line>:<upload>`` of the row that first used the id."""
+        if rows:
+            pipe.hset(self.keys.job_rows(job_id), mapping=cast(dict[Any, Any], rows))
+
     def label_of(self, job_id: str, partition: str) -> str:
         labelled = self.redis.sismember(self.keys.job_partitions(job_id), partition)
         return partition if labelled else OTHER_PARTITION
@@ -294,10 +235,10 @@ class JobStore:
         # Only from ingesting: a job cancelled meanwhile stays cancelled. One transaction, so that
         # a job with nothing left to run is never seen running before it is seen completed.
         with self.redis.pipeline(transaction=True) as pipe:
-            self.transition(job_id, (JobState.INGESTING,), JobState.RUNNING, pipe=pipe)
+            self.transition(job_id, (JobState.INGESTING,), JobState.RUNNING, pipe=pipe, fence="drop")
             self._count_script(
                 keys=self._count_keys(job_id),
-                args=["done", 0, 0, now_ms(), "", "", 0, "", "", ""],
+                args=["done", 0, 0, now_ms(), "", "", 0, "", "", "", "", *_COUNT_STATES],
                 client=pipe,
             )
             pipe.execute()
@@ -310,19 +251,34 @@ class JobStore:
         fields: dict[str, str | int] | None = None,
         *,
         pipe: Pipeline | None = None,
+        fence: str = "",
     ) -> bool:
-        """Move the job to ``target`` if it is in one of ``sources`` (atomically), setting ``fields``.
+        """Move the job to ``target`` if it is in one of ``sources`` (atomically), setting ``fields``;
+        ``fence`` "drop" stops ingestion from enqueueing more, "arm" lets it enqueue again.
 
         Returns whether it moved; inside ``pipe`` that answer comes from ``pipe.execute()`` instead.
         """
-        args: list[str | int] = [" ".join(s.value for s in sources), target.value]
+        args: list[str | int] = [" ".join(s.value for s in sources), target.value, fence]
         for name, value in (fields or {}).items():
             args += [name, value]
-        return bool(self._transition(keys=[self.keys.job(job_id)], args=args, client=pipe))
+        keys = [self.keys.job(job_id), self.keys.job_ingest_fence(job_id)]
+        return bool(self._transition(keys=keys, args=args, client=pipe))
 
     def restart_ingest(self, job_id: str) -> None:
-        self.redis.hset(
-            self.keys.job(job_id), mapping={"state": JobState.INGESTING.value, "finished_at_ms": 0}
+        """A resubmission to the job: it ingests again (not a cancelled job: that stays cancelled)."""
+        sources = (JobState.INGESTING, JobState.RUNNING, JobState.COMPLETED, JobState.FAILED)
+        if not self.transition(job_id, sources, JobState.INGESTING, {"finished_at_ms": 0}, fence="arm"):
+            raise JobStateError(f"job {job_id} was cancelled or deleted meanwhile; submit under a new job id")
+
+    def cancel(self, job_id: str) -> bool:
+        """Move a live job to cancelled; ingestion enqueues nothing more. False if it was not live."""
+        at = now_ms()
+        return self.transition(
+            job_id,
+            (JobState.INGESTING, JobState.RUNNING),
+            JobState.CANCELLED,
+            {"finished_at_ms": at, "cancelled_at_ms": at},
+            fence="drop",
         )
 
     def set_storage_error(self, job_id: str, error: str | None) -> None:
@@ -333,11 +289,11 @@ class JobStore:
         else:
             self.redis.hset(key, "storage_error", f"{error} (since {now_ms()} ms)")
 
-    def fail(self, job_id: str, error: str) -> None:
-        self.redis.hset(
-            self.keys.job(job_id),
-            mapping={"state": JobState.FAILED.value, "error": error, "finished_at_ms": now_ms()},
-        )
+    def fail(self, job_id: str, error: str) -> bool:
+        """Ingestion failed: an ingesting job fails. A job cancelled or deleted meanwhile is left
+        as it is (never recreated). Returns whether it moved."""
+        fields: dict[str, str | int] = {"error": error, "finished_at_ms": now_ms()}
+        return self.transition(job_id, (JobState.INGESTING,), JobState.FAILED, fields, fence="drop")
 
     # Workers ------------------------------------------------------------------------------------
     # A set of RQ ids rather than a counter: a prompt that is handed back or reaped and then
@@ -368,12 +324,33 @@ class JobStore:
         partition: str,
         cls: str,
         finish: str = "",
+        incarnation: str = "",
     ) -> None:
-        args: list[str | int] = ["done", 1, output_tokens, now_ms(), rq_id, "", 0, partition, cls, finish]
-        self._count_script(keys=self._count_keys(job_id), args=args, client=pipe)
+        args: list[str | int] = [
+            "done",
+            1,
+            output_tokens,
+            now_ms(),
+            rq_id,
+            "",
+            0,
+            partition,
+            cls,
+            finish,
+            incarnation,
+        ]
+        self._count_script(keys=self._count_keys(job_id), args=[*args, *_COUNT_STATES], client=pipe)
 
     def count_failed(
-        self, pipe: Pipeline, job_id: str, rq_id: str, report: dict[str, Any], *, partition: str, cls: str
+        self,
+        pipe: Pipeline,
+        job_id: str,
+        rq_id: str,
+        report: dict[str, Any],
+        *,
+        partition: str,
+        cls: str,
+        incarnation: str = "",
     ) -> None:
         report_json = json.dumps(report, sort_keys=True)
         args: list[str | int] = [
@@ -387,33 +364,89 @@ class JobStore:
             partition,
             cls,
             "",
+            incarnation,
         ]
-        self._count_script(keys=self._count_keys(job_id), args=args, client=pipe)
+        self._count_script(keys=self._count_keys(job_id), args=[*args, *_COUNT_STATES], client=pipe)
 
-    def count_cancelled(self, pipe: Pipeline, job_id: str, rq_id: str, *, partition: str, cls: str) -> None:
+    def count_cancelled_queued(self, pipe: Pipeline, job_id: str, cls: PromptClass, n: int) -> None:
+        """Prompts of a cancelled job dropped before they ran (see scripts.COUNT_CANCELLED_QUEUED)."""
+        pipe.hincrby(self.keys.job(job_id), "cancelled", n)
+        pipe.hincrby(self.keys.job_breakdown(job_id), f"cancelled|{UNKNOWN_PARTITION}|{cls.value}", n)
+
+    def count_cancelled(
+        self, pipe: Pipeline, job_id: str, rq_id: str, *, partition: str, cls: str, incarnation: str = ""
+    ) -> None:
         """An in-flight prompt of a cancelled job that a worker aborted."""
-        args: list[str | int] = ["cancelled", 1, 0, now_ms(), rq_id, "", 0, partition, cls, ""]
-        self._count_script(keys=self._count_keys(job_id), args=args, client=pipe)
+        args: list[str | int] = ["cancelled", 1, 0, now_ms(), rq_id, "", 0, partition, cls, "", incarnation]
+        self._count_script(keys=self._count_keys(job_id), args=[*args, *_COUNT_STATES], client=pipe)
 
-    def count_retried(self, pipe: Pipeline, job_id: str, by_where: dict[tuple[str, str], int]) -> None:
-        """Failed prompts put back for another try: ``(partition label, class) -> n``."""
-        n = sum(by_where.values())
-        key = self.keys.job(job_id)
-        pipe.hincrby(key, "failed", -n)
-        pipe.hincrby(key, "retried", n)
-        self.add_breakdown(pipe, job_id, {("failed", label, cls): -k for (label, cls), k in by_where.items()})
+    # Retry ---------------------------------------------------------------------------------------
+    def acquire_retry(self, job_id: str) -> str:
+        """Take the job's retry lock; returns its token. A retry already running is refused."""
+        token = secrets.token_hex(8)
+        if not self.redis.set(self.keys.job_retry_lock(job_id), token, nx=True, px=RETRY_LOCK_TTL_MS):
+            raise JobStateError(
+                f"a retry of job {job_id} is already running; wait for its answer, then retry again if needed"
+            )
+        return token
+
+    def release_retry(self, job_id: str, token: str) -> None:
+        self._release(keys=[self.keys.job_retry_lock(job_id)], args=[token])
+
+    def requeue_failed(
+        self,
+        job_id: str,
+        *,
+        registry_key: str,
+        backlog_key: str,
+        dispatch_key: str,
+        rq_job_prefix: str,
+        items: Sequence[RequeueItem],
+    ) -> list[str]:
+        """Move failed prompts of one class back to the job's backlog, atomically: each prompt only
+        if it is still in the failed registry (so concurrent retries cannot run it twice), none if
+        the job was cancelled or deleted. Returns the ids that moved; a refused job raises."""
+        args: list[str | int | bytes] = [
+            rq_job_prefix,
+            job_id,
+            JobState.COMPLETED.value,
+            JobState.CANCELLED.value,
+            JobState.RUNNING.value,
+        ]
+        for item in items:
+            retries = "" if item.retries_left is None else str(item.retries_left)
+            args += [item.rq_id, item.meta, retries, f"|{item.label}|{item.cls}"]
+        keys = [
+            self.keys.job(job_id),
+            self.keys.job_breakdown(job_id),
+            registry_key,
+            backlog_key,
+            dispatch_key,
+        ]
+        moved = self._requeue(keys=keys, args=args)
+        if isinstance(moved, int):
+            raise JobStateError(
+                f"job {job_id} was cancelled or deleted; submit its dataset again under a new job id"
+            )
+        return as_texts(moved)
 
     # Breakdown by partition and class --------------------------------------------------------------
-    def partition_labels(self, job_id: str, partitions: set[str]) -> dict[str, str]:
-        """Label of each partition: itself for the job's first partitions, ``other`` beyond the cap."""
-        key = self.keys.job_partitions(job_id)
-        labelled = set(as_texts(self.redis.smembers(key)))
+    def partition_labels(self, job_id: str, partitions: set[str]) -> tuple[dict[str, str], list[str]]:
+        """Label of each partition: itself for the job's first partitions, ``other`` beyond the cap;
+        and the partitions newly labelled, for :meth:`add_partition_labels` in the caller's
+        transaction (so nothing is written for a job that is gone by then)."""
+        labelled = set(as_texts(self.redis.smembers(self.keys.job_partitions(job_id))))
+        new: list[str] = []
         for partition in sorted(partitions - labelled):
             if len(labelled) >= MAX_PARTITION_LABELS:
                 break
-            self.redis.sadd(key, partition)
+            new.append(partition)
             labelled.add(partition)
-        return {p: p if p in labelled else OTHER_PARTITION for p in partitions}
+        return {p: p if p in labelled else OTHER_PARTITION for p in partitions}, new
+
+    def add_partition_labels(self, pipe: Pipeline, job_id: str, partitions: list[str]) -> None:
+        if partitions:
+            pipe.sadd(self.keys.job_partitions(job_id), *partitions)
 
     def add_breakdown(self, pipe: Pipeline, job_id: str, counts: dict[tuple[str, str, str], int]) -> None:
         """Add ``(counter, partition label, class) -> n`` to the job's breakdown."""
@@ -428,6 +461,13 @@ class JobStore:
             counter, label, cls = as_text(field).split("|", 2)
             out[(counter, label, cls)] = int(value)
         return out
+
+    def forget_failure_reports(self, job_id: str, rq_ids: Sequence[str]) -> None:
+        """Drop the failure reports of prompts that were put back to run again."""
+        for start in range(0, len(rq_ids), RETRY_FORGET_SLICE):
+            self._forget(
+                keys=[self.keys.job_failed(job_id)], args=list(rq_ids[start : start + RETRY_FORGET_SLICE])
+            )
 
     def failed_reports(self, job_id: str, limit: int) -> list[dict[str, Any]]:
         raw = self.redis.lrange(self.keys.job_failed(job_id), 0, limit - 1)

@@ -58,6 +58,20 @@ class Keys:
         """Set of prompt keys already enqueued: the guard against enqueueing a prompt twice."""
         return f"{self.namespace}:job:{job_id}:enqueued"
 
+    def job_rows(self, job_id: str) -> str:
+        """Hash sample key -> ``<content digest>:<line>`` of the row that first used the sample id:
+        a later row with the same id and other content is rejected, not silently dropped."""
+        return f"{self.namespace}:job:{job_id}:rows"
+
+    def job_ingest_fence(self, job_id: str) -> str:
+        """The incarnation that ingestion may enqueue for; absent once the job is cancelled,
+        failed or deleted. Ingestion WATCHes it around each chunk's transaction."""
+        return f"{self.namespace}:job:{job_id}:ingest"
+
+    def job_retry_lock(self, job_id: str) -> str:
+        """Held while one retry of the job runs: concurrent retries are refused."""
+        return f"{self.namespace}:job:{job_id}:retry-lock"
+
     def job_running(self, job_id: str) -> str:
         """Set of RQ ids of the job's prompts that a worker has started and not finished."""
         return f"{self.namespace}:job:{job_id}:running"
@@ -94,6 +108,9 @@ class Keys:
             self.job_breakdown(job_id),
             self.job_partitions(job_id),
             self.job_failed(job_id),
+            self.job_rows(job_id),
+            self.job_ingest_fence(job_id),
+            self.job_retry_lock(job_id),
         ]
         return fixed + [self.job_backlog(job_id, cls) for cls in PromptClass]
 

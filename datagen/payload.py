@@ -47,6 +47,9 @@ class PromptPayload:
     # Multi-turn ``all`` mode only: the row's conversation, where each turn's history ends, and the
     # text of the turns regenerated so far (the worker renders turn k+1 from them).
     conversation: dict[str, Any] | None = None
+    # The job's incarnation (a new one each time the id is created after a delete): workers and
+    # exports drop what belongs to another incarnation than the job's current one.
+    incarnation: str = ""
 
     def to_json(self) -> dict[str, Any]:
         body = {
@@ -61,6 +64,8 @@ class PromptPayload:
         }
         if self.conversation is not None:
             body["conversation"] = self.conversation
+        if self.incarnation:
+            body["inc"] = self.incarnation
         return body
 
     @classmethod
@@ -76,6 +81,7 @@ class PromptPayload:
                 max_new_tokens=int(raw["max_new_tokens"]),
                 partition=str(raw.get("partition", "default")),
                 conversation=raw.get("conversation"),
+                incarnation=str(raw.get("inc", "")),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise FatalError(f"malformed prompt payload in RQ job: {exc!r}") from exc

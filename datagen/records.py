@@ -11,9 +11,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 
-__all__ = ["RECORD_SCHEMA", "SCHEMA_VERSION", "Record", "loss_mask", "records_to_table"]
+__all__ = ["RECORD_SCHEMA", "SCHEMA_VERSION", "Record", "loss_mask", "loss_mask_values", "records_to_table"]
 
 SCHEMA_VERSION = 1
 
@@ -88,8 +89,18 @@ class Record:
 _FIELDS = tuple(f.name for f in fields(Record))
 
 
+def loss_mask_values(offsets: np.ndarray, prompt_lens: np.ndarray) -> np.ndarray:
+    """The loss masks of a batch of rows, flat and aligned with their flat input ids: row ``i`` holds
+    ids ``offsets[i]:offsets[i + 1]``, and its mask is 0 over its first ``prompt_lens[i]`` ids (all of
+    them when a clipped row is shorter) and 1 after."""
+    lengths = np.diff(offsets)
+    position = np.arange(offsets[-1] - offsets[0]) - np.repeat(offsets[:-1] - offsets[0], lengths)
+    return (position >= np.repeat(prompt_lens, lengths)).astype(np.int8)
+
+
 def loss_mask(total_len: int, prompt_len: int) -> list[int]:
-    return [0] * prompt_len + [1] * (total_len - prompt_len)
+    """The loss mask of one row of ``total_len`` ids (`loss_mask_values` for a single row)."""
+    return loss_mask_values(np.array([0, total_len]), np.array([prompt_len])).tolist()
 
 
 def records_to_table(records: Sequence[Record]) -> pa.Table:

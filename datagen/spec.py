@@ -2,13 +2,35 @@
 
 from __future__ import annotations
 
-from typing import Any
+import json
+import math
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    StringConstraints,
+    ValidationError,
+    field_validator,
+)
 
+from datagen.errors import InvalidSpecError
 from datagen.states import MultiTurnMode, Priority, PromptClass, SpecialTextPolicy
 
-__all__ = ["MAX_NEW_TOKENS_LIMIT", "JobSpec", "SamplingParams"]
+__all__ = [
+    "MAX_KWARGS_BYTES",
+    "MAX_KWARGS_DEPTH",
+    "MAX_NEW_TOKENS_LIMIT",
+    "JobSpec",
+    "SamplingParams",
+    "parse_spec_json",
+    "validate_spec",
+]
 
 # Far above any context length in use; it only stops absurd values at the door.
 MAX_NEW_TOKENS_LIMIT = 1_048_576
@@ -17,6 +39,85 @@ DEFAULT_LONG_MAX_NEW_TOKENS = 16384
 DEFAULT_LONG_THRESHOLD_TOKENS = 4096
 MAX_SAMPLES = 64
 MAX_WEIGHT = 1000.0
+# Far above any real vocabulary (about 130k-260k ids today); also bounds top_k and stop ids.
+MAX_VOCAB_SIZE = 16_777_216
+MAX_SEED = 2**63 - 1
+MAX_PARTITIONS = 1024
+MAX_NAME_CHARS = 256
+MAX_PATH_CHARS = 4096
+# An error message names at most this many problems; the rest are counted.
+MAX_REPORTED_PROBLEMS = 10
+# Template variables are flags and short strings; these caps keep them cheap to hash and render.
+MAX_KWARGS_DEPTH = 16
+MAX_KWARGS_BYTES = 64 * 1024
+# Integers in the template variables stay within what JSON readers elsewhere hold exactly.
+MAX_KWARGS_INT = 2**63 - 1
+
+
+def _plain_text(value: str) -> str:
+    # A NUL byte cannot be in a path, hub id or label, and C-backed libraries truncate at it; a lone
+    # surrogate (JSON "\\ud800") cannot be encoded for a file name, a hash or the tokenizer.
+    if "\x00" in value:
+        raise ValueError("must not contain a NUL byte (\\u0000); remove it")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(
+            f"holds a lone surrogate {value[exc.start]!r}, which is not valid Unicode; "
+            "write the character itself"
+        ) from exc
+    return value
+
+
+PathText = Annotated[
+    str, StringConstraints(strict=True, max_length=MAX_PATH_CHARS), AfterValidator(_plain_text)
+]
+NameText = Annotated[
+    str, StringConstraints(strict=True, min_length=1, max_length=MAX_NAME_CHARS), AfterValidator(_plain_text)
+]
+
+
+def _kwargs_children(value: object, path: str) -> list[tuple[object, str]]:
+    """The children of one template value to check next; raises on a value JSON cannot carry."""
+    if isinstance(value, dict):
+        if not all(isinstance(k, str) for k in value):
+            raise ValueError(f"{path}: keys must be strings")
+        for key in value:
+            _plain_text(key)
+        return [(v, f"{path}.{k}" if path else k) for k, v in value.items()]
+    if isinstance(value, list):
+        return [(v, f"{path}[{i}]") for i, v in enumerate(value)]
+    if isinstance(value, str):
+        _plain_text(value)
+    elif isinstance(value, bool) or value is None:
+        pass
+    elif isinstance(value, int):
+        if abs(value) > MAX_KWARGS_INT:
+            raise ValueError(f"{path}: integers must be within ±(2**63 - 1)")
+    elif isinstance(value, float):
+        if not math.isfinite(value):
+            raise ValueError(f"{path}: numbers must be finite (no NaN or Infinity)")
+    else:
+        raise ValueError(f"{path}: only JSON values are allowed, not {type(value).__name__}")
+    return []
+
+
+def _bounded_kwargs(value: dict[str, Any]) -> dict[str, Any]:
+    # Iterative, so a hostile nesting depth is refused instead of exhausting the stack.
+    stack: list[tuple[object, str, int]] = [(value, "", 0)]
+    while stack:
+        item, path, depth = stack.pop()
+        if depth > MAX_KWARGS_DEPTH:
+            raise ValueError(
+                f"nested more than {MAX_KWARGS_DEPTH} levels deep at {path}; flatten the template variables"
+            )
+        stack.extend((child, child_path, depth + 1) for child, child_path in _kwargs_children(item, path))
+    size = len(json.dumps(value, ensure_ascii=False).encode("utf-8"))
+    if size > MAX_KWARGS_BYTES:
+        raise ValueError(
+            f"is {size} bytes as JSON; keep the template variables under {MAX_KWARGS_BYTES} bytes"
+        )
+    return value
 
 
 class SamplingParams(BaseModel):
@@ -28,13 +129,13 @@ class SamplingParams(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    temperature: float = Field(default=0.6, ge=0.0, le=100.0)
-    top_p: float = Field(default=0.95, gt=0.0, le=1.0)
-    top_k: int = Field(default=-1, ge=-1)
-    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
-    repetition_penalty: float = Field(default=1.0, gt=0.0, le=2.0)
-    sampling_seed: int | None = Field(default=None, ge=0, le=2**63 - 1)
-    stop_token_ids: list[int] | None = Field(
+    temperature: StrictFloat = Field(default=0.6, ge=0.0, le=100.0)
+    top_p: StrictFloat = Field(default=0.95, gt=0.0, le=1.0)
+    top_k: StrictInt = Field(default=-1, ge=-1, le=MAX_VOCAB_SIZE)
+    min_p: StrictFloat = Field(default=0.0, ge=0.0, le=1.0)
+    repetition_penalty: StrictFloat = Field(default=1.0, gt=0.0, le=2.0)
+    sampling_seed: StrictInt | None = Field(default=None, ge=0, le=MAX_SEED)
+    stop_token_ids: list[Annotated[StrictInt, Field(ge=0, lt=MAX_VOCAB_SIZE)]] | None = Field(
         default=None,
         max_length=64,
         description="extra stop ids, sent with the tokenizer's and generation_config's",
@@ -56,38 +157,54 @@ class SamplingParams(BaseModel):
 class JobSpec(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    tokenizer: str = Field(min_length=1, max_length=4096, description="local path or hub id")
-    chat_template: str | None = Field(default=None, max_length=4096, description="template file path")
-    trust_remote_code: bool = False
-    chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
+    tokenizer: Annotated[
+        str,
+        StringConstraints(strict=True, min_length=1, max_length=MAX_PATH_CHARS),
+        AfterValidator(_plain_text),
+    ] = Field(description="local path or hub id")
+    chat_template: PathText | None = Field(default=None, description="template file path")
+    trust_remote_code: StrictBool = False
+    chat_template_kwargs: Annotated[dict[str, Any], AfterValidator(_bounded_kwargs)] = Field(
+        default_factory=dict,
+        description=f"template variables: at most {MAX_KWARGS_DEPTH} levels, {MAX_KWARGS_BYTES} bytes",
+    )
     sampling: SamplingParams = Field(default_factory=SamplingParams)
-    short_max_new_tokens: int = Field(default=DEFAULT_SHORT_MAX_NEW_TOKENS, ge=1, le=MAX_NEW_TOKENS_LIMIT)
-    long_max_new_tokens: int = Field(default=DEFAULT_LONG_MAX_NEW_TOKENS, ge=1, le=MAX_NEW_TOKENS_LIMIT)
-    long_threshold_tokens: int = Field(default=DEFAULT_LONG_THRESHOLD_TOKENS, ge=1, le=MAX_NEW_TOKENS_LIMIT)
+    short_max_new_tokens: StrictInt = Field(
+        default=DEFAULT_SHORT_MAX_NEW_TOKENS, ge=1, le=MAX_NEW_TOKENS_LIMIT
+    )
+    long_max_new_tokens: StrictInt = Field(default=DEFAULT_LONG_MAX_NEW_TOKENS, ge=1, le=MAX_NEW_TOKENS_LIMIT)
+    long_threshold_tokens: StrictInt = Field(
+        default=DEFAULT_LONG_THRESHOLD_TOKENS, ge=1, le=MAX_NEW_TOKENS_LIMIT
+    )
     multi_turn: MultiTurnMode = MultiTurnMode.LAST
-    context_len: int | None = Field(default=None, ge=2, le=MAX_NEW_TOKENS_LIMIT * 16)
-    partitions: list[str] | None = Field(default=None, description="only these partitions; None = all")
-    samples: int = Field(default=1, ge=1, le=MAX_SAMPLES, description="generations per prompt (gen 0..N-1)")
-    temperatures: list[float] | None = Field(
+    context_len: StrictInt | None = Field(default=None, ge=2, le=MAX_NEW_TOKENS_LIMIT * 16)
+    partitions: list[NameText] | None = Field(
+        default=None, max_length=MAX_PARTITIONS, description="only these partitions; None = all"
+    )
+    samples: StrictInt = Field(
+        default=1, ge=1, le=MAX_SAMPLES, description="generations per prompt (gen 0..N-1)"
+    )
+    temperatures: list[StrictFloat] | None = Field(
         default=None, min_length=1, max_length=MAX_SAMPLES, description="per-gen temperatures, cycled"
     )
     priority: Priority = Field(
         default=Priority.NORMAL, description="high work is dispatched before normal, then low"
     )
-    weight: float = Field(
+    weight: StrictFloat = Field(
         default=1.0, gt=0.0, le=MAX_WEIGHT, description="share of the fleet among jobs of the same priority"
     )
-    model_path: str | None = Field(
+    model_path: PathText | None = Field(
         default=None,
-        max_length=4096,
         description="refuse the job unless the servers' /model_info has this model_path",
     )
-    weight_version: str | None = Field(
-        default=None, max_length=256, description="refuse the job unless the servers run this weight_version"
+    weight_version: NameText | None = Field(
+        default=None,
+        description="refuse the job unless the servers run this weight_version",
     )
-    vocab_size: int | None = Field(
+    vocab_size: StrictInt | None = Field(
         default=None,
         ge=1,
+        le=MAX_VOCAB_SIZE,
         description="the model's vocabulary size, when no config.json lies by the tokenizer",
     )
 
@@ -119,3 +236,33 @@ class JobSpec(BaseModel):
         if row_class is not None:
             return row_class
         return PromptClass.LONG if prompt_len >= self.long_threshold_tokens else PromptClass.SHORT
+
+
+def validate_spec(data: object) -> JobSpec:
+    """A spec from decoded JSON or YAML; an :class:`InvalidSpecError` names each field to fix."""
+    try:
+        return JobSpec.model_validate(data)
+    except ValidationError as exc:
+        errors = exc.errors(include_url=False, include_input=False)
+        problems = [
+            f"{'.'.join(str(p) for p in err['loc']) or 'spec'}: {err['msg']}"
+            for err in errors[:MAX_REPORTED_PROBLEMS]
+        ]
+        if len(errors) > MAX_REPORTED_PROBLEMS:
+            problems.append(f"and {len(errors) - MAX_REPORTED_PROBLEMS} more")
+        raise InvalidSpecError(f"invalid job spec: {'; '.join(problems)}") from exc
+
+
+def parse_spec_json(raw: str) -> JobSpec:
+    """A spec from the JSON text a client sent."""
+    try:
+        data = json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise InvalidSpecError(f"spec is not valid JSON: {exc}") from exc
+    except RecursionError as exc:
+        raise InvalidSpecError("spec is not valid JSON: nested too deeply; send a flat JSON object") from exc
+    except ValueError as exc:  # an integer over Python's 4,300-digit conversion limit
+        raise InvalidSpecError(
+            "spec holds a number too long to read (over 4,300 digits); use numbers of ordinary size"
+        ) from exc
+    return validate_spec(data)

@@ -6,10 +6,9 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import ValidationError
 
 from datagen.errors import InvalidSpecError
-from datagen.spec import JobSpec
+from datagen.spec import validate_spec
 
 __all__ = ["EXAMPLE_SPEC", "load_spec_file", "merge_spec"]
 
@@ -55,14 +54,30 @@ model_path: null
 weight_version: null
 # The model's vocabulary size, when no config.json lies next to the tokenizer (null: read it there).
 vocab_size: null
+# Rows whose content spells a special token's text (e.g. "<｜User｜>"): allow, warn (flag) or reject.
+special_text: warn
 """
 
 
 def load_spec_file(path: Path) -> dict[str, Any]:
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except (OSError, yaml.YAMLError) as exc:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise InvalidSpecError(
+            f"job spec {path} is not UTF-8 text (byte {exc.start}); give a YAML or JSON spec file"
+        ) from exc
+    except OSError as exc:
         raise InvalidSpecError(f"cannot read job spec {path}: {exc}") from exc
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise InvalidSpecError(f"cannot read job spec {path}: {exc}") from exc
+    except (RecursionError, ValueError) as exc:
+        # Deep nesting or an integer too long to convert: PyYAML raises these past its own errors.
+        raise InvalidSpecError(
+            f"cannot read job spec {path}: {type(exc).__name__}: {str(exc)[:200]}; "
+            "keep it to plain fields, numbers and short lists"
+        ) from exc
     if not isinstance(data, dict):
         raise InvalidSpecError(f"job spec {path} must be a mapping of fields, not {type(data).__name__}")
     return data
@@ -76,11 +91,5 @@ def merge_spec(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any
             merged["sampling"] = {**(merged.get("sampling") or {}), **value}
         else:
             merged[key] = value
-    try:
-        JobSpec.model_validate(merged)
-    except ValidationError as exc:
-        problems = "; ".join(
-            f"{'.'.join(str(p) for p in e['loc']) or 'spec'}: {e['msg']}" for e in exc.errors()
-        )
-        raise InvalidSpecError(f"invalid job spec: {problems}") from exc
+    validate_spec(merged)
     return merged

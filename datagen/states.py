@@ -4,7 +4,15 @@ from __future__ import annotations
 
 from enum import StrEnum
 
-__all__ = ["FinishType", "JobState", "MultiTurnMode", "Priority", "PromptClass", "SpecialTextPolicy"]
+__all__ = [
+    "FinishType",
+    "JobState",
+    "MultiTurnMode",
+    "Priority",
+    "PromptClass",
+    "ServerState",
+    "SpecialTextPolicy",
+]
 
 
 class JobState(StrEnum):
@@ -30,6 +38,21 @@ class FinishType(StrEnum):
     STOP = "stop"
     LENGTH = "length"
     ABORT = "abort"
+
+
+class ServerState(StrEnum):
+    """A server's state: as one worker publishes it (``up``, ``down``, ``paused``, ``refused``,
+    ``draining``), and as the coordinator shows it over the live workers' views (``unknown`` when no
+    live worker lists it)."""
+
+    UP = "up"
+    DOWN = "down"
+    PAUSED = "paused"
+    # A worker keeps off the server after a failed pre-flight check; its view says why.
+    REFUSED = "refused"
+    # The worker is shutting down and takes no new prompts.
+    DRAINING = "draining"
+    UNKNOWN = "unknown"
 
 
 class MultiTurnMode(StrEnum):

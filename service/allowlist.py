@@ -2,9 +2,13 @@
 
 Loading a tokenizer reads files on the coordinator, and ``trust_remote_code`` runs code from
 them, so a client must not be able to point at arbitrary paths: the operator lists what may be
-used (``DATAGEN_TOKENIZER_ALLOWLIST``), and ``trust_remote_code`` needs
-``DATAGEN_ALLOW_TRUST_REMOTE_CODE=1``. The bundled DeepSeek tokenizer and the shipped templates
-are always allowed, so the demo and the tests need no configuration.
+used (``DATAGEN_TOKENIZER_ALLOWLIST``: absolute path prefixes and hub ids, or ``*``), and
+``trust_remote_code`` needs ``DATAGEN_ALLOW_TRUST_REMOTE_CODE=1``. The bundled DeepSeek tokenizer
+and the shipped templates are always allowed, so the demo and the tests need no configuration.
+
+Names are resolved by `datagen.sources.resolve_source`, the function the loaders use, so a name
+cannot pass the check as one file and be loaded as another. A hub id passes only when listed
+verbatim: a prefix of paths says nothing about what the hub may serve.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from pathlib import Path
 
 from datagen.errors import InvalidSpecError
 from datagen.settings import CoordinatorSettings
+from datagen.sources import ResolvedSource, SourceKind, local_path, resolve_source
 from datagen.spec import JobSpec
 from datagen.tokenization import bundled_tokenizer_path, default_chat_template_path
 
@@ -22,16 +27,19 @@ __all__ = ["check_allowed"]
 ANYTHING = "*"
 
 
-def _inside(path: str, prefix: str) -> bool:
-    # realpath on both sides: "..", symlinks and trailing slashes cannot escape a prefix.
-    real, root = os.path.realpath(path), os.path.realpath(prefix)
+def _inside(real: str, root: str) -> bool:
     return real == root or real.startswith(root.rstrip(os.sep) + os.sep)
 
 
-def _allowed(name: str, entries: list[str]) -> bool:
-    if ANYTHING in entries or name in entries:
+def _allowed(source: ResolvedSource, entries: list[str]) -> bool:
+    if ANYTHING in entries:
         return True
-    return any(_inside(name, entry) for entry in entries if os.path.isabs(entry))
+    if source.hub_id is not None:
+        return source.hub_id in entries
+    assert source.path is not None
+    # Only absolute entries are path prefixes, resolved like the name (symlinks, trailing slashes).
+    roots = [local_path(entry) for entry in entries if os.path.isabs(os.path.expanduser(entry))]
+    return any(_inside(source.path, root) for root in roots)
 
 
 def check_allowed(spec: JobSpec, settings: CoordinatorSettings) -> None:
@@ -40,12 +48,15 @@ def check_allowed(spec: JobSpec, settings: CoordinatorSettings) -> None:
         bundled_tokenizer_path(),
         str(Path(default_chat_template_path()).parent),
     ]
-    if not _allowed(spec.tokenizer, entries):
+    # One message whatever the name resolved to, so refusals do not tell which paths exist.
+    if not _allowed(resolve_source(spec.tokenizer, SourceKind.TOKENIZER), entries):
         raise InvalidSpecError(
             f"tokenizer {spec.tokenizer!r} is not allowed on this coordinator; an operator must add it "
             "(or a directory above it) to DATAGEN_TOKENIZER_ALLOWLIST"
         )
-    if spec.chat_template is not None and not _allowed(spec.chat_template, entries):
+    if spec.chat_template is not None and not _allowed(
+        resolve_source(spec.chat_template, SourceKind.TEMPLATE), entries
+    ):
         raise InvalidSpecError(
             f"chat template {spec.chat_template!r} is not allowed on this coordinator; an operator must "
             "add it (or its directory) to DATAGEN_TOKENIZER_ALLOWLIST"

@@ -4,30 +4,35 @@ everything else in :class:`service.coordinator.Coordinator`."""
 from __future__ import annotations
 
 import hmac
-import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import redis
-from fastapi import Depends, FastAPI, File, Form, HTTPException, Query, Request, UploadFile
-from fastapi.responses import JSONResponse, Response
+from fastapi import Depends, FastAPI, File, Form, Query, Request, UploadFile
+from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
+from fastapi.responses import HTMLResponse, JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from datagen.errors import (
+    AuthError,
+    BackendUnavailableError,
     DatagenError,
-    FatalError,
+    InvalidRequestError,
     JobNotFoundError,
-    JobStateError,
-    PreflightError,
-    RetryableError,
+    NotFoundError,
+    UnknownQueueError,
+    http_status,
+    status_error_class,
 )
 from datagen.settings import CoordinatorSettings
-from datagen.spec import JobSpec
+from datagen.spec import parse_spec_json
 from datagen.states import PromptClass
-from service.coordinator import Coordinator, UploadTooLargeError
+from datagen.storage import validate_job_id
+from service.coordinator import Coordinator
 
 __all__ = ["create_app"]
 
@@ -36,10 +41,29 @@ log = logging.getLogger(__name__)
 MAX_ERRORS_LIMIT = 10_000
 DEFAULT_ERRORS_LIMIT = 1000
 REDIS_SOCKET_TIMEOUT_S = 10.0
+# A validation answer names at most this many problems.
+MAX_REPORTED_PROBLEMS = 10
+OPENAPI_URL = "/openapi.json"
+# Redis errors that mean "not reachable now" (a failover makes a replica read-only for a while);
+# any other Redis error is a bug of ours and answers 500.
+_REDIS_UNAVAILABLE = (
+    redis.exceptions.ConnectionError,
+    redis.exceptions.TimeoutError,
+    redis.exceptions.ReadOnlyError,
+)
 
 
-def _error(status: int, message: str) -> JSONResponse:
-    return JSONResponse(status_code=status, content={"error": message})
+_ROUTING_HINTS = {
+    404: "no route {path}; GET /docs lists the API",
+    405: "{method} is not allowed on {path}; GET /docs lists the API",
+}
+
+
+def _error(
+    status: int, message: str, error_type: str, headers: Mapping[str, str] | None = None
+) -> JSONResponse:
+    """The one error body of the API; ``type`` lets the client raise the same class."""
+    return JSONResponse(status_code=status, content={"error": message, "type": error_type}, headers=headers)
 
 
 def create_app(settings: CoordinatorSettings, *, redis_client: redis.Redis | None = None) -> FastAPI:
@@ -58,10 +82,19 @@ def create_app(settings: CoordinatorSettings, *, redis_client: redis.Redis | Non
             if redis_client is None:
                 client.close()
 
-    app = FastAPI(title="eagle3-datagen coordinator", version="0.1.0", lifespan=lifespan)
+    # The schema and its viewers are served by guarded routes below, not FastAPI's open ones.
+    app = FastAPI(
+        title="eagle3-datagen coordinator",
+        version="0.1.0",
+        lifespan=lifespan,
+        docs_url=None,
+        redoc_url=None,
+        openapi_url=None,
+    )
     _install_error_handlers(app)
     app.state.settings = settings
     _install_routes(app)
+    _install_docs(app)
     return app
 
 
@@ -75,14 +108,16 @@ def _authorize(request: Request) -> None:
         return
     scheme, _, given = request.headers.get("authorization", "").partition(" ")
     if scheme.lower() != "bearer" or not hmac.compare_digest(given.encode(), token.encode()):
-        raise HTTPException(
-            status_code=401,
-            detail="missing or wrong bearer token: send 'Authorization: Bearer <DATAGEN_API_TOKEN>'",
-            headers={"WWW-Authenticate": "Bearer"},
-        )
+        raise AuthError("missing or wrong bearer token: send 'Authorization: Bearer <DATAGEN_API_TOKEN>'")
+
+
+def _job_id(job_id: str) -> str:
+    # Before any key is read: an id with a separator could alias another key of the namespace.
+    return validate_job_id(job_id)
 
 
 Coord = Annotated[Coordinator, Depends(_coordinator)]
+JobId = Annotated[str, Depends(_job_id)]
 
 
 def _install_routes(app: FastAPI) -> None:
@@ -102,9 +137,13 @@ def _install_routes(app: FastAPI) -> None:
         coord: Coord,
         dataset: Annotated[UploadFile, File(description="JSONL dataset, one row per line")],
         spec: Annotated[str, Form(description="job spec as JSON")],
-        job_id: Annotated[str | None, Form()] = None,
+        job_id: Annotated[
+            str | None, Form(description="1-64 letters, digits or underscores; reuse one to append")
+        ] = None,
     ) -> JSONResponse:
-        parsed = _parse_spec(spec)
+        if job_id is not None:
+            validate_job_id(job_id)
+        parsed = parse_spec_json(spec)
         job, created = coord.submit(parsed, dataset.file, job_id)
         body = coord.jobs.progress(job).to_json()
         body["created"] = created
@@ -117,7 +156,7 @@ def _install_routes(app: FastAPI) -> None:
         spec: Annotated[str, Form(description="job spec as JSON")],
     ) -> dict[str, Any]:
         """Render a sample of the rows as ingestion would, and enqueue nothing."""
-        return coord.dry_run(_parse_spec(spec), dataset.file)
+        return coord.dry_run(parse_spec_json(spec), dataset.file)
 
     @app.get("/jobs", dependencies=guarded)
     def list_jobs(coord: Coord) -> dict[str, Any]:
@@ -131,7 +170,7 @@ def _install_routes(app: FastAPI) -> None:
         return {"jobs": jobs}
 
     @app.get("/jobs/{job_id}", dependencies=guarded)
-    def get_job(coord: Coord, job_id: str) -> dict[str, Any]:
+    def get_job(coord: Coord, job_id: JobId) -> dict[str, Any]:
         return coord.job_json(job_id)
 
     _install_job_reads(app, guarded)
@@ -143,7 +182,7 @@ def _install_job_controls(app: FastAPI, guarded: list[Any]) -> None:
     @app.post("/jobs/{job_id}/cancel", dependencies=guarded)
     def cancel_job(
         coord: Coord,
-        job_id: str,
+        job_id: JobId,
         abort_in_flight: Annotated[
             bool, Query(description="abort prompts in flight too (default: let them finish)")
         ] = False,
@@ -152,17 +191,17 @@ def _install_job_controls(app: FastAPI, guarded: list[Any]) -> None:
         return coord.controls.cancel(job_id, abort_in_flight=abort_in_flight)
 
     @app.post("/jobs/{job_id}/pause", dependencies=guarded)
-    def pause_job(coord: Coord, job_id: str) -> dict[str, Any]:
+    def pause_job(coord: Coord, job_id: JobId) -> dict[str, Any]:
         return coord.controls.pause(job_id)
 
     @app.post("/jobs/{job_id}/resume", dependencies=guarded)
-    def resume_job(coord: Coord, job_id: str) -> dict[str, Any]:
+    def resume_job(coord: Coord, job_id: JobId) -> dict[str, Any]:
         return coord.controls.resume(job_id)
 
     @app.post("/jobs/{job_id}/retry", dependencies=guarded)
     def retry_job(
         coord: Coord,
-        job_id: str,
+        job_id: JobId,
         reason: Annotated[
             str | None, Query(max_length=200, description="only prompts that failed with this reason")
         ] = None,
@@ -173,7 +212,7 @@ def _install_job_controls(app: FastAPI, guarded: list[Any]) -> None:
     @app.delete("/jobs/{job_id}", dependencies=guarded)
     def delete_job(
         coord: Coord,
-        job_id: str,
+        job_id: JobId,
         files: Annotated[bool, Query(description="also delete the job's stored data and records")] = False,
     ) -> dict[str, Any]:
         return coord.controls.delete(job_id, files=files)
@@ -183,12 +222,17 @@ def _install_job_reads(app: FastAPI, guarded: list[Any]) -> None:
     @app.get("/jobs/{job_id}/errors", dependencies=guarded)
     def job_errors(
         coord: Coord,
-        job_id: str,
-        kind: Annotated[str, Query(pattern="^(rejected|failed)$")] = "rejected",
+        job_id: JobId,
+        kind: Annotated[
+            Literal["rejected", "failed", "flagged"],
+            Query(description="rejected rows, failed prompts, or rows accepted with a warning"),
+        ] = "rejected",
         limit: Annotated[int, Query(ge=1, le=MAX_ERRORS_LIMIT)] = DEFAULT_ERRORS_LIMIT,
     ) -> dict[str, Any]:
         if kind == "rejected":
             return {"kind": kind, "errors": coord.rejected(job_id, limit)}
+        if kind == "flagged":
+            return {"kind": kind, "errors": coord.flagged(job_id, limit)}
         coord.jobs.progress(job_id)
         return {"kind": kind, "errors": coord.jobs.failed_reports(job_id, limit)}
 
@@ -201,7 +245,7 @@ def _install_fleet_routes(app: FastAPI, guarded: list[Any]) -> None:
     @app.post("/queues/{name}/{action}", dependencies=guarded)
     def pause_queue(coord: Coord, name: str, action: str) -> dict[str, Any]:
         if name not in {c.value for c in PromptClass}:
-            raise JobNotFoundError(f"no queue {name!r}; the queues are 'short' and 'long'")
+            raise UnknownQueueError(f"no queue {name!r}; the queues are 'short' and 'long'")
         return coord.fleet.set_queue_paused(name, _pause_action(action))
 
     @app.get("/servers", dependencies=guarded)
@@ -219,42 +263,65 @@ def _install_fleet_routes(app: FastAPI, guarded: list[Any]) -> None:
 
 def _pause_action(action: str) -> bool:
     if action not in ("pause", "resume"):
-        raise HTTPException(status_code=404, detail=f"unknown action {action!r}; use pause or resume")
+        raise NotFoundError(f"unknown action {action!r}; use pause or resume")
     return action == "pause"
 
 
-def _parse_spec(raw: str) -> JobSpec:
-    try:
-        return JobSpec.model_validate(json.loads(raw))
-    except json.JSONDecodeError as exc:
-        raise HTTPException(status_code=400, detail=f"spec is not valid JSON: {exc}") from exc
-    except ValidationError as exc:
-        problems = "; ".join(
-            f"{'.'.join(str(p) for p in err['loc']) or 'spec'}: {err['msg']}" for err in exc.errors()
-        )
-        raise HTTPException(status_code=400, detail=f"invalid job spec: {problems}") from exc
+def _install_docs(app: FastAPI) -> None:
+    """The schema and its viewers, behind the token like every other route that says what the API is."""
+    guarded = [Depends(_authorize)]
+
+    @app.get(OPENAPI_URL, dependencies=guarded, include_in_schema=False)
+    def openapi() -> JSONResponse:
+        return JSONResponse(app.openapi())
+
+    @app.get("/docs", dependencies=guarded, include_in_schema=False)
+    def docs() -> HTMLResponse:
+        return get_swagger_ui_html(openapi_url=OPENAPI_URL, title=f"{app.title} - docs")
+
+    @app.get("/redoc", dependencies=guarded, include_in_schema=False)
+    def redoc() -> HTMLResponse:
+        return get_redoc_html(openapi_url=OPENAPI_URL, title=f"{app.title} - ReDoc")
+
+
+def _validation_message(exc: RequestValidationError) -> str:
+    errors = list(exc.errors())
+    problems = [
+        f"{'.'.join(str(p) for p in err.get('loc', ())) or 'request'}: {err.get('msg', 'invalid')}"
+        for err in errors[:MAX_REPORTED_PROBLEMS]
+    ]
+    if len(errors) > MAX_REPORTED_PROBLEMS:
+        problems.append(f"and {len(errors) - MAX_REPORTED_PROBLEMS} more")
+    return f"invalid request: {'; '.join(problems)}"
 
 
 def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(DatagenError)
     async def datagen_error(request: Request, exc: DatagenError) -> JSONResponse:
-        if isinstance(exc, JobNotFoundError):
-            return _error(404, str(exc))
-        if isinstance(exc, JobStateError | PreflightError):
-            return _error(409, str(exc))
-        if isinstance(exc, UploadTooLargeError):
-            return _error(413, str(exc))
-        if isinstance(exc, FatalError):
-            return _error(400, str(exc))
-        if isinstance(exc, RetryableError):
-            return _error(503, str(exc))
-        return _error(500, str(exc))
+        headers = {"WWW-Authenticate": "Bearer"} if isinstance(exc, AuthError) else None
+        return _error(http_status(exc), str(exc), type(exc).__name__, headers)
 
     @app.exception_handler(redis.exceptions.RedisError)
     async def redis_error(request: Request, exc: redis.exceptions.RedisError) -> JSONResponse:
-        log.warning("Redis error on %s %s: %s", request.method, request.url.path, exc)
-        return _error(503, "Redis is unavailable; retry shortly")
+        # The one place the HTTP layer translates Redis errors.
+        if isinstance(exc, _REDIS_UNAVAILABLE):
+            log.warning("Redis unavailable on %s %s: %s", request.method, request.url.path, exc)
+            translated: DatagenError = BackendUnavailableError("Redis is unavailable; retry shortly")
+        else:
+            log.error("Redis error on %s %s", request.method, request.url.path, exc_info=exc)
+            translated = DatagenError(f"internal error ({type(exc).__name__}); see the coordinator's log")
+        translated.__cause__ = exc
+        return await datagen_error(request, translated)
 
-    @app.exception_handler(HTTPException)
-    async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
-        return JSONResponse(status_code=exc.status_code, content={"error": exc.detail}, headers=exc.headers)
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        # Routing (404, 405) and multipart limits raise Starlette's exception, not FastAPI's.
+        error_type = status_error_class(exc.status_code).__name__
+        message = _ROUTING_HINTS.get(exc.status_code, "{detail}").format(
+            detail=exc.detail, method=request.method, path=request.url.path
+        )
+        return _error(exc.status_code, message, error_type, exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return _error(422, _validation_message(exc), InvalidRequestError.__name__)

@@ -8,19 +8,26 @@ import logging
 import threading
 import uuid
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import IO, Any
 
 from redis import Redis
 
 from datagen.dispatch import JobShare
 from datagen.enqueue import EnqueueOptions
-from datagen.errors import InvalidSpecError, JobNotFoundError, JobStateError, PreflightError
+from datagen.errors import (
+    InvalidSpecError,
+    JobNotFoundError,
+    JobStateError,
+    PreflightError,
+    UploadTooLargeError,
+)
 from datagen.fleet import live_servers
 from datagen.jobs import JobStore
 from datagen.keys import Keys
 from datagen.preflight import PreflightResult, preflight_submit
-from datagen.redistext import as_text
 from datagen.settings import CoordinatorSettings
+from datagen.sources import SourceKind, resolve_source
 from datagen.spec import JobSpec
 from datagen.states import JobState
 from datagen.storage import Storage, validate_job_id
@@ -32,7 +39,7 @@ from service.ingest import IngestOptions, Ingestor
 from service.lifecycle import JobControls
 from service.metrics import CoordinatorMetrics
 
-__all__ = ["Coordinator", "UploadTooLargeError"]
+__all__ = ["Coordinator"]
 
 log = logging.getLogger(__name__)
 
@@ -46,10 +53,6 @@ PINNED_IDENTITY = {
 JOIN_TIMEOUT_S = 10.0
 
 
-class UploadTooLargeError(InvalidSpecError):
-    pass
-
-
 class Coordinator:
     def __init__(self, settings: CoordinatorSettings, redis: Redis) -> None:
         self.settings = settings
@@ -58,7 +61,7 @@ class Coordinator:
         self.jobs = JobStore(redis, self.keys)
         self.storage = Storage(settings.storage)
         self.fleet = FleetView(redis, self.keys)
-        self.controls = JobControls(redis, self.keys, self.jobs, self.storage)
+        self.controls = JobControls(redis, self.keys, self.jobs, self.storage, stop_ingest=self.stop_ingest)
         self.metrics = CoordinatorMetrics(fleet=self.fleet, jobs=self.jobs)
         self.ingestor = Ingestor(
             redis,
@@ -76,13 +79,14 @@ class Coordinator:
             ),
             metrics=self.metrics,
         )
-        self._stop = threading.Event()
-        self._threads: dict[str, threading.Thread] = {}
+        self._ingests: dict[str, _IngestRun] = {}
         self._lock = threading.Lock()
 
     # Lifecycle ----------------------------------------------------------------------------------
     def start(self) -> None:
-        """Resume ingestions that a previous coordinator left half done."""
+        """Claim the storage for this namespace, then resume ingestions that a previous coordinator
+        left half done."""
+        self.storage.claim_namespace(self.settings.namespace)
         for job_id in self.jobs.list_ids():
             try:
                 progress = self.jobs.progress(job_id)
@@ -94,30 +98,45 @@ class Coordinator:
                     self._start_ingest(job_id, input_name)
 
     def close(self) -> None:
-        self._stop.set()
-        for thread in list(self._threads.values()):
-            thread.join(timeout=JOIN_TIMEOUT_S)
+        for run in list(self._ingests.values()):
+            run.stop.set()
+        for run in list(self._ingests.values()):
+            run.thread.join(timeout=JOIN_TIMEOUT_S)
+
+    def stop_ingest(self, job_id: str) -> None:
+        """Stop the job's ingestion and wait until it is over (before a cancel or delete answers)."""
+        with self._lock:
+            run = self._ingests.get(job_id)
+        if run is None:
+            return
+        run.stop.set()
+        run.thread.join(timeout=JOIN_TIMEOUT_S)
+        if run.thread.is_alive():
+            # Its next chunk is refused all the same: the fence was dropped with the job's state.
+            log.warning("job %s: ingestion did not stop within %.0f s", job_id, JOIN_TIMEOUT_S)
 
     # Jobs ---------------------------------------------------------------------------------------
     def submit(self, spec: JobSpec, dataset: IO[bytes], job_id: str | None) -> tuple[str, bool]:
         """Validate, store the upload, create or extend the job, start ingesting. Returns (id, created)."""
         job_id = validate_job_id(job_id) if job_id else uuid.uuid4().hex
         check_allowed(spec, self.settings)
+        spec = _pinned(spec)
         renderer = renderer_for(spec)  # fails fast with a 400 on a bad tokenizer or template
         servers = live_servers(self.redis, self.keys)
         preflight = preflight_submit(spec, renderer, servers)  # 409 with what to fix
         for warning in preflight.warnings:
             log.warning("job %s: %s", job_id, warning)
         with self._lock:
-            running = self._threads.get(job_id)
-            if running is not None and running.is_alive():
-                raise InvalidSpecError(
-                    f"job {job_id} is still ingesting an earlier upload; wait and resubmit"
+            running = self._ingests.get(job_id)
+            if running is not None and running.thread.is_alive():
+                raise JobStateError(
+                    f"job {job_id} is still ingesting an earlier upload; wait until GET /jobs/{job_id} "
+                    "says running, then resubmit"
                 )
             existing = self._existing_spec(job_id)
             if existing is not None and self.jobs.progress(job_id).state is JobState.CANCELLED:
                 raise JobStateError(f"job {job_id} was cancelled; submit under a new job id")
-            if existing is not None and existing != spec:
+            if existing is not None and _pinned(existing, strict=False) != spec:
                 raise InvalidSpecError(
                     f"job {job_id} exists with a different spec; submit with the same spec to append, "
                     "or use a new job id"
@@ -125,6 +144,8 @@ class Coordinator:
             identity = renderer.identity()
             if existing is not None:
                 self._check_provenance(job_id, identity, servers)
+            else:
+                self._check_no_leftovers(job_id)
             input_name = self._store_upload(job_id, dataset)
             created = self.jobs.create(
                 job_id,
@@ -134,14 +155,13 @@ class Coordinator:
             )
             if created:
                 manifest = self._manifest(job_id, spec, identity, servers, preflight)
-                self.storage.write_manifest_once(job_id, manifest)
+                manifest["incarnation"] = self.jobs.incarnation(job_id) or ""
+                # This incarnation's manifest; records of an earlier one (committed late, after its
+                # delete) stay out of every export.
+                self.storage.write_manifest(job_id, manifest)
             else:
                 self.jobs.restart_ingest(job_id)
-            self.redis.hset(
-                self.keys.job(job_id),
-                # The context length checked now is the one ingestion rejects over-long prompts by.
-                mapping={"ingest_input": input_name, "ingest_line": 0, "context_len": preflight.context_len},
-            )
+            self.jobs.set_ingest_input(job_id, input_name, preflight.context_len)
             self.metrics.jobs_submitted.inc()
             self._start_ingest(job_id, input_name)
         return job_id, created
@@ -198,6 +218,17 @@ class Coordinator:
                 f"{sorted(models_now)}; use a new job id for another model"
             )
 
+    def _check_no_leftovers(self, job_id: str) -> None:
+        """A new job must not adopt the stored records of an earlier job of the same id (deleted
+        without its files): its exports would mix them in."""
+        manifest = self.storage.read_manifest(job_id)
+        if manifest is not None and self.storage.list_commits(job_id):
+            raise JobStateError(
+                f"job id {job_id} still has the records of an earlier, deleted job at "
+                f"{self.storage.url(job_id)}; export them and remove them (datagen delete {job_id} --files), "
+                "or use a new job id"
+            )
+
     def _existing_spec(self, job_id: str) -> JobSpec | None:
         try:
             return self.jobs.spec(job_id)
@@ -246,27 +277,60 @@ class Coordinator:
 
     def _current_input(self, job_id: str) -> str | None:
         """The name of the upload the job was ingesting, if it is still stored."""
-        name = self.redis.hget(self.keys.job(job_id), "ingest_input")
+        name = self.jobs.ingest_input(job_id)
         if not name:
             return None
-        return as_text(name) if self.storage.input_exists(job_id, as_text(name)) else None
+        return name if self.storage.input_exists(job_id, name) else None
 
     def _start_ingest(self, job_id: str, input_name: str) -> None:
+        incarnation = self.jobs.incarnation(job_id)
+        if incarnation is None:
+            return
+        stop = threading.Event()
         thread = threading.Thread(
             target=self.ingestor.run,
-            args=(job_id, input_name, self._stop),
+            args=(job_id, input_name, stop),
+            kwargs={"incarnation": incarnation},
             name=f"ingest-{job_id}",
             daemon=True,
         )
-        self._threads[job_id] = thread
+        self._ingests[job_id] = _IngestRun(thread, stop)
         thread.start()
 
     def wait_ingested(self, job_id: str, timeout_s: float) -> None:
-        thread = self._threads.get(job_id)
-        if thread is not None:
-            thread.join(timeout=timeout_s)
+        run = self._ingests.get(job_id)
+        if run is not None:
+            run.thread.join(timeout=timeout_s)
 
     def rejected(self, job_id: str, limit: int) -> list[dict[str, Any]]:
         self.jobs.progress(job_id)  # 404 for an unknown job
         # Merged over the ingestion chunks' objects, one row per upload and line.
         return list(itertools.islice(self.storage.iter_rejected(job_id), limit))
+
+    def flagged(self, job_id: str, limit: int) -> list[dict[str, Any]]:
+        """Rows accepted with a warning (content that spells special tokens' text)."""
+        self.jobs.progress(job_id)  # 404 for an unknown job
+        return list(itertools.islice(self.storage.iter_flagged(job_id), limit))
+
+
+def _pinned(spec: JobSpec, *, strict: bool = True) -> JobSpec:
+    """The spec with its tokenizer and template names resolved as the allowlist check resolved them
+    (an absolute real path, or the hub id), so that a worker on another host, or with another
+    working directory or ``$HOME``, loads exactly what was checked. ``strict=False`` keeps a name
+    that no longer resolves (an older job's, compared with a resubmission)."""
+    try:
+        tokenizer = resolve_source(spec.tokenizer, SourceKind.TOKENIZER).location
+        template = spec.chat_template
+        if template is not None:
+            template = resolve_source(template, SourceKind.TEMPLATE).location
+    except InvalidSpecError:
+        if strict:
+            raise
+        return spec
+    return spec.model_copy(update={"tokenizer": tokenizer, "chat_template": template})
+
+
+@dataclass(frozen=True)
+class _IngestRun:
+    thread: threading.Thread
+    stop: threading.Event

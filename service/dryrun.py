@@ -2,6 +2,9 @@
 
 The first ``DRY_RUN_ROWS`` rows are parsed and rendered exactly as ingestion would; the rest of
 the upload is only counted, and totals are extrapolated from the sample by bytes.
+
+Rows whose content spells special tokens as text are counted under ``special_text`` whatever the
+spec's policy, and are rejected, as ingestion would, when the policy is ``reject``.
 """
 
 from __future__ import annotations
@@ -12,7 +15,8 @@ from typing import IO, Any
 from datagen.dataset import Prompt, RowError, iter_prompts
 from datagen.errors import InvalidRowError
 from datagen.spec import JobSpec
-from datagen.tokenization import PromptRenderer
+from datagen.states import SpecialTextPolicy
+from datagen.tokenization import PromptRenderer, special_text_reason
 
 __all__ = ["DRY_RUN_EXAMPLES", "DRY_RUN_ROWS", "dry_run"]
 
@@ -30,8 +34,16 @@ def dry_run(
     examples: list[dict[str, Any]] = []
     prompt_tokens = prompts = 0
     rows: set[int] = set()
+    special: dict[int, list[str]] = {}  # line → the special tokens its content spells
     for item in iter_prompts(io.BytesIO(sample), multi_turn=spec.multi_turn):
         rows.add(item.line)
+        if isinstance(item, Prompt) and (found := renderer.special_text(item.messages, item.tools)):
+            first = item.line not in special  # multi-turn rows give one item per turn
+            special.setdefault(item.line, found)
+            if spec.special_text is SpecialTextPolicy.REJECT:
+                if first:
+                    rejected.append({"line": item.line, "reason": special_text_reason(found)})
+                continue
         result = _render(item, spec, renderer, context_len)
         if isinstance(result, dict):
             rejected.append(result)
@@ -65,6 +77,13 @@ def dry_run(
         "estimated_prompts": round(prompts * spec.samples * scale),
         "estimated_prompt_tokens": round(prompt_tokens * spec.samples * scale),
         "examples": examples,
+        "special_text": {
+            "policy": spec.special_text.value,
+            "rows": len(special),
+            "examples": [
+                {"line": line, "tokens": tokens} for line, tokens in list(special.items())[:DRY_RUN_EXAMPLES]
+            ],
+        },
     }
 
 

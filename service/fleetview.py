@@ -16,21 +16,14 @@ from redis import Redis
 from rq import Queue
 
 from datagen.dispatch import Dispatch
-from datagen.errors import JobNotFoundError
-from datagen.fleet import DEFAULT_LIVE_WINDOW_S, SERVER_REFUSED, read_servers
+from datagen.errors import UnknownServerError
+from datagen.fleet import read_servers, seen_recently
 from datagen.jobs import now_ms
 from datagen.keys import Keys
 from datagen.redistext import as_text, as_texts
-from datagen.states import PromptClass
+from datagen.states import PromptClass, ServerState
 
-__all__ = ["FleetView", "UnknownServerError"]
-
-# A worker's view older than this is shown as stale and does not count towards totals.
-LIVE_WINDOW_MS = int(DEFAULT_LIVE_WINDOW_S * 1000)
-
-
-class UnknownServerError(JobNotFoundError):
-    """404: no worker has reported a server of that name."""
+__all__ = ["FleetView"]
 
 
 class FleetView:
@@ -109,12 +102,13 @@ class FleetView:
 
     def _workers(self, name: str) -> list[dict[str, Any]]:
         raw = cast(dict[bytes, bytes], self.redis.hgetall(self.keys.server_workers(name)))
-        oldest_live_ms = now_ms() - LIVE_WINDOW_MS
+        now = now_ms()
         views = []
         for worker, entry in sorted(raw.items()):
             view = json.loads(entry)
             view["worker"] = as_text(worker)
-            view["stale"] = view.get("seen_at_ms", 0) < oldest_live_ms
+            # A stale view is shown but does not count towards totals (datagen.fleet.LIVE_WINDOW_S).
+            view["stale"] = not seen_recently(view, now)
             views.append(view)
         return views
 
@@ -127,11 +121,12 @@ class FleetView:
         return self.server(name) if name in self.server_names() else {"name": name, "paused": False}
 
 
-def _state(paused: bool, live: list[dict[str, Any]]) -> str:
+# A server's state over its live workers' views: the first of these that any view has.
+_STATE_PRECEDENCE = (ServerState.UP, ServerState.DRAINING, ServerState.DOWN, ServerState.REFUSED)
+
+
+def _state(paused: bool, live: list[dict[str, Any]]) -> ServerState:
     if paused:
-        return "paused"
+        return ServerState.PAUSED
     states = {w["state"] for w in live}
-    for state in ("up", "draining", "down", SERVER_REFUSED):
-        if state in states:
-            return state
-    return "unknown"
+    return next((state for state in _STATE_PRECEDENCE if state in states), ServerState.UNKNOWN)

@@ -18,23 +18,25 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from redis import Redis, RedisError
+from redis import Redis, RedisError, WatchError
 from rq import Queue
 from rq.serializers import JSONSerializer
 
 from datagen.dataset import Prompt, RowError, iter_prompts
 from datagen.dispatch import Dispatch
 from datagen.enqueue import EnqueueOptions, enqueue_prompts
-from datagen.errors import DatagenError, InvalidRowError
+from datagen.errors import DatagenError, InvalidRowError, JobNotFoundError
 from datagen.fleet import fleet_context_len
 from datagen.jobs import JobStore
 from datagen.keys import Keys, prompt_key
 from datagen.payload import PromptPayload
+from datagen.redistext import as_text
 from datagen.spec import JobSpec
-from datagen.states import JobState, MultiTurnMode, PromptClass
+from datagen.states import JobState, MultiTurnMode, PromptClass, SpecialTextPolicy
 from datagen.storage import Storage
-from datagen.tokenization import PromptRenderer, renderer_for
+from datagen.tokenization import PromptRenderer, renderer_for, special_text_reason
 from service.metrics import CoordinatorMetrics
+from service.rowids import RowId, check_row_ids, row_id
 
 __all__ = ["IngestOptions", "Ingestor"]
 
@@ -62,7 +64,7 @@ class _Stopped(Exception):
 
 
 class _Cancelled(Exception):
-    """The job was cancelled while it was ingesting."""
+    """The job was cancelled, failed or deleted while it was ingesting (its fence is gone)."""
 
 
 @dataclass
@@ -70,6 +72,8 @@ class _Chunk:
     input_name: str
     prompts: list[tuple[Prompt, PromptPayload]] = field(default_factory=list)
     rejected: list[dict[str, Any]] = field(default_factory=list)
+    flagged: list[dict[str, Any]] = field(default_factory=list)
+    ids: dict[int, RowId] = field(default_factory=dict)
     rows: int = 0
     last_line: int = 0
 
@@ -97,11 +101,16 @@ class Ingestor:
         }
         self.dispatch = Dispatch(redis, keys)
 
-    def run(self, job_id: str, source: str | Path, stop: threading.Event) -> None:
+    def run(
+        self, job_id: str, source: str | Path, stop: threading.Event, *, incarnation: str | None = None
+    ) -> None:
         """Ingest one uploaded file; resumable from the job's checkpoint. Never raises.
 
         ``source`` is the name of one of the job's stored uploads (`Storage.write_input`), or a
-        local file (benchmarks).
+        local file (benchmarks). ``incarnation`` is the job's when ingestion was asked for (None:
+        the job's current one): each chunk
+        lands only while the job's ingest fence still holds it, so nothing of a cancelled, failed or
+        deleted job (or of an earlier job of the same id) is enqueued after the fact.
 
         While Redis is unreachable (a restart) it waits and resumes from the checkpoint: each
         chunk's enqueue and checkpoint are one transaction, so nothing is enqueued twice.
@@ -109,13 +118,15 @@ class Ingestor:
         delay_s = REDIS_RETRY_MIN_S
         while not stop.is_set():
             try:
-                self._run(job_id, source, stop)
+                self._run(job_id, source, stop, incarnation)
                 return
             except _Stopped:
-                log.info("job %s: ingestion paused by shutdown; it resumes from its checkpoint", job_id)
+                log.info(
+                    "job %s: ingestion stopped; it resumes from its checkpoint if the job is live", job_id
+                )
                 return
-            except _Cancelled:
-                log.info("job %s: ingestion stopped: the job was cancelled", job_id)
+            except (_Cancelled, JobNotFoundError):
+                log.info("job %s: ingestion stopped: the job was cancelled, failed or deleted", job_id)
                 return
             except RedisError as exc:
                 log.warning(
@@ -138,12 +149,15 @@ class Ingestor:
         except RedisError as exc:
             log.error("job %s: cannot mark the job failed (Redis unreachable): %s", job_id, exc)
 
-    def _run(self, job_id: str, source: str | Path, stop: threading.Event) -> None:
+    def _run(self, job_id: str, source: str | Path, stop: threading.Event, incarnation: str | None) -> None:
+        current = self.jobs.incarnation(job_id)
+        if current is None or (incarnation is not None and current != incarnation):
+            raise _Cancelled  # deleted, or its id already reused, before ingestion began
+        incarnation = current
         spec = self.jobs.spec(job_id)
         renderer = renderer_for(spec)
-        checked = self.redis.hget(self.keys.job(job_id), "context_len")
         context_len = (
-            int(checked) if checked else spec.context_len or fleet_context_len(self.redis, self.keys)
+            self.jobs.context_len(job_id) or spec.context_len or fleet_context_len(self.redis, self.keys)
         )
         start_line = self.jobs.ingest_line(job_id)
         input_name = source.name if isinstance(source, Path) else source
@@ -155,11 +169,11 @@ class Ingestor:
                 if stop.is_set():
                     log.info("job %s: ingestion paused at line %d (shutdown)", job_id, chunk.last_line)
                     return
-                self._add(chunk, item, conversation, job_id, spec, renderer, context_len)
+                self._add(chunk, item, conversation, job_id, spec, renderer, context_len, incarnation)
                 if len(chunk.prompts) + len(chunk.rejected) >= self.options.chunk:
-                    self._flush(job_id, spec, chunk, stop)
+                    self._flush(job_id, spec, chunk, stop, incarnation)
                     chunk = _Chunk(input_name)
-        self._flush(job_id, spec, chunk, stop)
+        self._flush(job_id, spec, chunk, stop, incarnation)
         self.jobs.finish_ingest(job_id)
         log.info("job %s: ingestion finished", job_id)
 
@@ -207,6 +221,7 @@ class Ingestor:
         spec: JobSpec,
         renderer: PromptRenderer,
         context_len: int | None,
+        incarnation: str = "",
     ) -> None:
         if item.line != chunk.last_line:
             chunk.rows += 1
@@ -216,11 +231,26 @@ class Ingestor:
             return
         if spec.partitions is not None and item.partition not in spec.partitions:
             return
+        if spec.special_text is not SpecialTextPolicy.ALLOW:
+            found = renderer.special_text(item.messages, item.tools)
+            if found and spec.special_text is SpecialTextPolicy.REJECT:
+                reason = special_text_reason(found)
+                chunk.rejected.append({"line": item.line, "reason": reason, "sample_id": item.sample_id})
+                return
+        else:
+            found = []
         try:
             prompt_ids = renderer.render(item.messages, item.tools)
         except InvalidRowError as exc:
             chunk.rejected.append({"line": item.line, "reason": str(exc), "sample_id": item.sample_id})
             return
+        if item.line not in chunk.ids:
+            chunk.ids[item.line] = row_id(item)
+            if found:
+                reason = special_text_reason(found)
+                chunk.flagged.append(
+                    {"line": item.line, "sample_id": item.sample_id, "tokens": found, "reason": reason}
+                )
         if context_len is not None and len(prompt_ids) + 1 >= context_len:
             reason = (
                 f"prompt has {len(prompt_ids)} tokens, which does not fit the context length of "
@@ -240,6 +270,7 @@ class Ingestor:
                 max_new_tokens=spec.max_new_tokens(cls),
                 partition=item.partition,
                 conversation=conversation,
+                incarnation=incarnation,
             )
             chunk.prompts.append((item, payload))
 
@@ -255,10 +286,13 @@ class Ingestor:
         if self.jobs.state(job_id) is JobState.CANCELLED:
             raise _Cancelled
 
-    def _flush(self, job_id: str, spec: JobSpec, chunk: _Chunk, stop: threading.Event) -> None:
+    def _flush(
+        self, job_id: str, spec: JobSpec, chunk: _Chunk, stop: threading.Event, incarnation: str = ""
+    ) -> None:
         if chunk.rows == 0:
             return
         self._check_cancelled(job_id)
+        new_ids = self._check_ids(job_id, chunk)
         members = [prompt_key(p.sample_id, p.turn, p.gen) for _, p in chunk.prompts]
         present = self.redis.smismember(self.keys.job_enqueued(job_id), members) if members else []
         fresh: list[tuple[Prompt, PromptPayload, str]] = []
@@ -271,41 +305,89 @@ class Ingestor:
         if chunk.rejected:
             # One object per chunk (object stores cannot append); a resumed chunk rewrites it.
             self.storage.write_rejected(job_id, chunk.input_name, chunk.rejected)
+        if chunk.flagged:
+            self.storage.write_flagged(job_id, chunk.input_name, chunk.flagged)
         counts = {
             "rows": chunk.rows,
             "rejected": len(chunk.rejected),
             "accepted": len(fresh),
             "skipped": len(chunk.prompts) - len(fresh),
             "prompt_tokens": sum(len(p.prompt_ids) for _, p, _ in fresh),
+            "flagged": len(chunk.flagged),
         }
         fresh_payloads = [p for _, p, _ in fresh]
         self._wait_for_room(job_id, fresh_payloads, stop)
-        breakdown = self._breakdown(job_id, chunk, fresh_payloads)
-        with self.redis.pipeline(transaction=True) as pipe:
-            enqueue_prompts(
-                pipe,
-                self._queues,
-                self.keys,
-                job_id,
-                fresh_payloads,
-                self.options.enqueue,
-                dispatch=self.dispatch,
-                priority=spec.priority,
-            )
-            self.jobs.add_ingest_counts(pipe, job_id, counts, chunk.last_line)
-            self.jobs.add_breakdown(pipe, job_id, breakdown)
-            pipe.execute()
+        self._commit(job_id, spec, chunk, fresh_payloads, counts, new_ids, incarnation)
         if self.metrics is not None:
             for outcome in ("accepted", "rejected", "skipped"):
                 self.metrics.ingested_rows.labels(outcome).inc(counts[outcome])
             for payload in fresh_payloads:
                 self.metrics.ingested_prompts.labels(payload.cls.value).inc()
 
+    def _commit(
+        self,
+        job_id: str,
+        spec: JobSpec,
+        chunk: _Chunk,
+        fresh: list[PromptPayload],
+        counts: dict[str, int],
+        new_ids: dict[str, str],
+        incarnation: str,
+    ) -> None:
+        """The chunk's enqueue, counters and checkpoint in one transaction, which lands only while
+        the job's ingest fence holds this incarnation (a cancel, failure or delete drops it)."""
+        fence = self.keys.job_ingest_fence(job_id)
+        while True:
+            with self.redis.pipeline(transaction=True) as pipe:
+                try:
+                    if incarnation:
+                        pipe.watch(fence)
+                        held = pipe.get(fence)
+                        if held is None or as_text(held) != incarnation:
+                            raise _Cancelled
+                    labels, new_labels = self.jobs.partition_labels(job_id, {p.partition for p in fresh})
+                    pipe.multi()
+                    enqueue_prompts(
+                        pipe,
+                        self._queues,
+                        self.keys,
+                        job_id,
+                        fresh,
+                        self.options.enqueue,
+                        dispatch=self.dispatch,
+                        priority=spec.priority,
+                    )
+                    self.jobs.add_ingest_counts(pipe, job_id, counts, chunk.last_line)
+                    self.jobs.add_partition_labels(pipe, job_id, new_labels)
+                    self.jobs.add_breakdown(pipe, job_id, self._breakdown(chunk, fresh, labels))
+                    self.jobs.remember_rows(pipe, job_id, new_ids)
+                    pipe.execute()
+                    return
+                except WatchError:
+                    continue  # the fence moved: the next pass sees why
+
+    def _check_ids(self, job_id: str, chunk: _Chunk) -> dict[str, str]:
+        """Reject rows that reuse an earlier row's id with other content; returns the ids this chunk
+        uses first, to remember (`service.rowids`)."""
+        if not chunk.ids:
+            return {}
+        stored = self.jobs.first_rows(job_id, sorted({r.sample_key for r in chunk.ids.values()}))
+        new, refused = check_row_ids(chunk.ids, stored, upload=chunk.input_name.removesuffix(".jsonl"))
+        if refused:
+            chunk.prompts = [(i, p) for i, p in chunk.prompts if i.line not in refused]
+            chunk.flagged = [f for f in chunk.flagged if f["line"] not in refused]
+            chunk.rejected += [
+                {"line": line, "reason": reason, "sample_id": chunk.ids[line].sample_id}
+                for line, reason in refused.items()
+            ]
+            chunk.rejected.sort(key=lambda r: r["line"])
+        return new
+
+    @staticmethod
     def _breakdown(
-        self, job_id: str, chunk: _Chunk, fresh: list[PromptPayload]
+        chunk: _Chunk, fresh: list[PromptPayload], labels: dict[str, str]
     ) -> dict[tuple[str, str, str], int]:
         """Accepted prompts and rejected rows by partition label and class, for the metrics."""
-        labels = self.jobs.partition_labels(job_id, {p.partition for p in fresh})
         counts: Counter[tuple[str, str, str]] = Counter()
         for payload in fresh:
             counts["accepted", labels[payload.partition], payload.cls.value] += 1

@@ -10,17 +10,18 @@ from __future__ import annotations
 import json
 import logging
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from redis import Redis
 from rq import Queue
-from rq.job import Job, JobStatus
+from rq.job import Job
 from rq.serializers import JSONSerializer
 
 from datagen.dispatch import RQ_JOB_PREFIX, Dispatch
 from datagen.errors import JobStateError
-from datagen.jobs import OTHER_PARTITION, JobStore, now_ms
+from datagen.jobs import OTHER_PARTITION, JobStore, RequeueItem
 from datagen.keys import Keys
 from datagen.redistext import as_text, as_texts
 from datagen.states import JobState, Priority, PromptClass
@@ -47,11 +48,21 @@ class _Failed:
 
 
 class JobControls:
-    def __init__(self, redis: Redis, keys: Keys, jobs: JobStore, storage: Storage) -> None:
+    def __init__(
+        self,
+        redis: Redis,
+        keys: Keys,
+        jobs: JobStore,
+        storage: Storage,
+        *,
+        stop_ingest: Callable[[str], None] | None = None,
+    ) -> None:
         self.redis = redis
         self.keys = keys
         self.jobs = jobs
         self.storage = storage
+        # Stops the job's ingestion and waits for it (the coordinator owns ingestion threads).
+        self.stop_ingest: Callable[[str], None] = stop_ingest or (lambda job_id: None)
         self.dispatch = Dispatch(redis, keys)
         self.queues = {
             cls: Queue(keys.queue_name(cls), connection=redis, serializer=JSONSerializer)
@@ -65,12 +76,12 @@ class JobControls:
         state = self.jobs.state(job_id)
         if state in (JobState.COMPLETED, JobState.FAILED):
             raise JobStateError(f"job {job_id} is already {state.value}; there is nothing to cancel")
-        # A job that completes at this very moment stays completed: only a live job moves.
-        moved = self.jobs.transition(
-            job_id, LIVE, JobState.CANCELLED, {"finished_at_ms": now_ms(), "cancelled_at_ms": now_ms()}
-        )
+        # A job that completes at this very moment stays completed: only a live job moves. The
+        # move drops the ingest fence, so no chunk of ingestion can land after it.
+        moved = self.jobs.cancel(job_id)
         if not moved and self.jobs.state(job_id) is not JobState.CANCELLED:
             raise JobStateError(f"job {job_id} finished before it could be cancelled")
+        self.stop_ingest(job_id)
         if abort_in_flight:
             self.redis.sadd(self.keys.aborting_jobs(), job_id)
         dropped = self.dispatch.withdraw(job_id) + self._drop_handed_back(job_id)
@@ -91,12 +102,12 @@ class JobControls:
         """Prompts of the job back on RQ's queues (handed back or requeued by the reaper)."""
         prefix = self._rq_prefix(job_id)
         dropped = 0
-        for queue in self.queues.values():
+        for cls, queue in self.queues.items():
             for rq_id in as_texts(self.redis.lrange(queue.key, 0, -1)):
                 if rq_id.startswith(prefix) and self.redis.lrem(queue.key, 1, rq_id):
                     with self.redis.pipeline() as pipe:
                         pipe.unlink(RQ_JOB_PREFIX + rq_id)
-                        pipe.hincrby(self.keys.job(job_id), "cancelled", 1)
+                        self.jobs.count_cancelled_queued(pipe, job_id, cls, 1)
                         pipe.execute()
                     dropped += 1
         return dropped
@@ -125,20 +136,27 @@ class JobControls:
         progress = self.jobs.progress(job_id)
         if progress.state is JobState.CANCELLED:
             raise JobStateError(f"job {job_id} was cancelled; submit its dataset again under a new job id")
-        priority = Priority(progress.priority)
-        failed = self._failed(job_id)
-        missing = max(0, progress.failed - len(failed))  # their failure TTL ran out
-        reasons = Counter(f.reason for f in failed)
-        chosen = [f for f in failed if reason is None or f.reason == reason]
-        for start in range(0, len(chosen), RETRY_CHUNK):
-            self._requeue(job_id, chosen[start : start + RETRY_CHUNK], priority)
-        if chosen:
-            self._forget_reports(job_id, {f.job.id for f in chosen})
-            self.jobs.transition(job_id, (JobState.COMPLETED,), JobState.RUNNING, {"finished_at_ms": 0})
-        log.info("job %s: %d failed prompts re-enqueued (reason filter %s)", job_id, len(chosen), reason)
+        # One retry per job at a time; each prompt moves only if this retry takes it out of the
+        # failed registry (datagen/jobs.py), so even a retry on another coordinator cannot double it.
+        token = self.jobs.acquire_retry(job_id)
+        try:
+            failed = self._failed(job_id)
+            missing = max(0, progress.failed - len(failed))  # their failure TTL ran out
+            reasons = Counter(f.reason for f in failed)
+            chosen = [f for f in failed if reason is None or f.reason == reason]
+            moved: list[str] = []
+            for start in range(0, len(chosen), RETRY_CHUNK):
+                moved += self._requeue(
+                    job_id, chosen[start : start + RETRY_CHUNK], Priority(progress.priority)
+                )
+            if moved:
+                self.jobs.forget_failure_reports(job_id, moved)
+        finally:
+            self.jobs.release_retry(job_id, token)
+        log.info("job %s: %d failed prompts re-enqueued (reason filter %s)", job_id, len(moved), reason)
         body = self.jobs.progress(job_id).to_json()
         body.update(
-            retried_now=len(chosen),
+            retried_now=len(moved),
             reason=reason,
             failed_by_reason=dict(sorted(reasons.items())),
             not_retryable=missing,
@@ -167,39 +185,35 @@ class JobControls:
                 out.append(_Failed(rq_job, queue, reason, label, cls.value))
         return out
 
-    def _requeue(self, job_id: str, chosen: list[_Failed], priority: Priority) -> None:
-        by_class: dict[PromptClass, list[str]] = {}
-        where: Counter[tuple[str, str]] = Counter()
-        with self.redis.pipeline() as pipe:
-            for item in chosen:
-                rq_job = item.job
-                rq_job.meta.pop("failure_reason", None)
-                rq_job.meta["attempts"] = 0
-                rq_job.meta["retried"] = int(rq_job.meta.get("retried", 0)) + 1
-                losses = (rq_job.meta.get("enqueue") or {}).get("max_worker_losses")
-                if losses is not None:
-                    rq_job.retries_left = int(losses)
-                rq_job._status = JobStatus.QUEUED
-                item.queue.failed_job_registry.remove(rq_job, pipeline=pipe)
-                rq_job.save(pipeline=pipe)
-                pipe.persist(rq_job.key)  # the failure TTL no longer applies
-                by_class.setdefault(PromptClass(item.cls), []).append(rq_job.id)
-                where[item.label, item.cls] += 1
-            for cls, ids in by_class.items():
-                self.dispatch.add(pipe, job_id, cls, priority, ids)
-            self.jobs.count_retried(pipe, job_id, dict(where))
-            pipe.execute()
-
-    def _forget_reports(self, job_id: str, rq_ids: set[str]) -> None:
-        key = self.keys.job_failed(job_id)
-        with self.redis.pipeline() as pipe:
-            pipe.watch(key)
-            kept = [raw for raw in pipe.lrange(key, 0, -1) if json.loads(raw).get("rq_id") not in rq_ids]
-            pipe.multi()
-            pipe.delete(key)
-            if kept:
-                pipe.rpush(key, *kept)
-            pipe.execute()
+    def _requeue(self, job_id: str, chosen: list[_Failed], priority: Priority) -> list[str]:
+        """Requeue one slice of failed prompts, class by class; returns the ids that moved."""
+        moved: list[str] = []
+        for cls in PromptClass:
+            items: list[RequeueItem] = []
+            queue = self.queues[cls]
+            for f in chosen:
+                if f.cls != cls.value:
+                    continue
+                meta = dict(f.job.meta)
+                meta.pop("failure_reason", None)
+                meta["attempts"] = 0
+                meta["retried"] = int(meta.get("retried", 0)) + 1
+                losses = (meta.get("enqueue") or {}).get("max_worker_losses")
+                retries_left = None if losses is None else int(losses)
+                items.append(
+                    RequeueItem(f.job.id, f.job.serializer.dumps(meta), retries_left, f.label, f.cls)
+                )
+            if not items:
+                continue
+            moved += self.jobs.requeue_failed(
+                job_id,
+                registry_key=queue.failed_job_registry.key,
+                backlog_key=self.keys.job_backlog(job_id, cls),
+                dispatch_key=self.keys.dispatch_jobs(cls, priority),
+                rq_job_prefix=RQ_JOB_PREFIX,
+                items=items,
+            )
+        return moved
 
     # Delete ----------------------------------------------------------------------------------------
     def delete(self, job_id: str, *, files: bool = False) -> dict[str, Any]:
@@ -210,6 +224,9 @@ class JobControls:
                 f"job {job_id} is {state.value}; cancel it first (POST /jobs/{job_id}/cancel, "
                 f"datagen cancel {job_id})"
             )
+        # A cancelled job's ingestion may still be between chunks: it must be over before the keys
+        # go, or it would write them again.
+        self.stop_ingest(job_id)
         rq_jobs = self._delete_rq_jobs(job_id)
         with self.redis.pipeline() as pipe:
             pipe.unlink(*self.keys.job_keys(job_id))

@@ -1,29 +1,33 @@
-"""Test helpers shared across packages: simulators, fast worker settings, ingestion, processes."""
+"""Test helpers shared across packages: waiting, job specs, simulators, fast worker settings,
+ingestion, processes."""
 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import IO, Any, cast
+from typing import Any, TypeVar, cast
 
 import httpx
 import redis
 import uvicorn
+from fastapi.testclient import TestClient
 
 from datagen.enqueue import EnqueueOptions
+from datagen.errors import ConfigError
 from datagen.jobs import JobStore
 from datagen.keys import Keys
+from datagen.processes import ChildProcesses, child_env
 from datagen.records import Record
 from datagen.redis_server import LocalRedis, free_port
 from datagen.settings import WorkerSettings
 from datagen.spec import JobSpec
+from datagen.states import JobState, ServerState
 from datagen.storage import Storage
 from datagen.tokenization import bundled_tokenizer_path, default_chat_template_path
 from service.ingest import IngestOptions, Ingestor
@@ -31,6 +35,55 @@ from simulator.config import SimConfig
 from simulator.server import uvicorn_config
 
 STARTUP_TIMEOUT_S = 15.0
+# How long stopped child processes get to exit before they are killed.
+STOP_TIMEOUT_S = 30.0
+POLL_INTERVAL_S = 0.1
+INGEST_TIMEOUT_S = 30.0
+# The simulator's context length: what a job submitted before any worker has reported one gives.
+SIM_CONTEXT_LEN = 32768
+
+T = TypeVar("T")
+
+
+def wait_until(
+    predicate: Callable[[], T | None],
+    timeout_s: float,
+    what: str,
+    *,
+    interval_s: float = POLL_INTERVAL_S,
+    on_timeout: Callable[[], str] | None = None,
+) -> T:
+    """Poll ``predicate`` until it returns something truthy, and return that. After ``timeout_s``
+    the test fails naming ``what``, followed by ``on_timeout()`` (process logs, say) if given."""
+    deadline = time.monotonic() + timeout_s
+    while not (value := predicate()):
+        if time.monotonic() > deadline:
+            detail = f"\n{on_timeout()}" if on_timeout is not None else ""
+            raise AssertionError(f"timed out after {timeout_s:g} s waiting for {what}{detail}")
+        time.sleep(interval_s)
+    return value
+
+
+def make_spec(**overrides: Any) -> dict[str, Any]:
+    """A job spec as clients submit it: the bundled tokenizer, the shipped R1 template and the
+    simulator's context length (``context_len=None`` leaves it to what workers report), with
+    ``overrides`` on top."""
+    return {
+        "tokenizer": bundled_tokenizer_path(),
+        "chat_template": str(default_chat_template_path()),
+        "context_len": SIM_CONTEXT_LEN,
+        **overrides,
+    }
+
+
+def wait_ingested(client: TestClient, job_id: str, timeout_s: float = INGEST_TIMEOUT_S) -> dict[str, Any]:
+    """The job as ``GET /jobs/{job_id}`` shows it once its ingestion has ended."""
+
+    def ingested() -> dict[str, Any] | None:
+        job: dict[str, Any] = client.get(f"/jobs/{job_id}").json()
+        return job if job["state"] != JobState.INGESTING else None
+
+    return wait_until(ingested, timeout_s, f"job {job_id} to finish ingesting", interval_s=0.05)
 
 
 @contextmanager
@@ -41,11 +94,10 @@ def running_simulator(**overrides: object) -> Iterator[str]:
     thread = threading.Thread(target=server.run, name=f"sim-{config.port}", daemon=True)
     thread.start()
     url = f"http://127.0.0.1:{config.port}"
-    deadline = time.monotonic() + STARTUP_TIMEOUT_S
-    while not server.started:
-        if time.monotonic() > deadline or not thread.is_alive():
-            raise RuntimeError(f"simulator on port {config.port} did not start")
-        time.sleep(0.02)
+    what = f"the simulator on port {config.port} to start"
+    wait_until(lambda: server.started or not thread.is_alive(), STARTUP_TIMEOUT_S, what, interval_s=0.02)
+    if not server.started:
+        raise RuntimeError(f"simulator on port {config.port} did not start")
     try:
         yield url
     finally:
@@ -98,15 +150,12 @@ def ingest_rows(
     Ingestor(redis_client, keys, jobs, storage, options).run(job_id, input_name, threading.Event())
 
 
-class ProcessStack:
+class ProcessStack(ChildProcesses):
     """``python -m datagen …`` child processes with logs under ``tmp``; ``stop()`` ends them all."""
 
     def __init__(self, tmp: Path, env: dict[str, str]) -> None:
+        super().__init__(tmp, child_env(env), stop_timeout_s=STOP_TIMEOUT_S)
         self.tmp = tmp
-        self.env = {k: v for k, v in os.environ.items() if not k.startswith("DATAGEN_")}
-        self.env.update(env, HF_HUB_OFFLINE="1")
-        self.procs: dict[str, subprocess.Popen[bytes]] = {}
-        self._logs: list[IO[bytes]] = []
         # Set by coordinator_stack().
         self.coordinator = ""
         self.redis: redis.Redis = cast(redis.Redis, None)
@@ -119,14 +168,6 @@ class ProcessStack:
         url = f"http://127.0.0.1:{port}"
         self.wait_http(f"{url}/health")
         return url
-
-    def spawn(self, name: str, *args: str) -> subprocess.Popen[bytes]:
-        log = open(self.tmp / f"{name}.log", "wb")  # noqa: SIM115 - closed in stop()
-        self._logs.append(log)
-        command = [sys.executable, "-m", "datagen", *args]
-        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=self.env)
-        self.procs[name] = proc
-        return proc
 
     def cli(self, *args: str, timeout_s: float = 300) -> subprocess.CompletedProcess[str]:
         command = [sys.executable, "-m", "datagen", *args]
@@ -142,45 +183,24 @@ class ProcessStack:
         )
 
     def wait_http(self, url: str, timeout_s: float = STARTUP_TIMEOUT_S * 4) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            dead = [name for name, proc in self.procs.items() if proc.poll() is not None]
-            assert not dead, f"{dead} exited\n{self.logs()}"
-            try:
-                if httpx.get(url, timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
-        raise AssertionError(f"{url} did not come up\n{self.logs()}")
+        try:
+            super().wait_http(url, timeout_s)
+        except ConfigError as exc:
+            raise AssertionError(f"{exc}\n{self.logs()}") from exc
 
     def wait_server_up(self, coordinator: str, name: str, timeout_s: float = STARTUP_TIMEOUT_S * 2) -> None:
         """Until a worker has taken server ``name``: submit's pre-flight checks learn from it."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
+
+        def up() -> bool:
             servers = httpx.get(f"{coordinator}/servers", timeout=5).json()["servers"]
-            if any(s["name"] == name and s["state"] == "up" for s in servers):
-                return
-            time.sleep(0.1)
-        raise AssertionError(f"no worker took server {name}\n{self.logs()}")
+            return any(s["name"] == name and s["state"] == ServerState.UP for s in servers)
+
+        wait_until(up, timeout_s, f"a worker to take server {name}", on_timeout=self.logs)
 
     def logs(self) -> str:
         return "\n".join(
             f"== {p.name}\n{p.read_text(errors='replace')[-3000:]}" for p in self.tmp.glob("*.log")
         )
-
-    def stop(self) -> None:
-        for proc in self.procs.values():
-            if proc.poll() is None:
-                proc.terminate()
-        for proc in self.procs.values():
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        for log in self._logs:
-            log.close()
 
 
 @contextmanager

@@ -31,12 +31,12 @@ from datagen.errors import (
     RequestTimeoutError,
     RetryableError,
 )
-from datagen.fleet import SERVER_REFUSED, live_servers, publish_server
+from datagen.fleet import live_servers, publish_server, shares_server
 from datagen.jobs import now_ms
 from datagen.keys import Keys
 from datagen.preflight import check_server_joins
 from datagen.redistext import as_text, as_texts
-from datagen.states import PromptClass
+from datagen.states import PromptClass, ServerState
 from workers.controller import KvSignals, decide, parse_kv_signals
 from workers.fleet import Fleet, Server
 from workers.metrics import WorkerMetrics
@@ -45,9 +45,6 @@ __all__ = ["FleetSync", "HealthProbe", "KvControl"]
 
 log = logging.getLogger(__name__)
 
-# A worker entry older than this no longer counts as a live sharer of a server.
-LIVE_WINDOW_MIN_S = 10.0
-LIVE_WINDOW_INTERVALS = 5
 # Entries of a server's worker hash vanish when every worker listing it is gone.
 WORKERS_HASH_TTL_S = 300
 DOWN_PROBE_INTERVAL_S = 1.0
@@ -59,12 +56,6 @@ API_KEY_HINT = (
     "Check the API key of server {name}: DATAGEN_SERVER_API_KEYS or DATAGEN_SERVER_API_KEYS_FILE "
     "(NAME=KEY), else DATAGEN_API_KEY, must be the server's --api-key"
 )
-
-
-def _shares(view: dict[str, object], live_after_ms: int) -> bool:
-    """Whether another worker's view of a server makes it a live sharer of the server's slots."""
-    seen_at_ms = view.get("seen_at_ms", 0)
-    return isinstance(seen_at_ms, int) and seen_at_ms >= live_after_ms and view.get("state") != SERVER_REFUSED
 
 
 class FleetSync:
@@ -113,14 +104,15 @@ class FleetSync:
         paused_queues, paused_servers = set(as_texts(replies[0])), set(as_texts(replies[1]))
         self.aborting_jobs = set(as_texts(replies[2]))
         self._set_paused_classes(paused_queues)
-        live_after_ms = now_ms() - int(max(LIVE_WINDOW_MIN_S, LIVE_WINDOW_INTERVALS * self.interval_s) * 1000)
+        now = now_ms()
         for i, server in enumerate(servers):
             raw_factor, raw_workers = replies[3 + 2 * i], replies[4 + 2 * i]
             factor = float(raw_factor) if raw_factor and self.shared_factor else 1.0
             others = sum(
                 1
                 for name, entry in cast(dict[bytes, bytes], raw_workers).items()
-                if as_text(name) != self.worker_name and _shares(json.loads(entry), live_after_ms)
+                # Another worker's live view makes it a sharer of the server's slots.
+                if as_text(name) != self.worker_name and shares_server(json.loads(entry), now)
             )
             was_paused = server.paused
             server.paused = server.name in paused_servers
@@ -147,7 +139,7 @@ class FleetSync:
         with self.redis.pipeline(transaction=False) as pipe:
             for server in self.fleet.servers:
                 view = {
-                    "state": "draining" if self.draining else server.state,
+                    "state": ServerState.DRAINING if self.draining else server.state,
                     "in_flight": {cls.value: server.in_flight[cls] for cls in PromptClass},
                     "limits": {cls.value: server.limits[cls] for cls in PromptClass},
                     "factor": round(server.factor, 4),

@@ -24,8 +24,7 @@ from urllib.parse import urlsplit
 from pydantic import SecretStr
 
 from datagen.errors import ConfigError
-from datagen.fleet import SERVER_REFUSED
-from datagen.states import PromptClass
+from datagen.states import PromptClass, ServerState
 from workers.metrics import WorkerMetrics
 from workers.sglang import SGLangClient
 
@@ -67,12 +66,12 @@ class Server:
         return self.up and not self.paused
 
     @property
-    def state(self) -> str:
+    def state(self) -> ServerState:
         if self.paused:
-            return "paused"
+            return ServerState.PAUSED
         if self.refused is not None:
-            return SERVER_REFUSED
-        return "up" if self.up else "down"
+            return ServerState.REFUSED
+        return ServerState.UP if self.up else ServerState.DOWN
 
     def model(self) -> dict[str, Any]:
         """What the server runs, in the shape of its published entry."""

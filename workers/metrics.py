@@ -1,7 +1,10 @@
 """Every metric a worker exports, declared in one place on the worker's own registry.
 
-Labels are bounded: ``server`` (configured names), ``class`` (short/long), ``outcome`` and
-``reason`` (fixed vocabularies below).
+Labels are bounded: ``server`` (the worker's configured names), ``class`` (``short``, ``long``),
+``finish`` (SGLang's finish types, `datagen.states.FinishType`), ``direction`` (``up``, ``down``),
+``outcome`` (requests: ``ok``, ``retryable``, ``fatal``; reaped prompts: ``requeued``, ``failed``)
+and ``reason`` (the class name of a `datagen.errors` exception; for a prompt that failed after its
+retries ran out, ``gave_up_`` and the class name of the last retryable error).
 """
 
 from __future__ import annotations

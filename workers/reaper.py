@@ -1,15 +1,15 @@
 """Returns the prompts of dead workers to their queue, well within a minute.
 
 RQ alone notices a dead worker's jobs only when a registry cleanup happens to run after their
-heartbeat TTL (up to ten minutes; ``shared/reference/rq-notes.md`` §4). Here every worker runs a
-reaper every ``reaper_interval_s``; a per-queue lock lets one of them do each pass. A
-started-registry entry whose heartbeat lapsed is claimed with ZREM (so two reapers never requeue
-the same prompt) and pushed back to the front of its queue without using up the prompt's
-attempts. Each prompt is enqueued with ``Retry(max=max_worker_losses)`` and a requeue spends one
-of those RQ retries, so a prompt that keeps killing workers fails (reason ``WorkerLost``) instead
-of stopping the fleet. RQ's own cleanup (``rq info``, rq-dashboard) follows the same budget,
-since it also requeues while RQ retries are left; when *it* fails a prompt at the cap, the
-reconciliation pass counts that failure in the job.
+heartbeat TTL: ``StartedJobRegistry.cleanup`` runs every ``maintenance_interval`` (600 s) or on
+``rq info``, so up to ten minutes. Here every worker runs a reaper every ``reaper_interval_s``; a
+per-queue lock lets one of them do each pass. A started-registry entry whose heartbeat lapsed is
+claimed with ZREM (so two reapers never requeue the same prompt) and pushed back to the front of its
+queue without using up the prompt's attempts. Each prompt is enqueued with
+``Retry(max=max_worker_losses)`` and a requeue spends one of those RQ retries, so a prompt that
+keeps killing workers fails (reason ``WorkerLost``) instead of stopping the fleet. RQ's own cleanup
+(``rq info``, rq-dashboard) follows the same budget, since it also requeues while RQ retries are
+left; when *it* fails a prompt at the cap, the reconciliation pass counts that failure in the job.
 
 Jobs stranded in RQ's intermediate list (a worker killed between taking a job and registering
 it) are requeued once they are seen there on two passes in a row.
@@ -28,11 +28,12 @@ from rq.job import Job, JobStatus
 from rq.queue import Queue
 from rq.worker_registration import clean_worker_registry
 
-from datagen.jobs import JobStore, now_ms
+from datagen.jobs import JobStore
 from datagen.keys import Keys
 from datagen.redistext import as_texts
+from workers.failures import failure_report, prompt_labels
 from workers.metrics import WorkerMetrics
-from workers.rqbridge import payload_of
+from workers.rqbridge import fail_job, payload_of
 
 __all__ = ["ReapResult", "Reaper"]
 
@@ -40,6 +41,8 @@ log = logging.getLogger(__name__)
 
 # How many of the most recent failures each pass checks against the jobs' running sets.
 RECONCILE_SCAN = 200
+# The failure reason of a prompt that was running in too many workers that died.
+WORKER_LOST = "WorkerLost"
 
 
 @dataclass
@@ -137,14 +140,10 @@ class Reaper:
         with self.redis.pipeline() as pipe:
             if left <= 0:
                 message = "gave up: the prompt was running in too many workers that died (max_worker_losses)"
-                job.set_status(JobStatus.FAILED, pipeline=pipe)
-                job._handle_failure(message, pipe, worker_name=self.owner)
+                fail_job(job, message, pipe, worker_name=self.owner)
                 if job_id is not None:
-                    where = {
-                        "partition": str(payload.get("partition", "unknown")),
-                        "cls": str(payload.get("cls", "unknown")),
-                    }
-                    self.jobs.count_failed(pipe, job_id, rq_id, _report(rq_id, payload, message), **where)
+                    report = failure_report(rq_id, payload, reason=WORKER_LOST, message=message)
+                    self.jobs.count_failed(pipe, job_id, rq_id, report, **prompt_labels(payload))
                 result.failed += 1
             else:
                 pipe.hset(job.key, "retries_left", left - 1)
@@ -169,19 +168,7 @@ class Reaper:
                 continue
             message = "abandoned by a dead worker and failed by RQ's registry cleanup (max_worker_losses)"
             with self.redis.pipeline() as pipe:
-                self.jobs.count_failed(
-                    pipe, job_id, rq_id, _report(rq_id, {}, message), partition="unknown", cls="unknown"
-                )
+                report = failure_report(rq_id, {}, reason=WORKER_LOST, message=message)
+                self.jobs.count_failed(pipe, job_id, rq_id, report, **prompt_labels({}))
                 pipe.execute()
             result.failed += 1
-
-
-def _report(rq_id: str, payload: dict[str, object], message: str) -> dict[str, object]:
-    return {
-        "rq_id": rq_id,
-        "reason": "WorkerLost",
-        "message": message,
-        "at_ms": now_ms(),
-        "sample_id": payload.get("sample_id"),
-        "turn": payload.get("turn"),
-    }

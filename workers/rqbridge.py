@@ -3,7 +3,8 @@
 RQ 2.x runs one job per worker process. We keep RQ's queues, registries and job hashes (so
 ``rq info`` and rq-dashboard stay true) and reuse its own transitions, from a subclass of
 ``BaseWorker`` that never calls ``work()``: one identity per queue, because RQ's
-intermediate-list recovery assumes a single-queue worker (``shared/reference/rq-notes.md``).
+intermediate-list bookkeeping assumes a single-queue worker (RQ 2.12 removes a taken job from its
+queue's intermediate list only when ``len(worker.queues) == 1``, in ``rq/worker/base.py``).
 
 Everything here is synchronous and is called from the event loop with no ``await`` between
 setting ``self.execution`` and the RQ call that reads it, since RQ keeps one current execution
@@ -31,7 +32,7 @@ from rq.worker_registration import clean_worker_registry
 from datagen.dispatch import Dispatch
 from datagen.states import PromptClass
 
-__all__ = ["InFlight", "QueueIdentity", "payload_of"]
+__all__ = ["InFlight", "QueueIdentity", "fail_job", "payload_of"]
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +41,12 @@ HEARTBEAT_GRACE_S = 10
 HEARTBEATS_PER_TTL = 3
 
 FinishHook = Callable[[Pipeline], None]
+
+# KEYS: an RQ job hash. Deletes it only if it is a heartbeat's remnant (no status: RQ never saved it).
+_DROP_REMNANT = """
+if redis.call('HEXISTS', KEYS[1], 'status') == 0 then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
 
 
 @dataclass(eq=False)
@@ -64,6 +71,7 @@ class QueueIdentity(BaseWorker):
         )
         self._finish_hook: FinishHook | None = None
         self.in_flight: set[InFlight] = set()
+        self._drop_remnant = connection.register_script(_DROP_REMNANT)
 
     @property
     def queue(self) -> Queue:
@@ -148,15 +156,7 @@ class QueueIdentity(BaseWorker):
         job = item.job
         job.ended_at = now()
         with self.connection.pipeline() as pipe:
-            job.set_status(JobStatus.FAILED, pipeline=pipe)
-            job._handle_failure(
-                message,
-                pipe,
-                worker_name=self.name,
-                execution_id=item.execution.id,
-                execution_started_at=item.execution.created_at,
-                execution_ended_at=job.ended_at,
-            )
+            fail_job(job, message, pipe, worker_name=self.name, execution=item.execution)
             item.execution.delete(job, pipe)
             self.increment_failed_job_count(pipe)
             if hook is not None:
@@ -175,6 +175,17 @@ class QueueIdentity(BaseWorker):
             if hook is not None:
                 hook(pipe)
             pipe.execute()
+        self.in_flight.discard(item)
+
+    def drop(self, item: InFlight) -> None:
+        """Forget a prompt whose datagen job was deleted while it ran: only this run of it goes.
+        Its RQ job hash is gone, or belongs to a new job of the same id, and is left alone; but our
+        own heartbeats wrote ``last_heartbeat`` into the deleted one, so a hash with nothing else
+        (no ``status``) is removed."""
+        with self.connection.pipeline() as pipe:
+            item.execution.delete(item.job, pipe)
+            pipe.execute()
+        self._drop_remnant(keys=[item.job.key])
         self.in_flight.discard(item)
 
     def hand_back(self, item: InFlight, hook: FinishHook | None) -> None:
@@ -200,6 +211,28 @@ class QueueIdentity(BaseWorker):
         self.set_state(WorkerStatus.BUSY if self.in_flight else WorkerStatus.IDLE)
         if self.should_run_maintenance_tasks:
             self.run_maintenance_tasks()
+
+
+def fail_job(
+    job: Job, message: str, pipe: Pipeline, *, worker_name: str, execution: Execution | None = None
+) -> None:
+    """Mark ``job`` failed and put it in RQ's failed registry with ``message`` as its exception text
+    (and an RQ result saying so), in ``pipe``; ``execution`` is the run that failed, if one is known.
+
+    RQ's own transition, without spending the job's RQ retries (``Job.handle_failure`` would).
+    """
+    job.set_status(JobStatus.FAILED, pipeline=pipe)
+    if execution is None:
+        job._handle_failure(message, pipe, worker_name=worker_name)
+        return
+    job._handle_failure(
+        message,
+        pipe,
+        worker_name=worker_name,
+        execution_id=execution.id,
+        execution_started_at=execution.created_at,
+        execution_ended_at=job.ended_at,
+    )
 
 
 def payload_of(job: Job) -> dict[str, Any] | None:

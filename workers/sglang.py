@@ -1,8 +1,11 @@
 """The worker's client for one SGLang server: prompt token ids in, generated token ids out.
 
 It speaks SGLang's native ``POST /generate`` (never the OpenAI routes, which apply a chat template and
-return text), non-streaming, one prompt per call. The contract it follows is
-``shared/reference/sglang-contract.md``.
+return text), non-streaming, one prompt per call: ``input_ids``, ``sampling_params`` and ``rid`` in;
+``output_ids`` and ``meta_info`` (``finish_reason``, token counts, ``e2e_latency``) out. It also
+reads ``/health``, ``/model_info``, ``/server_info`` (or ``/v1/models``) and ``/metrics``, as SGLang's
+``http_server.py`` serves them; the project's simulator (:mod:`simulator`) answers the same routes in
+the same shapes.
 
 This module is the one boundary where httpx errors and HTTP statuses become the project's errors
 (:mod:`datagen.errors`)::

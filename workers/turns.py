@@ -48,6 +48,7 @@ def next_turn(
         max_new_tokens=spec.max_new_tokens(cls),
         partition=payload.partition,
         conversation={**conversation, "generated": generated},
+        incarnation=payload.incarnation,
     )
 
 

@@ -17,7 +17,9 @@ from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from datagen.errors import StorageError
+import redis
+
+from datagen.errors import JobNotFoundError, StorageError
 from datagen.jobs import now_ms
 from datagen.records import Record, records_to_table
 from datagen.storage import Storage
@@ -36,6 +38,10 @@ class _Pending:
     done: asyncio.Future[None]
 
 
+# Records wait per job and incarnation: a shard holds one incarnation's records, named in its commit.
+_Batch = tuple[str, str]
+
+
 class RecordWriter:
     def __init__(
         self,
@@ -46,13 +52,16 @@ class RecordWriter:
         commit_interval_s: float,
         shard_max_records: int,
         on_storage_error: Callable[[str, str | None], None] | None = None,
+        current_incarnation: Callable[[str], str | None] | None = None,
     ) -> None:
         self.storage = storage
         self.metrics = metrics
         self.worker_tag = worker_tag
         self.commit_interval_s = commit_interval_s
         self.shard_max_records = shard_max_records
-        self._pending: dict[str, list[_Pending]] = defaultdict(list)
+        self._pending: dict[_Batch, list[_Pending]] = defaultdict(list)
+        # The job's incarnation now (None: the job is gone); read just before a shard is written.
+        self.current_incarnation = current_incarnation
         self._wake = asyncio.Event()
         self._seq = 0
         self._task: asyncio.Task[None] | None = None
@@ -63,10 +72,11 @@ class RecordWriter:
     def start(self) -> None:
         self._task = asyncio.create_task(self._loop(), name="record-writer")
 
-    async def commit(self, record: Record) -> None:
-        """Return once ``record`` is durably committed."""
+    async def commit(self, record: Record, incarnation: str = "") -> None:
+        """Return once ``record`` is durably committed. Raises JobNotFoundError when its job was
+        deleted (or its id reused by a new job) meanwhile: the record is dropped, not stored."""
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        batch = self._pending[record.job_id]
+        batch = self._pending[record.job_id, incarnation]
         batch.append(_Pending(record, done))
         if len(batch) >= self.shard_max_records:
             self._wake.set()
@@ -90,24 +100,32 @@ class RecordWriter:
 
     async def flush(self) -> bool:
         """Commit everything pending; False if some commit failed (records are kept)."""
-        for job_id in list(self._pending):
-            while self._pending.get(job_id):
-                batch = self._pending[job_id][: self.shard_max_records]
+        for key in list(self._pending):
+            job_id, incarnation = key
+            while self._pending.get(key):
+                batch = self._pending[key][: self.shard_max_records]
                 try:
-                    await self._commit_batch(job_id, batch)
+                    await self._commit_batch(job_id, incarnation, batch)
                 except StorageError as exc:
                     self._failures += 1
                     self.metrics.commit_errors.inc()
                     log.error("commit failed, %d records kept and retried: %s", self.pending, exc)
                     self._report(job_id, str(exc))
                     return False
+                except JobNotFoundError as exc:
+                    log.info("dropped %d records: %s", len(batch), exc)
+                    del self._pending[key][: len(batch)]
+                    for item in batch:
+                        if not item.done.done():
+                            item.done.set_exception(exc)
+                    continue
                 self._failures = 0
                 self._report(job_id, None)
-                del self._pending[job_id][: len(batch)]
+                del self._pending[key][: len(batch)]
                 for item in batch:
                     if not item.done.done():
                         item.done.set_result(None)
-            self._pending.pop(job_id, None)
+            self._pending.pop(key, None)
         return True
 
     def _report(self, job_id: str, error: str | None) -> None:
@@ -123,19 +141,35 @@ class RecordWriter:
         except Exception as exc:  # the status is advisory; the commit retry loop must go on
             log.warning("cannot report the storage state of job %s: %s", job_id, exc)
 
-    async def _commit_batch(self, job_id: str, batch: list[_Pending]) -> None:
+    async def _commit_batch(self, job_id: str, incarnation: str, batch: list[_Pending]) -> None:
         self._seq += 1
         shard = f"{self.worker_tag}-{self._seq:08d}"
         records = [p.record for p in batch]
-        info = {"worker": self.worker_tag, "committed_at_ms": now_ms()}
+        info = {"worker": self.worker_tag, "committed_at_ms": now_ms(), "incarnation": incarnation}
         started = time.perf_counter()
         # Building the Arrow table costs about a microsecond per token: keep it off the event loop.
-        await asyncio.to_thread(self._write, job_id, shard, records, info)
+        await asyncio.to_thread(self._write, job_id, incarnation, shard, records, info)
         self.metrics.records_committed.inc(len(batch))
         log.debug("committed %s (%d records) in %.3f s", shard, len(batch), time.perf_counter() - started)
 
-    def _write(self, job_id: str, shard: str, records: list[Record], info: dict[str, object]) -> None:
+    def _write(
+        self, job_id: str, incarnation: str, shard: str, records: list[Record], info: dict[str, object]
+    ) -> None:
+        self._check_live(job_id, incarnation)
         self.storage.commit_shard(job_id, shard, records_to_table(records), info)
+
+    def _check_live(self, job_id: str, incarnation: str) -> None:
+        """Refuse records of a job deleted meanwhile (or of an earlier job of a reused id). Should
+        a delete land between this check and the write, exports still leave the shard out: its
+        commit names the old incarnation."""
+        if self.current_incarnation is None:
+            return
+        try:
+            current = self.current_incarnation(job_id)
+        except redis.RedisError:
+            return  # unknown now; the commit's incarnation still keeps exports right
+        if current is None or current != incarnation:
+            raise JobNotFoundError(f"job {job_id} was deleted or replaced by a new job of the same id")
 
     async def close(self, deadline_s: float) -> bool:
         """Final flush, retried until ``deadline_s`` (monotonic); True if nothing is left."""

@@ -425,3 +425,38 @@ def test_example_file_renders_with_the_shipped_template(renderer: PromptRenderer
     long_prompts = sum(n > 2000 for n in lengths)
     assert 0.05 * len(prompts) <= long_prompts <= 0.2 * len(prompts)
     assert sorted(lengths)[len(lengths) // 2] < 200  # mostly short
+
+
+# -- rows that used to stop the whole file ---------------------------------------------------------
+
+
+def test_an_integer_over_4300_digits_rejects_only_its_row() -> None:
+    huge = "1" + "0" * 5000
+    items = parse(
+        f'{{"id": {huge}, "prompt": "x"}}\n{{"prompt": "ok", "n": [{huge}]}}\n{{"prompt": "fine"}}\n'
+    )
+    assert [type(i).__name__ for i in items] == ["RowError", "RowError", "Prompt"]
+    assert [i.line for i in items] == [1, 2, 3]
+    assert all("more than 4,300 digits" in i.reason for i in items if isinstance(i, RowError))
+
+
+def test_a_lone_surrogate_names_where_it_is_and_what_to_do() -> None:
+    error = only_error('{"messages": [{"role": "user", "content": "a \\ud83d b"}]}\n')
+    assert error.reason.startswith("messages[0].content holds a lone surrogate '\\ud83d'")
+    assert "re-encode the file as UTF-8" in error.reason
+    assert "id holds a lone surrogate" in only_error('{"id": "x\\udc00", "prompt": "p"}\n').reason
+
+
+def test_an_escaped_surrogate_pair_is_one_character() -> None:
+    prompt = only_prompt('{"prompt": "smile \\ud83d\\ude00"}\n')
+    assert prompt.messages[0]["content"] == "smile \U0001f600"
+
+
+def test_any_error_inside_a_row_becomes_a_row_error_and_the_file_goes_on() -> None:
+    # A string "tools" is parsed again; nested past the recursion limit it used to escape the row.
+    deep_tools = json.dumps({"prompt": "x", "tools": "[" * 100_000})
+    items = parse(deep_tools + "\n" + jsonl({"prompt": "after"}))
+    error, prompt = items
+    assert isinstance(error, RowError) and error.line == 1
+    assert "RecursionError" in error.reason and "fix or remove it" in error.reason
+    assert isinstance(prompt, Prompt) and prompt.line == 2

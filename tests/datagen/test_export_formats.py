@@ -15,11 +15,11 @@ import pyarrow.parquet as pq
 import pytest
 from typer.testing import CliRunner
 
-from datagen._export_shuffle import shuffled_batches
-from datagen._export_tokens import load_job_tokens, read_stop_ids
 from datagen.cli import app
 from datagen.errors import ConfigError
 from datagen.export import ExportFormat, ExportOptions, export_job
+from datagen.export.shuffle import shuffled_batches
+from datagen.export.tokens import load_job_tokens, read_stop_ids
 from datagen.records import Record, records_to_table
 from datagen.spec import JobSpec
 from datagen.storage import Storage
@@ -418,7 +418,7 @@ def test_cli_export_prints_a_json_summary(mixed_job: Storage, tmp_path: Path) ->
 
 
 def test_decode_many_matches_transformers_decode() -> None:
-    from datagen._export_tokens import JobTokens
+    from datagen.export.tokens import JobTokens
 
     tokens = JobTokens(renderer(), EOS, THINK, THINK_END, frozenset({EOS}), frozenset({TOOL_CALLS}))
     sequences = [[*HI_PROMPT, *REASONED], [TOOL_CALLS, *THE_ANSWER], []]

@@ -65,3 +65,29 @@ def test_unknown_job(store: JobStore) -> None:
         store.progress("nope")
     with pytest.raises(JobNotFoundError):
         store.spec("nope")
+
+
+def test_a_prompt_finished_twice_is_counted_once(store: JobStore, redis_client: redis.Redis) -> None:
+    """A stalled worker and the one that ran the prompt again after the reaper handed it back both
+    finish it: the second count finds it gone from the running set and counts nothing."""
+    store.create("j1", JobSpec(tokenizer="tok"))
+    with redis_client.pipeline() as pipe:
+        store.add_ingest_counts(pipe, "j1", {"rows": 2, "accepted": 2}, line=2)
+        pipe.execute()
+    store.finish_ingest("j1")
+    store.started("j1", "rq-a")
+    store.started("j1", "rq-b")
+    for _ in range(2):
+        with redis_client.pipeline() as pipe:
+            store.count_done(
+                pipe, "j1", "rq-a", output_tokens=10, partition="math", cls="short", finish="stop"
+            )
+            pipe.execute()
+    progress = store.progress("j1")
+    # Counted twice, rq-a would make done 2 = accepted and complete the job with rq-b still running.
+    assert (progress.state, progress.done, progress.in_flight, progress.output_tokens) == (
+        JobState.RUNNING,
+        1,
+        1,
+        10,
+    )

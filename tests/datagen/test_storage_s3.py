@@ -31,12 +31,12 @@ from datagen.settings import CoordinatorSettings
 from datagen.spec import JobSpec
 from datagen.states import JobState
 from datagen.storage import Storage
-from datagen.tokenization import bundled_tokenizer_path, default_chat_template_path, get_renderer
+from datagen.tokenization import get_renderer
 from service.app import create_app
 from service.coordinator import Coordinator
 from service.ingest import IngestOptions, Ingestor
 from simulator.model import SpecialIds, expected_output
-from tests.helpers import fast_worker_settings, make_record, running_simulator
+from tests.helpers import fast_worker_settings, make_record, make_spec, running_simulator, wait_ingested
 from workers.fleet import ServerSpec
 from workers.worker import Worker
 
@@ -199,16 +199,13 @@ def test_names_and_urls_are_checked(tmp_path: Path) -> None:
 # The coordinator, a worker, an export and the report on S3 -----------------------------------------
 
 
-def _spec_fields() -> dict[str, Any]:
-    return {
-        "tokenizer": bundled_tokenizer_path(),
-        "chat_template": str(default_chat_template_path()),
-        "short_max_new_tokens": 300,
-        "long_max_new_tokens": 300,
-        "long_threshold_tokens": 100_000,
-        "sampling": {"sampling_seed": SEED},
-        "context_len": 32768,  # submitted before the worker runs
-    }
+# Every prompt is short; the seed makes the simulator's outputs reproducible.
+SPEC = make_spec(
+    short_max_new_tokens=300,
+    long_max_new_tokens=300,
+    long_threshold_tokens=100_000,
+    sampling={"sampling_seed": SEED},
+)
 
 
 def _dataset(n: int, bad_lines: set[int]) -> list[str]:
@@ -224,19 +221,9 @@ def _dataset(n: int, bad_lines: set[int]) -> list[str]:
     return lines
 
 
-def _wait_ingested(client: TestClient, job_id: str, timeout_s: float = 30.0) -> dict[str, Any]:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        job = client.get(f"/jobs/{job_id}").json()
-        if job["state"] != "ingesting":
-            return job  # type: ignore[no-any-return]
-        time.sleep(0.05)
-    raise AssertionError(f"job {job_id} still ingesting")
-
-
 def _post(client: TestClient, lines: list[str], job_id: str) -> Any:
     body = ("\n".join(lines) + "\n").encode()
-    data = {"spec": json.dumps(_spec_fields()), "job_id": job_id}
+    data = {"spec": json.dumps(SPEC), "job_id": job_id}
     return client.post("/jobs", data=data, files={"dataset": ("d.jsonl", body, "application/jsonl")})
 
 
@@ -266,7 +253,7 @@ def test_uploads_over_the_limit_leave_nothing_and_ingestion_resumes_on_s3(
     # checkpoint when the next coordinator starts, reading the upload from S3 again.
     keys = Keys(NS)
     jobs = JobStore(redis_client, keys)
-    jobs.create("job", JobSpec.model_validate(_spec_fields()))
+    jobs.create("job", JobSpec.model_validate(SPEC))
     data = ("\n".join(_dataset(10, {2, 5})) + "\n").encode()
     name = storage.write_input("job", [data[:40], data[40:]])
     redis_client.hset(keys.job("job"), mapping={"ingest_input": name, "ingest_line": 0})
@@ -296,7 +283,7 @@ async def test_a_job_on_s3_end_to_end(
     with TestClient(create_app(settings)) as client:
         response = _post(client, lines, "job")
         assert response.status_code == 202, response.text
-        job = _wait_ingested(client, "job")
+        job = wait_ingested(client, "job")
         assert (job["total"], job["rejected"], job["rows"]) == (12, 2, 14)
         errors = client.get("/jobs/job/errors", params={"kind": "rejected"}).json()["errors"]
         assert [e["line"] for e in errors] == [3, 9] and "wizard" in errors[0]["reason"]
@@ -312,7 +299,7 @@ async def test_a_job_on_s3_end_to_end(
     assert JobStore(redis_client, Keys(NS)).progress("job").state is JobState.COMPLETED
 
     # Every record read back from S3 is exactly what the simulator generated.
-    spec = JobSpec.model_validate(_spec_fields())
+    spec = JobSpec.model_validate(SPEC)
     renderer = get_renderer(tokenizer_path, spec.chat_template, False, "{}")
     special = SpecialIds.from_tokenizer(renderer.tokenizer)
     records = {r["sample_id"]: r for b in storage.iter_record_batches("job") for r in b.to_pylist()}

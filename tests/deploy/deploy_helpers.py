@@ -12,7 +12,6 @@ import os
 import re
 import shutil
 import subprocess
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +21,7 @@ import httpx
 import yaml
 
 from datagen.redis_server import free_port
+from tests.helpers import wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 DASHBOARDS = REPO / "dashboards"
@@ -310,17 +310,19 @@ class Prometheus:
             stderr=subprocess.STDOUT,
             cwd=self.tmp,
         )
-        deadline = time.monotonic() + self.READY_TIMEOUT_S
-        while time.monotonic() < deadline:
-            assert self._proc.poll() is None, f"prometheus exited:\n{self.log()}"
-            try:
-                if httpx.get(f"{self.url}/-/ready", timeout=1).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
-        self.__exit__(None, None, None)
-        raise AssertionError(f"prometheus did not become ready:\n{self.log()}")
+        try:
+            wait_until(self._ready, self.READY_TIMEOUT_S, "prometheus to become ready", on_timeout=self.log)
+        except AssertionError:
+            self.__exit__(None, None, None)
+            raise
+        return self
+
+    def _ready(self) -> bool:
+        assert self._proc is not None and self._proc.poll() is None, f"prometheus exited:\n{self.log()}"
+        try:
+            return httpx.get(f"{self.url}/-/ready", timeout=1).status_code == 200
+        except httpx.HTTPError:
+            return False
 
     def __exit__(self, *exc: object) -> None:
         if self._proc is not None and self._proc.poll() is None:

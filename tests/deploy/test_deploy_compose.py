@@ -14,7 +14,6 @@ import re
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -46,12 +45,14 @@ from tests.deploy.deploy_helpers import (
     prometheus_targets,
     require_binary,
 )
-from tests.helpers import ProcessStack
+from tests.helpers import ProcessStack, wait_until
 from workers.fleet import ServerSpec
 
 SCHEMA = DEPLOY / "compose-spec.json"
 DATAGEN_IMAGE = "eagle3-datagen:local"
 REDIS_PORT = 6379
+SIMS = ("sim-0", "sim-1")
+SERVERS_UP_TIMEOUT_S = 30.0
 # A multi-node GPU node's settings (README): its own servers, the central Redis, shared storage.
 GPU_NODE_ENV = {
     "DATAGEN_SERVERS": "gpu0=http://host.docker.internal:30000,gpu1=http://host.docker.internal:30001",
@@ -302,6 +303,26 @@ def _metric(text: str, name: str, labels: str) -> float | None:
     return float(found[1]) if found else None
 
 
+def _wait_servers_up(rewriter: _Rewriter, stack: ProcessStack, timeout_s: float) -> None:
+    """Until the worker has reached both simulators and the coordinator shows both up."""
+
+    def worker_up() -> list[float | None]:
+        text = httpx.get(rewriter.url("worker", "/metrics"), timeout=5).text
+        return [_metric(text, "datagen_worker_server_up", f'server="{s}"') for s in SIMS]
+
+    def coordinator_states() -> dict[str, str]:
+        servers = httpx.get(rewriter.url("coordinator", "/servers"), timeout=5).json()["servers"]
+        return {s["name"]: s["state"] for s in servers}
+
+    wait_until(
+        lambda: worker_up() == [1.0, 1.0] and coordinator_states() == dict.fromkeys(SIMS, "up"),
+        timeout_s,
+        "the worker to reach both simulators and the coordinator to show them up",
+        interval_s=0.2,
+        on_timeout=lambda: f"worker: {worker_up()}, coordinator: {coordinator_states()}\n{stack.logs()}",
+    )
+
+
 @pytest.mark.e2e
 def test_sim_profile_services_run_as_plain_processes(tmp_path: Path) -> None:
     compose = load_compose()
@@ -326,24 +347,9 @@ def test_sim_profile_services_run_as_plain_processes(tmp_path: Path) -> None:
                     _healthcheck(rewriter, name, services[name]), capture_output=True, timeout=30
                 )
                 assert check.returncode == 0, (name, check.stderr)
-            # The worker reached both simulators through compose's DATAGEN_SERVERS.
-            deadline = time.monotonic() + 30
-            while True:
-                text = httpx.get(rewriter.url("worker", "/metrics"), timeout=5).text
-                up = [_metric(text, "datagen_worker_server_up", f'server="{s}"') for s in ("sim-0", "sim-1")]
-                if up == [1.0, 1.0]:
-                    break
-                assert time.monotonic() < deadline, f"servers not up: {up}\n{stack.logs()}"
-                time.sleep(0.2)
-            # ... and published them in the shared Redis (every control interval), where the
-            # coordinator reads them.
-            while True:
-                servers = httpx.get(rewriter.url("coordinator", "/servers"), timeout=5).json()["servers"]
-                states = {s["name"]: s["state"] for s in servers}
-                if states == {"sim-0": "up", "sim-1": "up"}:
-                    break
-                assert time.monotonic() < deadline, f"coordinator shows {states}\n{stack.logs()}"
-                time.sleep(0.2)
+            # The worker reached both simulators through compose's DATAGEN_SERVERS, and published
+            # them in the shared Redis (every control interval), where the coordinator reads them.
+            _wait_servers_up(rewriter, stack, SERVERS_UP_TIMEOUT_S)
         finally:
             for stack in stacks:
                 stack.stop()

@@ -41,7 +41,7 @@ from tests.deploy.deploy_helpers import (
     variable_query,
     variables,
 )
-from tests.helpers import ProcessStack
+from tests.helpers import ProcessStack, wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -211,13 +211,17 @@ def _spawn_processes(stack: ProcessStack, ports: dict[str, int], tokenizer: str)
 
 
 def _wait_targets_up(prom: Prometheus, expected: int) -> None:
-    deadline = time.monotonic() + 30
-    while True:
+    def up() -> bool:
         targets = prom.targets()
-        if len(targets) == expected and all(t["health"] == "up" for t in targets):
-            return
-        assert time.monotonic() < deadline, f"targets not up: {targets}\n{prom.log()}"
-        time.sleep(0.2)
+        return len(targets) == expected and all(t["health"] == "up" for t in targets)
+
+    wait_until(
+        up,
+        30,
+        f"{expected} scrape targets up",
+        interval_s=0.2,
+        on_timeout=lambda: f"targets: {prom.targets()}\n{prom.log()}",
+    )
 
 
 def _submit(stack: ProcessStack, coordinator: str, tokenizer: str) -> str:

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from datagen.storage import Storage
+from tests.helpers import wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -72,13 +73,15 @@ def test_demo_interrupted_leaves_no_process_behind(tmp_path: Path) -> None:
         start_new_session=True,
     )
     # Wait until the demo's children run, then press Ctrl-C (SIGINT to the whole process group).
-    deadline = time.monotonic() + 60
-    while len(_processes_with_storage(data_dir)) < 3 and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert len(_processes_with_storage(data_dir)) >= 3
+    wait_until(
+        lambda: len(_processes_with_storage(data_dir)) >= 3, 60, "the demo's children to run", interval_s=0.2
+    )
     os.killpg(proc.pid, signal.SIGINT)
     proc.communicate(timeout=60)
-    deadline = time.monotonic() + 10
-    while _processes_with_storage(data_dir) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert _processes_with_storage(data_dir) == []
+    wait_until(
+        lambda: not _processes_with_storage(data_dir),
+        10,
+        "the demo's children to exit",
+        interval_s=0.2,
+        on_timeout=lambda: f"still running: {_processes_with_storage(data_dir)}",
+    )

@@ -16,13 +16,20 @@ import pytest
 
 from datagen.tokenization import bundled_tokenizer_path, default_chat_template_path, get_renderer
 from simulator.model import SpecialIds, expected_output
-from tests.helpers import ProcessStack, coordinator_stack
+from tests.e2e.e2e_helpers import (
+    MAX_NEW,
+    SEED,
+    get_job,
+    job_records,
+    start_worker,
+    submit_job,
+    submit_job_result,
+)
+from tests.helpers import ProcessStack, coordinator_stack, wait_until
 
 pytestmark = pytest.mark.e2e
 
 NS = "ctl"
-SEED = 11
-MAX_NEW = 400
 
 
 @pytest.fixture
@@ -43,64 +50,8 @@ def _sim(stack: ProcessStack, name: str, *options: str) -> str:
     return stack.spawn_sim(name, *options)
 
 
-def _worker(stack: Any, name: str, server: str, *options: str, env: dict[str, str] | None = None) -> Any:
-    """A worker; unless it runs in burst mode, once it has taken its server (the pre-flight checks
-    at submit learn the context length from it)."""
-    args = ("worker", "--server", server, "--short-concurrency", "8", *options)
-    saved = dict(stack.env)
-    stack.env.update(env or {})
-    try:
-        proc = stack.spawn(name, *args)
-    finally:
-        stack.env = saved
-    if "--burst" not in options:
-        server_name = server.split("=", 1)[0]
-
-        def up() -> bool:
-            servers = httpx.get(f"{stack.coordinator}/servers", timeout=5).json()["servers"]
-            return any(s["name"] == server_name and s["state"] == "up" for s in servers)
-
-        _wait(stack, up, 30, f"the worker to take server {server_name}")
-    return proc
-
-
-def _submit(stack: Any, name: str, n: int, *options: str) -> str:
-    result = _submit_result(stack, name, n, *options)
-    assert result.returncode == 0, result.stderr + stack.logs()
-    assert result.stdout.strip() == name
-    return name
-
-
-def _submit_result(stack: Any, name: str, n: int, *options: str) -> subprocess.CompletedProcess[str]:
-    dataset = stack.tmp / f"{name}.jsonl"
-    rows = [
-        {"id": f"{name}{i}", "messages": [{"role": "user", "content": f"{name} question {i}"}]}
-        for i in range(n)
-    ]
-    dataset.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return stack.submit(  # type: ignore[no-any-return]
-        dataset, "--short-max-new-tokens", str(MAX_NEW), "--seed", str(SEED), "--job-id", name, *options
-    )
-
-
-def _job(stack: Any, job_id: str) -> dict[str, Any]:
-    return httpx.get(f"{stack.coordinator}/jobs/{job_id}", timeout=5).json()  # type: ignore[no-any-return]
-
-
-def _wait(stack: Any, predicate: Any, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}\n{stack.logs()}")
-        time.sleep(0.1)
-
-
 def _ingested(stack: Any, job_id: str) -> bool:
-    return _job(stack, job_id)["state"] != "ingesting"
-
-
-def _records(stack: Any, job_id: str) -> list[dict[str, Any]]:
-    return [r for batch in stack.storage.iter_record_batches(job_id) for r in batch.to_pylist()]
+    return get_job(stack, job_id)["state"] != "ingesting"
 
 
 def _cli_ok(stack: Any, *args: str) -> str:
@@ -113,31 +64,39 @@ def _cli_ok(stack: Any, *args: str) -> str:
 # Cancel -------------------------------------------------------------------------------------------
 def test_cancel_with_work_in_flight_keeps_records_and_dispatches_nothing_more(stack: Any) -> None:
     sim = _sim(stack, "sim", "--time-scale", "0.02")
-    _worker(stack, "worker", f"sim={sim}")
-    job_id = _submit(stack, "big", 300)
-    _wait(
-        stack, lambda: (j := _job(stack, job_id))["done"] >= 5 and j["in_flight"] >= 4, 60, "work in flight"
+    start_worker(stack, "worker", f"sim={sim}")
+    job_id = submit_job(stack, "big", 300)
+    wait_until(
+        lambda: (j := get_job(stack, job_id))["done"] >= 5 and j["in_flight"] >= 4,
+        60,
+        "work in flight",
+        on_timeout=stack.logs,
     )
 
     out = _cli_ok(stack, "cancel", job_id)
     dropped = int(re.search(r"(\d+) queued prompts dropped", out).group(1))  # type: ignore[union-attr]
     assert dropped > 0, out
-    _wait(stack, lambda: _job(stack, job_id)["in_flight"] == 0, 30, "in-flight prompts to finish")
+    wait_until(
+        lambda: get_job(stack, job_id)["in_flight"] == 0,
+        30,
+        "in-flight prompts to finish",
+        on_timeout=stack.logs,
+    )
     time.sleep(1.0)  # their commits
-    job = _job(stack, job_id)
+    job = get_job(stack, job_id)
     assert job["state"] == "cancelled"
     assert job["done"] + job["cancelled"] + job["failed"] == job["total"] == 300
     assert job["cancelled"] == dropped
     done = job["done"]
-    records = _records(stack, job_id)
+    records = job_records(stack, job_id)
     assert len(records) == len({r["sample_id"] for r in records}) == done  # in-flight ones were kept
     time.sleep(2.0)
-    assert _job(stack, job_id)["done"] == done  # nothing more was dispatched
+    assert get_job(stack, job_id)["done"] == done  # nothing more was dispatched
     queues = httpx.get(f"{stack.coordinator}/queues", timeout=5).json()["queues"]
     assert all(q["queued"] == 0 for q in queues)
     # Cancelling again is harmless; a cancelled job takes no more data.
     _cli_ok(stack, "cancel", job_id)
-    result = _submit_result(stack, job_id, 300)
+    result = submit_job_result(stack, job_id, 300)
     assert result.returncode != 0
     assert "was cancelled; submit under a new job id" in " ".join(result.stderr.split())
 
@@ -145,10 +104,12 @@ def test_cancel_with_work_in_flight_keeps_records_and_dispatches_nothing_more(st
 def test_cancel_abort_in_flight_aborts_the_requests_at_the_server(stack: Any) -> None:
     # Slow requests (seconds each), so that finishing them would take far longer than aborting.
     sim = _sim(stack, "slow", "--time-scale", "0.3", "--mean-reasoning-tokens", "3000")
-    _worker(stack, "worker", f"slow={sim}")
-    job_id = _submit(stack, "slow", 40, "--short-max-new-tokens", "4000")
-    _wait(stack, lambda: _job(stack, job_id)["in_flight"] >= 8, 60, "8 prompts in flight")
-    assert _job(stack, job_id)["done"] == 0
+    start_worker(stack, "worker", f"slow={sim}")
+    job_id = submit_job(stack, "slow", 40, "--short-max-new-tokens", "4000")
+    wait_until(
+        lambda: get_job(stack, job_id)["in_flight"] >= 8, 60, "8 prompts in flight", on_timeout=stack.logs
+    )
+    assert get_job(stack, job_id)["done"] == 0
 
     started = time.monotonic()
     body = httpx.post(
@@ -156,40 +117,55 @@ def test_cancel_abort_in_flight_aborts_the_requests_at_the_server(stack: Any) ->
     )
     assert body.status_code == 200, body.text
     assert body.json()["dropped"] == 40 - body.json()["in_flight"] - body.json()["done"]
-    _wait(stack, lambda: _job(stack, job_id)["in_flight"] == 0, 10, "in-flight prompts to be aborted")
+    wait_until(
+        lambda: get_job(stack, job_id)["in_flight"] == 0,
+        10,
+        "in-flight prompts to be aborted",
+        on_timeout=stack.logs,
+    )
     assert time.monotonic() - started < 10
-    job = _job(stack, job_id)
+    job = get_job(stack, job_id)
     assert (job["state"], job["done"], job["cancelled"]) == ("cancelled", 0, 40)
-    assert _records(stack, job_id) == []
+    assert job_records(stack, job_id) == []
 
     def running() -> float:
         text = httpx.get(f"{sim}/metrics", timeout=5).text
         match = re.search(r"^sglang:num_running_reqs\{[^}]*\} (\S+)$", text, re.MULTILINE)
         return float(match.group(1)) if match else -1.0
 
-    _wait(stack, lambda: running() == 0.0, 10, "the server to drop the aborted requests")
+    wait_until(lambda: running() == 0.0, 10, "the server to drop the aborted requests", on_timeout=stack.logs)
 
 
 # Pause one job ------------------------------------------------------------------------------------
 def test_pause_one_of_two_running_jobs(stack: Any) -> None:
     sim = _sim(stack, "sim", "--time-scale", "0.02")
-    _worker(stack, "worker", f"sim={sim}")
-    first, second = _submit(stack, "first", 80), _submit(stack, "second", 80)
-    _wait(stack, lambda: _job(stack, first)["done"] >= 5, 60, "the first job to run")
+    start_worker(stack, "worker", f"sim={sim}")
+    first, second = submit_job(stack, "first", 80), submit_job(stack, "second", 80)
+    wait_until(lambda: get_job(stack, first)["done"] >= 5, 60, "the first job to run", on_timeout=stack.logs)
 
     out = _cli_ok(stack, "pause", first)
     assert f"job {first}: paused" in out
-    _wait(stack, lambda: _job(stack, first)["in_flight"] == 0, 20, "the paused job's in-flight prompts")
-    held = _job(stack, first)
+    wait_until(
+        lambda: get_job(stack, first)["in_flight"] == 0,
+        20,
+        "the paused job's in-flight prompts",
+        on_timeout=stack.logs,
+    )
+    held = get_job(stack, first)
     assert held["paused"] and held["queued"] > 0 and held["share"]["target"] == 0.0
-    second_before = _job(stack, second)["done"]
+    second_before = get_job(stack, second)["done"]
     time.sleep(3.0)
-    assert _job(stack, first)["done"] == held["done"]  # nothing of the paused job ran
-    assert _job(stack, second)["done"] > second_before  # the other job kept running
+    assert get_job(stack, first)["done"] == held["done"]  # nothing of the paused job ran
+    assert get_job(stack, second)["done"] > second_before  # the other job kept running
 
     _cli_ok(stack, "resume", "--job", first)
-    _wait(stack, lambda: _job(stack, first)["state"] == "completed", 90, "the resumed job to complete")
-    assert len({r["sample_id"] for r in _records(stack, first)}) == 80
+    wait_until(
+        lambda: get_job(stack, first)["state"] == "completed",
+        90,
+        "the resumed job to complete",
+        on_timeout=stack.logs,
+    )
+    assert len({r["sample_id"] for r in job_records(stack, first)}) == 80
     # A finished job cannot be paused: a 409 with what is wrong.
     response = httpx.post(f"{stack.coordinator}/jobs/{first}/pause", timeout=5)
     assert response.status_code == 409 and "completed" in response.json()["error"]
@@ -198,11 +174,11 @@ def test_pause_one_of_two_running_jobs(stack: Any) -> None:
 # Retry --------------------------------------------------------------------------------------------
 def test_retry_after_planted_failures_gives_exact_records_once(stack: Any) -> None:
     flaky = _sim(stack, "flaky", "--time-scale", "0", "--fail-500-rate", "0.35")
-    job_id = _submit(stack, "retry", 60, "--context-len", "32768")  # no worker runs yet
-    worker = _worker(stack, "w1", f"flaky={flaky}", "--burst", env={"DATAGEN_MAX_ATTEMPTS": "1"})
+    job_id = submit_job(stack, "retry", 60, "--context-len", "32768")  # no worker runs yet
+    worker = start_worker(stack, "w1", f"flaky={flaky}", "--burst", env={"DATAGEN_MAX_ATTEMPTS": "1"})
     assert worker.wait(timeout=120) == 0, stack.logs()
     del stack.procs["w1"]  # exited as it should
-    job = _job(stack, job_id)
+    job = get_job(stack, job_id)
     assert job["state"] == "completed" and 5 <= job["failed"] <= 40, job
     failed = job["failed"]
     reasons = httpx.get(
@@ -218,16 +194,16 @@ def test_retry_after_planted_failures_gives_exact_records_once(stack: Any) -> No
     assert nothing["retried_now"] == 0 and nothing["failed_by_reason"] == {"gave_up_ServerError": failed}
     out = _cli_ok(stack, "retry", job_id, "--reason", "gave_up_ServerError")
     assert f"{failed} failed prompts re-enqueued" in out
-    job = _job(stack, job_id)
+    job = get_job(stack, job_id)
     assert (job["state"], job["failed"], job["retried"], job["queued"]) == ("running", 0, failed, failed)
 
     good = _sim(stack, "good", "--time-scale", "0")
-    worker = _worker(stack, "w2", f"good={good}", "--burst")
+    worker = start_worker(stack, "w2", f"good={good}", "--burst")
     assert worker.wait(timeout=120) == 0, stack.logs()
-    job = _job(stack, job_id)
+    job = get_job(stack, job_id)
     assert (job["state"], job["done"], job["failed"]) == ("completed", 60, 0)
 
-    records = _records(stack, job_id)
+    records = job_records(stack, job_id)
     assert len(records) == len({r["sample_id"] for r in records}) == 60  # none doubled
     assert sum(1 for r in records if r["server"] == "good") == failed
     renderer = get_renderer(bundled_tokenizer_path(), str(default_chat_template_path()), False, "{}")
@@ -243,13 +219,13 @@ def test_retry_after_planted_failures_gives_exact_records_once(stack: Any) -> No
 # Delete -------------------------------------------------------------------------------------------
 def test_delete_refuses_a_running_job_then_removes_keys_and_files(stack: Any) -> None:
     sim = _sim(stack, "sim", "--time-scale", "0.02")
-    job_id = _submit(stack, "gone", 20, "--context-len", "32768")  # no worker runs yet
-    _wait(stack, lambda: _ingested(stack, job_id), 30, "ingestion")
+    job_id = submit_job(stack, "gone", 20, "--context-len", "32768")  # no worker runs yet
+    wait_until(lambda: _ingested(stack, job_id), 30, "ingestion", on_timeout=stack.logs)
     refused = stack.cli("delete", job_id)
     assert refused.returncode != 0 and "cancel it first" in " ".join(refused.stderr.split())
-    worker = _worker(stack, "worker", f"sim={sim}", "--burst")
+    worker = start_worker(stack, "worker", f"sim={sim}", "--burst")
     assert worker.wait(timeout=120) == 0, stack.logs()
-    assert _job(stack, job_id)["state"] == "completed"
+    assert get_job(stack, job_id)["state"] == "completed"
     assert stack.storage.job_exists(job_id)
 
     out = _cli_ok(stack, "delete", job_id, "--files")
@@ -265,34 +241,41 @@ def _ingest_paused(stack: Any, jobs: list[tuple[str, int, tuple[str, ...]]]) -> 
     """Submit the jobs while the short queue is paused, so all are queued before any runs."""
     _cli_ok(stack, "pause", "short")
     for name, n, options in jobs:
-        _submit(stack, name, n, *options)
+        submit_job(stack, name, n, *options)
     for name, _, _ in jobs:
-        _wait(stack, lambda name=name: _ingested(stack, name), 30, f"{name} to be ingested")
+        wait_until(
+            lambda name=name: _ingested(stack, name), 30, f"{name} to be ingested", on_timeout=stack.logs
+        )
 
 
 def test_weighted_fair_share_follows_the_weights(stack: Any) -> None:
     sim = _sim(stack, "sim", "--time-scale", "0.01")
-    _worker(stack, "worker", f"sim={sim}")
+    start_worker(stack, "worker", f"sim={sim}")
     _ingest_paused(stack, [("heavy", 150, ("--weight", "3")), ("light", 150, ())])
-    heavy = _job(stack, "heavy")
+    heavy = get_job(stack, "heavy")
     assert (heavy["priority"], heavy["weight"], heavy["share"]["target"]) == ("normal", 3.0, 0.75)
-    assert _job(stack, "light")["share"]["target"] == 0.25
+    assert get_job(stack, "light")["share"]["target"] == 0.25
     _cli_ok(stack, "resume", "short")
-    _wait(stack, lambda: _job(stack, "heavy")["done"] >= 60, 60, "both jobs to run")
+    wait_until(lambda: get_job(stack, "heavy")["done"] >= 60, 60, "both jobs to run", on_timeout=stack.logs)
 
     # Shown in the API, the CLI and the metrics while both run.
-    assert _job(stack, "heavy")["share"]["recent"] > 0.5
+    assert get_job(stack, "heavy")["share"]["recent"] > 0.5
     status = _cli_ok(stack, "status")
     assert re.search(r"heavy.*normal ×3.*\d+% / 75%", status), status
     metrics = httpx.get(f"{stack.coordinator}/metrics", timeout=5).text
     assert 'datagen_job_share_target{job="heavy"} 0.75' in metrics
     assert 'datagen_job_weight{job="light"} 1.0' in metrics
 
-    _wait(stack, lambda: _job(stack, "light")["state"] == "completed", 120, "both jobs to complete")
+    wait_until(
+        lambda: get_job(stack, "light")["state"] == "completed",
+        120,
+        "both jobs to complete",
+        on_timeout=stack.logs,
+    )
     # Over the stretch where both had prompts queued (until the heavy job's last start), the
     # heavy job got 3 of every 4 prompts.
-    heavy_starts = sorted(r["started_at_ms"] for r in _records(stack, "heavy"))
-    light_starts = sorted(r["started_at_ms"] for r in _records(stack, "light"))
+    heavy_starts = sorted(r["started_at_ms"] for r in job_records(stack, "heavy"))
+    light_starts = sorted(r["started_at_ms"] for r in job_records(stack, "light"))
     cutoff = heavy_starts[-1]
     light_before = sum(1 for t in light_starts if t <= cutoff)
     share = len(heavy_starts) / (len(heavy_starts) + light_before)
@@ -301,12 +284,17 @@ def test_weighted_fair_share_follows_the_weights(stack: Any) -> None:
 
 def test_high_priority_goes_before_a_big_normal_job(stack: Any) -> None:
     sim = _sim(stack, "sim", "--time-scale", "0.01")
-    _worker(stack, "worker", f"sim={sim}")
+    start_worker(stack, "worker", f"sim={sim}")
     _ingest_paused(stack, [("bulk", 120, ()), ("urgent", 30, ("--priority", "high"))])
-    assert _job(stack, "urgent")["share"]["target"] == 1.0
-    assert _job(stack, "bulk")["share"]["target"] == 0.0
+    assert get_job(stack, "urgent")["share"]["target"] == 1.0
+    assert get_job(stack, "bulk")["share"]["target"] == 0.0
     _cli_ok(stack, "resume", "short")
-    _wait(stack, lambda: _job(stack, "bulk")["state"] == "completed", 120, "both jobs to complete")
-    urgent_last = max(r["started_at_ms"] for r in _records(stack, "urgent"))
-    bulk_first = min(r["started_at_ms"] for r in _records(stack, "bulk"))
+    wait_until(
+        lambda: get_job(stack, "bulk")["state"] == "completed",
+        120,
+        "both jobs to complete",
+        on_timeout=stack.logs,
+    )
+    urgent_last = max(r["started_at_ms"] for r in job_records(stack, "urgent"))
+    bulk_first = min(r["started_at_ms"] for r in job_records(stack, "bulk"))
     assert urgent_last <= bulk_first

@@ -15,9 +15,9 @@ import pytest
 from rq import Queue
 from rq.registry import FailedJobRegistry, StartedJobRegistry
 
-from datagen.storage import Storage
 from datagen.tokenization import bundled_tokenizer_path, default_chat_template_path
-from tests.helpers import ProcessStack, coordinator_stack
+from tests.e2e.e2e_helpers import get_job, job_records
+from tests.helpers import ProcessStack, coordinator_stack, wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -46,18 +46,6 @@ def _submit(stack: Any, n: int) -> str:
     return str(result.stdout.strip())
 
 
-def _job(stack: Any, job_id: str) -> dict[str, Any]:
-    return httpx.get(f"{stack.coordinator}/jobs/{job_id}", timeout=5).json()  # type: ignore[no-any-return]
-
-
-def _wait(predicate: Any, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.1)
-
-
 def _started(stack: Any) -> int:
     return StartedJobRegistry(queue=Queue(f"{NS}-short", connection=stack.redis)).get_job_count(cleanup=False)
 
@@ -69,7 +57,12 @@ def _worker(stack: Any, name: str) -> subprocess.Popen[bytes]:
 def test_kill_9_is_reaped_within_a_minute_and_nothing_is_lost(stack: Any) -> None:
     job_id = _submit(stack, 120)
     victim = _worker(stack, "victim")
-    _wait(lambda: _job(stack, job_id)["done"] >= 10 and _started(stack) >= 8, 60, "the victim to be busy")
+    wait_until(
+        lambda: get_job(stack, job_id)["done"] >= 10 and _started(stack) >= 8,
+        60,
+        "the victim to be busy",
+        on_timeout=stack.logs,
+    )
     registry_key = StartedJobRegistry(queue=Queue(f"{NS}-short", connection=stack.redis)).key
     orphans = stack.redis.zrange(registry_key, 0, -1)
     victim.send_signal(signal.SIGKILL)
@@ -78,17 +71,23 @@ def test_kill_9_is_reaped_within_a_minute_and_nothing_is_lost(stack: Any) -> Non
     assert orphans
     _worker(stack, "rescuer")
     # The rescuer's reaper hands the orphans back once their heartbeat TTL has lapsed.
-    _wait(
+    wait_until(
         lambda: all(stack.redis.zscore(registry_key, m) is None for m in orphans),
         60,
         "the orphans to be reaped",
+        on_timeout=stack.logs,
     )
     reaped_s = time.monotonic() - killed_at
     assert reaped_s <= RECOVERY_BUDGET_S
-    _wait(lambda: _job(stack, job_id)["state"] == "completed", 120, "the job to complete")
-    job = _job(stack, job_id)
+    wait_until(
+        lambda: get_job(stack, job_id)["state"] == "completed",
+        120,
+        "the job to complete",
+        on_timeout=stack.logs,
+    )
+    job = get_job(stack, job_id)
     assert (job["done"], job["failed"], job["in_flight"]) == (120, 0, 0)
-    records = [r for b in Storage(stack.tmp / "data").iter_record_batches(job_id) for r in b.to_pylist()]
+    records = job_records(stack, job_id)
     assert {r["sample_id"] for r in records} == {f"r{i}" for i in range(120)}
     assert max(r["attempts"] for r in records) == 1  # a dead worker costs no attempt
     assert (
@@ -102,14 +101,14 @@ def test_kill_9_is_reaped_within_a_minute_and_nothing_is_lost(stack: Any) -> Non
 def test_sigterm_finishes_in_flight_prompts_commits_and_deregisters(stack: Any) -> None:
     job_id = _submit(stack, 80)
     worker = _worker(stack, "w")
-    _wait(lambda: _started(stack) >= 8, 60, "prompts in flight")
-    done_before = _job(stack, job_id)["done"]
+    wait_until(lambda: _started(stack) >= 8, 60, "prompts in flight", on_timeout=stack.logs)
+    done_before = get_job(stack, job_id)["done"]
     worker.send_signal(signal.SIGTERM)
     assert worker.wait(timeout=60) == 0
-    job = _job(stack, job_id)
+    job = get_job(stack, job_id)
     assert _started(stack) == 0  # every claimed prompt finished (or was handed back)
     assert job["done"] > done_before and job["failed"] == 0
-    records = [r for b in Storage(stack.tmp / "data").iter_record_batches(job_id) for r in b.to_pylist()]
+    records = job_records(stack, job_id)
     assert len(records) == job["done"]  # acknowledged work is committed work
     queues = {q["name"]: q for q in httpx.get(f"{stack.coordinator}/queues", timeout=5).json()["queues"]}
     assert queues["short"]["queued"] == 80 - job["done"]  # the rest still queued (backlog or handed back)
@@ -123,11 +122,16 @@ def test_cli_pause_resume_and_status(stack: Any) -> None:
     job_id = _submit(stack, 10)
     _worker(stack, "w")
     time.sleep(3)
-    assert _job(stack, job_id)["done"] == 0  # paused: nothing dispatched
+    assert get_job(stack, job_id)["done"] == 0  # paused: nothing dispatched
     status = stack.cli("status")
     assert status.returncode == 0 and "queues" in status.stdout and "sim" in status.stdout
     assert stack.cli("resume", "short").returncode == 0
-    _wait(lambda: _job(stack, job_id)["state"] == "completed", 60, "the job after resume")
+    wait_until(
+        lambda: get_job(stack, job_id)["state"] == "completed",
+        60,
+        "the job after resume",
+        on_timeout=stack.logs,
+    )
     bad = stack.cli("pause", "--server", "nope")
     assert bad.returncode != 0 and "no worker has reported a server named 'nope'" in bad.stderr
 

@@ -38,7 +38,7 @@ from datagen.states import PromptClass
 from datagen.storage import Storage
 from datagen.tokenization import bundled_tokenizer_path, default_chat_template_path, get_renderer
 from simulator.model import SpecialIds, expected_output
-from tests.helpers import ProcessStack
+from tests.helpers import ProcessStack, make_spec, wait_until
 
 __all__ = [
     "FAST_ENV",
@@ -83,13 +83,17 @@ POLL_S = 0.05
 HTTP_TIMEOUT_S = 10.0
 
 
-def wait_for(predicate: Callable[[], bool], timeout_s: float, what: str, *, poll_s: float = POLL_S) -> float:
-    """Poll until ``predicate()``; returns the seconds it took."""
+def wait_for(
+    predicate: Callable[[], bool],
+    timeout_s: float,
+    what: str,
+    *,
+    poll_s: float = POLL_S,
+    on_timeout: Callable[[], str] | None = None,
+) -> float:
+    """`wait_until`, returning the seconds it took."""
     started = time.monotonic()
-    while not predicate():
-        if time.monotonic() - started > timeout_s:
-            raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
-        time.sleep(poll_s)
+    wait_until(predicate, timeout_s, what, interval_s=poll_s, on_timeout=on_timeout)
     return time.monotonic() - started
 
 
@@ -257,12 +261,12 @@ class FaultStack:
         return response.json()  # type: ignore[no-any-return]
 
     def wait_completed(self, job_id: str, timeout_s: float) -> float:
-        try:
-            return wait_for(
-                lambda: self.job(job_id)["state"] == "completed", timeout_s, "the job to complete"
-            )
-        except AssertionError as exc:
-            raise AssertionError(f"{exc}: {self.job(job_id)}\n{self.logs()}") from exc
+        return wait_for(
+            lambda: self.job(job_id)["state"] == "completed",
+            timeout_s,
+            "the job to complete",
+            on_timeout=lambda: f"{self.job(job_id)}\n{self.logs()}",
+        )
 
     # Redis --------------------------------------------------------------------------------------
     def queues(self) -> list[Queue]:
@@ -286,15 +290,11 @@ class FaultStack:
 
 
 def job_spec(max_new_tokens: int, seed: int) -> dict[str, Any]:
-    """Every prompt is short; the seed makes the simulator's outputs reproducible here."""
-    return {
-        "tokenizer": bundled_tokenizer_path(),
-        "chat_template": str(default_chat_template_path()),
-        "short_max_new_tokens": max_new_tokens,
-        "long_threshold_tokens": 100_000,
-        "sampling": {"sampling_seed": seed},
-        "context_len": 32768,  # the simulator's; jobs are submitted before workers start
-    }
+    """Every prompt is short; the seed makes the simulator's outputs reproducible here. Jobs are
+    submitted before workers start, so the spec gives the simulator's context length."""
+    return make_spec(
+        short_max_new_tokens=max_new_tokens, long_threshold_tokens=100_000, sampling={"sampling_seed": seed}
+    )
 
 
 @dataclass

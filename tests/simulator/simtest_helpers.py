@@ -18,6 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from simulator import SimConfig
 from simulator.server import uvicorn_config
+from tests import helpers
 
 # ``async with sim(**config_overrides) as (client, app)`` (the ``sim`` fixture).
 SimFactory = Callable[..., AbstractAsyncContextManager[tuple[httpx.AsyncClient, FastAPI]]]
@@ -37,11 +38,11 @@ def running_server(**overrides: Any) -> Iterator[str]:
     server = uvicorn.Server(uvicorn_config(config))
     thread = threading.Thread(target=server.run, name="sim-uvicorn", daemon=True)
     thread.start()
-    deadline = time.monotonic() + 10
-    while not server.started:
-        if time.monotonic() > deadline or not thread.is_alive():
-            raise RuntimeError("simulator did not start")
-        time.sleep(0.01)
+    helpers.wait_until(
+        lambda: server.started or not thread.is_alive(), 10, "the simulator to start", interval_s=0.01
+    )
+    if not server.started:
+        raise RuntimeError("simulator did not start")
     try:
         yield f"http://{config.host}:{config.port}"
     finally:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
 from typing import Any
 
@@ -203,10 +204,10 @@ async def test_hard_stop_hands_prompts_back_to_the_queue(
         settings = _settings(redis_url, storage, drain_timeout_s=0)
         worker = Worker(settings, [ServerSpec("slow", slow)], install_signal_handlers=False)
         await worker.start()
-        run = __import__("asyncio").create_task(worker.run())
-        while not any(worker._tasks.values()):
-            await __import__("asyncio").sleep(0.01)
-        await __import__("asyncio").sleep(0.2)
+        run = asyncio.create_task(worker.run())
+        while not any(worker.slots.tasks.values()):
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.2)
         await worker.drain()
         await run
         await worker.close()

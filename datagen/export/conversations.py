@@ -17,7 +17,7 @@ an empty ``content``; after a prompt that does not open one (thinking off), all 
 carries ``status``: ``success`` for a stop, ``truncated`` for a length finish or a row clipped by
 ``--max-length`` (SpecForge's validator accepts only ``success``).
 
-Jobs in multi-turn ``all`` mode are refused (in ``datagen.export``): the history of their turn k+1 is
+Jobs in multi-turn ``all`` mode are refused (in ``datagen.export.pipeline``): the history of their turn k+1 is
 the regenerated turn k, which the input does not hold. Rebuilding it needs the records grouped by
 conversation (a bucket pass keyed on ``(sample_id, gen)``), not done yet.
 """
@@ -33,11 +33,11 @@ from typing import Any, BinaryIO
 import orjson
 import pyarrow as pa
 
-from datagen._export_formats import RowViews
-from datagen._export_rows import DropReason, ExportStats
-from datagen._export_tokens import JobTokens
 from datagen.dataset import DEFAULT_MAX_LINE_BYTES, Prompt, iter_prompts
 from datagen.errors import StorageError
+from datagen.export.rows import DropReason, ExportStats
+from datagen.export.tokens import JobTokens
+from datagen.recordset import RowViews
 from datagen.states import MultiTurnMode
 from datagen.storage import Storage
 

@@ -24,7 +24,7 @@ import pyarrow as pa
 import pyarrow.ipc as ipc
 import pyarrow.parquet as pq
 
-from datagen._export_rows import BATCH_ROWS
+from datagen.recordset import BATCH_ROWS
 from datagen.storage import Storage
 
 __all__ = ["MAX_SHUFFLE_BUCKETS", "SHUFFLE_BUCKET_BYTES", "bucket_count", "shuffled_batches"]

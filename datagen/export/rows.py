@@ -1,42 +1,34 @@
 """The streaming front half of every export: committed record batches → deduplicated, filtered and
-clipped batches, one storage batch (``BATCH_ROWS`` records) in memory at a time.
+clipped batches, one storage batch (`datagen.recordset.BATCH_ROWS` records) in memory at a time.
 
-The one memory cost that grows with the job is the dedupe set: a 16-byte digest of every
-``(sample_id, turn, gen)`` key seen (about 90 bytes a key with the set's own overhead; measured by
-``bench/export.py``).
+The one memory cost that grows with the job is the dedupe set (`datagen.recordset.SeenKeys`: about
+90 bytes a key).
 """
 
 from __future__ import annotations
 
-import hashlib
-import struct
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
-import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from datagen.recordset import SeenKeys, iter_committed_batches
+from datagen.states import FinishType
 from datagen.storage import Storage
 
 __all__ = [
-    "BATCH_ROWS",
     "ROW_COLUMNS",
     "DropReason",
     "ExportStats",
     "RowFilter",
     "RowFilterOptions",
     "filtered_batches",
-    "iter_committed_batches",
-    "key_digest",
-    "list_parts",
-    "total_records",
 ]
 
-BATCH_ROWS = 1024
 # The record columns the exports read; the rest of a shard is never decoded.
 ROW_COLUMNS = [
     "sample_id",
@@ -50,8 +42,6 @@ ROW_COLUMNS = [
     "server",
     "sampling_params",
 ]
-_KEY_DIGEST_BYTES = 16
-_TURN_GEN = struct.Struct("<ii")
 
 
 class DropReason(StrEnum):
@@ -95,23 +85,6 @@ class RowFilterOptions:
     clipped_is_truncated: bool = False
 
 
-def key_digest(sample_id: str, turn: int, gen: int) -> bytes:
-    """16 bytes standing for a record key (injective input: the id's bytes, then fixed-size ints)."""
-    data = sample_id.encode("utf-8") + _TURN_GEN.pack(turn, gen)
-    return hashlib.blake2b(data, digest_size=_KEY_DIGEST_BYTES).digest()
-
-
-def list_parts(array: pa.Array) -> tuple[np.ndarray, np.ndarray]:
-    """A list array's flat values and offsets into them (row i is values[offsets[i]:offsets[i+1]])."""
-    if isinstance(array, pa.ChunkedArray):
-        array = array.combine_chunks()
-    return array.values.to_numpy(zero_copy_only=False), array.offsets.to_numpy()
-
-
-def total_records(storage: Storage, job_id: str) -> int:
-    return sum(int(commit.get("records", 0)) for commit in storage.list_commits(job_id))
-
-
 class RowFilter:
     """Keeps the first record per key, then drops by partition, truncation and supervised tokens
     (counted after clipping to ``max_length``), and clips what it keeps."""
@@ -119,14 +92,14 @@ class RowFilter:
     def __init__(self, options: RowFilterOptions, stats: ExportStats) -> None:
         self.options = options
         self.stats = stats
-        self.seen: set[bytes] = set()
+        self.seen = SeenKeys()
 
     def _drop_reason(self, partition: str, finish: str, prompt_len: int, length: int) -> DropReason | None:
         opts = self.options
         if opts.partitions is not None and partition not in opts.partitions:
             return DropReason.PARTITION
         kept = length if opts.max_length is None else min(length, opts.max_length)
-        truncated = finish == "length" or (opts.clipped_is_truncated and kept < length)
+        truncated = finish == FinishType.LENGTH or (opts.clipped_is_truncated and kept < length)
         if opts.drop_truncated and truncated:
             return DropReason.TRUNCATED
         if kept - min(prompt_len, kept) < opts.min_supervised_tokens:
@@ -142,12 +115,10 @@ class RowFilter:
         keep = []
         for i, key in enumerate(keys):
             self.stats.records += 1
-            digest = key_digest(*key)
-            if digest in self.seen:
+            if not self.seen.first(*key):
                 self.stats.duplicates += 1
                 keep.append(False)
                 continue
-            self.seen.add(digest)
             reason = self._drop_reason(partitions[i], finishes[i], prompt_lens[i], lengths[i])
             if reason is not None:
                 self.stats.dropped[reason.value] += 1
@@ -169,13 +140,6 @@ class RowFilter:
         clipped = pc.list_slice(ids, 0, max_length).cast(ids.type)
         columns = [clipped if name == "input_ids" else batch.column(name) for name in batch.schema.names]
         return pa.RecordBatch.from_arrays(columns, schema=batch.schema)
-
-
-def iter_committed_batches(
-    storage: Storage, job_id: str, columns: list[str], batch_rows: int = BATCH_ROWS
-) -> Iterator[pa.RecordBatch]:
-    """Like `Storage.iter_record_batches`, but decoding only ``columns``."""
-    return storage.iter_record_batches(job_id, batch_rows, columns=columns)
 
 
 def filtered_batches(

@@ -5,31 +5,29 @@
 - ``parquet``: ``id, primary_id, input_ids (list<int64>), loss_mask (list<int8>), finish_reason,
   partition`` (int64 ids are what trainers' embedding lookups take; the 0/1 mask fits a byte).
 
-Ids follow CONVENTIONS.md in every format: ``{sample_id}`` for turn 0 / gen 0, else
+Ids are the same in every format: ``{sample_id}`` for turn 0 / gen 0, else
 ``{sample_id}_t{turn}_g{gen}``; ``primary_id`` is the sample id. The loss mask is 0 over the prompt
-and 1 over the output, after clipping.
+and 1 over the output, after clipping. Both come from `datagen.recordset` (`RowViews`), as the
+report reads them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from functools import cached_property
 from typing import Any
 
 import numpy as np
 import orjson
 import pyarrow as pa
 
-from datagen._export_rows import list_parts
-from datagen._export_tokens import JobTokens
+from datagen.export.tokens import JobTokens
+from datagen.records import loss_mask_values
+from datagen.recordset import RowViews, export_ids, list_parts
 
 __all__ = [
     "PARQUET_SCHEMA",
     "SPECULATORS_ENDPOINT",
-    "RowViews",
     "SpeculatorsFormatter",
-    "export_id",
-    "export_ids",
     "parquet_table",
     "specforge_lines",
 ]
@@ -46,55 +44,6 @@ PARQUET_SCHEMA = pa.schema(
     ]
 )
 _JSON_OPTIONS = orjson.OPT_SERIALIZE_NUMPY | orjson.OPT_APPEND_NEWLINE
-
-
-def export_id(sample_id: str, turn: int, gen: int) -> str:
-    return sample_id if turn == 0 and gen == 0 else f"{sample_id}_t{turn}_g{gen}"
-
-
-def export_ids(batch: pa.RecordBatch) -> list[str]:
-    columns = (batch.column(c).to_pylist() for c in ("sample_id", "turn", "gen"))
-    return [export_id(*key) for key in zip(*columns, strict=True)]
-
-
-def _mask_values(offsets: np.ndarray, prompt_lens: np.ndarray) -> np.ndarray:
-    """The flat loss-mask values of a batch, aligned with its flat input ids."""
-    lengths = np.diff(offsets)
-    position = np.arange(offsets[-1] - offsets[0]) - np.repeat(offsets[:-1] - offsets[0], lengths)
-    return (position >= np.repeat(prompt_lens, lengths)).astype(np.int8)
-
-
-class RowViews:
-    """The per-row views a JSON format needs: ids, masks and output slices as numpy views."""
-
-    def __init__(self, batch: pa.RecordBatch) -> None:
-        self.values, self.offsets = list_parts(batch.column("input_ids"))
-        self.prompt_lens = batch.column("prompt_len").to_numpy()
-        self.ids = export_ids(batch)
-
-    @cached_property
-    def mask(self) -> np.ndarray:
-        return _mask_values(self.offsets, self.prompt_lens)
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
-    def input_ids(self, i: int) -> np.ndarray:
-        return self.values[self.offsets[i] : self.offsets[i + 1]]
-
-    def loss_mask(self, i: int) -> np.ndarray:
-        base = self.offsets[0]
-        return self.mask[self.offsets[i] - base : self.offsets[i + 1] - base]
-
-    def output(self, i: int) -> np.ndarray:
-        return self.values[
-            min(self.offsets[i] + int(self.prompt_lens[i]), self.offsets[i + 1]) : self.offsets[i + 1]
-        ]
-
-    def prompt(self, i: int) -> np.ndarray:
-        return self.values[
-            self.offsets[i] : min(self.offsets[i] + int(self.prompt_lens[i]), self.offsets[i + 1])
-        ]
 
 
 def specforge_lines(batch: pa.RecordBatch) -> Iterator[bytes]:
@@ -159,7 +108,7 @@ def parquet_table(batch: pa.RecordBatch) -> pa.Table:
     rebased = pa.array(offsets - base, pa.int32())
     input_ids = pa.ListArray.from_arrays(rebased, pa.array(values[base : offsets[-1]].astype(np.int64)))
     mask = pa.ListArray.from_arrays(
-        rebased, pa.array(_mask_values(offsets, batch.column("prompt_len").to_numpy()))
+        rebased, pa.array(loss_mask_values(offsets, batch.column("prompt_len").to_numpy()))
     )
     columns = [
         pa.array(export_ids(batch), pa.string()),

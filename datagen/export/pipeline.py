@@ -1,22 +1,5 @@
-"""Exports read committed records straight from storage (no Redis, no coordinator), streaming.
-
-    committed shards ─► dedupe + filters + clip ─► [bucket shuffle] ─► format ─► files (renamed at the end)
-
-Records are deduplicated on (sample id, turn, gen): processing is at-least-once, so a prompt that
-ran twice (a worker died after committing but before acknowledging) has two records, and the first
-committed one wins. Then, in this order, rows are dropped by ``partitions``, by truncation
-(``finish_type == "length"``; in ``conversations`` also a row cut by ``max_length``), and when fewer
-than ``min_supervised_tokens`` output tokens remain after clipping to ``max_length``.
-
-Truncated rows are kept by default in the token-id formats (``specforge``, ``speculators``,
-``parquet``): every token of a truncated record is still an exact sample of the target model, and
-dropping them would cut the long tail of generation lengths out of the training data; ``finish_reason``
-stays available in ``speculators`` and ``parquet``. They are dropped by default in ``conversations``,
-whose text trainers re-render the turn as a finished one.
-
-Memory stays flat for any job size except for the dedupe set (about 90 bytes a record) and, for
-``conversations``, the input index (about 130 bytes a prompt); a shuffle holds one bucket of about
-64 MiB (see ``datagen._export_shuffle``). ``bench/export.py`` measures all three.
+"""`export_job`: the stages of an export (see :mod:`datagen.export`) wired together, and the simple
+API (`iter_unique_rows`, `export_specforge`) kept for callers that predate the formats.
 """
 
 from __future__ import annotations
@@ -32,41 +15,23 @@ from typing import Any, TextIO
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from datagen._export_conversations import ConversationFormatter, InputIndex
-from datagen._export_formats import (
-    PARQUET_SCHEMA,
-    SpeculatorsFormatter,
-    export_id,
-    parquet_table,
-    specforge_lines,
-)
-from datagen._export_rows import (
-    ROW_COLUMNS,
-    DropReason,
-    ExportStats,
-    RowFilter,
-    RowFilterOptions,
-    filtered_batches,
-    total_records,
-)
-from datagen._export_shuffle import bucket_count, shuffled_batches
-from datagen._export_sinks import JsonlSink, ParquetSink
-from datagen._export_tokens import load_job_tokens
 from datagen.errors import ConfigError, StorageError
+from datagen.export.conversations import ConversationFormatter, InputIndex
+from datagen.export.formats import PARQUET_SCHEMA, SpeculatorsFormatter, parquet_table, specforge_lines
+from datagen.export.rows import ROW_COLUMNS, ExportStats, RowFilter, RowFilterOptions, filtered_batches
+from datagen.export.shuffle import bucket_count, shuffled_batches
+from datagen.export.sinks import JsonlSink, ParquetSink
+from datagen.export.tokens import load_job_tokens
 from datagen.states import MultiTurnMode
 from datagen.storage import Storage
 
 __all__ = [
     "DEFAULT_MIN_SUPERVISED_TOKENS",
-    "DropReason",
     "ExportFormat",
     "ExportOptions",
-    "ExportStats",
-    "export_id",
     "export_job",
     "export_specforge",
     "iter_unique_rows",
-    "total_records",
 ]
 
 DEFAULT_MIN_SUPERVISED_TOKENS = 1

@@ -1,6 +1,10 @@
 """Views of a `datagen.report.JobReport`: a compact terminal view (rich), and files: report.json,
 PNG histograms (matplotlib's Agg renderer, no display needed) and a self-contained report.html that
-embeds them as base64."""
+embeds them as base64.
+
+This module reads a report through :class:`ReportView`, the part of ``JobReport`` it shows, so the
+views never import the scan (:mod:`datagen.report.build`) and can show any object of that shape.
+"""
 
 from __future__ import annotations
 
@@ -8,19 +12,19 @@ import base64
 import html
 import io
 import json
+from collections import Counter
+from collections.abc import Mapping
+from enum import StrEnum
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from rich.console import Console
 from rich.table import Table
 
-from datagen._report_stats import LENGTH_EDGES, LengthHistogram
 from datagen.errors import StorageError
+from datagen.report.stats import LENGTH_EDGES, LengthHistogram
 
-if TYPE_CHECKING:
-    from datagen.report import JobReport
-
-__all__ = ["print_report", "write_report"]
+__all__ = ["CheckView", "ReportView", "print_report", "write_report"]
 
 TOP_PARTITIONS = 20
 BAR_WIDTH = 40
@@ -34,7 +38,50 @@ _STATUS_STYLE = {
 }
 
 
-def _partition_rows(report: JobReport) -> list[tuple[str, int, dict[str, int]]]:
+class CheckView(Protocol):
+    """What the views show of one ``datagen.report.Check``."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def description(self) -> str: ...
+    @property
+    def status(self) -> StrEnum: ...
+    @property
+    def found(self) -> int: ...
+    @property
+    def examples(self) -> list[str]: ...
+
+
+class ReportView(Protocol):
+    """What the views show of a ``datagen.report.JobReport``."""
+
+    @property
+    def job_id(self) -> str: ...
+    @property
+    def records(self) -> int: ...
+    @property
+    def unique(self) -> int: ...
+    @property
+    def by_finish(self) -> Counter[str]: ...
+    @property
+    def by_partition(self) -> Counter[str]: ...
+    @property
+    def by_partition_finish(self) -> Counter[tuple[str, str]]: ...
+    @property
+    def by_class(self) -> Counter[str]: ...
+    @property
+    def prompt_lengths(self) -> LengthHistogram: ...
+    @property
+    def output_lengths(self) -> Mapping[str, LengthHistogram]: ...
+    @property
+    def checks(self) -> Mapping[str, CheckView]: ...
+    @property
+    def failed(self) -> bool: ...
+    def to_json(self) -> dict[str, Any]: ...
+
+
+def _partition_rows(report: ReportView) -> list[tuple[str, int, dict[str, int]]]:
     finishes = sorted(report.by_finish)
     ranked = report.by_partition.most_common()
     rows = [
@@ -48,13 +95,13 @@ def _partition_rows(report: JobReport) -> list[tuple[str, int, dict[str, int]]]:
     return rows
 
 
-def _length_rows(report: JobReport) -> list[tuple[str, LengthHistogram]]:
+def _length_rows(report: ReportView) -> list[tuple[str, LengthHistogram]]:
     rows = [("prompt", report.prompt_lengths)]
     rows += [(f"output ({f})", h) for f, h in sorted(report.output_lengths.items())]
     return rows
 
 
-def _combined_outputs(report: JobReport) -> LengthHistogram:
+def _combined_outputs(report: ReportView) -> LengthHistogram:
     combined = LengthHistogram()
     for histogram in report.output_lengths.values():
         combined.counts += histogram.counts
@@ -78,7 +125,7 @@ def _bars(title: str, histogram: LengthHistogram) -> Table:
     return table
 
 
-def print_report(report: JobReport, console: Console) -> None:
+def print_report(report: ReportView, console: Console) -> None:
     console.print(f"[bold]job {report.job_id}[/bold]: {report.records:,} records, {report.unique:,} unique")
     finishes = sorted(report.by_finish)
     partitions = Table("partition", "records", *finishes, title="records by partition and finish")
@@ -148,7 +195,7 @@ _CSS = (
 )
 
 
-def _html(report: JobReport, plots: dict[str, bytes]) -> str:
+def _html(report: ReportView, plots: dict[str, bytes]) -> str:
     finishes = sorted(report.by_finish)
     partitions = [
         [name, f"{total:,}", *(f"{by[f]:,}" for f in finishes)] for name, total, by in _partition_rows(report)
@@ -184,7 +231,7 @@ def _html(report: JobReport, plots: dict[str, bytes]) -> str:
     )
 
 
-def write_report(report: JobReport, out_dir: Path) -> list[Path]:
+def write_report(report: ReportView, out_dir: Path) -> list[Path]:
     """report.json, prompt_lengths.png, output_lengths.png and report.html under ``out_dir``."""
     plots = {
         "prompt lengths": _plot([("prompts", report.prompt_lengths)], "prompt lengths"),

@@ -1,4 +1,4 @@
-"""``datagen report``: what a job produced, and whether its records are token-exact training data.
+"""`build_report`: what a job produced, and whether its records are token-exact training data.
 
 One streaming pass over the committed records (one batch in memory, fixed-bin histograms) gives:
 
@@ -23,6 +23,8 @@ One streaming pass over the committed records (one batch in memory, fixed-bin hi
                                         first)
   ``truncated``                 warn    ``length`` finishes
   ``rejected_rows``             warn    dataset rows rejected at ingestion (``rejected.jsonl``)
+  ``flagged_rows``              warn    rows accepted with a warning (``special_text: warn``: content
+                                        that spells special tokens, encoded as their ids)
   ============================  ======  ================================================================
 
 Only the first record per key is counted and checked. The duplicate sets hold a 16-byte digest per
@@ -42,14 +44,13 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from datagen._export_formats import RowViews
-from datagen._export_rows import iter_committed_batches, key_digest
-from datagen._export_tokens import JobTokens, load_job_tokens
-from datagen._report_render import print_report, write_report
-from datagen._report_stats import LengthHistogram
+from datagen.export.tokens import JobTokens, load_job_tokens
+from datagen.recordset import RowViews, SeenKeys, iter_committed_batches
+from datagen.report.stats import LengthHistogram
+from datagen.states import FinishType
 from datagen.storage import Storage
 
-__all__ = ["Check", "CheckStatus", "JobReport", "build_report", "print_report", "write_report"]
+__all__ = ["Check", "CheckStatus", "JobReport", "build_report"]
 
 MAX_EXAMPLES = 5
 _COLUMNS = ["sample_id", "turn", "gen", "partition", "class", "input_ids", "prompt_len", "finish_type"]
@@ -114,6 +115,11 @@ def _checks(tokens: JobTokens) -> dict[str, Check]:
             Check("duplicate_keys", "no key committed twice (exports keep the first)", CheckStatus.WARN),
             Check("truncated", "records that hit max_new_tokens (finish length)", CheckStatus.WARN),
             Check("rejected_rows", "dataset rows rejected at ingestion (rejected.jsonl)", CheckStatus.WARN),
+            Check(
+                "flagged_rows",
+                "rows accepted whose content spells special tokens as text (encoded as their ids)",
+                CheckStatus.WARN,
+            ),
         )
     }
 
@@ -182,18 +188,16 @@ class _Scanner:
         self.report = report
         self.tokens = tokens
         self.generation_prompt = np.array(tokens.generation_prompt, dtype=np.int64)
-        self.keys: set[bytes] = set()
+        self.keys = SeenKeys()
         self.sequences: set[bytes] = set()
         # Digests of the first repeated sequences found → the later row's id, to name the earlier one.
         self.repeats: dict[bytes, str] = {}
 
     def _is_new(self, sample_id: str, turn: int, gen: int, row_id: str) -> bool:
-        digest = key_digest(sample_id, turn, gen)
-        if digest in self.keys:
-            self.report.checks["duplicate_keys"].flag(row_id)
-            return False
-        self.keys.add(digest)
-        return True
+        if self.keys.first(sample_id, turn, gen):
+            return True
+        self.report.checks["duplicate_keys"].flag(row_id)
+        return False
 
     def _check_tokens(self, rows: RowViews, i: int, finish: str) -> None:
         checks, tokens = self.report.checks, self.tokens
@@ -205,14 +209,14 @@ class _Scanner:
             0 if tokens.think_end_id is None else int(np.count_nonzero(output == tokens.think_end_id))
         )
         # Reasoning closes its think block once; a length-truncated output may stop before it does.
-        expected = {0, 1} if finish == "length" else {1}
+        expected = {0, 1} if finish == FinishType.LENGTH else {1}
         allowed = expected if tokens.opens_think(prompt) else {0}
         if think_ends not in allowed:
             checks["think_end"].flag(f"{row_id} ({think_ends} think-end tokens, finish {finish})")
-        if finish == "stop" and (not output.size or int(output[-1]) not in tokens.stop_ids):
+        if finish == FinishType.STOP and (not output.size or int(output[-1]) not in tokens.stop_ids):
             last = int(output[-1]) if output.size else None
             checks["stop_id"].flag(f"{row_id} (last output id {last})")
-        if finish == "length":
+        if finish == FinishType.LENGTH:
             checks["truncated"].flag(row_id)
         digest = _sequence_digest(rows.input_ids(i))
         if digest in self.sequences:
@@ -259,6 +263,14 @@ def _read_rejected(storage: Storage, job_id: str, report: JobReport) -> None:
         check.flag(f"line {row.get('line')}: {reason}")
 
 
+def _read_flagged(storage: Storage, job_id: str, report: JobReport) -> None:
+    check = report.checks["flagged_rows"]
+    for row in storage.iter_flagged(job_id):
+        tokens = row.get("tokens")
+        what = ", ".join(map(str, tokens)) if isinstance(tokens, list) else str(row.get("reason", ""))
+        check.flag(f"line {row.get('line')} ({row.get('sample_id')}): {what}")
+
+
 def build_report(
     storage: Storage,
     job_id: str,
@@ -266,7 +278,8 @@ def build_report(
     tokenizer: str | None = None,
     on_read: Callable[[int], None] | None = None,
 ) -> JobReport:
-    """Scan a job's committed records and rejected rows; ``tokenizer`` overrides the manifest's path."""
+    """Scan a job's committed records, rejected and flagged rows; ``tokenizer`` overrides the
+    manifest's path."""
     tokens = load_job_tokens(storage, job_id, tokenizer)
     report = JobReport(job_id=job_id, checks=_checks(tokens))
     scanner = _Scanner(report, tokens)
@@ -277,4 +290,5 @@ def build_report(
     if scanner.repeats:
         _name_repeats(storage, job_id, scanner.repeats, report.checks["duplicate_sequences"])
     _read_rejected(storage, job_id, report)
+    _read_flagged(storage, job_id, report)
     return report

@@ -1,0 +1,221 @@
+"""A render budget for chat templates: output size and render time.
+
+Jinja's sandbox stops attribute escapes and caps ``range``, but a template can still build a huge
+string (``{{ 'a' * 10000000 }}``, a doubling loop) or loop for minutes; the tokenizer then spends
+a minute on the text. `BudgetedTemplate` renders a template in a sandbox that refuses, with an
+`InvalidRowError` naming the budget:
+
+- results over ``MAX_RENDER_CHARS`` from ``*``, ``+``, ``%``, ``**``, ``~``, calls and filters
+  (checked before building the value where its size is known in advance);
+- integer arguments over ``MAX_RENDER_CHARS`` to any call or filter (``range(100000000)``,
+  ``'x'|center(10**9)``);
+- more than ``MAX_RENDER_CHARS`` of streamed output;
+- more than ``MAX_RENDER_S`` of rendering, checked at each output chunk, call and loop iteration.
+
+Loops are instrumented by rewriting each ``for``'s iterable (and each ``~``) into a call of a
+budget function before compiling, since Jinja offers no hook for them.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import functools
+import json
+import math
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from datetime import datetime
+from typing import Any
+
+import jinja2
+import jinja2.ext
+from jinja2 import nodes
+from jinja2.runtime import Context
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from jinja2.visitor import NodeTransformer
+
+from datagen.errors import InvalidRowError
+
+__all__ = ["MAX_RENDER_CHARS", "MAX_RENDER_S", "BudgetedTemplate"]
+
+# About a million tokens of text: far above any context length, far below what hurts a coordinator.
+MAX_RENDER_CHARS = 4_000_000
+MAX_RENDER_S = 2.0
+_LOOP_GUARD = "__datagen_loop_budget"
+_CONCAT_GUARD = "__datagen_concat_budget"
+_DEADLINE: contextvars.ContextVar[float | None] = contextvars.ContextVar("render_deadline", default=None)
+_SIZED = (str, list, tuple, dict)
+
+
+def _over_size(what: str) -> InvalidRowError:
+    return InvalidRowError(
+        f"chat template exceeded its output budget of {MAX_RENDER_CHARS:,} characters ({what}); "
+        "fix the template, or shorten the row"
+    )
+
+
+def _check_deadline() -> None:
+    deadline = _DEADLINE.get()
+    if deadline is not None and time.monotonic() > deadline:
+        raise InvalidRowError(
+            f"chat template exceeded its render time budget of {MAX_RENDER_S:g} s; fix the template's "
+            "loops, or shorten the row"
+        )
+
+
+def _check_result(value: object, what: str) -> object:
+    if isinstance(value, _SIZED) and len(value) > MAX_RENDER_CHARS:
+        raise _over_size(what)
+    return value
+
+
+def _check_arguments(args: Iterable[object], what: str) -> None:
+    for arg in args:
+        if isinstance(arg, int) and not isinstance(arg, bool) and abs(arg) > MAX_RENDER_CHARS:
+            raise _over_size(f"{what} with argument {arg:,}")
+
+
+def _binop_size(operator: str, left: object, right: object) -> float:
+    """The size of the result, when it is known before computing it (0 otherwise)."""
+    if operator == "*":
+        for seq, times in ((left, right), (right, left)):
+            if isinstance(seq, _SIZED) and isinstance(times, int):
+                return len(seq) * times
+    if operator == "+" and isinstance(left, _SIZED) and isinstance(right, _SIZED):
+        return len(left) + len(right)
+    if operator == "**" and isinstance(left, int | float) and isinstance(right, int | float):
+        # Decimal digits of the result; a float overflows on its own.
+        return max(float(right), 0.0) * math.log10(abs(left)) if abs(left) > 1 else 0.0
+    return 0.0
+
+
+def _loop_budget(iterable: Iterable[Any]) -> Iterator[Any]:
+    for item in iterable:
+        _check_deadline()
+        yield item
+
+
+def _concat_budget(*parts: object) -> str:
+    texts = [str(part) for part in parts]
+    if sum(len(text) for text in texts) > MAX_RENDER_CHARS:
+        raise _over_size("~ concatenation")
+    return "".join(texts)
+
+
+def _budgeted_filter(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+    # The filtered value (after jinja's context, for filters that take one) is not an argument.
+    skip = 2 if getattr(fn, "jinja_pass_arg", None) is not None else 1
+
+    @functools.wraps(fn)  # keeps jinja's pass_context/pass_eval_context marks
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        _check_deadline()
+        _check_arguments([*args[skip:], *kwargs.values()], f"filter {name}")
+        return _check_result(fn(*args, **kwargs), f"filter {name}")
+
+    return wrapper
+
+
+class _Instrument(NodeTransformer):
+    """Routes every ``for`` iterable and ``~`` through the budget functions."""
+
+    def visit_For(self, node: nodes.For) -> nodes.Node:
+        self.generic_visit(node)
+        node.iter = nodes.Call(nodes.Name(_LOOP_GUARD, "load"), [node.iter], [], None, None)
+        return node
+
+    def visit_Concat(self, node: nodes.Concat) -> nodes.Node:
+        self.generic_visit(node)
+        call = nodes.Call(nodes.Name(_CONCAT_GUARD, "load"), list(node.nodes), [], None, None)
+        return call.set_lineno(node.lineno)
+
+
+class _BudgetSandbox(ImmutableSandboxedEnvironment):
+    intercepted_binops = frozenset({"*", "+", "%", "**"})
+
+    def call_binop(self, context: Context, operator: str, left: Any, right: Any) -> Any:
+        if _binop_size(operator, left, right) > MAX_RENDER_CHARS:
+            raise _over_size(f"operator {operator}")
+        return _check_result(super().call_binop(context, operator, left, right), f"operator {operator}")
+
+    def call(self, context: Context, obj: Any, /, *args: Any, **kwargs: Any) -> Any:
+        _check_deadline()
+        if obj is not _loop_budget:
+            _check_arguments([*args, *kwargs.values()], "a call")
+        return _check_result(super().call(context, obj, *args, **kwargs), "a call")
+
+
+class _GenerationBlock(jinja2.ext.Extension):
+    """transformers' ``{% generation %}`` block renders its body unchanged."""
+
+    tags = {"generation"}  # noqa: RUF012 (jinja declares Extension.tags as a plain set)
+
+    def parse(self, parser: Any) -> Any:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return nodes.Scope(body).set_lineno(lineno)
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.TemplateError(message)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: Any = None,
+    sort_keys: bool = False,
+) -> str:
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
+def _environment() -> _BudgetSandbox:
+    # The options and globals transformers gives chat templates, so a template renders here as there.
+    env = _BudgetSandbox(
+        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationBlock, jinja2.ext.loopcontrols]
+    )
+    env.filters["tojson"] = _tojson
+    env.filters = {name: _budgeted_filter(name, fn) for name, fn in env.filters.items()}
+    env.globals.update(
+        {
+            "raise_exception": _raise_exception,
+            "strftime_now": _strftime_now,
+            "dict": dict,
+            _LOOP_GUARD: _loop_budget,
+            _CONCAT_GUARD: _concat_budget,
+        }
+    )
+    return env
+
+
+class BudgetedTemplate:
+    """One chat template compiled into the budget sandbox."""
+
+    def __init__(self, text: str) -> None:
+        env = _environment()
+        tree = _Instrument().visit(env.parse(text))
+        tree.set_environment(env)
+        self._template = env.from_string(tree)
+
+    def render(self, variables: Mapping[str, Any]) -> str:
+        """The rendered text; `InvalidRowError` when it goes over a budget, the template's own errors
+        otherwise."""
+        token = _DEADLINE.set(time.monotonic() + MAX_RENDER_S)
+        try:
+            chunks: list[str] = []
+            size = 0
+            for chunk in self._template.generate(**variables):
+                size += len(chunk)
+                if size > MAX_RENDER_CHARS:
+                    raise _over_size("streamed output")
+                _check_deadline()
+                chunks.append(chunk)
+            return "".join(chunks)
+        finally:
+            _DEADLINE.reset(token)

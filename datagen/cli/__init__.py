@@ -1,0 +1,21 @@
+"""The ``datagen`` command line: one Typer app, one module per command group.
+
+- ``_app``: the app, the shared console, exit codes and ``main()`` (the console script)
+- ``serve``: the long-lived processes: ``coordinator``, ``worker``, ``sim``
+- ``submit``: ``spec`` and ``submit``
+- ``control``: watch and steer jobs: ``status``, ``pause``, ``resume``, ``cancel``, ``retry``, ``delete``
+- ``data``: a job's stored records: ``export``, ``report``
+- ``demo``: ``demo``
+
+Commands import the service, worker and simulator packages lazily, inside the function, so
+``datagen`` (the core) depends on none of them.
+"""
+
+from datagen.cli._app import app, main
+
+# Each module registers its commands on `app` when imported; this order is the order of `datagen --help`.
+# isort: off
+from datagen.cli import serve, submit, control, data, demo  # noqa: F401
+# isort: on
+
+__all__ = ["app", "main"]

@@ -1,0 +1,184 @@
+"""Commands that watch and steer the coordinator's jobs, queues and servers:
+``status``, ``pause``, ``resume``, ``cancel``, ``retry`` and ``delete``."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from datagen.cli._app import app, console
+from datagen.errors import ConfigError
+from datagen.settings import ClientSettings, load
+
+
+def _client() -> Any:
+    from datagen.client import CoordinatorClient
+
+    settings = load(ClientSettings)
+    return CoordinatorClient(settings.coordinator_url, api_token=settings.api_token)
+
+
+@app.command()
+def status(
+    coordinator: Annotated[str | None, typer.Option(help="coordinator URL (DATAGEN_COORDINATOR_URL)")] = None,
+) -> None:
+    """Show jobs, queues and servers."""
+    from datagen.client import CoordinatorClient
+
+    settings = load(ClientSettings, coordinator_url=coordinator)
+    with CoordinatorClient(settings.coordinator_url, api_token=settings.api_token) as client:
+        jobs, queues, servers = client.jobs(), client.queues(), client.servers()
+    out = Console()
+    jobs_table = Table(
+        "job",
+        "state",
+        "priority",
+        "share now/target",
+        "total",
+        "done",
+        "failed",
+        "rejected",
+        "in flight",
+        "tok/s",
+        "ETA s",
+        title="jobs",
+    )
+    for job in jobs:
+        eta = "" if job["eta_s"] is None else f"{job['eta_s']:.0f}"
+        cells = [job[k] for k in ("total", "done", "failed", "rejected", "in_flight")]
+        state = job["state"] + (" (paused)" if job.get("paused") else "")
+        jobs_table.add_row(
+            job["id"], state, _priority(job), _share(job), *map(str, cells), f"{job['tokens_per_s']:.0f}", eta
+        )
+    queues_table = Table("queue", "paused", "queued", "started", "failed", title="queues")
+    for queue in queues:
+        queues_table.add_row(
+            queue["name"],
+            "yes" if queue["paused"] else "",
+            *(str(queue[k]) for k in ("queued", "started", "failed")),
+        )
+    servers_table = Table(
+        "server", "state", "in flight s/l", "limits s/l", "target", "KV usage", "waiting", title="servers"
+    )
+    for server in servers:
+        kv = server.get("kv") or {}
+        usage = kv.get("token_usage")
+        servers_table.add_row(
+            server["name"],
+            server["state"],
+            "{short}/{long}".format(**server["in_flight"]),
+            "{short}/{long}".format(**server["limits"]),
+            "" if server["target"] is None else str(server["target"]),
+            "" if usage is None else f"{usage:.0%}",
+            "" if not kv else f"{kv.get('num_queue_reqs', 0):.0f}",
+        )
+    for table in (jobs_table, queues_table, servers_table):
+        out.print(table)
+
+
+QUEUE_NAMES = ("short", "long")
+
+
+def _priority(job: dict[str, Any]) -> str:
+    weight = job.get("weight", 1.0)
+    return f"{job.get('priority', 'normal')}" + ("" if weight == 1.0 else f" ×{weight:g}")
+
+
+def _share(job: dict[str, Any]) -> str:
+    share = job.get("share")
+    return "" if not share else f"{share['recent']:.0%} / {share['target']:.0%}"
+
+
+def _pause(paused: bool, target: str | None, server: str | None, job: str | None) -> None:
+    if target is not None and target not in QUEUE_NAMES:
+        target, job = None, job or target  # anything but a queue name is a job id
+    if sum(x is not None for x in (target, server, job)) != 1:
+        raise ConfigError("name one queue (short or long), one job (JOB or --job JOB) or one --server NAME")
+    with _client() as client:
+        if target is not None:
+            state = client.set_queue_paused(target, paused)
+            word = "paused" if state["paused"] else "running"
+            console.print(f"queue {state['name']}: {word}, {state['queued']} queued")
+        elif server is not None:
+            state = client.set_server_paused(server, paused)
+            console.print(f"server {state['name']}: {state.get('state', 'resumed')}")
+        else:
+            state = client.set_job_paused(str(job), paused)
+            word = "paused" if state["paused"] else state["state"]
+            console.print(
+                f"job {state['id']}: {word}, {state['queued']} queued, {state['in_flight']} in flight"
+            )
+
+
+@app.command()
+def pause(
+    target: Annotated[str | None, typer.Argument(help="short, long, or a job id")] = None,
+    server: Annotated[str | None, typer.Option(help="pause a server instead")] = None,
+    job: Annotated[str | None, typer.Option(help="pause this job (its prompts wait; others go on)")] = None,
+) -> None:
+    """Stop dispatching from a queue or a job, or to a server, within 2 s; in-flight requests finish."""
+    _pause(True, target, server, job)
+
+
+@app.command()
+def resume(
+    target: Annotated[str | None, typer.Argument(help="short, long, or a job id")] = None,
+    server: Annotated[str | None, typer.Option(help="resume a server instead")] = None,
+    job: Annotated[str | None, typer.Option(help="resume this job")] = None,
+) -> None:
+    """Undo a pause."""
+    _pause(False, target, server, job)
+
+
+@app.command()
+def cancel(
+    job_id: Annotated[str, typer.Argument(help="job id")],
+    abort_in_flight: Annotated[
+        bool, typer.Option(help="abort prompts in flight too, instead of letting them finish")
+    ] = False,
+) -> None:
+    """Cancel a job: its queued prompts are dropped; committed records are kept."""
+    with _client() as client:
+        state = client.cancel(job_id, abort_in_flight=abort_in_flight)
+    fate = "being aborted" if abort_in_flight else "left to finish"
+    console.print(
+        f"job {job_id}: cancelled; {state['dropped']} queued prompts dropped, "
+        f"{state['in_flight']} in flight {fate}; {state['done']} done are kept"
+    )
+
+
+@app.command()
+def retry(
+    job_id: Annotated[str, typer.Argument(help="job id")],
+    reason: Annotated[
+        str | None,
+        typer.Option(help="only prompts failed with this reason (see GET /jobs/ID/errors?kind=failed)"),
+    ] = None,
+) -> None:
+    """Re-enqueue a job's failed prompts with fresh attempts."""
+    with _client() as client:
+        state = client.retry(job_id, reason=reason)
+    reasons = ", ".join(f"{k} {v}" for k, v in state["failed_by_reason"].items()) or "none"
+    console.print(
+        f"job {job_id}: {state['retried_now']} failed prompts re-enqueued (failed by reason: {reasons})"
+    )
+    if state["not_retryable"]:
+        console.print(
+            f"[yellow]{state['not_retryable']} failures are no longer in RQ's failed registry "
+            "(older than DATAGEN_FAILURE_TTL_S) and cannot be retried"
+        )
+
+
+@app.command()
+def delete(
+    job_id: Annotated[str, typer.Argument(help="job id")],
+    files: Annotated[bool, typer.Option(help="also delete the job's stored inputs and records")] = False,
+) -> None:
+    """Delete a finished or cancelled job's state in Redis (and with --files its stored data)."""
+    with _client() as client:
+        result = client.delete(job_id, files=files)
+    kept = "" if result["files_deleted"] else f"; its files are kept at {result['files']}"
+    console.print(f"job {job_id}: deleted ({result['rq_jobs']} RQ jobs removed){kept}")

@@ -1,0 +1,152 @@
+"""Commands that run a long-lived process: ``coordinator``, ``worker`` and ``sim``.
+
+Each imports its process's package (service, workers, simulator) inside the function, so importing
+``datagen`` never imports them; pyproject.toml's import-linter contract names exactly these imports.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import logging
+from typing import Annotated, Any
+
+import typer
+from pydantic import ValidationError
+
+from datagen.cli._app import app
+from datagen.errors import ConfigError
+from datagen.settings import CoordinatorSettings, WorkerSettings, load
+
+# Libraries that log every request at INFO; our own one-line-per-prompt log is enough.
+_QUIET_LOGGERS = ("httpx", "rq.worker", "rq.queue")
+
+
+def _logging(level: str) -> None:
+    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for name in _QUIET_LOGGERS:
+        logging.getLogger(name).setLevel(max(logging.WARNING, logging.getLogger().level))
+
+
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+@app.command()
+def coordinator(
+    host: Annotated[str | None, typer.Option(help="bind address (DATAGEN_HOST)")] = None,
+    port: Annotated[int | None, typer.Option(help="port (DATAGEN_PORT, default 8000)")] = None,
+    redis_url: Annotated[str | None, typer.Option(help="DATAGEN_REDIS_URL")] = None,
+    storage: Annotated[str | None, typer.Option(help="DATAGEN_STORAGE")] = None,
+) -> None:
+    """Run the coordinator HTTP API."""
+    import uvicorn
+
+    from datagen.storage import Storage
+    from service.app import create_app
+
+    settings = load(CoordinatorSettings, host=host, port=port, redis_url=redis_url, storage=storage)
+    settings.require_redis_url()
+    if not _loopback(settings.host) and not settings.api_token and not settings.allow_insecure_bind:
+        raise ConfigError(
+            f"refusing to listen on {settings.host} without DATAGEN_API_TOKEN; set a token, "
+            "or DATAGEN_ALLOW_INSECURE_BIND=1 if a proxy in front does authentication"
+        )
+    _logging(settings.log_level)
+    # Before the server starts, so that a refusal is one line rather than a failed startup.
+    Storage(settings.storage).claim_namespace(settings.namespace)
+    uvicorn.run(
+        create_app(settings), host=settings.host, port=settings.port, log_level=settings.log_level.lower()
+    )
+
+
+@app.command()
+def worker(
+    server: Annotated[
+        list[str] | None, typer.Option(help="SGLang server, NAME=URL or URL; repeatable")
+    ] = None,
+    short_concurrency: Annotated[int | None, typer.Option(help="in-flight short prompts per server")] = None,
+    long_concurrency: Annotated[int | None, typer.Option(help="in-flight long prompts per server")] = None,
+    metrics_port: Annotated[int | None, typer.Option(help="Prometheus port, 0 = off (default 9400)")] = None,
+    burst: Annotated[bool, typer.Option(help="exit when the queues are empty")] = False,
+    redis_url: Annotated[str | None, typer.Option(help="DATAGEN_REDIS_URL")] = None,
+    storage: Annotated[str | None, typer.Option(help="DATAGEN_STORAGE")] = None,
+) -> None:
+    """Run a worker that sends queued prompts to SGLang servers and stores the records."""
+    from workers.fleet import ServerSpec, with_api_keys
+    from workers.worker import Worker
+
+    settings = load(
+        WorkerSettings,
+        short_concurrency=short_concurrency,
+        long_concurrency=long_concurrency,
+        metrics_port=metrics_port,
+        redis_url=redis_url,
+        storage=storage,
+    )
+    settings.require_redis_url()
+    values = list(server or []) or [settings.servers]
+    try:
+        specs = ServerSpec.parse_many([v for v in values if v])
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from exc
+    if not specs:
+        raise ConfigError("no SGLang server given: use --server NAME=URL (repeatable) or DATAGEN_SERVERS")
+    specs = with_api_keys(specs, settings.server_keys())
+    _logging(settings.log_level)
+    asyncio.run(Worker(settings, specs, burst=burst).main())
+
+
+@app.command()
+def sim(
+    port: Annotated[int, typer.Option(help="port (SGLang's default is 30000)")] = 30000,
+    host: Annotated[str, typer.Option()] = "127.0.0.1",
+    tokenizer: Annotated[str | None, typer.Option(help="tokenizer path for special ids and text")] = None,
+    context_len: Annotated[int | None, typer.Option(help="model context length in tokens")] = None,
+    kv_tokens: Annotated[int | None, typer.Option(help="KV-cache capacity (max_total_num_tokens)")] = None,
+    time_scale: Annotated[
+        float | None, typer.Option(help="multiplies simulated durations; 0 = instant")
+    ] = None,
+    reserve_fraction: Annotated[
+        float | None, typer.Option(help="admission reserve of max_new_tokens")
+    ] = None,
+    mean_reasoning_tokens: Annotated[float | None, typer.Option()] = None,
+    mean_answer_tokens: Annotated[float | None, typer.Option()] = None,
+    fail_503_rate: Annotated[float | None, typer.Option(help="fraction of /generate answered 503")] = None,
+    fail_500_rate: Annotated[float | None, typer.Option(help="fraction of /generate answered 500")] = None,
+    abort_rate: Annotated[float | None, typer.Option(help="fraction of /generate aborted")] = None,
+    starting_s: Annotated[float | None, typer.Option(help="seconds /health answers 503 after start")] = None,
+    api_key: Annotated[
+        str | None, typer.Option(help="like SGLang's --api-key: a bearer token for all but /health, /metrics")
+    ] = None,
+) -> None:
+    """Run a simulated SGLang server (the real /generate contract, a simulated GPU)."""
+    from simulator.config import SimConfig
+    from simulator.server import run
+
+    given: dict[str, Any] = {
+        "port": port,
+        "host": host,
+        "tokenizer_path": tokenizer,
+        "context_len": context_len,
+        "max_total_num_tokens": kv_tokens,
+        "time_scale": time_scale,
+        "reserve_fraction": reserve_fraction,
+        "mean_reasoning_tokens": mean_reasoning_tokens,
+        "mean_answer_tokens": mean_answer_tokens,
+        "fail_503_rate": fail_503_rate,
+        "fail_500_rate": fail_500_rate,
+        "abort_rate": abort_rate,
+        "starting_s": starting_s,
+        "api_key": api_key,
+    }
+    try:
+        config = SimConfig(**{k: v for k, v in given.items() if v is not None})
+    except ValidationError as exc:
+        raise ConfigError(f"invalid simulator options: {exc}") from exc
+    run(config)

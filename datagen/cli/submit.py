@@ -1,0 +1,171 @@
+"""Commands that make a job: ``spec`` (an example job spec) and ``submit``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+
+from datagen.cli._app import app, console
+from datagen.errors import ConfigError
+from datagen.progress import EXIT_ALL_DONE, EXIT_SOME_FAILED, wait_for_job
+from datagen.settings import ClientSettings, load
+
+
+def _spec_from_options(
+    spec_file: Path | None,
+    tokenizer: str | None,
+    chat_template: Path | None,
+    trust_remote_code: bool | None,
+    limits: dict[str, Any],
+    sampling: dict[str, float | int | None],
+) -> dict[str, Any]:
+    """The job spec: the spec file (if any) with the flags that were given on top."""
+    from datagen.specfile import load_spec_file, merge_spec
+
+    flags: dict[str, Any] = {k: v for k, v in limits.items() if v is not None}
+    if tokenizer is not None:
+        flags["tokenizer"] = tokenizer
+    if chat_template is not None:
+        flags["chat_template"] = str(chat_template.resolve())
+    if trust_remote_code is not None:
+        flags["trust_remote_code"] = trust_remote_code
+    flags["sampling"] = {k: v for k, v in sampling.items() if v is not None}
+    base = load_spec_file(spec_file) if spec_file is not None else {}
+    if "tokenizer" not in base and "tokenizer" not in flags:
+        raise ConfigError("name a tokenizer: --tokenizer PATH_OR_ID, or `tokenizer:` in a --spec file")
+    return merge_spec(base, flags)
+
+
+@app.command()
+def spec(example: Annotated[bool, typer.Option(help="print a commented example job spec")] = True) -> None:
+    """Print a commented example job spec (YAML) for `datagen submit --spec`."""
+    from datagen.specfile import EXAMPLE_SPEC
+
+    typer.echo(EXAMPLE_SPEC, nl=False)
+
+
+@app.command()
+def submit(
+    dataset: Annotated[Path, typer.Argument(exists=True, dir_okay=False, help="JSONL dataset")],
+    tokenizer: Annotated[
+        str | None, typer.Option(help="tokenizer path or hub id, as the coordinator sees it")
+    ] = None,
+    spec_file: Annotated[
+        Path | None, typer.Option("--spec", exists=True, dir_okay=False, help="job spec file (YAML or JSON)")
+    ] = None,
+    coordinator: Annotated[str | None, typer.Option(help="coordinator URL (DATAGEN_COORDINATOR_URL)")] = None,
+    chat_template: Annotated[
+        Path | None, typer.Option(help="chat template file overriding the tokenizer's")
+    ] = None,
+    trust_remote_code: Annotated[bool | None, typer.Option()] = None,
+    short_max_new_tokens: Annotated[int | None, typer.Option()] = None,
+    long_max_new_tokens: Annotated[int | None, typer.Option()] = None,
+    long_threshold_tokens: Annotated[
+        int | None, typer.Option(help="prompts this long or longer are long")
+    ] = None,
+    context_len: Annotated[
+        int | None, typer.Option(help="the model's context length (default: what the workers report)")
+    ] = None,
+    temperature: Annotated[float | None, typer.Option()] = None,
+    top_p: Annotated[float | None, typer.Option()] = None,
+    seed: Annotated[int | None, typer.Option(help="sampling_seed sent to SGLang")] = None,
+    priority: Annotated[
+        str | None, typer.Option(help="high, normal or low: higher work is always dispatched first")
+    ] = None,
+    weight: Annotated[
+        float | None, typer.Option(help="share of the fleet among jobs of the same priority (default 1)")
+    ] = None,
+    job_id: Annotated[str | None, typer.Option(help="reuse an id to append to or resume a job")] = None,
+    wait: Annotated[bool, typer.Option(help="show progress and wait until the job ends")] = False,
+    dry_run: Annotated[
+        bool, typer.Option(help="render a sample of rows and show them; enqueue nothing")
+    ] = False,
+) -> None:
+    """Submit a dataset and print the job id.
+
+    With --wait: exit 0 when all prompts are done, 1 if some failed, 2 if the job failed.
+    """
+    from datagen.client import CoordinatorClient
+
+    settings = load(ClientSettings, coordinator_url=coordinator)
+    spec = _spec_from_options(
+        spec_file,
+        tokenizer,
+        chat_template,
+        trust_remote_code,
+        {
+            "short_max_new_tokens": short_max_new_tokens,
+            "long_max_new_tokens": long_max_new_tokens,
+            "long_threshold_tokens": long_threshold_tokens,
+            "context_len": context_len,
+            "priority": priority,
+            "weight": weight,
+        },
+        {"temperature": temperature, "top_p": top_p, "sampling_seed": seed},
+    )
+    with CoordinatorClient(settings.coordinator_url, api_token=settings.api_token) as client:
+        if dry_run:
+            _print_dry_run(client.dry_run(dataset, spec))
+            return
+        job = client.submit(dataset, spec, job_id)
+        typer.echo(job["id"])
+        if wait:
+            code = wait_for_job(client, job["id"], console)
+            raise typer.Exit(_unless_nothing_accepted(client, job["id"], code, settings.coordinator_url))
+
+
+def _unless_nothing_accepted(client: Any, job_id: str, code: int, coordinator_url: str) -> int:
+    """A job whose every row was rejected generated nothing: that is not success."""
+    if code != EXIT_ALL_DONE:
+        return code
+    job = client.job(job_id)
+    if job["total"] or not job["rejected"]:
+        return code
+    console.print(
+        f"no prompt was accepted: all {job['rejected']} rows were rejected; see why with "
+        f"curl {coordinator_url.rstrip('/')}/jobs/{job_id}/errors?kind=rejected",
+        style="red",
+        markup=False,
+    )
+    return EXIT_SOME_FAILED
+
+
+def _print_dry_run(preview: dict[str, Any]) -> None:
+    out = Console()
+    for example in preview["examples"]:
+        out.rule(
+            f"line {example['line']} · {example['sample_id']} · turn {example['turn']} · "
+            f"{example['class']} · {example['prompt_tokens']} tokens"
+        )
+        out.print(example["prompt"], markup=False, highlight=False)
+    out.rule("summary")
+    classes = preview["classes"]
+    out.print(
+        f"sampled {preview['rows_sampled']} rows "
+        f"({preview['bytes_sampled']} of {preview['bytes_total']} bytes): "
+        f"{preview['prompts']} prompts, {classes['short']} short / {classes['long']} long, "
+        f"{len(preview['rejected'])} rejected, {preview['prompt_tokens_sampled']} prompt tokens",
+        markup=False,
+    )
+    out.print(
+        f"estimated for the whole file: {preview['estimated_rows']} rows, "
+        f"{preview['estimated_prompts']} prompts, "
+        f"{preview['estimated_prompt_tokens']} prompt tokens",
+        markup=False,
+    )
+    for row in preview["rejected"]:
+        out.print(f"rejected line {row['line']}: {row['reason']}", markup=False)
+    checks = preview.get("preflight") or {}
+    if checks.get("refused"):
+        out.print(f"pre-flight: submit would be refused: {checks['refused']}", markup=False)
+    elif checks:
+        out.print(
+            f"pre-flight: passed; context length {checks['context_len']}, stop ids {checks['stop_ids']}, "
+            f"model vocabulary {checks['vocab_size'] or 'unknown'}",
+            markup=False,
+        )
+        for warning in checks.get("warnings", []):
+            out.print(f"pre-flight warning: {warning}", markup=False)

@@ -1,0 +1,50 @@
+"""Exports read committed records straight from storage (no Redis, no coordinator), streaming.
+
+    committed shards ─► dedupe + filters + clip ─► [bucket shuffle] ─► format ─► files (renamed at the end)
+
+Records are deduplicated on (sample id, turn, gen): processing is at-least-once, so a prompt that
+ran twice (a worker died after committing but before acknowledging) has two records, and the first
+one read wins. Shards are read in commit order (each commit's ``committed_at_ms``, then its shard
+name), so of a key committed twice the earlier commit is kept, on every export and report (both
+read through :mod:`datagen.recordset`). Then, in this order, rows are dropped by ``partitions``, by
+truncation (``finish_type == "length"``; in ``conversations`` also a row cut by ``max_length``), and
+when fewer than ``min_supervised_tokens`` output tokens remain after clipping to ``max_length``.
+
+Truncated rows are kept by default in the token-id formats (``specforge``, ``speculators``,
+``parquet``): every token of a truncated record is still an exact sample of the target model, and
+dropping them would cut the long tail of generation lengths out of the training data; ``finish_reason``
+stays available in ``speculators`` and ``parquet``. They are dropped by default in ``conversations``,
+whose text trainers re-render the turn as a finished one.
+
+Memory stays flat for any job size except for the dedupe set (about 90 bytes a record) and, for
+``conversations``, the input index (about 130 bytes a prompt); a shuffle holds one bucket of about
+64 MiB (see :mod:`datagen.export.shuffle`). ``bench/export.py`` measures all three.
+
+Modules, in pipeline order: ``rows`` (dedupe, filters, clipping), ``shuffle`` (the bucket shuffle),
+``formats`` (token-id formats), ``conversations`` (the text format), ``tokens`` (the job's
+tokenizer), ``sinks`` (output files), ``pipeline`` (`export_job`, the stages wired together).
+"""
+
+from datagen.export.pipeline import (
+    DEFAULT_MIN_SUPERVISED_TOKENS,
+    ExportFormat,
+    ExportOptions,
+    export_job,
+    export_specforge,
+    iter_unique_rows,
+)
+from datagen.export.rows import DropReason, ExportStats
+from datagen.recordset import export_id, total_records
+
+__all__ = [
+    "DEFAULT_MIN_SUPERVISED_TOKENS",
+    "DropReason",
+    "ExportFormat",
+    "ExportOptions",
+    "ExportStats",
+    "export_id",
+    "export_job",
+    "export_specforge",
+    "iter_unique_rows",
+    "total_records",
+]

@@ -1,0 +1,100 @@
+"""A job's progress as read from its hash: what `GET /jobs/{id}`, the CLI and the metrics show."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from datagen.states import JobState
+
+__all__ = ["INT_FIELDS", "JobProgress", "now_ms"]
+
+INT_FIELDS = (
+    "rows",
+    "accepted",
+    "rejected",
+    "skipped",
+    "flagged",
+    "done",
+    "failed",
+    "cancelled",
+    "retried",
+    "prompt_tokens",
+    "output_tokens",
+    "created_at_ms",
+    "finished_at_ms",
+    "ingest_line",
+)
+
+
+def now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+@dataclass(frozen=True)
+class JobProgress:
+    job_id: str
+    state: JobState
+    rows: int
+    accepted: int
+    rejected: int
+    skipped: int
+    done: int
+    failed: int
+    in_flight: int
+    prompt_tokens: int
+    output_tokens: int
+    created_at_ms: int
+    finished_at_ms: int
+    error: str | None
+    storage_error: str | None = None
+    cancelled: int = 0
+    retried: int = 0
+    paused: bool = False
+    flagged: int = 0
+    priority: str = "normal"
+    weight: float = 1.0
+
+    @property
+    def queued(self) -> int:
+        return max(0, self.accepted - self.done - self.failed - self.cancelled - self.in_flight)
+
+    def elapsed_s(self, at_ms: int | None = None) -> float:
+        end = self.finished_at_ms or (at_ms if at_ms is not None else now_ms())
+        return max(1e-3, (end - self.created_at_ms) / 1000)
+
+    def to_json(self, at_ms: int | None = None) -> dict[str, Any]:
+        elapsed_s = self.elapsed_s(at_ms)
+        finished = self.done + self.failed + self.cancelled
+        remaining = max(0, self.accepted - finished)
+        rate = finished / elapsed_s
+        eta_s = None if self.state.is_final else (remaining / rate if rate > 0 else None)
+        return {
+            "id": self.job_id,
+            "state": self.state.value,
+            "rows": self.rows,
+            "total": self.accepted,
+            "rejected": self.rejected,
+            "skipped": self.skipped,
+            "flagged": self.flagged,
+            "queued": self.queued if not self.state.is_final else 0,
+            # A cancelled job's prompts may still be finishing (or being aborted).
+            "in_flight": self.in_flight,
+            "done": self.done,
+            "failed": self.failed,
+            "cancelled": self.cancelled,
+            "retried": self.retried,
+            "paused": self.paused,
+            "priority": self.priority,
+            "weight": self.weight,
+            "prompt_tokens": self.prompt_tokens,
+            "generated_tokens": self.output_tokens,
+            "tokens_per_s": round(self.output_tokens / elapsed_s, 2),
+            "elapsed_s": round(elapsed_s, 3),
+            "eta_s": None if eta_s is None else round(eta_s, 1),
+            "created_at_ms": self.created_at_ms,
+            "finished_at_ms": self.finished_at_ms or None,
+            "error": self.error,
+            "storage_error": self.storage_error,
+        }

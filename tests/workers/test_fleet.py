@@ -1,0 +1,73 @@
+"""Routing over the fleet (``workers.fleet``): least outstanding requests, free slots, paused servers;
+real Redis and simulators over real HTTP."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import redis
+
+from datagen.states import PromptClass
+from datagen.storage import Storage
+from service.fleetview import FleetView
+from tests.helpers import running_simulator
+from tests.workers.worker_helpers import KEYS, ingest, records, settings, start, stop
+from workers.fleet import Fleet, Server
+from workers.metrics import WorkerMetrics
+from workers.sglang import ClientTimeouts, SGLangClient
+
+
+@pytest.fixture
+def two_speeds(tokenizer_path: str) -> Iterator[dict[str, str]]:
+    with (
+        running_simulator(tokenizer_path=tokenizer_path, time_scale=0.002) as fast,
+        running_simulator(tokenizer_path=tokenizer_path, time_scale=0.02) as slow,
+    ):
+        yield {"fast": fast, "slow": slow}
+
+
+async def test_least_outstanding_routing_sends_more_to_the_faster_server(
+    redis_client: redis.Redis, redis_url: str, storage: Storage, two_speeds: dict[str, str]
+) -> None:
+    ingest(redis_client, storage, "route", 60)
+    worker = await start(settings(redis_url, storage), two_speeds, burst=True)
+    try:
+        await worker.run()
+    finally:
+        await stop(worker)
+    by_server: dict[str, int] = {}
+    for record in records(storage, "route"):
+        by_server[record["server"]] = by_server.get(record["server"], 0) + 1
+    assert sum(by_server.values()) == 60
+    assert by_server["fast"] > 2 * by_server.get("slow", 0)
+
+
+async def test_fleet_picks_the_server_with_most_free_slots() -> None:
+    client = SGLangClient("x", "http://127.0.0.1:9", timeouts=ClientTimeouts(), max_connections=1)
+    limits = {PromptClass.SHORT: 4, PromptClass.LONG: 1}
+    a, b = Server("a", client, max_limits=dict(limits)), Server("b", client, max_limits=dict(limits))
+    fleet = Fleet([a, b], WorkerMetrics())
+    picks = [await fleet.acquire(PromptClass.SHORT) for _ in range(6)]
+    assert sorted(s.name for s in picks) == ["a", "a", "a", "b", "b", "b"]
+    b.paused = True
+    assert fleet.capacity(PromptClass.SHORT) == 4
+    assert fleet.free_slots(PromptClass.SHORT) == 1
+    await fleet.release(a, PromptClass.SHORT)
+    assert (await fleet.acquire(PromptClass.SHORT)) is a
+    await client.aclose()
+
+
+async def test_pausing_a_server_moves_new_work_to_the_others(
+    redis_client: redis.Redis, redis_url: str, storage: Storage, two_speeds: dict[str, str]
+) -> None:
+    ingest(redis_client, storage, "spause", 60)
+    fleet_view = FleetView(redis_client, KEYS)
+    fleet_view.redis.sadd(KEYS.paused_servers(), "fast")  # paused before the worker starts
+    worker = await start(settings(redis_url, storage), two_speeds, burst=True)
+    try:
+        await worker.run()
+    finally:
+        await stop(worker)
+    assert {r["server"] for r in records(storage, "spause")} == {"slow"}
+    assert FleetView(redis_client, KEYS).server("fast")["state"] == "paused"

@@ -1,0 +1,94 @@
+"""The reaper (``workers.reaper``) over real Redis: a dead worker's prompts go back to the queue
+until their job's budget of worker losses is spent, also after RQ's own registry cleanup."""
+
+from __future__ import annotations
+
+import time
+
+import redis
+from rq import Queue
+from rq.registry import FailedJobRegistry
+from rq.serializers import JSONSerializer
+
+from datagen.dispatch import Dispatch
+from datagen.jobs import JobStore
+from datagen.states import PromptClass
+from datagen.storage import Storage
+from tests.workers.worker_helpers import KEYS, ingest
+from workers.metrics import WorkerMetrics
+from workers.reaper import Reaper
+from workers.rqbridge import QueueIdentity
+
+
+def _short_queue(redis_client: redis.Redis) -> Queue:
+    return Queue(KEYS.queue_name(PromptClass.SHORT), connection=redis_client, serializer=JSONSerializer)
+
+
+def _claim(redis_client: redis.Redis, name: str) -> str:
+    identity = QueueIdentity(KEYS.queue_name(PromptClass.SHORT), name, redis_client, 0.5)
+    identity.register()
+    item = identity.claim(Dispatch(redis_client, KEYS), PromptClass.SHORT)
+    assert item is not None
+    JobStore(redis_client, KEYS).started("reap", item.job.id)
+    # The worker dies: its heartbeat lapses (the score is the expiry time).
+    registry = item.queue.started_job_registry
+    member = next(m for m in redis_client.zrange(registry.key, 0, -1) if m.decode().startswith(item.job.id))
+    redis_client.zadd(registry.key, {member: time.time() - 1})
+    return item.job.id
+
+
+def _reaper(redis_client: redis.Redis, queue: Queue) -> Reaper:
+    jobs = JobStore(redis_client, KEYS)
+    return Reaper(redis_client, KEYS, jobs, [queue], owner="r", interval_s=0.01, metrics=WorkerMetrics())
+
+
+def test_reaper_requeues_dead_workers_prompts_then_gives_up_on_a_killer(
+    redis_client: redis.Redis, storage: Storage
+) -> None:
+    ingest(redis_client, storage, "reap", 3, max_worker_losses=2)
+    queue = _short_queue(redis_client)
+    jobs = JobStore(redis_client, KEYS)
+    reaper = _reaper(redis_client, queue)
+    victim = _claim(redis_client, "w1")
+    assert jobs.progress("reap").in_flight == 1
+    result = reaper.reap_once()
+    assert (result.requeued, result.failed) == (1, 0)
+    assert queue.get_job_ids()[0] == victim  # at the front, uncharged
+    job = queue.fetch_job(victim)
+    assert job.meta.get("attempts", 0) == 0 and job.retries_left == 1
+    assert jobs.progress("reap").in_flight == 0
+    outcomes = []
+    for n in range(2, 4):
+        time.sleep(0.02)  # the reaper lock of the previous pass expires
+        assert _claim(redis_client, f"w{n}") == victim
+        result = reaper.reap_once()
+        outcomes.append((result.requeued, result.failed))
+    assert outcomes == [(1, 0), (0, 1)]  # the third dead worker is one too many
+    assert FailedJobRegistry(queue=queue).get_job_ids(cleanup=False) == [victim]
+    progress = jobs.progress("reap")
+    assert (progress.failed, progress.in_flight) == (1, 0)
+    [report] = jobs.failed_reports("reap", 10)
+    assert report["reason"] == "WorkerLost" and report["sample_id"] == "p0"
+
+
+def test_rqs_own_cleanup_follows_the_same_budget_and_is_reconciled(
+    redis_client: redis.Redis, storage: Storage
+) -> None:
+    """rq info / rq-dashboard run RQ's registry cleanup; it must not lose a prompt either."""
+    ingest(redis_client, storage, "reap", 2, max_worker_losses=1)
+    queue = _short_queue(redis_client)
+    jobs = JobStore(redis_client, KEYS)
+    victim = _claim(redis_client, "w1")
+    queue.started_job_registry.cleanup()  # RQ's own: a retry is left, so it requeues
+    assert victim in queue.get_job_ids()
+    assert FailedJobRegistry(queue=queue).get_job_ids(cleanup=False) == []
+    assert queue.get_job_ids() == [victim]  # RQ requeues onto its queue (p1 is in the job's backlog)
+    assert _claim(redis_client, "w2") == victim  # what is on RQ's queue goes before any backlog
+    queue.started_job_registry.cleanup()  # no retry left: RQ fails it as abandoned
+    assert victim in FailedJobRegistry(queue=queue).get_job_ids(cleanup=False)
+    assert jobs.progress("reap").failed == 0  # not yet counted by the job ...
+    _reaper(redis_client, queue).reap_once()
+    progress = jobs.progress("reap")
+    assert progress.failed == 1  # ... until the reaper reconciles it, once
+    _reaper(redis_client, queue).reap_once()
+    assert jobs.progress("reap").failed == 1

@@ -1,0 +1,190 @@
+"""The RQ transitions that record how a prompt ended, each with the job's counters in RQ's own
+transaction: succeeded (and, in multi-turn ``all`` mode, its next turn enqueued), failed,
+cancelled with its job, dropped because its job was deleted, or handed back unfinished.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Mapping
+
+import redis
+from redis.client import Pipeline
+from rq.job import Job, JobStatus
+
+from datagen.dispatch import Dispatch
+from datagen.enqueue import EnqueueOptions, enqueue_prompts
+from datagen.errors import RetryableError
+from datagen.jobs import JobStore, now_ms
+from datagen.keys import Keys, prompt_key
+from datagen.payload import PromptPayload
+from datagen.records import Record
+from datagen.settings import DEFAULT_FAILURE_TTL_S, DEFAULT_MAX_WORKER_LOSSES, DEFAULT_RESULT_TTL_S
+from datagen.states import PromptClass
+from datagen.tokenization import renderer_for
+from workers.failures import failure_report, prompt_labels
+from workers.jobinfo import JobInfos
+from workers.metrics import WorkerMetrics
+from workers.redisretry import while_redis_down
+from workers.rqbridge import InFlight, QueueIdentity, payload_of
+from workers.turns import next_turn
+
+__all__ = ["Finisher", "is_final"]
+
+log = logging.getLogger(__name__)
+
+
+class Finisher:
+    def __init__(
+        self,
+        redis_client: redis.Redis,
+        keys: Keys,
+        jobs: JobStore,
+        dispatch: Dispatch,
+        identities: Mapping[PromptClass, QueueIdentity],
+        metrics: WorkerMetrics,
+        job_infos: JobInfos,
+    ) -> None:
+        self.redis = redis_client
+        self.keys = keys
+        self.jobs = jobs
+        self.dispatch = dispatch
+        self.identities = identities
+        self.metrics = metrics
+        self.job_infos = job_infos
+
+    async def following_turn(self, payload: PromptPayload, record: Record) -> PromptPayload | None:
+        """Multi-turn ``all`` mode: the next turn to enqueue, unless it was enqueued before."""
+        if payload.conversation is None:
+            return None
+        spec = self.job_infos.get(payload.job, payload.incarnation).spec
+        renderer = await asyncio.to_thread(renderer_for, spec)
+        following = await asyncio.to_thread(next_turn, payload, record, spec, renderer)
+        if following is None:
+            return None
+        member = prompt_key(following.sample_id, following.turn, following.gen)
+        key = self.keys.job_enqueued(payload.job)
+        if await while_redis_down(lambda: bool(self.redis.sismember(key, member))):
+            return None
+        return following
+
+    def succeed(
+        self,
+        identity: QueueIdentity,
+        item: InFlight,
+        record: Record,
+        following: PromptPayload | None,
+        incarnation: str = "",
+    ) -> None:
+        label = self.jobs.label_of(record.job_id, record.partition) if following is not None else ""
+
+        def hook(pipe: Pipeline) -> None:
+            self.jobs.count_done(
+                pipe,
+                record.job_id,
+                item.job.id,
+                record.output_len,
+                partition=record.partition,
+                cls=record.cls,
+                finish=record.finish_type,
+                incarnation=incarnation,
+            )
+            if following is not None:
+                # In the same transaction as the done count: the job cannot complete in between.
+                queues = {cls: identity.queue for cls, identity in self.identities.items()}
+                options = _enqueue_options(item.job)
+                enqueue_prompts(
+                    pipe,
+                    queues,
+                    self.keys,
+                    record.job_id,
+                    [following],
+                    options,
+                    dispatch=self.dispatch,
+                    priority=self.job_infos.get(record.job_id, incarnation).spec.priority,
+                )
+                self.jobs.add_prompt(
+                    pipe, record.job_id, len(following.prompt_ids), label=label, cls=following.cls.value
+                )
+
+        identity.finish_success(item, hook)
+        self._observe(record)
+        log.info(
+            "done %s server=%s class=%s prompt=%d output=%d finish=%s attempts=%d %.2fs",
+            item.job.id,
+            record.server,
+            record.cls,
+            record.prompt_len,
+            record.output_len,
+            record.finish_type,
+            record.attempts,
+            (record.finished_at_ms - record.started_at_ms) / 1000,
+        )
+
+    def _observe(self, record: Record) -> None:
+        metrics = self.metrics
+        metrics.finishes.labels(record.cls, record.finish_type).inc()
+        metrics.output_length.labels(record.cls).observe(record.output_len)
+        metrics.prompt_length.labels(record.cls).observe(record.prompt_len)
+        if record.enqueued_at_ms is not None:
+            metrics.time_to_result.labels(record.cls).observe(
+                max(0.0, (now_ms() - record.enqueued_at_ms) / 1000)
+            )
+
+    def fail(self, identity: QueueIdentity, item: InFlight, job_id: str | None, exc: BaseException) -> None:
+        reason = type(exc).__name__
+        if isinstance(exc.__cause__, RetryableError):
+            # Retries ran out: the cause says why (timeouts, 5xx, aborts), not the FatalError wrapper.
+            reason = f"gave_up_{type(exc.__cause__).__name__}"
+        message = str(exc) or reason
+        self.metrics.failures.labels(reason).inc()
+        log.warning("failed %s: %s", item.job.id, message)
+        payload = payload_of(item.job) or {}
+        report = failure_report(item.job.id, payload, reason=reason, message=message)
+        item.job.meta["failure_reason"] = reason  # what `datagen retry --reason` filters on
+
+        def hook(pipe: Pipeline) -> None:
+            pipe.hset(item.job.key, "meta", item.job.serializer.dumps(item.job.meta))
+            if job_id is not None:
+                self.jobs.count_failed(pipe, job_id, item.job.id, report, **prompt_labels(payload))
+
+        identity.finish_failure(item, message, hook)
+
+    def cancelled(self, identity: QueueIdentity, item: InFlight, job_id: str) -> None:
+        labels = prompt_labels(payload_of(item.job) or {})
+
+        def hook(pipe: Pipeline) -> None:
+            self.jobs.count_cancelled(pipe, job_id, item.job.id, **labels)
+
+        identity.finish_cancelled(item, hook)
+        self.metrics.aborted.inc()
+        log.info("aborted %s: its job %s was cancelled", item.job.id, job_id)
+
+    def drop_stale(self, identity: QueueIdentity, item: InFlight) -> None:
+        """Forget a prompt of a deleted job (`QueueIdentity.drop`): nothing of it is stored or counted."""
+        identity.drop(item)
+        log.info("dropped %s: its job was deleted while it ran", item.job.id)
+
+    def hand_back(self, identity: QueueIdentity, item: InFlight, job_id: str | None) -> None:
+        """Return an unfinished prompt to the front of its queue; if Redis is down, the reaper will."""
+        try:
+            hook = (lambda pipe: self.jobs.handed_back(pipe, job_id, item.job.id)) if job_id else None
+            identity.hand_back(item, hook)
+        except redis.RedisError as exc:
+            log.error("cannot hand %s back (Redis unreachable): the reaper will: %s", item.job.id, exc)
+
+
+def _enqueue_options(job: Job) -> EnqueueOptions:
+    """The coordinator's enqueue settings, as stored on the job that precedes the new one."""
+    stored = job.meta.get("enqueue") or {}
+    return EnqueueOptions(
+        result_ttl_s=int(stored.get("result_ttl_s", job.result_ttl or DEFAULT_RESULT_TTL_S)),
+        failure_ttl_s=int(stored.get("failure_ttl_s", job.failure_ttl or DEFAULT_FAILURE_TTL_S)),
+        max_worker_losses=int(stored.get("max_worker_losses", DEFAULT_MAX_WORKER_LOSSES)),
+    )
+
+
+def is_final(job: Job) -> bool:
+    """Whether RQ already has the job finished or failed (a retried transition that went through)."""
+    return job.get_status(refresh=True) in (JobStatus.FINISHED, JobStatus.FAILED)

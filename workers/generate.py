@@ -1,0 +1,205 @@
+"""One prompt's generation: pick a server, send the request, retry with backoff, build the record.
+
+Retryable errors are retried inside the task (attempts in ``job.meta``). A server fault (the
+server is down or unreachable) sends the prompt elsewhere without charging an attempt; any other
+retryable error charges one and keeps the prompt off that server. :class:`FatalError` ends it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import random
+import time
+
+from rq.job import Job
+
+from datagen.errors import ConfigError, FatalError, RetryableError, ServerUnavailableError
+from datagen.jobs import now_ms
+from datagen.payload import PromptPayload
+from datagen.records import Record
+from datagen.settings import WorkerSettings
+from datagen.states import PromptClass
+from workers.control import API_KEY_HINT
+from workers.fleet import Fleet, Server
+from workers.jobinfo import JobInfos
+from workers.metrics import WorkerMetrics
+from workers.redisretry import while_redis_down
+from workers.sglang import GenerateResult
+
+__all__ = ["Generator", "max_new_tokens"]
+
+log = logging.getLogger(__name__)
+
+# A prompt may wait out server outages without using attempts, but not forever: a server that
+# answers /health yet drops every request would otherwise loop.
+SERVER_FAULT_TRIES_PER_ATTEMPT = 25
+
+
+class Generator:
+    def __init__(
+        self,
+        settings: WorkerSettings,
+        fleet: Fleet,
+        metrics: WorkerMetrics,
+        job_infos: JobInfos,
+        *,
+        worker_name: str,
+        tag: str,
+    ) -> None:
+        self.settings = settings
+        self.fleet = fleet
+        self.metrics = metrics
+        self.job_infos = job_infos
+        self.worker_name = worker_name
+        self.tag = tag
+
+    async def generate(self, job: Job, payload: PromptPayload, cls: PromptClass) -> Record:
+        job_info = self.job_infos.get(payload.job, payload.incarnation)
+        spec = job_info.spec
+        # Samples of one prompt prefer one server, whose prefix cache then serves them.
+        affinity = f"{payload.job}/{payload.sample_id}/{payload.turn}" if spec.samples > 1 else None
+        attempts = int(job.meta.get("attempts", 0))
+        started_at_ms = now_ms()
+        tries = 0
+        failed_on: set[str] = set()  # servers where this prompt timed out, got a 5xx or was aborted
+        while True:
+            tries += 1
+            server = await self.fleet.acquire(cls, affinity=affinity, avoid=frozenset(failed_on))
+            try:
+                max_new = max_new_tokens(payload, server)
+                params = spec.sampling_for(payload.gen, max_new)
+                if job_info.stop_ids:
+                    # The tokenizer's and generation_config.json's, so that a server started with
+                    # another generation config still stops where the model does.
+                    extra = params.get("stop_token_ids") or []
+                    params["stop_token_ids"] = sorted(set(job_info.stop_ids) | set(extra))
+                rid = f"{job.id}.a{tries}.{self.tag}"
+                result = await self._call(server, cls, payload, params, rid)
+            except RetryableError as exc:
+                error: RetryableError = exc
+            except ConfigError as exc:
+                # 401/403 mid-run (the server was restarted with another key): keep off it, like
+                # its probe would, and run the prompt elsewhere without charging an attempt.
+                await self.fleet.refuse(server, f"{exc}. {API_KEY_HINT.format(name=server.name)}")
+                error = ServerUnavailableError(str(exc))
+            else:
+                enqueued_at_ms = int(job.enqueued_at.timestamp() * 1000) if job.enqueued_at else None
+                timing = (enqueued_at_ms, started_at_ms)
+                return self._record(
+                    payload, job_info.tokenizer, result, server, rid, attempts + 1, timing, max_new, params
+                )
+            finally:
+                await self.fleet.release(server, cls)
+            if not error.server_fault:
+                failed_on.add(server.name)
+            attempts = await self._after_retryable(job, server, error, attempts, tries)
+            await asyncio.sleep(self._backoff_s(tries))
+
+    async def _after_retryable(
+        self, job: Job, server: Server, error: RetryableError, attempts: int, tries: int
+    ) -> int:
+        """Decide whether to try again; returns the attempts charged so far or raises FatalError."""
+        self.metrics.retries.labels(type(error).__name__).inc()
+        if error.server_fault:
+            await self.fleet.mark_down(server, str(error))
+            if tries >= self.settings.max_attempts * SERVER_FAULT_TRIES_PER_ATTEMPT:
+                raise FatalError(
+                    f"gave up after {tries} requests to servers that kept failing: {error}"
+                ) from error
+            log.info("retrying %s elsewhere (server %s down): %s", job.id, server.name, error)
+            return attempts
+        attempts += 1
+        job.meta["attempts"] = attempts
+        await while_redis_down(job.save_meta)
+        if attempts >= self.settings.max_attempts:
+            raise FatalError(f"gave up after {attempts} attempts: {error}") from error
+        log.info(
+            "retrying %s (attempt %d of %d): %s", job.id, attempts + 1, self.settings.max_attempts, error
+        )
+        return attempts
+
+    def _backoff_s(self, tries: int) -> float:
+        ceiling = min(self.settings.retry_max_s, self.settings.retry_base_s * 2 ** (tries - 1))
+        return random.uniform(ceiling / 2, ceiling)
+
+    async def _call(
+        self, server: Server, cls: PromptClass, payload: PromptPayload, params: dict[str, object], rid: str
+    ) -> GenerateResult:
+        read_timeout_s = (
+            self.settings.short_read_timeout_s
+            if cls is PromptClass.SHORT
+            else self.settings.long_read_timeout_s
+        )
+        labels = (server.name, cls.value)
+        started = time.perf_counter()
+        try:
+            result = await server.client.generate(
+                payload.prompt_ids, params, rid=rid, read_timeout_s=read_timeout_s
+            )
+        except RetryableError:
+            self.metrics.requests.labels(*labels, "retryable").inc()
+            raise
+        except FatalError:
+            self.metrics.requests.labels(*labels, "fatal").inc()
+            raise
+        self.metrics.request_latency.labels(*labels).observe(time.perf_counter() - started)
+        self.metrics.requests.labels(*labels, "ok").inc()
+        self.metrics.prompt_tokens.labels(*labels).inc(len(payload.prompt_ids))
+        self.metrics.generated_tokens.labels(*labels).inc(len(result.output_ids))
+        return result
+
+    def _record(
+        self,
+        payload: PromptPayload,
+        tokenizer: str,
+        result: GenerateResult,
+        server: Server,
+        rid: str,
+        attempts: int,
+        timing: tuple[int | None, int],
+        max_new: int,
+        params: dict[str, object],
+    ) -> Record:
+        finish = result.finish
+        return Record(
+            job_id=payload.job,
+            sample_id=payload.sample_id,
+            turn=payload.turn,
+            gen=payload.gen,
+            partition=payload.partition,
+            cls=payload.cls.value,
+            input_ids=payload.prompt_ids + result.output_ids,
+            prompt_len=len(payload.prompt_ids),
+            finish_type=finish.type.value,
+            finish_matched=None if finish.matched is None else str(finish.matched),
+            finish_length=finish.length,
+            max_new_tokens=max_new,
+            server=server.name,
+            tokenizer=tokenizer,
+            sampling_params=json.dumps(params, sort_keys=True),
+            rid=rid,
+            worker=self.worker_name,
+            attempts=attempts,
+            cached_tokens=result.cached_tokens,
+            num_retractions=result.num_retractions,
+            e2e_latency_s=result.e2e_latency_s,
+            enqueued_at_ms=timing[0],
+            started_at_ms=timing[1],
+            finished_at_ms=now_ms(),
+        )
+
+
+def max_new_tokens(payload: PromptPayload, server: Server) -> int:
+    """The prompt's ``max_new_tokens``, capped so that it fits in ``server``'s context."""
+    if server.context_len is None:
+        return payload.max_new_tokens
+    # SGLang refuses prompt + max_new_tokens that reach the context length, so keep one token clear.
+    room = server.context_len - len(payload.prompt_ids) - 1
+    if room < 1:
+        raise FatalError(
+            f"prompt has {len(payload.prompt_ids)} tokens and leaves no room to generate within "
+            f"server {server.name}'s context length of {server.context_len} tokens"
+        )
+    return min(payload.max_new_tokens, room)

@@ -1,0 +1,37 @@
+"""What a worker reads once per job, cached for the prompts of that job that it runs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from datagen.jobs import JobStore
+from datagen.spec import JobSpec
+
+__all__ = ["JobInfo", "JobInfos"]
+
+
+@dataclass(frozen=True)
+class JobInfo:
+    """What a worker reads once per job: its spec and the tokenizer identity for records."""
+
+    spec: JobSpec
+    tokenizer: str
+    stop_ids: tuple[int, ...] = ()
+
+
+class JobInfos:
+    def __init__(self, jobs: JobStore) -> None:
+        self._jobs = jobs
+        self._seen: dict[tuple[str, str], JobInfo] = {}
+
+    def get(self, job_id: str, incarnation: str = "") -> JobInfo:
+        # By incarnation too: a new job of a reused id may have another spec.
+        info = self._seen.get((job_id, incarnation))
+        if info is None:
+            info = JobInfo(
+                self._jobs.spec(job_id),
+                self._jobs.tokenizer_identity(job_id),
+                tuple(self._jobs.stop_ids(job_id)),
+            )
+            self._seen[job_id, incarnation] = info
+        return info

@@ -1,0 +1,83 @@
+"""The life of one claimed prompt, as an asyncio task: count it started, generate, commit the record,
+then record how it ended (:mod:`workers.finish`) even through a Redis outage.
+
+A task cancelled because its job was cancelled with abort finishes as cancelled; one cancelled for
+any other reason (a hard stop) hands its prompt back to the queue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+from collections.abc import Callable
+
+from datagen.errors import FatalError, JobNotFoundError
+from datagen.jobs import JobStore
+from datagen.payload import PromptPayload
+from datagen.states import PromptClass
+from workers.admission import Slots
+from workers.finish import Finisher, is_final
+from workers.generate import Generator
+from workers.redisretry import while_redis_down
+from workers.rqbridge import InFlight, QueueIdentity, payload_of
+from workers.writer import RecordWriter
+
+__all__ = ["PromptRunner"]
+
+log = logging.getLogger(__name__)
+
+
+class PromptRunner:
+    def __init__(
+        self, slots: Slots, jobs: JobStore, generator: Generator, writer: RecordWriter, finisher: Finisher
+    ) -> None:
+        self.slots = slots
+        self.jobs = jobs
+        self.generator = generator
+        self.writer = writer
+        self.finisher = finisher
+
+    async def run(self, identity: QueueIdentity, item: InFlight, cls: PromptClass) -> None:
+        job_id = (payload_of(item.job) or {}).get("job")
+        try:
+            if job_id is not None:
+                await while_redis_down(lambda: self.jobs.started(job_id, item.job.id))
+            finish = await self._outcome(identity, item, cls, job_id)
+            await while_redis_down(finish, already_done=lambda: is_final(item.job))
+        except asyncio.CancelledError:
+            if self.slots.aborted(asyncio.current_task()) and job_id is not None:
+                # Its job was cancelled with abort: closing the request made SGLang abort it.
+                await while_redis_down(functools.partial(self.finisher.cancelled, identity, item, job_id))
+                return
+            self.finisher.hand_back(identity, item, job_id)
+            raise
+        finally:
+            # Whatever happened, this worker no longer runs the job: stop heartbeating it, so that
+            # if it was not finished the reaper hands it out again.
+            identity.in_flight.discard(item)
+
+    async def _outcome(
+        self, identity: QueueIdentity, item: InFlight, cls: PromptClass, job_id: str | None
+    ) -> Callable[[], None]:
+        """Run the prompt; return the RQ transition that records how it ended."""
+        finisher = self.finisher
+        try:
+            try:
+                payload = PromptPayload.from_json(item.job.args[0])
+                record = await self.generator.generate(item.job, payload, cls)
+            finally:
+                self.slots.release(cls)
+            await self.writer.commit(record, payload.incarnation)
+            following = await finisher.following_turn(payload, record)
+        except JobNotFoundError:
+            # Its job was deleted (or the id reused) while it ran: nothing of it is stored or counted.
+            return functools.partial(finisher.drop_stale, identity, item)
+        except FatalError as exc:
+            return functools.partial(finisher.fail, identity, item, job_id, exc)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # a bug must fail one prompt, not the worker
+            log.exception("prompt %s crashed the task", item.job.id)
+            return functools.partial(finisher.fail, identity, item, job_id, exc)
+        return functools.partial(finisher.succeed, identity, item, record, following, payload.incarnation)
