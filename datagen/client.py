@@ -8,7 +8,7 @@ from typing import Any
 
 import httpx
 
-from datagen.errors import ConfigError, error_from_http
+from datagen.errors import ConfigError, CoordinatorUnreachableError, error_from_http
 
 __all__ = ["CoordinatorClient"]
 
@@ -88,14 +88,20 @@ class CoordinatorClient:
         try:
             response = self._http.request(method, path, **kwargs)
         except httpx.HTTPError as exc:
-            raise ConfigError(
-                f"cannot reach the coordinator at {self._http.base_url}: {exc} "
+            raise CoordinatorUnreachableError(
+                f"cannot reach the coordinator at {self._http.base_url}: {exc or type(exc).__name__} "
                 "(is `datagen coordinator` running? set --coordinator or DATAGEN_COORDINATOR_URL)"
             ) from exc
         if response.status_code >= 400:
             type_name, message = _error_body(response)
             raise error_from_http(response.status_code, type_name, message)
-        return response.json()
+        try:
+            return response.json()
+        except ValueError as exc:
+            raise ConfigError(
+                f"{self._http.base_url}{path} answered {response.status_code} without JSON: is "
+                "--coordinator (DATAGEN_COORDINATOR_URL) the URL of `datagen coordinator`?"
+            ) from exc
 
 
 def _error_body(response: httpx.Response) -> tuple[str | None, str]:

@@ -1,7 +1,8 @@
 """``datagen demo``: the whole pipeline on one machine with nothing configured.
 
 Starts a private Redis, the simulated SGLang server, a worker and a coordinator as separate
-processes (real HTTP, real RQ), submits ``examples/prompts.jsonl`` with the bundled DeepSeek
+processes (real HTTP, real RQ), submits the packaged ``datagen/data/prompts.jsonl`` (written by
+``examples/make_prompts.py``; ``examples/prompts.jsonl`` links to it) with the bundled DeepSeek
 tokenizer and the shipped R1 template, shows progress, prints a summary, and stops every process
 it started, also on Ctrl-C.
 """
@@ -27,7 +28,8 @@ from datagen.tokenization import bundled_tokenizer_path, default_chat_template_p
 
 __all__ = ["DEMO_DATASET", "run_demo"]
 
-DEMO_DATASET = Path(__file__).resolve().parent.parent / "examples" / "prompts.jsonl"
+# Package data, so the demo runs from a wheel too (not only from a checkout).
+DEMO_DATASET = Path(__file__).resolve().parent / "data" / "prompts.jsonl"
 STARTUP_TIMEOUT_S = 60.0
 STOP_TIMEOUT_S = 15.0
 # The simulated GPU runs at this fraction of real time: the demo takes seconds, not hours.

@@ -13,6 +13,7 @@
         ├── BadRequestError         400 from SGLang: prompt too long, bad sampling values, ...
         ├── InvalidSpecError        a job spec that cannot run (tokenizer, template, limits)
         │   └── PreflightError      the spec, its tokenizer and the servers do not fit together 409
+        │       └── NoServersYetError no live worker has reported a server yet (a wait may help)
         ├── InvalidRowError         one dataset row that cannot become a prompt
         ├── UploadTooLargeError     an upload over DATAGEN_MAX_UPLOAD_BYTES                    413
         ├── NotFoundError           no such thing                                              404
@@ -23,6 +24,7 @@
         ├── AuthError               a missing or wrong bearer token                            401
         ├── InvalidRequestError     parameters or a body that do not match the HTTP API         422
         └── ConfigError             settings or environment that cannot start a process
+            └── CoordinatorUnreachableError  the CLI cannot reach the coordinator (client side)
 
 Lower-level errors (httpx, redis, OSError) are translated into these at one boundary with
 ``raise ... from exc``. :data:`HTTP_STATUS` is the one table both sides of the HTTP API use: the
@@ -38,6 +40,7 @@ __all__ = [
     "BackendUnavailableError",
     "BadRequestError",
     "ConfigError",
+    "CoordinatorUnreachableError",
     "DatagenError",
     "DuplicateRequestError",
     "FatalError",
@@ -47,6 +50,7 @@ __all__ = [
     "InvalidSpecError",
     "JobNotFoundError",
     "JobStateError",
+    "NoServersYetError",
     "NotFoundError",
     "PreflightError",
     "RequestTimeoutError",
@@ -122,6 +126,12 @@ class PreflightError(InvalidSpecError):
     """
 
 
+class NoServersYetError(PreflightError):
+    """Refused only because no live worker has reported a server yet (so the context length is
+    unknown): the same submit passes once a worker has probed its server. ``datagen submit`` waits
+    on this one (``--wait-for-servers-s``) and not on any other refusal."""
+
+
 class InvalidRowError(FatalError):
     def __init__(self, message: str, *, line: int | None = None) -> None:
         super().__init__(message)
@@ -162,6 +172,11 @@ class InvalidRequestError(FatalError):
 
 class ConfigError(FatalError):
     pass
+
+
+class CoordinatorUnreachableError(ConfigError):
+    """The CLI got no answer from the coordinator (not started yet, or a wrong URL); never sent
+    over HTTP."""
 
 
 # Looked up along the class's MRO, so a subclass without an entry answers as its nearest ancestor.

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import secrets
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -22,7 +22,7 @@ from redis.client import Pipeline
 from datagen import _job_scripts as scripts
 from datagen.errors import JobNotFoundError, JobStateError
 from datagen.job_progress import INT_FIELDS, JobProgress, now_ms
-from datagen.keys import Keys
+from datagen.keys import SEEN_SEGMENTS, Keys
 from datagen.redistext import as_text, as_texts
 from datagen.spec import JobSpec
 from datagen.states import JobState, PromptClass
@@ -48,6 +48,9 @@ OTHER_PARTITION = "other"
 # The dispatch scripts count cancelled prompts by this shared rule too.
 LUA_COUNT_CANCELLED_QUEUED = scripts.COUNT_CANCELLED_QUEUED
 UNKNOWN_PARTITION = "unknown"
+
+# Seen records are read back in pieces of this size (a Redis reply stays small).
+SEEN_READ_BYTES = 8 * 1024 * 1024
 
 # How long a retry may hold the job's retry lock; a crashed coordinator's lock expires by itself.
 RETRY_LOCK_TTL_MS = 120_000
@@ -226,6 +229,25 @@ class JobStore:
         """Sample key -> ``<content digest>:<line>:<upload>`` of the row that first used the id."""
         if rows:
             pipe.hset(self.keys.job_rows(job_id), mapping=cast(dict[Any, Any], rows))
+
+    def seen_records(self, job_id: str) -> Iterator[bytes]:
+        """Each segment of what :meth:`add_seen` appended for the job (`datagen.dedup`)."""
+        for segment in range(SEEN_SEGMENTS):
+            key = self.keys.job_seen(job_id, segment)
+            pieces: list[bytes] = []
+            while piece := self.redis.getrange(
+                key, len(pieces) * SEEN_READ_BYTES, (len(pieces) + 1) * SEEN_READ_BYTES - 1
+            ):
+                pieces.append(cast(bytes, piece))
+                if len(piece) < SEEN_READ_BYTES:
+                    break
+            if pieces:
+                yield b"".join(pieces)
+
+    def add_seen(self, pipe: Pipeline, job_id: str, segment: int, records: bytes) -> None:
+        """Packed records of the rows a chunk kept, in the chunk's transaction."""
+        if records:
+            pipe.append(self.keys.job_seen(job_id, segment % SEEN_SEGMENTS), records)
 
     def label_of(self, job_id: str, partition: str) -> str:
         labelled = self.redis.sismember(self.keys.job_partitions(job_id), partition)

@@ -11,7 +11,10 @@ from dataclasses import dataclass
 
 from datagen.states import Priority, PromptClass
 
-__all__ = ["Keys"]
+__all__ = ["SEEN_SEGMENTS", "Keys"]
+
+# Keys the seen rows of one job are spread over (`Keys.job_seen`): 16 x 512 MB of records.
+SEEN_SEGMENTS = 16
 
 
 @dataclass(frozen=True)
@@ -63,6 +66,11 @@ class Keys:
         a later row with the same id and other content is rejected, not silently dropped."""
         return f"{self.namespace}:job:{job_id}:rows"
 
+    def job_seen(self, job_id: str, segment: int) -> str:
+        """String of packed records of the rows ingestion kept (`datagen.dedup.pack_records`),
+        split over ``SEEN_SEGMENTS`` keys by chunk so none nears Redis's 512 MB string limit."""
+        return f"{self.namespace}:job:{job_id}:seen:{segment}"
+
     def job_ingest_fence(self, job_id: str) -> str:
         """The incarnation that ingestion may enqueue for; absent once the job is cancelled,
         failed or deleted. Ingestion WATCHes it around each chunk's transaction."""
@@ -112,7 +120,8 @@ class Keys:
             self.job_ingest_fence(job_id),
             self.job_retry_lock(job_id),
         ]
-        return fixed + [self.job_backlog(job_id, cls) for cls in PromptClass]
+        seen = [self.job_seen(job_id, segment) for segment in range(SEEN_SEGMENTS)]
+        return fixed + seen + [self.job_backlog(job_id, cls) for cls in PromptClass]
 
     # Dispatch across jobs -----------------------------------------------------------------------
     def dispatch_jobs(self, cls: PromptClass, priority: Priority) -> str:

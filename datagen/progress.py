@@ -1,48 +1,152 @@
-"""``submit --wait`` (and the demo): a progress bar until a job ends, and the exit code it ends with."""
+"""``submit --wait`` (and the demo): a progress line until a job ends, and the exit code it ends with.
+
+The line fits the console: where the fields do not fit, whole fields drop out, least useful first
+(the job id, then the elapsed time, the bar, tokens per second, the ETA, the rejected count); the
+numbers left are never cut. Progress counts and the state always stay.
+"""
 
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
 
-from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.cells import cell_len
+from rich.console import Console, ConsoleOptions, RenderResult
+from rich.live import Live
+from rich.progress_bar import ProgressBar
+from rich.table import Table
+from rich.text import Text
 
 from datagen.states import JobState
 
 if TYPE_CHECKING:
     from datagen.client import CoordinatorClient
 
-__all__ = ["EXIT_ALL_DONE", "EXIT_JOB_FAILED", "EXIT_SOME_FAILED", "wait_for_job"]
+__all__ = ["EXIT_ALL_DONE", "EXIT_JOB_FAILED", "EXIT_SOME_FAILED", "JobLine", "wait_for_job"]
 
 EXIT_ALL_DONE = 0
 EXIT_SOME_FAILED = 1
 EXIT_JOB_FAILED = 2
 WAIT_POLL_S = 1.0
+REFRESH_PER_S = 4
+BAR_MIN_WIDTH = 10
+BAR_MAX_WIDTH = 40
+JOB_ID_SHOWN = 12
+_ENDED = (JobState.COMPLETED, JobState.FAILED, JobState.CANCELLED)
+
+
+@dataclass(frozen=True)
+class _Field:
+    keep: int  # fields with the lowest value drop out first
+    text: str = ""
+    style: str = ""
+    detail: bool = False  # one of the " · "-joined details
+    bar: bool = False
+
+
+@dataclass
+class JobLine:
+    """One job's progress as one line that fits ``options.max_width`` (a rich renderable).
+
+    ``job`` is the coordinator's ``GET /jobs/{id}`` body (``None`` until the first poll);
+    ``started_s`` is a ``time.monotonic()`` reading, the start of the elapsed time shown.
+    """
+
+    job_id: str
+    job: dict[str, Any] | None = None
+    started_s: float = field(default_factory=time.monotonic)
+
+    def _fields(self) -> list[_Field]:
+        """Every field, in display order."""
+        job = self.job or {}
+        state = str(job.get("state", "waiting"))
+        finished = int(job.get("done", 0)) + int(job.get("failed", 0)) + int(job.get("cancelled", 0))
+        known_total = bool(job) and state != JobState.INGESTING
+        total = f"{job.get('total', 0)}" if known_total else "?"
+        fields = [
+            _Field(10, f"job {self.job_id[:JOB_ID_SHOWN]}", style="bold"),
+            _Field(30, bar=True),
+            _Field(100, f"{finished}/{total}"),
+            _Field(90, state, detail=True),
+            _Field(80, f"failed {job.get('failed', 0)}", detail=True),
+            _Field(70, f"rejected {job.get('rejected', 0)}", detail=True),
+            _Field(40, f"{float(job.get('tokens_per_s') or 0):.0f} tok/s", detail=True),
+        ]
+        if job.get("eta_s"):
+            fields.append(_Field(60, f"ETA {float(job['eta_s']):.0f}s", detail=True))
+        elapsed_s = int(time.monotonic() - self.started_s)
+        fields.append(_Field(20, str(timedelta(seconds=max(elapsed_s, 0)))))
+        return fields
+
+    def _fitting(self, max_width: int) -> tuple[list[_Field], int]:
+        """The fields that fit in ``max_width`` cells, and the bar's width (0: no bar)."""
+        kept = self._fields()
+        while True:
+            width = _width(kept)
+            if width <= max_width or len(kept) <= 2:
+                break
+            kept.remove(min(kept, key=lambda f: f.keep))
+        has_bar = any(f.bar for f in kept)
+        return kept, min(BAR_MAX_WIDTH, BAR_MIN_WIDTH + max_width - width) if has_bar else 0
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        kept, bar_width = self._fitting(options.max_width)
+        texts = [Text(" · ".join(f.text for f in group), style=group[0].style) for group in _groups(kept)]
+        if not bar_width:
+            # Plain text: where even the progress and the state do not fit, it wraps between words.
+            yield Text(" ").join(texts)
+            return
+        grid = Table.grid(padding=(0, 1))
+        cells: list[ProgressBar | Text] = []
+        for group, text in zip(_groups(kept), texts, strict=True):
+            grid.add_column(width=bar_width if group[0].bar else None, no_wrap=True)
+            cells.append(self._bar(bar_width) if group[0].bar else text)
+        grid.add_row(*cells)
+        yield grid
+
+    def _bar(self, width: int) -> ProgressBar:
+        job = self.job or {}
+        if not job or job.get("state") == JobState.INGESTING:
+            return ProgressBar(total=None, width=width)
+        finished = int(job.get("done", 0)) + int(job.get("failed", 0)) + int(job.get("cancelled", 0))
+        return ProgressBar(total=max(int(job.get("total", 0)), 1), completed=finished, width=width)
+
+
+def _groups(fields: list[_Field]) -> Iterator[list[_Field]]:
+    """Columns: each field alone, except consecutive details, which share one column."""
+    group: list[_Field] = []
+    for f in fields:
+        if f.detail and group and group[-1].detail:
+            group.append(f)
+            continue
+        if group:
+            yield group
+        group = [f]
+    if group:
+        yield group
+
+
+def _width(fields: list[_Field]) -> int:
+    """Cells the fields take on one line (the bar at its least), with their separators."""
+    groups = list(_groups(fields))
+    widths = [
+        BAR_MIN_WIDTH if group[0].bar else cell_len(" · ".join(f.text for f in group)) for group in groups
+    ]
+    return sum(widths) + len(widths) - 1
 
 
 def wait_for_job(client: CoordinatorClient, job_id: str, console: Console) -> int:
-    """Show a progress bar until the job ends; return the exit code of ``submit --wait``."""
-    columns = (
-        TextColumn("[bold]{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TextColumn("{task.fields[detail]}"),
-        TimeElapsedColumn(),
-    )
-    with Progress(*columns, console=console, transient=False) as progress:
-        task = progress.add_task(f"job {job_id[:12]}", total=None, detail="")
+    """Show a progress line until the job ends; return the exit code of ``submit --wait``."""
+    line = JobLine(job_id)
+    with Live(line, console=console, refresh_per_second=REFRESH_PER_S, transient=False) as live:
         while True:
             job = client.job(job_id)
-            total = job["total"] if job["state"] != JobState.INGESTING else None
-            detail = (
-                f"{job['state']} · failed {job['failed']} · rejected {job['rejected']} · "
-                f"{job['tokens_per_s']:.0f} tok/s"
-                + (f" · ETA {job['eta_s']:.0f}s" if job.get("eta_s") else "")
-            )
-            finished = job["done"] + job["failed"] + job.get("cancelled", 0)
-            progress.update(task, completed=finished, total=total, detail=detail)
-            if job["state"] in (JobState.COMPLETED, JobState.FAILED, JobState.CANCELLED):
+            line.job = job
+            live.refresh()
+            if job["state"] in _ENDED:
                 break
             time.sleep(WAIT_POLL_S)
     if job["state"] != JobState.COMPLETED:

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
-from pydantic import Field, SecretStr, ValidationError
+from pydantic import Field, SecretStr, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from datagen.errors import ConfigError
@@ -22,6 +22,7 @@ __all__ = [
     "CoordinatorSettings",
     "WorkerSettings",
     "check_environment",
+    "describe_invalid",
     "load",
 ]
 
@@ -35,6 +36,12 @@ DEFAULT_COORDINATOR_HOST = "127.0.0.1"
 DEFAULT_COORDINATOR_PORT = 8000
 DEFAULT_COORDINATOR_URL = "http://127.0.0.1:8000"
 DEFAULT_METRICS_PORT = 9400
+# Long-running processes wait this long for Redis and storage at startup (0 = forever).
+DEFAULT_STARTUP_TIMEOUT_S = 300.0
+# `datagen submit` waits this long for a worker to report a server (0 = not at all).
+DEFAULT_WAIT_FOR_SERVERS_S = 60.0
+DEFAULT_LOG_LEVEL = "INFO"
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 DEFAULT_SHORT_MAX_NEW_TOKENS = 2048
 DEFAULT_LONG_MAX_NEW_TOKENS = 16384
 DEFAULT_LONG_THRESHOLD_TOKENS = 4096
@@ -74,7 +81,18 @@ class CommonSettings(BaseSettings):
     redis_url: str | None = Field(default=None, description="redis:// or rediss:// URL")
     storage: str = DEFAULT_STORAGE
     namespace: str = Field(default=DEFAULT_NAMESPACE, pattern=r"^[A-Za-z0-9_]{1,32}$")
-    log_level: str = "INFO"
+    log_level: str = DEFAULT_LOG_LEVEL
+    startup_timeout_s: float = Field(
+        default=DEFAULT_STARTUP_TIMEOUT_S, ge=0, description="wait for Redis and storage; 0 = forever"
+    )
+
+    @field_validator("log_level")
+    @classmethod
+    def _known_level(cls, value: str) -> str:
+        level = value.strip().upper()
+        if level not in LOG_LEVELS:
+            raise ValueError(f"must be one of {', '.join(LOG_LEVELS)}")
+        return level
 
     def require_redis_url(self) -> str:
         if not self.redis_url:
@@ -171,6 +189,9 @@ def _add_keys(keys: dict[str, SecretStr], entries: list[str], where: str) -> Non
 class ClientSettings(CommonSettings):
     coordinator_url: str = DEFAULT_COORDINATOR_URL
     api_token: str | None = None
+    wait_for_servers_s: float = Field(
+        default=DEFAULT_WAIT_FOR_SERVERS_S, ge=0, description="submit: wait for a worker; 0 = no wait"
+    )
 
 
 _ALL_MODELS: tuple[type[BaseSettings], ...] = (CoordinatorSettings, WorkerSettings, ClientSettings)
@@ -197,4 +218,22 @@ def load(model: type[S], **overrides: object) -> S:
     try:
         return model(**given)
     except ValidationError as exc:
-        raise ConfigError(f"invalid settings: {exc}") from exc
+        raise ConfigError(f"invalid settings: {describe_invalid(exc, given)}") from exc
+
+
+# Values of these fields are never repeated in a message (a URL may carry a password).
+_SECRET_PARTS = ("key", "token", "url", "password")
+
+
+def describe_invalid(exc: ValidationError, flags: Mapping[str, object] | None = None) -> str:
+    """A validation error on one line: each field as its flag (when given as one) or its variable,
+    the value (unless it may be a secret) and what is wrong."""
+    problems = []
+    for error in exc.errors():
+        name = ".".join(str(part) for part in error.get("loc", ())) or "settings"
+        where = f"--{name.replace('_', '-')}" if name in (flags or {}) else ENV_PREFIX + name.upper()
+        value = error.get("input")
+        secret = any(part in name for part in _SECRET_PARTS)
+        shown = "" if secret or isinstance(value, dict) or value is None else f"={value!r}"
+        problems.append(f"{where}{shown}: {error.get('msg', 'invalid')}")
+    return "; ".join(problems)

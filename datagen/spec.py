@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from typing import Annotated, Any
 
 from pydantic import (
@@ -19,6 +20,8 @@ from pydantic import (
     field_validator,
 )
 
+from datagen.decontam import BUILTIN_SETS, DEFAULT_NGRAM, MIN_ITEM_WORDS
+from datagen.dedup import DEFAULT_NEAR_THRESHOLD, DedupMode
 from datagen.errors import InvalidSpecError
 from datagen.states import MultiTurnMode, Priority, PromptClass, SpecialTextPolicy
 
@@ -52,6 +55,8 @@ MAX_KWARGS_DEPTH = 16
 MAX_KWARGS_BYTES = 64 * 1024
 # Integers in the template variables stay within what JSON readers elsewhere hold exactly.
 MAX_KWARGS_INT = 2**63 - 1
+MAX_DECONTAM_SETS = 64
+MAX_DECONTAM_NGRAM = 64
 
 
 def _plain_text(value: str) -> str:
@@ -75,6 +80,18 @@ PathText = Annotated[
 NameText = Annotated[
     str, StringConstraints(strict=True, min_length=1, max_length=MAX_NAME_CHARS), AfterValidator(_plain_text)
 ]
+
+
+def _decontam_source(value: str) -> str:
+    if value in BUILTIN_SETS or os.path.isabs(value):
+        return value
+    raise ValueError(
+        f"{value!r} is neither a built-in set ({', '.join(sorted(BUILTIN_SETS))}) nor an absolute "
+        "path to a JSONL file on the coordinator"
+    )
+
+
+DecontamSource = Annotated[PathText, AfterValidator(_decontam_source)]
 
 
 def _kwargs_children(value: object, path: str) -> list[tuple[object, str]]:
@@ -211,6 +228,27 @@ class JobSpec(BaseModel):
     special_text: SpecialTextPolicy = Field(
         default=SpecialTextPolicy.WARN,
         description="rows whose content spells a special token's text: allow, warn (flag), reject",
+    )
+    dedup: DedupMode = Field(
+        default=DedupMode.EXACT,
+        description="drop repeated rows: off, exact (normalized prompt text), near (MinHash of user turns)",
+    )
+    dedup_threshold: StrictFloat = Field(
+        default=DEFAULT_NEAR_THRESHOLD,
+        gt=0.0,
+        lt=1.0,
+        description="near: Jaccard similarity of the user turns' word shingles that counts as a repeat",
+    )
+    decontaminate: list[DecontamSource] = Field(
+        default_factory=list,
+        max_length=MAX_DECONTAM_SETS,
+        description="benchmark sets to keep out: built-in names or absolute paths of JSONL files",
+    )
+    decontaminate_n: StrictInt = Field(
+        default=DEFAULT_NGRAM,
+        ge=MIN_ITEM_WORDS,
+        le=MAX_DECONTAM_NGRAM,
+        description="words in the n-grams a user turn must share with a benchmark prompt",
     )
 
     @field_validator("temperatures")

@@ -3,11 +3,14 @@ object store on multi-node setups).
 
 Layout (one folder per job under the root)::
 
+    datagen-namespace.json                      the Redis namespace that owns this root
     jobs/<job>/input/<upload>.jsonl             the dataset as uploaded
-    jobs/<job>/manifest.json                    provenance, written once
+    jobs/<job>/manifest.json                    provenance and incarnation, written once per incarnation
     jobs/<job>/records/<shard>.parquet          committed records
-    jobs/<job>/commits/<shard>.json             one per committed shard; a shard without it is not data
+    jobs/<job>/commits/<shard>.json             one per committed shard (with its incarnation); a shard
+                                                without it is not data
     jobs/<job>/rejected/<upload>-<line>.jsonl   rows of one ingestion chunk that could not become prompts
+    jobs/<job>/flagged/<upload>-<line>.jsonl    rows of one chunk accepted with a warning
 
 Objects are written whole, never appended to or renamed, so the same code serves an object store.
 A shard is committed by writing its Parquet object, then its commit object; readers trust commit
@@ -15,7 +18,7 @@ objects only. Records are therefore never half-visible, and a crash between the 
 an orphan shard that readers ignore. On a local directory each object is written to a temporary
 file, fsynced and renamed into place (`datagen._storage_files`).
 
-Rejected rows are one object per ingestion chunk, named by the upload and the chunk's first
+Rejected (and flagged) rows are one object per ingestion chunk, named by the upload and the chunk's first
 rejected line: a resumed ingestion rewrites the same object instead of appending a second copy,
 and readers merge the objects, one row per upload and line (with the ``rejected.jsonl`` that jobs
 stored before this layout have).
@@ -268,66 +271,51 @@ class Storage:
             ):
                 yield pq.read_metadata(fh)
 
-    # Rejected rows ------------------------------------------------------------------------------
+    # Rejected and flagged rows ------------------------------------------------------------------
     def write_rejected(self, job_id: str, input_name: str, rows: list[dict[str, Any]]) -> None:
         """One ingestion chunk's rejected rows (each with its ``line``) of upload ``input_name``."""
-        if not rows:
-            return
-        upload = input_name.removesuffix(INPUT_SUFFIX)
-        first = min(int(r["line"]) for r in rows)
-        path = self._path(job_id, "rejected", f"{_name(upload)}-{first:0{_LINE_DIGITS}d}.jsonl")
-        data = b"".join(json.dumps(r, ensure_ascii=False).encode("utf-8") + b"\n" for r in rows)
-        with _translated(f"cannot write {self._files.display(path)}"):
-            self._files.write(path, lambda fh: fh.write(data))
+        self._write_row_notes(job_id, "rejected", input_name, rows)
 
     def iter_rejected(self, job_id: str) -> Iterator[dict[str, Any]]:
         """Rejected rows, one per upload and line (a resumed chunk reports a row again), by upload
         (oldest first) and line. An unreadable entry comes out as ``{"line": None, "reason": ...}``."""
-        directory = self._path(job_id, "rejected")
+        return self._iter_row_notes(job_id, "rejected", legacy=LEGACY_REJECTED)
+
+    def write_flagged(self, job_id: str, input_name: str, rows: list[dict[str, Any]]) -> None:
+        """One ingestion chunk's flagged rows (accepted, with a warning such as special-token text,
+        each with its ``line``) of upload ``input_name``."""
+        self._write_row_notes(job_id, "flagged", input_name, rows)
+
+    def iter_flagged(self, job_id: str) -> Iterator[dict[str, Any]]:
+        """Flagged rows, ordered and merged as :meth:`iter_rejected`."""
+        return self._iter_row_notes(job_id, "flagged")
+
+    def _write_row_notes(self, job_id: str, folder: str, input_name: str, rows: list[dict[str, Any]]) -> None:
+        # Named by the upload and the chunk's first line: a resumed chunk rewrites its own object.
+        if not rows:
+            return
+        upload = input_name.removesuffix(INPUT_SUFFIX)
+        first = min(int(r["line"]) for r in rows)
+        path = self._path(job_id, folder, f"{_name(upload)}-{first:0{_LINE_DIGITS}d}.jsonl")
+        data = b"".join(json.dumps(r, ensure_ascii=False).encode("utf-8") + b"\n" for r in rows)
+        with _translated(f"cannot write {self._files.display(path)}"):
+            self._files.write(path, lambda fh: fh.write(data))
+
+    def _iter_row_notes(
+        self, job_id: str, folder: str, *, legacy: str | None = None
+    ) -> Iterator[dict[str, Any]]:
+        directory = self._path(job_id, folder)
         with _translated(f"cannot list {self._files.display(directory)}"):
             names = self._files.list_names(directory, ".jsonl")
         order = {
             n.removesuffix(INPUT_SUFFIX): i for i, n in enumerate(self.input_names(job_id) if names else [])
         }
         chunks = sorted(names, key=lambda n: (order.get(_upload_of(n), len(order)), n))
-        sources = [("", self._path(job_id, LEGACY_REJECTED))]
+        sources = [("", self._path(job_id, legacy))] if legacy else []
         sources += [(_upload_of(n), posixpath.join(directory, n)) for n in chunks]
         seen: set[tuple[str, int]] = set()
         for upload, path in sources:
             for row in self._read_rejected(path):
-                line = row.get("line")
-                if isinstance(line, int):
-                    if (upload, line) in seen:
-                        continue
-                    seen.add((upload, line))
-                yield row
-
-    # Flagged rows -------------------------------------------------------------------------------
-    def write_flagged(self, job_id: str, input_name: str, rows: list[dict[str, Any]]) -> None:
-        """One ingestion chunk's flagged rows (accepted, with a warning such as special-token text,
-        each with its ``line``) of upload ``input_name``, named like rejected rows' objects."""
-        if not rows:
-            return
-        upload = input_name.removesuffix(INPUT_SUFFIX)
-        first = min(int(r["line"]) for r in rows)
-        path = self._path(job_id, "flagged", f"{_name(upload)}-{first:0{_LINE_DIGITS}d}.jsonl")
-        data = b"".join(json.dumps(r, ensure_ascii=False).encode("utf-8") + b"\n" for r in rows)
-        with _translated(f"cannot write {self._files.display(path)}"):
-            self._files.write(path, lambda fh: fh.write(data))
-
-    def iter_flagged(self, job_id: str) -> Iterator[dict[str, Any]]:
-        """Flagged rows, one per upload and line (a resumed chunk flags a row again), by upload (oldest
-        first) and line. An unreadable entry comes out as ``{"line": None, "reason": ...}``."""
-        directory = self._path(job_id, "flagged")
-        with _translated(f"cannot list {self._files.display(directory)}"):
-            names = self._files.list_names(directory, ".jsonl")
-        if not names:
-            return
-        order = {n.removesuffix(INPUT_SUFFIX): i for i, n in enumerate(self.input_names(job_id))}
-        seen: set[tuple[str, int]] = set()
-        for name in sorted(names, key=lambda n: (order.get(_upload_of(n), len(order)), n)):
-            upload = _upload_of(name)
-            for row in self._read_rejected(posixpath.join(directory, name)):
                 line = row.get("line")
                 if isinstance(line, int):
                     if (upload, line) in seen:

@@ -1,10 +1,14 @@
-"""Writes examples/prompts.jsonl: ~300 varied, valid prompt rows for the demo and tests.
+"""Writes the demo dataset: ~300 varied, valid prompt rows for the demo and tests.
 
-Deterministic (fixed seed, no downloads): run `python examples/make_prompts.py` and the file comes out
-byte-identical. Mix: partitions math / code / chat / reasoning / multilingual / tools, mostly short
-prompts, ~10% long ones (pasted documents or code, a few thousand tokens; some marked "class": "long"),
-system prompts, ~10% multi-turn histories (some ending with an assistant turn to regenerate, some with
-reasoning in earlier turns), unicode, function tools, ShareGPT and plain `prompt` rows, a few without ids.
+The file ships inside the package as ``datagen/data/prompts.jsonl`` (so ``datagen demo`` works from
+any install); ``examples/prompts.jsonl`` is a symbolic link to it, for reading. This script is the
+source of both. Deterministic (fixed seed, no downloads): run `python examples/make_prompts.py` and
+the file comes out byte-identical.
+
+Mix: partitions math / code / chat / reasoning / multilingual / tools, mostly short prompts, ~10% long
+ones (pasted documents or code, a few thousand tokens; some marked "class": "long"), system prompts,
+~10% multi-turn histories (some ending with an assistant turn to regenerate, some with reasoning in
+earlier turns), unicode, function tools, ShareGPT and plain `prompt` rows, a few without ids.
 """
 
 from __future__ import annotations
@@ -18,7 +22,8 @@ from typing import Any
 from datagen.dataset import Prompt, iter_prompts
 
 SEED = 20251130
-OUTPUT = Path(__file__).resolve().parent / "prompts.jsonl"
+# The packaged copy; examples/prompts.jsonl links to it.
+OUTPUT = Path(__file__).resolve().parent.parent / "datagen" / "data" / "prompts.jsonl"
 N_MATH = 50
 N_CODE = 45
 N_CHAT = 52

@@ -3,6 +3,9 @@
 The first ``DRY_RUN_ROWS`` rows are parsed and rendered exactly as ingestion would; the rest of
 the upload is only counted, and totals are extrapolated from the sample by bytes.
 
+Contaminated and duplicate rows (``hygiene``: counts and examples, each beside the benchmark prompt
+or the row it repeats) are judged as ingestion judges a new job's rows: after every other check.
+
 Rows whose content spells special tokens as text are counted under ``special_text`` whatever the
 spec's policy, and are rejected, as ingestion would, when the policy is ``reject``.
 """
@@ -14,25 +17,28 @@ from typing import IO, Any
 
 from datagen.dataset import Prompt, RowError, iter_prompts
 from datagen.errors import InvalidRowError
+from datagen.hygiene import Hygiene, HygieneRow
 from datagen.spec import JobSpec
 from datagen.states import SpecialTextPolicy
 from datagen.tokenization import PromptRenderer, special_text_reason
+from service.rowids import RowId, repeated_lines, row_id
 
 __all__ = ["DRY_RUN_EXAMPLES", "DRY_RUN_ROWS", "dry_run"]
 
 DRY_RUN_ROWS = 1000
 DRY_RUN_EXAMPLES = 5
 COUNT_CHUNK_BYTES = 1024 * 1024
+# The upload name the dry run judges its sample under (every row is of this one upload).
+DRY_RUN_UPLOAD = "dry-run"
 
 
 def dry_run(
     spec: JobSpec, renderer: PromptRenderer, dataset: IO[bytes], context_len: int | None
 ) -> dict[str, Any]:
     sample, sampled_bytes, total_bytes = _split(dataset)
-    classes = {"short": 0, "long": 0}
+    hygiene = Hygiene.for_spec(spec)
     rejected: list[dict[str, Any]] = []
-    examples: list[dict[str, Any]] = []
-    prompt_tokens = prompts = 0
+    accepted: list[tuple[Prompt, list[int], str]] = []
     rows: set[int] = set()
     special: dict[int, list[str]] = {}  # line → the special tokens its content spells
     for item in iter_prompts(io.BytesIO(sample), multi_turn=spec.multi_turn):
@@ -48,22 +54,14 @@ def dry_run(
         if isinstance(result, dict):
             rejected.append(result)
             continue
-        ids, cls = result
         assert isinstance(item, Prompt)
-        prompts += 1
-        prompt_tokens += len(ids)
+        accepted.append((item, *result))
+    accepted, report = _judge(hygiene, accepted, rejected)
+    classes = {"short": 0, "long": 0}
+    for _, _, cls in accepted:
         classes[cls] += 1
-        if len(examples) < DRY_RUN_EXAMPLES:
-            examples.append(
-                {
-                    "line": item.line,
-                    "sample_id": item.sample_id,
-                    "turn": item.turn,
-                    "class": cls,
-                    "prompt_tokens": len(ids),
-                    "prompt": renderer.decode(ids, skip_special_tokens=False),
-                }
-            )
+    prompts = len(accepted)
+    prompt_tokens = sum(len(ids) for _, ids, _ in accepted)
     scale = total_bytes / sampled_bytes if sampled_bytes else 0.0
     return {
         "rows_sampled": len(rows),
@@ -71,12 +69,12 @@ def dry_run(
         "bytes_total": total_bytes,
         "prompts": prompts * spec.samples,
         "classes": {k: v * spec.samples for k, v in classes.items()},
-        "rejected": rejected,
+        "rejected": sorted(rejected, key=lambda r: r["line"]),
         "prompt_tokens_sampled": prompt_tokens * spec.samples,
         "estimated_rows": round(len(rows) * scale),
         "estimated_prompts": round(prompts * spec.samples * scale),
         "estimated_prompt_tokens": round(prompt_tokens * spec.samples * scale),
-        "examples": examples,
+        "examples": [_example(item, ids, cls, renderer) for item, ids, cls in accepted[:DRY_RUN_EXAMPLES]],
         "special_text": {
             "policy": spec.special_text.value,
             "rows": len(special),
@@ -84,6 +82,51 @@ def dry_run(
                 {"line": line, "tokens": tokens} for line, tokens in list(special.items())[:DRY_RUN_EXAMPLES]
             ],
         },
+        "hygiene": report,
+    }
+
+
+def _judge(
+    hygiene: Hygiene, accepted: list[tuple[Prompt, list[int], str]], rejected: list[dict[str, Any]]
+) -> tuple[list[tuple[Prompt, list[int], str]], dict[str, Any]]:
+    """Decontaminate and deduplicate the accepted rows as ingestion would (one row per line: its
+    last item holds the whole conversation); returns the rows kept and the dry run's summary."""
+    rows: dict[int, HygieneRow] = {}
+    ids: dict[int, RowId] = {}
+    for item, _, _ in accepted:
+        rows[item.line] = HygieneRow(item.line, item.messages, item.tools)
+        ids.setdefault(item.line, row_id(item))
+    repeats = frozenset(repeated_lines(ids, {}))  # the same id and content again: skipped
+    verdicts = hygiene.judge(list(rows.values()), DRY_RUN_UPLOAD, repeats=repeats) if hygiene.active else None
+    judged = verdicts.rejected if verdicts is not None else {}
+    rejected += [{"line": line, **fields} for line, fields in judged.items()]
+    report: dict[str, Any] = {
+        "dedup": hygiene.dedup.value,
+        "benchmark_prompts": len(hygiene.benchmarks) if hygiene.benchmarks is not None else 0,
+        "duplicates": sum(1 for f in judged.values() if f["hygiene"] == "duplicate"),
+        "contaminated": sum(1 for f in judged.values() if f["hygiene"] == "contaminated"),
+        "examples": [],
+    }
+    shown = {"duplicate": 0, "contaminated": 0}  # the first few of each kind
+    for line, fields in sorted(judged.items()):
+        if shown[fields["hygiene"]] >= DRY_RUN_EXAMPLES:
+            continue
+        shown[fields["hygiene"]] += 1
+        example = {"line": line, "text": rows[line].preview(), **fields}
+        if fields["hygiene"] == "duplicate":
+            example["kept_text"] = rows[fields["duplicate_of"]].preview()
+        report["examples"].append(example)
+    return [a for a in accepted if a[0].line not in judged], report
+
+
+def _example(item: Prompt, ids: list[int], cls: str, renderer: PromptRenderer) -> dict[str, Any]:
+    return {
+        "line": item.line,
+        "sample_id": item.sample_id,
+        "turn": item.turn,
+        "class": cls,
+        "prompt_tokens": len(ids),
+        "prompt": renderer.decode(ids, skip_special_tokens=False),
     }
 
 

@@ -5,6 +5,10 @@ Each chunk is enqueued in one MULTI/EXEC together with (a) the prompt keys added
 either the whole chunk or none of it; a resumed ingestion starts after the checkpoint, and the
 ``enqueued`` set (checked with SMISMEMBER before each chunk) keeps a resubmitted prompt from
 being enqueued twice, since RQ itself accepts a second enqueue of the same job id.
+
+Evaluation hygiene (`datagen.hygiene`) judges each chunk's rows last: contaminated rows and
+duplicates become rejected rows, and the kept rows' packed records are appended to the job's
+``seen`` keys in the same transaction (read back into memory whenever ingestion starts).
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
+import zlib
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -23,10 +28,12 @@ from rq import Queue
 from rq.serializers import JSONSerializer
 
 from datagen.dataset import Prompt, RowError, iter_prompts
+from datagen.dedup import DedupMode
 from datagen.dispatch import Dispatch
 from datagen.enqueue import EnqueueOptions, enqueue_prompts
 from datagen.errors import DatagenError, InvalidRowError, JobNotFoundError
 from datagen.fleet import fleet_context_len
+from datagen.hygiene import Hygiene, HygieneRow, Verdicts
 from datagen.jobs import JobStore
 from datagen.keys import Keys, prompt_key
 from datagen.payload import PromptPayload
@@ -36,7 +43,7 @@ from datagen.states import JobState, MultiTurnMode, PromptClass, SpecialTextPoli
 from datagen.storage import Storage
 from datagen.tokenization import PromptRenderer, renderer_for, special_text_reason
 from service.metrics import CoordinatorMetrics
-from service.rowids import RowId, check_row_ids, row_id
+from service.rowids import RowId, check_row_ids, repeated_lines, row_id
 
 __all__ = ["IngestOptions", "Ingestor"]
 
@@ -163,6 +170,7 @@ class Ingestor:
         input_name = source.name if isinstance(source, Path) else source
         if start_line:
             log.info("job %s: resuming ingestion of %s after line %d", job_id, input_name, start_line)
+        hygiene = self._hygiene(job_id, spec)
         chunk = _Chunk(input_name)
         with self._open(job_id, source) as stream:
             for item, conversation in self._items(stream, spec, start_line):
@@ -171,11 +179,19 @@ class Ingestor:
                     return
                 self._add(chunk, item, conversation, job_id, spec, renderer, context_len, incarnation)
                 if len(chunk.prompts) + len(chunk.rejected) >= self.options.chunk:
-                    self._flush(job_id, spec, chunk, stop, incarnation)
+                    self._flush(job_id, spec, chunk, stop, hygiene, incarnation)
                     chunk = _Chunk(input_name)
-        self._flush(job_id, spec, chunk, stop, incarnation)
+        self._flush(job_id, spec, chunk, stop, hygiene, incarnation)
         self.jobs.finish_ingest(job_id)
         log.info("job %s: ingestion finished", job_id)
+
+    def _hygiene(self, job_id: str, spec: JobSpec) -> Hygiene:
+        """The job's decontamination index, and the rows it kept so far (from Redis)."""
+        hygiene = Hygiene.for_spec(spec)
+        if hygiene.dedup is not DedupMode.OFF:
+            for records in self.jobs.seen_records(job_id):
+                hygiene.seen.load(records)
+        return hygiene
 
     def _open(self, job_id: str, source: str | Path) -> BinaryIO:
         if isinstance(source, Path):
@@ -287,12 +303,19 @@ class Ingestor:
             raise _Cancelled
 
     def _flush(
-        self, job_id: str, spec: JobSpec, chunk: _Chunk, stop: threading.Event, incarnation: str = ""
+        self,
+        job_id: str,
+        spec: JobSpec,
+        chunk: _Chunk,
+        stop: threading.Event,
+        hygiene: Hygiene,
+        incarnation: str = "",
     ) -> None:
         if chunk.rows == 0:
             return
         self._check_cancelled(job_id)
-        new_ids = self._check_ids(job_id, chunk)
+        new_ids, repeats = self._check_ids(job_id, chunk)
+        verdicts = self._judge(hygiene, chunk, repeats)
         members = [prompt_key(p.sample_id, p.turn, p.gen) for _, p in chunk.prompts]
         present = self.redis.smismember(self.keys.job_enqueued(job_id), members) if members else []
         fresh: list[tuple[Prompt, PromptPayload, str]] = []
@@ -317,7 +340,10 @@ class Ingestor:
         }
         fresh_payloads = [p for _, p, _ in fresh]
         self._wait_for_room(job_id, fresh_payloads, stop)
-        self._commit(job_id, spec, chunk, fresh_payloads, counts, new_ids, incarnation)
+        records = verdicts.record_bytes(hygiene.bands) if verdicts is not None else b""
+        self._commit(job_id, spec, chunk, fresh_payloads, counts, new_ids, records, incarnation)
+        if verdicts is not None:
+            hygiene.keep(verdicts)
         if self.metrics is not None:
             for outcome in ("accepted", "rejected", "skipped"):
                 self.metrics.ingested_rows.labels(outcome).inc(counts[outcome])
@@ -332,6 +358,7 @@ class Ingestor:
         fresh: list[PromptPayload],
         counts: dict[str, int],
         new_ids: dict[str, str],
+        seen: bytes,
         incarnation: str,
     ) -> None:
         """The chunk's enqueue, counters and checkpoint in one transaction, which lands only while
@@ -361,18 +388,23 @@ class Ingestor:
                     self.jobs.add_partition_labels(pipe, job_id, new_labels)
                     self.jobs.add_breakdown(pipe, job_id, self._breakdown(chunk, fresh, labels))
                     self.jobs.remember_rows(pipe, job_id, new_ids)
+                    # Any segment will do; spreading chunks keeps each key far below 512 MB.
+                    segment = zlib.crc32(f"{chunk.input_name}:{chunk.last_line}".encode())
+                    self.jobs.add_seen(pipe, job_id, segment, seen)
                     pipe.execute()
                     return
                 except WatchError:
                     continue  # the fence moved: the next pass sees why
 
-    def _check_ids(self, job_id: str, chunk: _Chunk) -> dict[str, str]:
+    def _check_ids(self, job_id: str, chunk: _Chunk) -> tuple[dict[str, str], set[int]]:
         """Reject rows that reuse an earlier row's id with other content; returns the ids this chunk
-        uses first, to remember (`service.rowids`)."""
+        uses first, to remember, and the lines that repeat an earlier upload's row (`service.rowids`)."""
         if not chunk.ids:
-            return {}
+            return {}, set()
         stored = self.jobs.first_rows(job_id, sorted({r.sample_key for r in chunk.ids.values()}))
-        new, refused = check_row_ids(chunk.ids, stored, upload=chunk.input_name.removesuffix(".jsonl"))
+        upload = chunk.input_name.removesuffix(".jsonl")
+        new, refused = check_row_ids(chunk.ids, stored, upload=upload)
+        repeats = repeated_lines(chunk.ids, stored)
         if refused:
             chunk.prompts = [(i, p) for i, p in chunk.prompts if i.line not in refused]
             chunk.flagged = [f for f in chunk.flagged if f["line"] not in refused]
@@ -381,7 +413,36 @@ class Ingestor:
                 for line, reason in refused.items()
             ]
             chunk.rejected.sort(key=lambda r: r["line"])
-        return new
+        return new, repeats
+
+    @staticmethod
+    def _judge(hygiene: Hygiene, chunk: _Chunk, repeats: set[int]) -> Verdicts | None:
+        """Decontaminate and deduplicate the chunk's rows (`datagen.hygiene`), after every other
+        check; rejected ones leave the chunk's prompts and flagged rows."""
+        if not hygiene.active:
+            return None
+        rows: dict[int, tuple[HygieneRow, Prompt]] = {}
+        for item, payload in chunk.prompts:
+            if item.line not in rows:
+                whole = payload.conversation  # multi-turn `all`: the whole conversation counts
+                messages = whole["messages"] if whole else item.messages
+                tools = whole["tools"] if whole else item.tools
+                rows[item.line] = (HygieneRow(item.line, messages, tools), item)
+        verdicts = hygiene.judge([r for r, _ in rows.values()], chunk.input_name, repeats=frozenset(repeats))
+        if verdicts.rejected:
+            chunk.prompts = [(i, p) for i, p in chunk.prompts if i.line not in verdicts.rejected]
+            chunk.flagged = [f for f in chunk.flagged if f["line"] not in verdicts.rejected]
+            chunk.rejected += [
+                {
+                    "line": line,
+                    "sample_id": rows[line][1].sample_id,
+                    "partition": rows[line][1].partition,
+                    **fields,
+                }
+                for line, fields in verdicts.rejected.items()
+            ]
+            chunk.rejected.sort(key=lambda r: r["line"])
+        return verdicts
 
     @staticmethod
     def _breakdown(

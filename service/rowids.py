@@ -2,6 +2,10 @@
 dropped (ids compare as text, so ``5`` and ``"5"`` are one id). An exact repeat is fine: its prompts
 are skipped as already enqueued.
 
+A row with the id and content of an earlier row is a *repeat* (`repeated_lines`; within an upload
+or a resubmission): its prompts are skipped as already enqueued, and content deduplication
+(`datagen.hygiene`) leaves it alone. Only the same content under another id is a duplicate.
+
 Each job remembers, per sample id, ``<content digest>:<line>:<upload>`` of the row that used it first
 (`JobStore.first_rows` / `remember_rows`), across every upload to the job.
 """
@@ -16,7 +20,7 @@ from dataclasses import dataclass
 from datagen.dataset import Prompt
 from datagen.keys import prompt_key
 
-__all__ = ["RowId", "check_row_ids", "row_id"]
+__all__ = ["RowId", "check_row_ids", "repeated_lines", "row_id"]
 
 DIGEST_CHARS = 16
 UPLOAD_TAG_CHARS = 8
@@ -65,3 +69,17 @@ def check_row_ids(
             'text: 5 and "5" are one id); give each row its own id'
         )
     return new, refused
+
+
+def repeated_lines(ids: Mapping[int, RowId], stored: Mapping[str, str]) -> set[int]:
+    """Lines that repeat, id and content, the row that used their id first (stored by an earlier
+    chunk or upload, or an earlier line of this chunk)."""
+    first = {key: entry.partition(":")[0] for key, entry in stored.items()}
+    repeats = set()
+    for line in sorted(ids):
+        row = ids[line]
+        if row.sample_key not in first:
+            first[row.sample_key] = row.digest
+        elif first[row.sample_key] == row.digest:
+            repeats.add(line)
+    return repeats

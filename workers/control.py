@@ -3,7 +3,8 @@
 - :class:`FleetSync` (every ``control_interval_s``): reads paused queues and servers and each
   server's shared in-flight factor, counts the live workers that list each server, applies
   that to the fleet's limits, and publishes this worker's view of each server (state, in flight,
-  limits) for the coordinator's ``GET /servers``. A pause is therefore seen within about a second.
+  limits, the address of the worker's own metrics) for the coordinator's ``GET /servers``. A pause
+  is therefore seen within about a second.
 - :class:`HealthProbe` (per server): ``/health`` with a timeout. Refused connections and 503 mark
   the server down at once; ``health_timeouts_to_down`` timeouts in a row do too (SGLang's probe
   runs a one-token generation and is slow under load). A probe never cancels in-flight work.
@@ -69,12 +70,15 @@ class FleetSync:
         worker_name: str,
         interval_s: float,
         shared_factor: bool,
+        metrics_address: str | None = None,
     ) -> None:
         self.redis = redis
         self.keys = keys
         self.fleet = fleet
         self.metrics = metrics
         self.worker_name = worker_name
+        # HOST:PORT of this worker's Prometheus metrics (None: off), shown in GET /servers.
+        self.metrics_address = metrics_address
         self.interval_s = interval_s
         self.shared_factor = shared_factor
         self.paused_classes: set[PromptClass] = set()
@@ -146,6 +150,7 @@ class FleetSync:
                     "context_len": server.context_len,
                     **server.model(),
                     "refused": server.refused,
+                    "metrics": self.metrics_address,
                     "seen_at_ms": now_ms(),
                 }
                 key = self.keys.server_workers(server.name)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 import os
 import secrets
@@ -27,9 +28,11 @@ import redis
 from prometheus_client import start_http_server
 
 from datagen.dispatch import Dispatch
+from datagen.errors import ConfigError
 from datagen.jobs import JobStore
 from datagen.keys import Keys
-from datagen.settings import WorkerSettings
+from datagen.settings import DEFAULT_METRICS_PORT, WorkerSettings
+from datagen.startup import claim_storage_async, connect_redis_async
 from datagen.states import PromptClass
 from datagen.storage import Storage
 from workers.admission import Admission, Slots
@@ -50,6 +53,9 @@ __all__ = ["Worker"]
 log = logging.getLogger(__name__)
 
 REDIS_SOCKET_TIMEOUT_S = 10.0
+# Without an explicit --metrics-port, a worker takes the first free port of this many from 9400.
+METRICS_PORTS_SCANNED = 64
+MAX_PORT = 65535
 
 
 class Worker:
@@ -76,14 +82,31 @@ class Worker:
         self._signals = 0
         self._background: list[asyncio.Task[None]] = []
         self._metrics_server: tuple[Any, Any] | None = None
+        # HOST:PORT of the metrics server once it serves (published in GET /servers).
+        self.metrics_address: str | None = None
 
     # Lifecycle ----------------------------------------------------------------------------------
     async def start(self) -> None:
-        """Connect, register the RQ identities, probe the servers, start the background loops."""
-        self.redis = redis.Redis.from_url(
-            self.settings.require_redis_url(), socket_timeout=REDIS_SOCKET_TIMEOUT_S, health_check_interval=30
+        """Serve metrics, wait for Redis and storage, register the RQ identities, probe the servers,
+        start the background loops."""
+        self._serve_metrics()
+        try:
+            await self._start()
+        except BaseException:
+            self._stop_metrics()
+            if hasattr(self, "redis"):
+                self.redis.close()
+            raise
+
+    async def _start(self) -> None:
+        timeout_s = self.settings.startup_timeout_s
+        self.redis = await connect_redis_async(
+            self.settings.require_redis_url(),
+            timeout_s,
+            socket_timeout=REDIS_SOCKET_TIMEOUT_S,
+            health_check_interval=30,
         )
-        self.storage.claim_namespace(self.settings.namespace)
+        await claim_storage_async(self.storage, self.settings.namespace, timeout_s)
         self.jobs = JobStore(self.redis, self.keys)
         self.dispatch = Dispatch(self.redis, self.keys)
         self.identities = {
@@ -108,6 +131,7 @@ class Worker:
             worker_name=self.name,
             interval_s=self.settings.control_interval_s,
             shared_factor=self.settings.kv_controller,
+            metrics_address=self.metrics_address,
         )
         self.sync.sync_once()
         self.writer = RecordWriter(
@@ -123,11 +147,53 @@ class Worker:
         self.admission = self._admission()
         self._start_loops(probes)
         log.info(
-            "worker %s started: servers up %s, queues %s",
+            "worker %s started: servers up %s, queues %s, metrics %s",
             self.name,
             [s.name for s in self.fleet.servers if s.up],
             [i.queue.name for i in self.identities.values()],
+            f"http://{self.metrics_address}/metrics" if self.metrics_address else "off",
         )
+
+    def _serve_metrics(self) -> None:
+        """Serve Prometheus metrics on the configured port. A port given explicitly (--metrics-port,
+        DATAGEN_METRICS_PORT) is that port or a one-line error; the default takes the next free one
+        of up to ``METRICS_PORTS_SCANNED`` (several workers per host), published in GET /servers."""
+        first = self.settings.metrics_port
+        if not first:
+            return
+        explicit = "metrics_port" in self.settings.model_fields_set
+        last = first if explicit else min(first + METRICS_PORTS_SCANNED - 1, MAX_PORT)
+        for port in range(first, last + 1):
+            try:
+                self._metrics_server = start_http_server(port, registry=self.metrics.registry)
+            except OSError as exc:
+                if exc.errno == errno.EADDRINUSE:
+                    continue
+                raise ConfigError(
+                    f"cannot serve metrics on port {port}: {exc}; choose another --metrics-port "
+                    "(DATAGEN_METRICS_PORT), or 0 for none"
+                ) from exc
+            self.metrics_address = f"{socket.gethostname()}:{port}"
+            if port != first:
+                log.info("metrics port %d is in use (another worker on this host?): using %d", first, port)
+            return
+        if explicit:
+            raise ConfigError(
+                f"metrics port {first} is in use (another worker on this host?): give each worker its own "
+                f"--metrics-port (DATAGEN_METRICS_PORT), or leave it unset to take the next free port "
+                f"from {DEFAULT_METRICS_PORT}"
+            )
+        raise ConfigError(
+            f"metrics ports {first}-{last} are all in use: set --metrics-port (DATAGEN_METRICS_PORT) to "
+            "a free port, or 0 for none"
+        )
+
+    def _stop_metrics(self) -> None:
+        if self._metrics_server is not None:
+            http_server, _thread = self._metrics_server
+            http_server.shutdown()
+            http_server.server_close()
+            self._metrics_server = None
 
     def _admission(self) -> Admission:
         """Wire the phases of a prompt: claim → run → record."""
@@ -182,10 +248,6 @@ class Worker:
         if self.settings.kv_controller:
             loops += [self._kv_control(server).run() for server in self.fleet.servers]
         self._background = [asyncio.create_task(loop) for loop in loops]
-        if self.settings.metrics_port:
-            self._metrics_server = start_http_server(
-                self.settings.metrics_port, registry=self.metrics.registry
-            )
         if self.install_signal_handlers:
             loop = asyncio.get_running_loop()
             for sig in (signal.SIGTERM, signal.SIGINT):
@@ -238,14 +300,15 @@ class Worker:
             log.error(
                 "could not commit %d records before exit; their prompts will run again", self.writer.pending
             )
-        with contextlib.suppress(redis.RedisError):
+        try:
             self.sync.withdraw()
-        for identity in self.identities.values():
-            identity.unregister()
+            for identity in self.identities.values():
+                identity.unregister()
+        except redis.RedisError as exc:
+            # The reaper hands this worker's prompts back once its heartbeat has lapsed.
+            log.warning("cannot deregister from Redis (%s); other workers will reap what is left", exc)
         await asyncio.gather(*(s.client.aclose() for s in self.fleet.servers))
-        if self._metrics_server is not None:
-            http_server, _thread = self._metrics_server
-            http_server.shutdown()
+        self._stop_metrics()
         self.redis.close()
         log.info("worker %s stopped", self.name)
 

@@ -75,8 +75,23 @@ def status(
             "" if usage is None else f"{usage:.0%}",
             "" if not kv else f"{kv.get('num_queue_reqs', 0):.0f}",
         )
-    for table in (jobs_table, queues_table, servers_table):
+    for table in (jobs_table, queues_table, servers_table, _workers_table(servers)):
         out.print(table)
+
+
+def _workers_table(servers: list[dict[str, Any]]) -> Table:
+    """The live workers, the servers each uses and where Prometheus scrapes it."""
+    workers: dict[str, tuple[list[str], str]] = {}
+    for server in servers:
+        for view in server.get("workers", []):
+            if view.get("stale"):
+                continue
+            names, _ = workers.setdefault(view["worker"], ([], view.get("metrics") or "off"))
+            names.append(server["name"])
+    table = Table("worker", "servers", "metrics", title="workers")
+    for name, (names, metrics) in sorted(workers.items()):
+        table.add_row(name, ", ".join(names), metrics)
+    return table
 
 
 QUEUE_NAMES = ("short", "long")

@@ -14,7 +14,8 @@ from datagen.cli._app import app, console
 def demo(
     data_dir: Annotated[Path, typer.Option(help="where records go")] = Path("./datagen-data"),
     dataset: Annotated[
-        Path | None, typer.Option(help="JSONL dataset (default: examples/prompts.jsonl)")
+        Path | None,
+        typer.Option(help="JSONL dataset (default: the ~300 packaged demo prompts, examples/prompts.jsonl)"),
     ] = None,
 ) -> None:
     """Run everything locally: private Redis, simulated SGLang, coordinator and worker."""

@@ -7,8 +7,12 @@ Each imports its process's package (service, workers, simulator) inside the func
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import errno
 import ipaddress
 import logging
+import socket
+from collections.abc import Iterator
 from typing import Annotated, Any
 
 import typer
@@ -16,7 +20,7 @@ from pydantic import ValidationError
 
 from datagen.cli._app import app
 from datagen.errors import ConfigError
-from datagen.settings import CoordinatorSettings, WorkerSettings, load
+from datagen.settings import CoordinatorSettings, WorkerSettings, describe_invalid, load
 
 # Libraries that log every request at INFO; our own one-line-per-prompt log is enough.
 _QUIET_LOGGERS = ("httpx", "rq.worker", "rq.queue")
@@ -44,25 +48,57 @@ def coordinator(
     redis_url: Annotated[str | None, typer.Option(help="DATAGEN_REDIS_URL")] = None,
     storage: Annotated[str | None, typer.Option(help="DATAGEN_STORAGE")] = None,
 ) -> None:
-    """Run the coordinator HTTP API."""
+    """Run the coordinator HTTP API (waits for Redis and storage at startup)."""
     import uvicorn
 
+    from datagen.startup import claim_storage, connect_redis
     from datagen.storage import Storage
     from service.app import create_app
 
     settings = load(CoordinatorSettings, host=host, port=port, redis_url=redis_url, storage=storage)
-    settings.require_redis_url()
+    redis_url = settings.require_redis_url()
     if not _loopback(settings.host) and not settings.api_token and not settings.allow_insecure_bind:
         raise ConfigError(
             f"refusing to listen on {settings.host} without DATAGEN_API_TOKEN; set a token, "
             "or DATAGEN_ALLOW_INSECURE_BIND=1 if a proxy in front does authentication"
         )
     _logging(settings.log_level)
-    # Before the server starts, so that a refusal is one line rather than a failed startup.
-    Storage(settings.storage).claim_namespace(settings.namespace)
-    uvicorn.run(
-        create_app(settings), host=settings.host, port=settings.port, log_level=settings.log_level.lower()
-    )
+    # The port first: a port in use is one line at once, not after the wait for Redis. Until the
+    # server starts, connections to it are refused.
+    with _listener(settings.host, settings.port, "--port (DATAGEN_PORT)") as sock:
+        # Before the server starts, so that a refusal is one line rather than a failed startup.
+        connect_redis(redis_url, settings.startup_timeout_s).close()
+        claim_storage(Storage(settings.storage), settings.namespace, settings.startup_timeout_s)
+        config = uvicorn.Config(
+            create_app(settings), host=settings.host, port=settings.port, log_level=settings.log_level.lower()
+        )
+        server = uvicorn.Server(config)
+        server.run(sockets=[sock])
+    if not server.started:
+        raise ConfigError("the coordinator did not start; its log above says why")
+
+
+@contextlib.contextmanager
+def _listener(host: str, port: int, option: str) -> Iterator[socket.socket]:
+    """A socket bound to ``host:port`` (uvicorn listens on it), or a `ConfigError` naming ``option``."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                raise ConfigError(
+                    f"port {port} on {host} is in use (is another one already running?); choose another "
+                    f"{option}, or stop the process that listens there"
+                ) from exc
+            raise ConfigError(
+                f"cannot listen on {host}:{port}: {exc.strerror or exc}; check {option}"
+            ) from exc
+        yield sock
+    finally:
+        sock.close()
 
 
 @app.command()
@@ -72,12 +108,16 @@ def worker(
     ] = None,
     short_concurrency: Annotated[int | None, typer.Option(help="in-flight short prompts per server")] = None,
     long_concurrency: Annotated[int | None, typer.Option(help="in-flight long prompts per server")] = None,
-    metrics_port: Annotated[int | None, typer.Option(help="Prometheus port, 0 = off (default 9400)")] = None,
+    metrics_port: Annotated[
+        int | None,
+        typer.Option(help="Prometheus port, 0 = off (default: the first free one from 9400)"),
+    ] = None,
     burst: Annotated[bool, typer.Option(help="exit when the queues are empty")] = False,
     redis_url: Annotated[str | None, typer.Option(help="DATAGEN_REDIS_URL")] = None,
     storage: Annotated[str | None, typer.Option(help="DATAGEN_STORAGE")] = None,
 ) -> None:
-    """Run a worker that sends queued prompts to SGLang servers and stores the records."""
+    """Run a worker that sends queued prompts to SGLang servers and stores the records (waits for
+    Redis and storage at startup)."""
     from workers.fleet import ServerSpec, with_api_keys
     from workers.worker import Worker
 
@@ -126,8 +166,10 @@ def sim(
     ] = None,
 ) -> None:
     """Run a simulated SGLang server (the real /generate contract, a simulated GPU)."""
+    import uvicorn
+
     from simulator.config import SimConfig
-    from simulator.server import run
+    from simulator.server import uvicorn_config
 
     given: dict[str, Any] = {
         "port": port,
@@ -148,5 +190,6 @@ def sim(
     try:
         config = SimConfig(**{k: v for k, v in given.items() if v is not None})
     except ValidationError as exc:
-        raise ConfigError(f"invalid simulator options: {exc}") from exc
-    run(config)
+        raise ConfigError(f"invalid simulator options: {describe_invalid(exc, given)}") from exc
+    with _listener(config.host, config.port, "--port") as sock:
+        uvicorn.Server(uvicorn_config(config)).run(sockets=[sock])

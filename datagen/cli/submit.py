@@ -83,14 +83,23 @@ def submit(
     dry_run: Annotated[
         bool, typer.Option(help="render a sample of rows and show them; enqueue nothing")
     ] = False,
+    wait_for_servers_s: Annotated[
+        float | None,
+        typer.Option(
+            help="wait this long for the coordinator and, without a context length, for a worker "
+            "to report a server (DATAGEN_WAIT_FOR_SERVERS_S, default 60; 0 = no wait)"
+        ),
+    ] = None,
 ) -> None:
     """Submit a dataset and print the job id.
 
-    With --wait: exit 0 when all prompts are done, 1 if some failed, 2 if the job failed.
+    A fleet that is still starting is waited for (--wait-for-servers-s). With --wait: exit 0 when
+    all prompts are done, 1 if some failed, 2 if the job failed.
     """
+    from datagen.cli._fleet_wait import submit_when_ready
     from datagen.client import CoordinatorClient
 
-    settings = load(ClientSettings, coordinator_url=coordinator)
+    settings = load(ClientSettings, coordinator_url=coordinator, wait_for_servers_s=wait_for_servers_s)
     spec = _spec_from_options(
         spec_file,
         tokenizer,
@@ -110,7 +119,15 @@ def submit(
         if dry_run:
             _print_dry_run(client.dry_run(dataset, spec))
             return
-        job = client.submit(dataset, spec, job_id)
+        job = submit_when_ready(
+            client,
+            settings.coordinator_url,
+            dataset,
+            spec,
+            job_id,
+            wait_s=settings.wait_for_servers_s,
+            console=console,
+        )
         typer.echo(job["id"])
         if wait:
             code = wait_for_job(client, job["id"], console)

@@ -22,9 +22,11 @@ One streaming pass over the committed records (one batch in memory, fixed-bin hi
   ``duplicate_keys``            warn    a key committed twice (at-least-once processing; exports keep the
                                         first)
   ``truncated``                 warn    ``length`` finishes
-  ``rejected_rows``             warn    dataset rows rejected at ingestion (``rejected.jsonl``)
+  ``rejected_rows``             warn    dataset rows rejected at ingestion (``jobs/<job>/rejected/``;
+                                        a job stored before that layout: ``rejected.jsonl``)
   ``flagged_rows``              warn    rows accepted with a warning (``special_text: warn``: content
-                                        that spells special tokens, encoded as their ids)
+                                        that spells special tokens, encoded as their ids;
+                                        ``jobs/<job>/flagged/``)
   ============================  ======  ================================================================
 
 Only the first record per key is counted and checked. The duplicate sets hold a 16-byte digest per
@@ -55,6 +57,10 @@ __all__ = ["Check", "CheckStatus", "JobReport", "build_report"]
 MAX_EXAMPLES = 5
 _COLUMNS = ["sample_id", "turn", "gen", "partition", "class", "input_ids", "prompt_len", "finish_type"]
 _DIGEST_BYTES = 16
+_HYGIENE_CLASSES = ("duplicate", "contaminated")
+# Where rows the checks count are stored (datagen.storage's layout), as the checks name them.
+_REJECTED_AT = "jobs/<job>/rejected/"
+_FLAGGED_AT = "jobs/<job>/flagged/"
 
 
 class CheckStatus(StrEnum):
@@ -114,10 +120,15 @@ def _checks(tokens: JobTokens) -> dict[str, Check]:
             ),
             Check("duplicate_keys", "no key committed twice (exports keep the first)", CheckStatus.WARN),
             Check("truncated", "records that hit max_new_tokens (finish length)", CheckStatus.WARN),
-            Check("rejected_rows", "dataset rows rejected at ingestion (rejected.jsonl)", CheckStatus.WARN),
+            Check(
+                "rejected_rows",
+                f"dataset rows rejected at ingestion (stored under {_REJECTED_AT})",
+                CheckStatus.WARN,
+            ),
             Check(
                 "flagged_rows",
-                "rows accepted whose content spells special tokens as text (encoded as their ids)",
+                "rows accepted whose content spells special tokens as text (encoded as their ids; "
+                f"stored under {_FLAGGED_AT})",
                 CheckStatus.WARN,
             ),
         )
@@ -136,6 +147,9 @@ class JobReport:
     prompt_lengths: LengthHistogram = field(default_factory=LengthHistogram)
     output_lengths: dict[str, LengthHistogram] = field(default_factory=dict)
     rejected_reasons: Counter[str] = field(default_factory=Counter)
+    # Rejected rows by class (duplicate, contaminated, other) and by (partition, class).
+    rejected_by_class: Counter[str] = field(default_factory=Counter)
+    rejected_by_partition: Counter[tuple[str, str]] = field(default_factory=Counter)
     checks: dict[str, Check] = field(default_factory=dict)
 
     @property
@@ -157,6 +171,11 @@ class JobReport:
             "prompt_lengths": self.prompt_lengths.to_json(),
             "output_lengths": {f: h.to_json() for f, h in sorted(self.output_lengths.items())},
             "rejected_reasons": dict(self.rejected_reasons.most_common(MAX_EXAMPLES)),
+            "rejected_by_class": dict(self.rejected_by_class),
+            "rejected_by_partition": {
+                p: {c: n for (q, c), n in self.rejected_by_partition.items() if q == p}
+                for p in sorted({q for q, _ in self.rejected_by_partition})
+            },
             "checks": [check.to_json() for check in self.checks.values()],
         }
 
@@ -258,8 +277,13 @@ def _read_rejected(storage: Storage, job_id: str, report: JobReport) -> None:
     check = report.checks["rejected_rows"]
     for row in storage.iter_rejected(job_id):
         reason = str(row.get("reason", ""))
-        # Group by the reason's kind: the text before details such as a column number.
-        report.rejected_reasons[reason.split(":")[0].split(" (")[0]] += 1
+        # Duplicates and contaminated rows (datagen.hygiene) are one class each; other reasons
+        # group by their kind: the text before details such as a column number.
+        hygiene = row.get("hygiene")
+        kind = hygiene if hygiene in _HYGIENE_CLASSES else "other"
+        report.rejected_reasons[str(hygiene) if kind != "other" else reason.split(":")[0].split(" (")[0]] += 1
+        report.rejected_by_class[kind] += 1
+        report.rejected_by_partition[(str(row.get("partition") or "unknown"), kind)] += 1
         check.flag(f"line {row.get('line')}: {reason}")
 
 

@@ -60,7 +60,8 @@ def submit_job_result(
 
 def get_job(stack: ProcessStack, job_id: str) -> dict[str, Any]:
     """``GET /jobs/{job_id}``."""
-    return httpx.get(f"{stack.coordinator}/jobs/{job_id}", timeout=HTTP_TIMEOUT_S).json()  # type: ignore[no-any-return]
+    job: dict[str, Any] = httpx.get(f"{stack.coordinator}/jobs/{job_id}", timeout=HTTP_TIMEOUT_S).json()
+    return job
 
 
 def job_records(stack: ProcessStack, job_id: str) -> list[dict[str, Any]]:

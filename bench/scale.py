@@ -1,0 +1,232 @@
+"""The control plane at fleet scale: K worker processes x M simulated servers against one Redis, and
+how many GPUs that Redis and one worker process can feed.
+
+M ``datagen sim`` child processes answer at ``--time-scale`` (0: as fast as the simulator's Python
+can), K ``datagen worker --burst`` child processes share them (each worker takes every server), and
+one job of N prompts is ingested into one private Redis, as the coordinator does (``Ingestor.run``).
+The workers' own log lines go to a temporary file.
+
+Printed, over the whole job (ingest, claims, finishes, idle polling while the last prompts end):
+
+- prompts/s: N over the wall time from the workers' start to the last worker's exit;
+- Redis commands per prompt, with the most frequent (``INFO commandstats`` difference: Lua's own
+  ``redis.call``s count, as they cost the same) and Redis CPU per prompt (``INFO cpu``
+  ``used_cpu_sys + used_cpu_user`` difference);
+- worker CPU per prompt (the worker processes' own user + system time, from ``wait4``, less the
+  start-up CPU of a burst worker that finds nothing to do);
+- idle cost: Redis commands per second issued by one worker with nothing queued, over ``--idle-s``;
+- the projection: for a GPU that generates T tokens/s at a mean output length L, one GPU finishes
+  T / L prompts/s; one Redis core (1 s of CPU per second) finishes 1 / (Redis CPU per prompt)
+  prompts/s, so it feeds that many / (T / L) GPUs; one worker process (one core) likewise. The
+  default rows: an 8B-class target near 20,000 output tokens/s per H200 and a 70B-class one near
+  3,000 (published serving figures; pass your own with ``--gpu``), each at 300-token answers and
+  2,000-token reasoning outputs.
+
+The figures are for this machine's cores, which the simulators, workers and Redis share: on two
+cores Redis CPU per prompt is inflated by contention, so the projection is conservative.
+
+Run: ``python bench/scale.py [--n 2000] [--workers 2] [--servers 2] [--time-scale 0] [--idle-s 10]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path
+
+import redis
+from _common import BENCH_JOB_ID, BENCH_NAMESPACE, SimProcess, job_spec, offline_hub, short_rows, write_jsonl
+from _load import ingest
+
+from datagen.jobs import JobStore
+from datagen.keys import Keys
+from datagen.redis_server import LocalRedis
+from datagen.settings import ENV_PREFIX
+from datagen.states import JobState
+from datagen.storage import Storage
+
+DEFAULT_N = 2000
+DEFAULT_WORKERS = 2
+DEFAULT_SERVERS = 2
+DEFAULT_IDLE_S = 10.0
+DEFAULT_MAX_NEW_TOKENS = 256
+WORKER_TIMEOUT_S = 900
+TOP_COMMANDS = 10
+# (label, output tokens/s per GPU): published serving figures for one H200.
+DEFAULT_GPUS = ("8B=20000", "70B=3000")
+OUTPUT_LENGTHS = (300, 2000)
+
+
+@dataclass(frozen=True)
+class Usage:
+    commands: Counter[str]
+    redis_cpu_s: float
+
+
+def usage(client: redis.Redis) -> Usage:
+    stats = client.info("commandstats")
+    cpu = client.info("cpu")
+    commands = Counter({name.removeprefix("cmdstat_"): int(v["calls"]) for name, v in stats.items()})
+    return Usage(commands, float(cpu["used_cpu_sys"]) + float(cpu["used_cpu_user"]))
+
+
+def delta(after: Usage, before: Usage) -> Usage:
+    commands = after.commands - before.commands
+    commands["info"] -= 2  # our own two INFO calls
+    return Usage(+commands, after.redis_cpu_s - before.redis_cpu_s)
+
+
+def worker_env(
+    redis_url: str, storage: Storage, servers: list[str], *, burst_poll_s: float
+) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(ENV_PREFIX)}
+    env.update(
+        {
+            "HF_HUB_OFFLINE": "1",
+            "DATAGEN_REDIS_URL": redis_url,
+            "DATAGEN_STORAGE": str(storage.root),
+            "DATAGEN_NAMESPACE": BENCH_NAMESPACE,
+            "DATAGEN_METRICS_PORT": "0",
+            "DATAGEN_SERVERS": ",".join(servers),
+            "DATAGEN_POLL_INTERVAL_S": str(burst_poll_s),
+        }
+    )
+    return env
+
+
+def run_workers(k: int, env: dict[str, str], log: Path) -> tuple[float, float]:
+    """K burst workers; returns (wall seconds, their summed CPU seconds)."""
+    command = [sys.executable, "-m", "datagen", "worker", "--burst"]
+    with open(log, "ab") as out:
+        started = time.perf_counter()
+        procs = [subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT) for _ in range(k)]
+        cpu_s = 0.0
+        deadline = time.monotonic() + WORKER_TIMEOUT_S
+        for proc in procs:
+            # wait4 gives the child's own resource usage, which Popen.wait() throws away.
+            _pid, status, rusage = os.wait4(proc.pid, 0)
+            proc.returncode = os.waitstatus_to_exitcode(status)
+            cpu_s += rusage.ru_utime + rusage.ru_stime
+            if proc.returncode != 0 or time.monotonic() > deadline:
+                raise SystemExit(f"a worker exited with {proc.returncode}; see {log}")
+        return time.perf_counter() - started, cpu_s
+
+
+def idle_commands_per_s(client: redis.Redis, env: dict[str, str], idle_s: float, log: Path) -> float:
+    """Redis commands per second of one long-running worker with nothing queued."""
+    command = [sys.executable, "-m", "datagen", "worker"]
+    with open(log, "ab") as out:
+        proc = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT)
+        try:
+            time.sleep(min(5.0, idle_s))  # start-up: probes, registration
+            before = usage(client)
+            time.sleep(idle_s)
+            spent = delta(usage(client), before)
+        finally:
+            proc.terminate()
+            proc.wait(timeout=30)
+    return sum(spent.commands.values()) / idle_s
+
+
+def projection(redis_cpu_ms: float, worker_cpu_ms: float, gpus: list[tuple[str, float]]) -> list[str]:
+    header = "  GPU class   tok/s/GPU  output len  prompts/s/GPU  GPUs one Redis core feeds"
+    lines = [header + "  GPUs one worker process feeds"]
+    for label, tokens_per_s in gpus:
+        for length in OUTPUT_LENGTHS:
+            per_gpu = tokens_per_s / length
+            redis_gpus = (1000 / redis_cpu_ms) / per_gpu if redis_cpu_ms > 0 else float("inf")
+            worker_gpus = (1000 / worker_cpu_ms) / per_gpu if worker_cpu_ms > 0 else float("inf")
+            lines.append(
+                f"  {label:<9} {tokens_per_s:>11,.0f} {length:>11} {per_gpu:>14.1f} "
+                f"{redis_gpus:>26,.0f} {worker_gpus:>31,.1f}"
+            )
+    return lines
+
+
+def parse_gpus(values: list[str]) -> list[tuple[str, float]]:
+    out = []
+    for value in values:
+        label, _, rate = value.partition("=")
+        out.append((label, float(rate)))
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--n", type=int, default=DEFAULT_N)
+    parser.add_argument("--workers", type=int, default=DEFAULT_WORKERS)
+    parser.add_argument("--servers", type=int, default=DEFAULT_SERVERS)
+    parser.add_argument("--time-scale", type=float, default=0.0)
+    parser.add_argument("--idle-s", type=float, default=DEFAULT_IDLE_S)
+    parser.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS)
+    parser.add_argument("--gpu", action="append", help="LABEL=TOKENS_PER_S (repeatable)")
+    args = parser.parse_args()
+    offline_hub()
+    gpus = parse_gpus(args.gpu or list(DEFAULT_GPUS))
+
+    with ExitStack() as stack, tempfile.TemporaryDirectory(prefix="scale-") as tmp_name:
+        tmp = Path(tmp_name)
+        redis_server = stack.enter_context(LocalRedis())
+        client = redis.Redis.from_url(redis_server.url)
+        sims = [SimProcess(time_scale=args.time_scale) for _ in range(args.servers)]
+        for sim in sims:
+            sim.start()
+            stack.callback(sim.stop)
+        servers = [f"s{i}={sim.url}" for i, sim in enumerate(sims)]
+        storage = Storage(tmp / "data")
+        rows_path = tmp / "prompts.jsonl"
+        write_jsonl(rows_path, short_rows(args.n))
+        log = tmp / "workers.log"
+        env = worker_env(redis_server.url, storage, servers, burst_poll_s=0.05)
+
+        # A burst worker with nothing to do: its CPU is the start-up (imports, tokenizer, probes) that
+        # every worker pays once, taken out of the per-prompt figure.
+        _wall, startup_cpu_s = run_workers(1, env, log)
+        before = usage(client)
+        ingest(client, storage, job_spec(short_max_new_tokens=args.max_new_tokens), rows_path, args.n)
+        ingested = usage(client)
+        wall_s, worker_cpu_s = run_workers(args.workers, env, log)
+        spent = delta(usage(client), before)
+        ingest_part = delta(ingested, before)
+        progress = JobStore(client, Keys(BENCH_NAMESPACE)).progress(BENCH_JOB_ID)
+        if progress.state is not JobState.COMPLETED or progress.done != args.n:
+            raise SystemExit(f"the job did not complete: {progress}; see {log}")
+        idle_per_s = idle_commands_per_s(client, env, args.idle_s, log)
+
+    n = args.n
+    commands = sum(spent.commands.values())
+    redis_ms = 1000 * spent.redis_cpu_s / n
+    worker_ms = 1000 * max(0.0, worker_cpu_s - args.workers * startup_cpu_s) / n
+    top = ", ".join(f"{name} {calls / n:.2f}" for name, calls in spent.commands.most_common(TOP_COMMANDS))
+    print(
+        f"scale: N={n} prompts, {args.workers} worker processes x {args.servers} simulated servers "
+        f"(time scale {args.time_scale}), one Redis; {os.cpu_count()} CPUs shared by all"
+    )
+    print(f"  whole run: {wall_s:.2f} s, {n / wall_s:,.0f} prompts/s (workers' start to the last exit)")
+    print(
+        f"  Redis: {commands / n:.1f} commands/prompt ({sum(ingest_part.commands.values()) / n:.1f} of them "
+        f"ingest), {redis_ms:.3f} ms CPU/prompt -> {1000 / redis_ms:,.0f} prompts/s per Redis core"
+    )
+    print(f"    top commands per prompt: {top}")
+    print(
+        f"  workers: {worker_ms:.2f} ms CPU/prompt (start-up of {startup_cpu_s:.1f} s CPU per process "
+        f"taken out) -> {1000 / worker_ms:,.0f} prompts/s per worker process core"
+    )
+    print(f"  idle worker: {idle_per_s:.1f} Redis commands/s with nothing queued")
+    print("  projection (prompts/s per GPU = tokens/s / output length):")
+    for line in projection(redis_ms, worker_ms, gpus):
+        print(line)
+    peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(f"  (this script's own peak memory: {peak_mib:.0f} MiB)")
+
+
+if __name__ == "__main__":
+    main()
