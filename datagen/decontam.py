@@ -33,6 +33,7 @@ import numpy as np
 
 from datagen.dedup import normalize_words
 from datagen.errors import InvalidSpecError
+from datagen.sources import SourceKind, resolve_source
 
 __all__ = [
     "BUILTIN_SETS",
@@ -196,7 +197,8 @@ def _open_set(source: str) -> tuple[str, Iterator[bytes]]:
                 "reinstall eagle3-datagen"
             ) from exc
         return source, iter(io.BytesIO(gzip.decompress(data) if gzipped else data))
-    path = Path(source)
+    # The file the allowlist check resolved (service/allowlist.py), by the same resolver.
+    path = Path(resolve_source(source, SourceKind.BENCHMARK).location)
     try:
         raw = path.read_bytes()
     except OSError as exc:

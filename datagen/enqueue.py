@@ -51,11 +51,15 @@ def enqueue_prompts(
     *,
     dispatch: Dispatch,
     priority: Priority,
+    guard: bool = True,
 ) -> None:
     """Add RQ jobs for ``payloads`` (not yet enqueued: the caller checked) to ``pipe``.
 
     The RQ jobs are saved as queued on their class's queue, but their ids wait in the job's
-    backlog until a worker's claim dispatches them (:mod:`datagen.dispatch`).
+    backlog until a worker's claim dispatches them (:mod:`datagen.dispatch`). ``guard=False`` leaves
+    the prompts out of the ``enqueued`` set: ingestion guards its rows by the job's rows hash
+    instead (one entry per row, written in the same transaction; `service.rowids`), which costs
+    Redis one entry per row rather than one more per prompt.
     """
     for cls, queue in queues.items():
         datas = [_job_data(keys, p, options) for p in payloads if p.cls is cls]
@@ -81,7 +85,7 @@ def enqueue_prompts(
             job.save(pipeline=pipe)
             ids.append(job.id)
         dispatch.add(pipe, job_id, cls, priority, ids)
-    if payloads:
+    if payloads and guard:
         pipe.sadd(keys.job_enqueued(job_id), *[prompt_key(p.sample_id, p.turn, p.gen) for p in payloads])
 
 

@@ -3,7 +3,7 @@
 The allowlist check (`service.allowlist`) and the loaders (`datagen.tokenization`) both call
 `resolve_source`, so the file that is checked is the file that is loaded. A name is resolved as:
 
-- a chat template: always a local file;
+- a chat template or a decontamination set's file: always a local file;
 - a tokenizer: a local directory when the name is written as a path (``/``, ``./``, ``../``,
   ``~``) or names something that exists relative to the working directory, else a Hugging Face
   hub id (``org/name``), which must be well-formed.
@@ -34,6 +34,7 @@ _PATH_PREFIXES = ("/", "./", "../", "~", ".\\")
 class SourceKind(StrEnum):
     TOKENIZER = "tokenizer"
     TEMPLATE = "chat template"
+    BENCHMARK = "decontamination set"
 
 
 @dataclass(frozen=True)
@@ -68,7 +69,7 @@ def local_path(name: str) -> str:
 def resolve_source(name: str, kind: SourceKind) -> ResolvedSource:
     """The one decision of what a spec's name loads; does not read the file or reach the hub."""
     _check_characters(name, kind)
-    if kind is SourceKind.TEMPLATE or name.startswith(_PATH_PREFIXES):
+    if kind is not SourceKind.TOKENIZER or name.startswith(_PATH_PREFIXES):
         return ResolvedSource(name, kind, path=local_path(name))
     if os.path.lexists(os.path.expanduser(name)):
         return ResolvedSource(name, kind, path=local_path(name))

@@ -1,4 +1,4 @@
-"""Which tokenizers and templates a job spec may name.
+"""Which tokenizers, templates and decontamination files a job spec may name.
 
 Loading a tokenizer reads files on the coordinator, and ``trust_remote_code`` runs code from
 them, so a client must not be able to point at arbitrary paths: the operator lists what may be
@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from datagen.decontam import BUILTIN_SETS
 from datagen.errors import InvalidSpecError
 from datagen.settings import CoordinatorSettings
 from datagen.sources import ResolvedSource, SourceKind, local_path, resolve_source
@@ -61,6 +62,14 @@ def check_allowed(spec: JobSpec, settings: CoordinatorSettings) -> None:
             f"chat template {spec.chat_template!r} is not allowed on this coordinator; an operator must "
             "add it (or its directory) to DATAGEN_TOKENIZER_ALLOWLIST"
         )
+    for source in spec.decontaminate:
+        # Rejected rows quote the matching benchmark text: an unchecked path would leak any file.
+        if source not in BUILTIN_SETS and not _allowed(resolve_source(source, SourceKind.BENCHMARK), entries):
+            raise InvalidSpecError(
+                f"decontamination set {source!r} is not allowed on this coordinator; use a built-in set "
+                f"({', '.join(sorted(BUILTIN_SETS))}) or ask an operator to add the file (or its directory) "
+                "to DATAGEN_TOKENIZER_ALLOWLIST"
+            )
     if spec.trust_remote_code and not settings.allow_trust_remote_code:
         raise InvalidSpecError(
             "trust_remote_code runs code from the tokenizer's repository on the coordinator and is off; "

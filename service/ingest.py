@@ -317,12 +317,13 @@ class Ingestor:
         new_ids, repeats = self._check_ids(job_id, chunk)
         verdicts = self._judge(hygiene, chunk, repeats)
         members = [prompt_key(p.sample_id, p.turn, p.gen) for _, p in chunk.prompts]
-        present = self.redis.smismember(self.keys.job_enqueued(job_id), members) if members else []
+        # A row enqueued before is in the rows hash (`repeats`: same id, same content). Jobs made
+        # before rows were remembered kept one guard entry per prompt in the enqueued set instead.
+        legacy = self.redis.smismember(self.keys.job_enqueued(job_id), members) if members else []
         fresh: list[tuple[Prompt, PromptPayload, str]] = []
         in_chunk: set[str] = set()
-        for (item, payload), member, seen in zip(chunk.prompts, members, present, strict=True):
-            # Earlier chunks are in Redis; the same id twice within this chunk is caught here.
-            if not seen and member not in in_chunk:
+        for (item, payload), member, enqueued in zip(chunk.prompts, members, legacy, strict=True):
+            if not enqueued and item.line not in repeats and member not in in_chunk:
                 in_chunk.add(member)
                 fresh.append((item, payload, member))
         if chunk.rejected:
@@ -383,6 +384,7 @@ class Ingestor:
                         self.options.enqueue,
                         dispatch=self.dispatch,
                         priority=spec.priority,
+                        guard=False,  # the rows hash, written below, guards them
                     )
                     self.jobs.add_ingest_counts(pipe, job_id, counts, chunk.last_line)
                     self.jobs.add_partition_labels(pipe, job_id, new_labels)

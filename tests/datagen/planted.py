@@ -97,6 +97,7 @@ def benchmark_prompts() -> list[str]:
 
 
 def write_benchmark(path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w", encoding="utf-8") as fh:
         for i, prompt in enumerate(benchmark_prompts()):
             fh.write(json.dumps({"id": f"B{i}", "prompt": prompt}) + "\n")

@@ -268,7 +268,7 @@ def test_no_record_missing_or_duplicated_and_rq_agrees(stack: dict[str, Any]) ->
         started += StartedJobRegistry(queue=queue).count
         queued += queue.count
     assert (finished, failed, started, queued) == (len(stack["valid"]), 0, 0, 0)
-    assert client.scard(namespace.job_enqueued(stack["job_id"])) == len(stack["valid"])
+    assert client.hlen(namespace.job_rows(stack["job_id"])) == len(stack["valid"])
     client.close()
 
 

@@ -54,7 +54,7 @@ def _counter(stack: FaultStack, job_id: str, name: str) -> int:
 
 
 def _check_consistent(stack: FaultStack, job_id: str) -> dict[str, Any]:
-    """Backlog, counters and guard set agree (read in one transaction); returns what was read.
+    """Backlog, counters and the rows guard agree (read in one transaction); returns what was read.
 
     Enqueued prompts wait in the job's backlog (datagen/dispatch.py) until a worker claims them.
     """
@@ -63,7 +63,7 @@ def _check_consistent(stack: FaultStack, job_id: str) -> dict[str, Any]:
         pipe.hgetall(stack.keys.job(job_id))
         pipe.lrange(short, 0, -1)
         pipe.llen(long)
-        pipe.scard(stack.keys.job_enqueued(job_id))
+        pipe.hlen(stack.keys.job_rows(job_id))  # the guard: one entry per enqueued row
         raw_job, raw_ids, long_count, enqueued = pipe.execute()
     job = {k.decode(): v.decode() for k, v in raw_job.items()}
     ids = [i.decode() for i in raw_ids]

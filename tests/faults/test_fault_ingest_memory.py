@@ -11,11 +11,12 @@ prompts/s on 2 cores, and 20,000 vs 100,000 prompts at 2,000/s would take about 
 suite's budget: hence 10k vs 50k.)
 
 Measured per size: the coordinator's peak RSS (``VmHWM`` in ``/proc/<pid>/status``), Redis's
-``used_memory_peak``, the time and rate of the ingestion, and the size of the job's ``enqueued``
-guard set, which by design keeps one member per prompt (about 60-90 bytes each) so that a prompt
-is never enqueued twice. Bounds: 40,000 more prompts may add at most 16 MiB of coordinator RSS
-(a coordinator that held the dataset would add about 60 MiB) and 120 bytes a prompt in Redis
-(the guard set; a queue without the window would add about 1 KiB a prompt).
+``used_memory_peak``, the time and rate of the ingestion, and the size of the job's rows guard
+(``{ns}:job:<id>:rows``), which by design keeps one entry per row (about 60-100 bytes each) so that a
+prompt is never enqueued twice and an id is never reused with other content. Bounds: 40,000 more
+prompts may add at most 16 MiB of coordinator RSS (a coordinator that held the dataset would add
+about 60 MiB) and 120 bytes a prompt in Redis (the rows guard and the dedup state; a queue without the
+window would add about 1 KiB a prompt).
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ class Run:
         return (
             f"  {self.prompts:>7} prompts: {self.seconds:5.1f} s ({self.prompts / self.seconds:5.0f}/s), "
             f"coordinator peak RSS {self.coordinator_rss_peak / 2**20:6.1f} MiB, Redis peak "
-            f"{self.redis_peak / 2**20:5.1f} MiB (guard set {self.guard_set_bytes / 2**20:4.1f} MiB), "
+            f"{self.redis_peak / 2**20:5.1f} MiB (rows guard {self.guard_set_bytes / 2**20:4.1f} MiB), "
             f"queue peak {self.queue_peak}"
         )
 
@@ -128,7 +129,7 @@ def _ingest(make_stack: Callable[..., FaultStack], prompts: int) -> Run:
         seconds,
         _peak_rss_bytes(coordinator.pid),
         int(stack.redis.info("memory")["used_memory_peak"]),
-        int(stack.redis.memory_usage(stack.keys.job_enqueued(job_id)) or 0),
+        int(stack.redis.memory_usage(stack.keys.job_rows(job_id)) or 0),
         drainer.queue_peak,
     )
     stack.stop()
@@ -146,7 +147,7 @@ def test_coordinator_and_redis_memory_stay_flat_from_10k_to_50k_prompts(
     print(f"\n[case 10: ingestion memory, window {WINDOW}]", small.line(), large.line(), sep="\n")
     print(
         f"  growth for {extra} more prompts: coordinator {rss_growth / 2**20:+.1f} MiB, Redis "
-        f"{redis_growth / 2**20:+.1f} MiB ({redis_growth / extra:.0f} B a prompt; guard set "
+        f"{redis_growth / 2**20:+.1f} MiB ({redis_growth / extra:.0f} B a prompt; rows guard "
         f"{(large.guard_set_bytes - small.guard_set_bytes) / extra:.0f} B a prompt)"
     )
     # The queue filled up to the window (so ingestion waited for room) and never past it.

@@ -22,7 +22,13 @@ NS = "t"
 
 @pytest.fixture
 def settings(redis_url: str, tmp_path: Path) -> CoordinatorSettings:
-    return CoordinatorSettings(redis_url=redis_url, storage=str(tmp_path / "store"), namespace=NS)
+    # Benchmark files are read from tmp_path: the operator's allowlist must name it.
+    return CoordinatorSettings(
+        redis_url=redis_url,
+        storage=str(tmp_path / "store"),
+        namespace=NS,
+        tokenizer_allowlist=str(tmp_path / "benchmarks"),
+    )
 
 
 @pytest.fixture
@@ -54,7 +60,7 @@ def _row(sample_id: str, text: str) -> dict[str, Any]:
 def test_planted_near_duplicates_and_contaminated_rows_are_rejected(
     client: TestClient, tmp_path: Path
 ) -> None:
-    benchmark = tmp_path / "bench.jsonl"
+    benchmark = tmp_path / "benchmarks" / "bench.jsonl"
     write_benchmark(benchmark)
     spec = {"dedup": "near", "decontaminate": [str(benchmark)]}
     _post(client, planted_rows(), "planted", **spec)
@@ -122,7 +128,7 @@ def test_builtin_humaneval_set_is_matched(client: TestClient) -> None:
 
 
 def test_dry_run_reports_what_ingestion_rejects(client: TestClient, tmp_path: Path) -> None:
-    benchmark = tmp_path / "bench.jsonl"
+    benchmark = tmp_path / "benchmarks" / "bench.jsonl"
     write_benchmark(benchmark)
     rows = planted_rows()
     spec = json.dumps(make_spec(dedup="near", decontaminate=[str(benchmark)]))
@@ -148,6 +154,22 @@ def test_a_relative_decontamination_path_is_refused(client: TestClient) -> None:
     response = client.post("/jobs", data=data, files=files)
     assert response.status_code == 400
     assert "built-in set (humaneval)" in response.json()["error"]
+
+
+def test_a_decontamination_file_outside_the_allowlist_is_refused_unread(
+    client: TestClient, tmp_path: Path
+) -> None:
+    secret = tmp_path / "secret.jsonl"
+    secret.write_text(
+        json.dumps({"prompt": "the launch code is 0000 and must never leave this host ok"}) + "\n"
+    )
+    files = {"dataset": ("d.jsonl", _body([_row("a", "the launch code is 0000")]), "application/jsonl")}
+    for route in ("/jobs", "/jobs/dry-run"):
+        data = {"spec": json.dumps(make_spec(decontaminate=[str(secret)]))}
+        response = client.post(route, data=data, files=files)
+        assert response.status_code == 400, response.text
+        assert "is not allowed on this coordinator" in response.json()["error"]
+        assert "launch code" not in response.text
 
 
 def test_report_counts_rejected_rows_by_class_and_partition(
