@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from datagen.errors import ConfigError, DatagenError, PreflightError
+from datagen.errors import ConfigError, DatagenError, NoServersYetError, PreflightError
 
 if TYPE_CHECKING:
     from datagen.spec import JobSpec
@@ -188,7 +188,7 @@ def require_context_len(spec: JobSpec, servers: Servers) -> int:
         return spec.context_len
     smallest = _smallest_context_len(servers.values())
     if smallest is None:
-        raise PreflightError(
+        raise NoServersYetError(
             "the context length is unknown: no live worker has reported a server's context length and "
             "the spec has no context_len. Start a worker (datagen worker --server NAME=URL) and submit "
             "again, or set context_len in the spec"

@@ -65,12 +65,13 @@ class _Backoff:
     def failed(self, exc: RetryableError) -> float:
         """Seconds to wait before the next try; `ConfigError` once the time is up."""
         self.tries += 1
-        if self.deadline is not None and time.monotonic() + self.delay_s > self.deadline:
+        now = time.monotonic()
+        if self.deadline is not None and now >= self.deadline:
             raise ConfigError(
                 f"{self.what} is still unavailable after {self.timeout_s:g} s ({exc}); {self.fix} "
                 f"({TIMEOUT_HINT})"
             ) from exc
-        delay_s = self.delay_s
+        delay_s = self.delay_s if self.deadline is None else min(self.delay_s, self.deadline - now)
         log.warning("waiting for %s: %s (try %d; next in %.1f s)", self.what, exc, self.tries, delay_s)
         self.delay_s = min(self.delay_s * 2, RETRY_MAX_S)
         return delay_s

@@ -1,6 +1,8 @@
 """The ``datagen`` command line: one Typer app, one module per command group.
 
-- ``_app``: the app, the shared console, exit codes and ``main()`` (the console script)
+- ``_app``: the app, the shared console, exit codes, ``--debug`` and ``main()`` (the console
+  script), which turns every failure a user can meet into one ``error:`` line
+- ``_fleet_wait``: ``submit``'s wait for a coordinator and workers that are still starting
 - ``serve``: the long-lived processes: ``coordinator``, ``worker``, ``sim``
 - ``submit``: ``spec`` and ``submit``
 - ``control``: watch and steer jobs: ``status``, ``pause``, ``resume``, ``cancel``, ``retry``, ``delete``

@@ -24,7 +24,8 @@ NS = "pre"
 
 @pytest.fixture
 def stack(tmp_path: Path) -> Iterator[ProcessStack]:
-    env = {"DATAGEN_TOKENIZER_ALLOWLIST": str(tmp_path), "COLUMNS": "200"}
+    # No wait for servers: these tests check the refusal itself, not submit's patience.
+    env = {"DATAGEN_TOKENIZER_ALLOWLIST": str(tmp_path), "COLUMNS": "200", "DATAGEN_WAIT_FOR_SERVERS_S": "0"}
     with coordinator_stack(tmp_path, NS, env) as stack:
         stack.sim_url = stack.spawn_sim("sim")  # type: ignore[attr-defined]
         yield stack
@@ -54,7 +55,7 @@ def _refused_with_409(stack: Any, *, tokenizer: str | None = None, **fields: Any
             files={"dataset": ("d.jsonl", fh, "application/jsonl")},
             timeout=60,
         )
-    return response.status_code == 409 and response.json()["type"] == "PreflightError"
+    return response.status_code == 409 and response.json()["type"] in ("PreflightError", "NoServersYetError")
 
 
 def _submit(stack: Any, *, tokenizer: str | None = None, **fields: Any) -> tuple[int, str]:
