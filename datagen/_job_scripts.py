@@ -9,6 +9,7 @@ __all__ = [
     "COUNT_CANCELLED_QUEUED",
     "FORGET_REPORTS",
     "RELEASE",
+    "SET_IF_EXISTS",
     "REQUEUE_FAILED",
     "TRANSITION",
 ]
@@ -137,4 +138,10 @@ local function count_cancelled_queued(jobkey, breakdown, cls, n)
   redis.call('HINCRBY', jobkey, 'cancelled', n)
   redis.call('HINCRBY', breakdown, 'cancelled|unknown|' .. cls, n)
 end
+"""
+
+# KEYS: a hash. ARGV: field, value. Sets the field only if the hash exists (never creates it).
+SET_IF_EXISTS = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+return redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
 """

@@ -79,6 +79,7 @@ class JobStore:
         self._requeue = redis.register_script(scripts.REQUEUE_FAILED)
         self._release = redis.register_script(scripts.RELEASE)
         self._forget = redis.register_script(scripts.FORGET_REPORTS)
+        self._set_if_exists = redis.register_script(scripts.SET_IF_EXISTS)
 
     # Creation and lookup ------------------------------------------------------------------------
     def create(
@@ -309,7 +310,9 @@ class JobStore:
         if error is None:
             self.redis.hdel(key, "storage_error")
         else:
-            self.redis.hset(key, "storage_error", f"{error} (since {now_ms()} ms)")
+            # Only on a job that exists: a commit that failed because the job was deleted under it
+            # must not bring the job's hash back.
+            self._set_if_exists(keys=[key], args=["storage_error", f"{error} (since {now_ms()} ms)"])
 
     def fail(self, job_id: str, error: str) -> bool:
         """Ingestion failed: an ingesting job fails. A job cancelled or deleted meanwhile is left

@@ -56,6 +56,14 @@ weight_version: null
 vocab_size: null
 # Rows whose content spells a special token's text (e.g. "<｜User｜>"): allow, warn (flag) or reject.
 special_text: warn
+# Drop repeated rows before any GPU time: off, exact (normalized prompt text) or near (MinHash of
+# the user turns; near counts rows whose word-shingle similarity is at least dedup_threshold).
+dedup: exact
+dedup_threshold: 0.5
+# Benchmark sets to keep out of the data: built-in names (humaneval) or absolute paths of JSONL files
+# under DATAGEN_TOKENIZER_ALLOWLIST; a row sharing a run of decontaminate_n words with one is rejected.
+decontaminate: []
+decontaminate_n: 13
 """
 
 
