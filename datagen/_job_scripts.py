@@ -9,8 +9,8 @@ __all__ = [
     "COUNT_CANCELLED_QUEUED",
     "FORGET_REPORTS",
     "RELEASE",
-    "SET_IF_EXISTS",
     "REQUEUE_FAILED",
+    "SET_IF_EXISTS",
     "TRANSITION",
 ]
 

@@ -10,22 +10,21 @@ The job turns ``completed`` in the same script that counts its last prompt.
 from __future__ import annotations
 
 import json
-import secrets
 import uuid
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterator
 from typing import Any, cast
 
 from redis import Redis
 from redis.client import Pipeline
 
 from datagen import _job_scripts as scripts
+from datagen._job_outcomes import COUNT_STATES, FAILED_REPORTS_CAP, JobOutcomes, RequeueItem
 from datagen.errors import JobNotFoundError, JobStateError
 from datagen.job_progress import INT_FIELDS, JobProgress, now_ms
 from datagen.keys import SEEN_SEGMENTS, Keys
 from datagen.redistext import as_text, as_texts
 from datagen.spec import JobSpec
-from datagen.states import JobState, PromptClass
+from datagen.states import JobState
 
 __all__ = [
     "FAILED_REPORTS_CAP",
@@ -36,9 +35,6 @@ __all__ = [
     "now_ms",
 ]
 
-FAILED_REPORTS_CAP = 10_000
-
-_COUNT_STATES = (JobState.RUNNING.value, JobState.COMPLETED.value)
 
 # Partitions beyond this many per job are counted under the label "other" (bounded label sets).
 MAX_PARTITION_LABELS = 20
@@ -47,30 +43,12 @@ OTHER_PARTITION = "other"
 
 # The dispatch scripts count cancelled prompts by this shared rule too.
 LUA_COUNT_CANCELLED_QUEUED = scripts.COUNT_CANCELLED_QUEUED
-UNKNOWN_PARTITION = "unknown"
 
 # Seen records are read back in pieces of this size (a Redis reply stays small).
 SEEN_READ_BYTES = 8 * 1024 * 1024
 
-# How long a retry may hold the job's retry lock; a crashed coordinator's lock expires by itself.
-RETRY_LOCK_TTL_MS = 120_000
-# RQ ids per call of the report-forgetting script (Lua's stack limits ARGV).
-RETRY_FORGET_SLICE = 5000
 
-
-@dataclass(frozen=True)
-class RequeueItem:
-    """One failed prompt to put back: its RQ id, new RQ meta (serialized), worker-loss budget to
-    restore (None: keep), and where it counts (partition label, class)."""
-
-    rq_id: str
-    meta: bytes
-    retries_left: int | None
-    label: str
-    cls: str
-
-
-class JobStore:
+class JobStore(JobOutcomes):
     def __init__(self, redis: Redis, keys: Keys) -> None:
         self.redis = redis
         self.keys = keys
@@ -261,7 +239,7 @@ class JobStore:
             self.transition(job_id, (JobState.INGESTING,), JobState.RUNNING, pipe=pipe, fence="drop")
             self._count_script(
                 keys=self._count_keys(job_id),
-                args=["done", 0, 0, now_ms(), "", "", 0, "", "", "", "", *_COUNT_STATES],
+                args=["done", 0, 0, now_ms(), "", "", 0, "", "", "", "", *COUNT_STATES],
                 client=pipe,
             )
             pipe.execute()
@@ -320,141 +298,6 @@ class JobStore:
         fields: dict[str, str | int] = {"error": error, "finished_at_ms": now_ms()}
         return self.transition(job_id, (JobState.INGESTING,), JobState.FAILED, fields, fence="drop")
 
-    # Workers ------------------------------------------------------------------------------------
-    # A set of RQ ids rather than a counter: a prompt that is handed back or reaped and then
-    # started again must not be counted twice.
-    def started(self, job_id: str, rq_id: str) -> None:
-        self.redis.sadd(self.keys.job_running(job_id), rq_id)
-
-    def handed_back(self, pipe: Pipeline, job_id: str, rq_id: str) -> None:
-        pipe.srem(self.keys.job_running(job_id), rq_id)
-
-    def _count_keys(self, job_id: str) -> list[str]:
-        k = self.keys
-        return [
-            k.job(job_id),
-            k.job_running(job_id),
-            k.job_failed(job_id),
-            k.job_breakdown(job_id),
-            k.job_partitions(job_id),
-        ]
-
-    def count_done(
-        self,
-        pipe: Pipeline,
-        job_id: str,
-        rq_id: str,
-        output_tokens: int,
-        *,
-        partition: str,
-        cls: str,
-        finish: str = "",
-        incarnation: str = "",
-    ) -> None:
-        args: list[str | int] = [
-            "done",
-            1,
-            output_tokens,
-            now_ms(),
-            rq_id,
-            "",
-            0,
-            partition,
-            cls,
-            finish,
-            incarnation,
-        ]
-        self._count_script(keys=self._count_keys(job_id), args=[*args, *_COUNT_STATES], client=pipe)
-
-    def count_failed(
-        self,
-        pipe: Pipeline,
-        job_id: str,
-        rq_id: str,
-        report: dict[str, Any],
-        *,
-        partition: str,
-        cls: str,
-        incarnation: str = "",
-    ) -> None:
-        report_json = json.dumps(report, sort_keys=True)
-        args: list[str | int] = [
-            "failed",
-            1,
-            0,
-            now_ms(),
-            rq_id,
-            report_json,
-            FAILED_REPORTS_CAP,
-            partition,
-            cls,
-            "",
-            incarnation,
-        ]
-        self._count_script(keys=self._count_keys(job_id), args=[*args, *_COUNT_STATES], client=pipe)
-
-    def count_cancelled_queued(self, pipe: Pipeline, job_id: str, cls: PromptClass, n: int) -> None:
-        """Prompts of a cancelled job dropped before they ran (see scripts.COUNT_CANCELLED_QUEUED)."""
-        pipe.hincrby(self.keys.job(job_id), "cancelled", n)
-        pipe.hincrby(self.keys.job_breakdown(job_id), f"cancelled|{UNKNOWN_PARTITION}|{cls.value}", n)
-
-    def count_cancelled(
-        self, pipe: Pipeline, job_id: str, rq_id: str, *, partition: str, cls: str, incarnation: str = ""
-    ) -> None:
-        """An in-flight prompt of a cancelled job that a worker aborted."""
-        args: list[str | int] = ["cancelled", 1, 0, now_ms(), rq_id, "", 0, partition, cls, "", incarnation]
-        self._count_script(keys=self._count_keys(job_id), args=[*args, *_COUNT_STATES], client=pipe)
-
-    # Retry ---------------------------------------------------------------------------------------
-    def acquire_retry(self, job_id: str) -> str:
-        """Take the job's retry lock; returns its token. A retry already running is refused."""
-        token = secrets.token_hex(8)
-        if not self.redis.set(self.keys.job_retry_lock(job_id), token, nx=True, px=RETRY_LOCK_TTL_MS):
-            raise JobStateError(
-                f"a retry of job {job_id} is already running; wait for its answer, then retry again if needed"
-            )
-        return token
-
-    def release_retry(self, job_id: str, token: str) -> None:
-        self._release(keys=[self.keys.job_retry_lock(job_id)], args=[token])
-
-    def requeue_failed(
-        self,
-        job_id: str,
-        *,
-        registry_key: str,
-        backlog_key: str,
-        dispatch_key: str,
-        rq_job_prefix: str,
-        items: Sequence[RequeueItem],
-    ) -> list[str]:
-        """Move failed prompts of one class back to the job's backlog, atomically: each prompt only
-        if it is still in the failed registry (so concurrent retries cannot run it twice), none if
-        the job was cancelled or deleted. Returns the ids that moved; a refused job raises."""
-        args: list[str | int | bytes] = [
-            rq_job_prefix,
-            job_id,
-            JobState.COMPLETED.value,
-            JobState.CANCELLED.value,
-            JobState.RUNNING.value,
-        ]
-        for item in items:
-            retries = "" if item.retries_left is None else str(item.retries_left)
-            args += [item.rq_id, item.meta, retries, f"|{item.label}|{item.cls}"]
-        keys = [
-            self.keys.job(job_id),
-            self.keys.job_breakdown(job_id),
-            registry_key,
-            backlog_key,
-            dispatch_key,
-        ]
-        moved = self._requeue(keys=keys, args=args)
-        if isinstance(moved, int):
-            raise JobStateError(
-                f"job {job_id} was cancelled or deleted; submit its dataset again under a new job id"
-            )
-        return as_texts(moved)
-
     # Breakdown by partition and class --------------------------------------------------------------
     def partition_labels(self, job_id: str, partitions: set[str]) -> tuple[dict[str, str], list[str]]:
         """Label of each partition: itself for the job's first partitions, ``other`` beyond the cap;
@@ -486,14 +329,3 @@ class JobStore:
             counter, label, cls = as_text(field).split("|", 2)
             out[(counter, label, cls)] = int(value)
         return out
-
-    def forget_failure_reports(self, job_id: str, rq_ids: Sequence[str]) -> None:
-        """Drop the failure reports of prompts that were put back to run again."""
-        for start in range(0, len(rq_ids), RETRY_FORGET_SLICE):
-            self._forget(
-                keys=[self.keys.job_failed(job_id)], args=list(rq_ids[start : start + RETRY_FORGET_SLICE])
-            )
-
-    def failed_reports(self, job_id: str, limit: int) -> list[dict[str, Any]]:
-        raw = self.redis.lrange(self.keys.job_failed(job_id), 0, limit - 1)
-        return [json.loads(item) for item in raw]

