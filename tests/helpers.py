@@ -25,11 +25,12 @@ from datagen.keys import Keys
 from datagen.processes import ChildProcesses, child_env
 from datagen.records import Record
 from datagen.redis_server import LocalRedis, free_port
-from datagen.settings import WorkerSettings
+from datagen.settings import CoordinatorSettings, WorkerSettings
 from datagen.spec import JobSpec
 from datagen.states import JobState, ServerState
 from datagen.storage import Storage
 from datagen.tokenization import bundled_tokenizer_path, default_chat_template_path
+from service.app import create_app
 from service.ingest import IngestOptions, Ingestor
 from simulator.config import SimConfig
 from simulator.server import uvicorn_config
@@ -261,3 +262,20 @@ def make_record(sample_id: str, input_ids: list[int], prompt_len: int, **fields:
         **fields,
     }
     return Record(sample_id=sample_id, input_ids=input_ids, prompt_len=prompt_len, **values)
+
+
+@contextmanager
+def serve_coordinator(settings: CoordinatorSettings, *, log_level: str = "critical") -> Iterator[str]:
+    """The coordinator app over real HTTP on a free loopback port, in a thread; yields its URL."""
+    port = free_port()
+    server = uvicorn.Server(
+        uvicorn.Config(create_app(settings), host="127.0.0.1", port=port, log_level=log_level)
+    )
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    wait_until(lambda: server.started, STARTUP_TIMEOUT_S, "the coordinator to start", interval_s=0.02)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)

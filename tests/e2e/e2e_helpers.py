@@ -15,6 +15,15 @@ from tests.helpers import ProcessStack
 MAX_NEW = 400
 SEED = 11
 WORKER_UP_TIMEOUT_S = 30.0
+# Short intervals for the processes of a job-controls stack, so that heartbeats, reaping, polling
+# and retries take fractions of a second.
+FAST_STACK_ENV = {
+    "DATAGEN_HEARTBEAT_INTERVAL_S": "0.5",
+    "DATAGEN_REAPER_INTERVAL_S": "1",
+    "DATAGEN_POLL_INTERVAL_S": "0.05",
+    "DATAGEN_RETRY_BASE_S": "0.05",
+    "DATAGEN_RETRY_MAX_S": "0.1",
+}
 HTTP_TIMEOUT_S = 5.0
 
 

@@ -17,6 +17,7 @@ import pytest
 from datagen.tokenization import bundled_tokenizer_path, default_chat_template_path, get_renderer
 from simulator.model import SpecialIds, expected_output
 from tests.e2e.e2e_helpers import (
+    FAST_STACK_ENV,
     MAX_NEW,
     SEED,
     get_job,
@@ -34,14 +35,7 @@ NS = "ctl"
 
 @pytest.fixture
 def stack(tmp_path: Path) -> Iterator[ProcessStack]:
-    env = {
-        "DATAGEN_HEARTBEAT_INTERVAL_S": "0.5",
-        "DATAGEN_REAPER_INTERVAL_S": "1",
-        "DATAGEN_POLL_INTERVAL_S": "0.05",
-        "DATAGEN_RETRY_BASE_S": "0.05",
-        "DATAGEN_RETRY_MAX_S": "0.1",
-        "COLUMNS": "200",  # `datagen status` tables unwrapped
-    }
+    env = {**FAST_STACK_ENV, "COLUMNS": "200"}  # `datagen status` tables unwrapped
     with coordinator_stack(tmp_path, NS, env) as stack:
         yield stack
 

@@ -17,7 +17,14 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.e2e.e2e_helpers import get_job, job_records, start_worker, submit_job, submit_job_result
+from tests.e2e.e2e_helpers import (
+    FAST_STACK_ENV,
+    get_job,
+    job_records,
+    start_worker,
+    submit_job,
+    submit_job_result,
+)
 from tests.helpers import ProcessStack, coordinator_stack, wait_until
 
 pytestmark = pytest.mark.faults
@@ -27,15 +34,8 @@ NS = "race"
 
 @pytest.fixture
 def stack(tmp_path: Path) -> Iterator[ProcessStack]:
-    env = {
-        "DATAGEN_HEARTBEAT_INTERVAL_S": "0.5",
-        "DATAGEN_REAPER_INTERVAL_S": "1",
-        "DATAGEN_POLL_INTERVAL_S": "0.05",
-        "DATAGEN_RETRY_BASE_S": "0.05",
-        "DATAGEN_RETRY_MAX_S": "0.1",
-        # Small chunks: a big upload is still ingesting when the test cancels and deletes it.
-        "DATAGEN_ENQUEUE_CHUNK": "200",
-    }
+    # Small chunks: a big upload is still ingesting when the test cancels and deletes it.
+    env = {**FAST_STACK_ENV, "DATAGEN_ENQUEUE_CHUNK": "200"}
     with coordinator_stack(tmp_path, NS, env) as stack:
         yield stack
 

@@ -4,7 +4,6 @@ neither a generated one nor the hostile specs, ids and rows that once got one.""
 from __future__ import annotations
 
 import json
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -13,14 +12,11 @@ from urllib.parse import quote
 import httpx
 import pytest
 import schemathesis
-import uvicorn
 from hypothesis import HealthCheck, settings
 
-from datagen.redis_server import free_port
 from datagen.settings import CoordinatorSettings
 from datagen.tokenization import bundled_tokenizer_path
-from service.app import create_app
-from tests.helpers import STARTUP_TIMEOUT_S, make_spec, wait_until
+from tests.helpers import make_spec, serve_coordinator
 
 EXAMPLES_PER_OPERATION = 25
 HUGE_INT = "1" + "0" * 5000
@@ -28,17 +24,9 @@ HUGE_INT = "1" + "0" * 5000
 
 @pytest.fixture
 def coordinator_url(redis_url: str, tmp_path: Path) -> Iterator[str]:
-    app = create_app(CoordinatorSettings(redis_url=redis_url, storage=str(tmp_path), namespace="fuzz"))
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    wait_until(lambda: server.started, STARTUP_TIMEOUT_S, "the coordinator to start", interval_s=0.02)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
+    settings = CoordinatorSettings(redis_url=redis_url, storage=str(tmp_path), namespace="fuzz")
+    with serve_coordinator(settings, log_level="warning") as url:
+        yield url
 
 
 @pytest.fixture

@@ -7,15 +7,12 @@ import json
 import os
 import subprocess
 import sys
-import threading
 from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import pytest
 import redis
-import uvicorn
 from fastapi.testclient import TestClient
 
 from datagen.client import CoordinatorClient
@@ -31,11 +28,11 @@ from datagen.errors import (
     UploadTooLargeError,
 )
 from datagen.keys import Keys
-from datagen.redis_server import LocalRedis, free_port
+from datagen.redis_server import LocalRedis
 from datagen.settings import CoordinatorSettings
 from datagen.tokenization import bundled_tokenizer_path, default_chat_template_path
 from service.app import create_app
-from tests.helpers import INGEST_TIMEOUT_S, STARTUP_TIMEOUT_S, make_spec, wait_ingested, wait_until
+from tests.helpers import INGEST_TIMEOUT_S, make_spec, serve_coordinator, wait_ingested, wait_until
 
 NS = "h"
 HUGE_INT = "1" + "0" * 5000
@@ -243,25 +240,9 @@ def test_flagged_rows_can_be_listed(client: TestClient) -> None:
 # -- the client keeps the class --------------------------------------------------------------------
 
 
-@contextmanager
-def _serve(settings: CoordinatorSettings) -> Iterator[str]:
-    """The coordinator over real HTTP on a free port; yields its URL."""
-    port = free_port()
-    config = uvicorn.Config(create_app(settings), host="127.0.0.1", port=port, log_level="critical")
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    wait_until(lambda: server.started, STARTUP_TIMEOUT_S, "the coordinator to start", interval_s=0.02)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
-
-
 @pytest.fixture
 def served(settings: CoordinatorSettings) -> Iterator[str]:
-    with _serve(settings.model_copy(update={"max_upload_bytes": 4096})) as url:
+    with serve_coordinator(settings.model_copy(update={"max_upload_bytes": 4096})) as url:
         yield url
 
 
@@ -294,7 +275,7 @@ def test_the_client_raises_the_class_the_coordinator_raised(served: str, tmp_pat
 
 
 def test_redis_down_comes_back_from_the_client_as_retryable(settings: CoordinatorSettings) -> None:
-    with LocalRedis() as own, _serve(settings.model_copy(update={"redis_url": own.url})) as url:
+    with LocalRedis() as own, serve_coordinator(settings.model_copy(update={"redis_url": own.url})) as url:
         own.stop()
         with CoordinatorClient(url) as api, pytest.raises(BackendUnavailableError) as info:
             api.jobs()
