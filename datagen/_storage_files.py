@@ -14,6 +14,7 @@ import contextlib
 import io
 import os
 import posixpath
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -33,6 +34,10 @@ STREAM_BUFFER_BYTES = 1024 * 1024
 # least recently used kept, so a seek costs one small ranged read instead of a large read-ahead.
 RANDOM_BLOCK_BYTES = 256 * 1024
 RANDOM_CACHED_BLOCKS = 64
+
+# A tree is removed in up to this many passes, this far apart, while files still appear in it.
+REMOVE_TREE_TRIES = 3
+REMOVE_TREE_PAUSE_S = 0.2
 
 
 def is_url(root: str) -> bool:
@@ -112,7 +117,16 @@ class ObjectFiles:
         """Remove a directory (a prefix on object stores) and all under it; False if absent."""
         if not self.fs.exists(path):
             return False
-        self.fs.rm(path, recursive=True)
+        for attempt in range(REMOVE_TREE_TRIES):
+            try:
+                self.fs.rm(path, recursive=True)
+                return True
+            except OSError:
+                # A writer that had not yet seen the job deleted added a file mid-walk ("directory
+                # not empty"); it takes its own file back, so another pass finishes the job.
+                if attempt + 1 == REMOVE_TREE_TRIES or not self.fs.exists(path):
+                    raise
+                time.sleep(REMOVE_TREE_PAUSE_S)
         return True
 
     def remove(self, path: str) -> None:

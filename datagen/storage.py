@@ -199,6 +199,14 @@ class Storage:
             self._files.write(commit_path, lambda fh: fh.write(data))
         return self._files.display(records_path)
 
+    def remove_shard(self, job_id: str, shard: str) -> None:
+        """Best effort: take back a shard written for a job that was deleted meanwhile (its commit
+        object first, so it is never seen without its records)."""
+        if not _SHARD_PATTERN.match(shard):
+            raise ValueError(f"bad shard name {shard!r}")
+        self._files.remove(self._path(job_id, "commits", f"{shard}.json"))
+        self._files.remove(self._path(job_id, "records", f"{shard}.parquet"))
+
     def list_commits(self, job_id: str) -> list[dict[str, Any]]:
         """The commits of the job's current incarnation (the manifest's), in commit order (their
         ``committed_at_ms``, then shard name): a shard that a worker

@@ -157,11 +157,18 @@ class RecordWriter:
     ) -> None:
         self._check_live(job_id, incarnation)
         self.storage.commit_shard(job_id, shard, records_to_table(records), info)
+        try:
+            self._check_live(job_id, incarnation)
+        except JobNotFoundError:
+            # Deleted while the shard was written: a delete removes the job's keys before its files,
+            # so either its removal of the files comes after this write, or this check sees it.
+            self.storage.remove_shard(job_id, shard)
+            raise
 
     def _check_live(self, job_id: str, incarnation: str) -> None:
-        """Refuse records of a job deleted meanwhile (or of an earlier job of a reused id). Should
-        a delete land between this check and the write, exports still leave the shard out: its
-        commit names the old incarnation."""
+        """Refuse records of a job deleted meanwhile (or of an earlier job of a reused id), before
+        and after the shard is written. Whatever is left over (a delete that kept its files)
+        stays out of exports all the same: its commit names the old incarnation."""
         if self.current_incarnation is None:
             return
         try:
