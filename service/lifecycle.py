@@ -137,7 +137,8 @@ class JobControls:
         if progress.state is JobState.CANCELLED:
             raise JobStateError(f"job {job_id} was cancelled; submit its dataset again under a new job id")
         # One retry per job at a time; each prompt moves only if this retry takes it out of the
-        # failed registry (datagen/jobs.py), so even a retry on another coordinator cannot double it.
+        # failed registry (`JobStore.requeue_failed`), so even a retry on another coordinator cannot
+        # double it.
         token = self.jobs.acquire_retry(job_id)
         try:
             failed = self._failed(job_id)
