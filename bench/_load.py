@@ -301,8 +301,9 @@ def render(spec: JobSpec, rows: list[dict[str, Any]], path: Path) -> list[list[i
     return [renderer.render(p.messages, p.tools) for p in prompts]
 
 
-def ingest(client: redis.Redis, storage: Storage, spec: JobSpec, path: Path, n: int) -> None:
-    """Flush Redis and enqueue the file as one job (``Ingestor.run``, as the coordinator does)."""
+def ingest(client: redis.Redis, storage: Storage, spec: JobSpec, path: Path, n: int) -> float:
+    """Flush Redis and enqueue the file as one job (``Ingestor.run``, as the coordinator does);
+    returns the seconds ``Ingestor.run`` took."""
     client.flushdb()
     keys = Keys(BENCH_NAMESPACE)
     jobs = JobStore(client, keys)
@@ -313,10 +314,14 @@ def ingest(client: redis.Redis, storage: Storage, spec: JobSpec, path: Path, n: 
             result_ttl_s=DEFAULT_RESULT_TTL_S, failure_ttl_s=DEFAULT_FAILURE_TTL_S, max_worker_losses=3
         ),
     )
-    Ingestor(client, keys, jobs, storage, options).run(BENCH_JOB_ID, path, threading.Event())
+    ingestor = Ingestor(client, keys, jobs, storage, options)
+    started = time.perf_counter()
+    ingestor.run(BENCH_JOB_ID, path, threading.Event())
+    elapsed_s = time.perf_counter() - started
     progress = jobs.progress(BENCH_JOB_ID)
     if progress.state is JobState.FAILED or progress.accepted != n:
         raise SystemExit(f"ingestion did not accept all {n} prompts: {progress}")
+    return elapsed_s
 
 
 def worker_settings(redis_url: str, storage: Storage, time_scale: float, **overrides: Any) -> WorkerSettings:

@@ -18,23 +18,17 @@ import argparse
 import json
 import random
 import tempfile
-import threading
-import time
 import tracemalloc
 from pathlib import Path
 
 import redis
-from _common import BENCH_JOB_ID, BENCH_NAMESPACE, job_spec, offline_hub, write_jsonl
+from _common import job_spec, offline_hub, write_jsonl
+from _load import ingest
 
 from datagen.dedup import DEFAULT_NEAR_THRESHOLD, SeenIndex, near_params, pack_records
-from datagen.enqueue import EnqueueOptions
-from datagen.jobs import JobStore
-from datagen.keys import SEEN_SEGMENTS, Keys
+from datagen.keys import SEEN_SEGMENTS
 from datagen.redis_server import LocalRedis
-from datagen.settings import DEFAULT_ENQUEUE_CHUNK, DEFAULT_FAILURE_TTL_S, DEFAULT_RESULT_TTL_S
-from datagen.spec import JobSpec
 from datagen.storage import Storage
-from service.ingest import IngestOptions, Ingestor
 
 DEFAULT_N = 5000
 DEFAULT_REPEAT = 3
@@ -65,27 +59,6 @@ def write_benchmark(path: Path, n: int) -> None:
         for i in range(n):
             text = " ".join(rng.choices(vocabulary, k=rng.randint(20, 60)))
             fh.write(json.dumps({"id": f"b{i}", "prompt": text}) + "\n")
-
-
-def ingest(client: redis.Redis, storage: Storage, spec: JobSpec, source: Path, n: int) -> float:
-    client.flushall()
-    keys = Keys(BENCH_NAMESPACE)
-    jobs = JobStore(client, keys)
-    jobs.create(BENCH_JOB_ID, spec)
-    options = IngestOptions(
-        chunk=DEFAULT_ENQUEUE_CHUNK,
-        enqueue=EnqueueOptions(
-            result_ttl_s=DEFAULT_RESULT_TTL_S, failure_ttl_s=DEFAULT_FAILURE_TTL_S, max_worker_losses=3
-        ),
-    )
-    ingestor = Ingestor(client, keys, jobs, storage, options)
-    started = time.perf_counter()
-    ingestor.run(BENCH_JOB_ID, source, threading.Event())
-    elapsed = time.perf_counter() - started
-    progress = jobs.progress(BENCH_JOB_ID)
-    if progress.accepted != n:
-        raise SystemExit(f"expected {n} accepted prompts: {progress}")
-    return elapsed
 
 
 def memory(bands: int) -> tuple[int, int, int]:

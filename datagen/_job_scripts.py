@@ -18,13 +18,18 @@ __all__ = [
 # partitions. ARGV: counter field, increment, output tokens, now ms, RQ id leaving the running set
 # ("" for none), failure report ("" for none), report cap, partition, class, finish reason ("" for
 # none), the prompt's job incarnation ("" for none), the running and completed states. A prompt of
-# another incarnation of the job (one deleted meanwhile, its id reused) is not counted. A prompt is
+# another incarnation of the job (one deleted meanwhile, its id reused) is not counted (one HGET
+# answers both "is the job there" and "which incarnation" for every job made since). A prompt is
 # counted only if it was still in the running set, so finishing the same prompt twice (a stalled worker
 # and its rescuer) counts once.
 COUNT_AND_MAYBE_COMPLETE = """
 local key = KEYS[1]
-if redis.call('EXISTS', key) == 0 then return 0 end
-if ARGV[11] ~= '' and redis.call('HGET', key, 'incarnation') ~= ARGV[11] then return 0 end
+local incarnation = redis.call('HGET', key, 'incarnation')
+if not incarnation then
+  if redis.call('EXISTS', key) == 0 then return 0 end
+  incarnation = ''
+end
+if ARGV[11] ~= '' and incarnation ~= ARGV[11] then return 0 end
 if ARGV[5] ~= '' and redis.call('SREM', KEYS[2], ARGV[5]) == 0 then return -1 end
 if tonumber(ARGV[2]) ~= 0 then
   redis.call('HINCRBY', key, ARGV[1], ARGV[2])

@@ -96,13 +96,11 @@ class JobStore(JobOutcomes):
 
     def incarnation(self, job_id: str) -> str | None:
         """The job's current incarnation ("" for a job made before incarnations); None if it is gone."""
-        with self.redis.pipeline(transaction=False) as pipe:
-            pipe.exists(self.keys.job(job_id))
-            pipe.hget(self.keys.job(job_id), "incarnation")
-            exists, raw = pipe.execute()
-        if not exists:
-            return None
-        return as_text(raw) if raw else ""
+        raw = self.redis.hget(self.keys.job(job_id), "incarnation")
+        if raw is not None:
+            return as_text(raw)
+        # Only a job made before incarnations, or one that is gone, needs the second look.
+        return "" if self.redis.exists(self.keys.job(job_id)) else None
 
     def set_ingest_input(self, job_id: str, input_name: str, context_len: int | None) -> None:
         """The upload ingestion reads next, from its first line, and the context length that was
