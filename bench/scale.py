@@ -70,19 +70,23 @@ OUTPUT_LENGTHS = (300, 2000)
 class Usage:
     commands: Counter[str]
     redis_cpu_s: float
+    # Microseconds Redis spent executing each command (a script's includes its own calls); the rest
+    # of its CPU is reading and writing sockets.
+    usec: Counter[str]
 
 
 def usage(client: redis.Redis) -> Usage:
     stats = client.info("commandstats")
     cpu = client.info("cpu")
     commands = Counter({name.removeprefix("cmdstat_"): int(v["calls"]) for name, v in stats.items()})
-    return Usage(commands, float(cpu["used_cpu_sys"]) + float(cpu["used_cpu_user"]))
+    usec = Counter({name.removeprefix("cmdstat_"): int(v["usec"]) for name, v in stats.items()})
+    return Usage(commands, float(cpu["used_cpu_sys"]) + float(cpu["used_cpu_user"]), usec)
 
 
 def delta(after: Usage, before: Usage) -> Usage:
     commands = after.commands - before.commands
     commands["info"] -= 2  # our own two INFO calls
-    return Usage(+commands, after.redis_cpu_s - before.redis_cpu_s)
+    return Usage(+commands, after.redis_cpu_s - before.redis_cpu_s, +(after.usec - before.usec))
 
 
 def worker_env(
@@ -121,7 +125,9 @@ def run_workers(k: int, env: dict[str, str], log: Path) -> tuple[float, float]:
         return time.perf_counter() - started, cpu_s
 
 
-def idle_commands_per_s(client: redis.Redis, env: dict[str, str], idle_s: float, log: Path) -> float:
+def idle_commands_per_s(
+    client: redis.Redis, env: dict[str, str], idle_s: float, log: Path
+) -> tuple[float, str]:
     """Redis commands per second of one long-running worker with nothing queued."""
     command = [sys.executable, "-m", "datagen", "worker"]
     with open(log, "ab") as out:
@@ -134,7 +140,8 @@ def idle_commands_per_s(client: redis.Redis, env: dict[str, str], idle_s: float,
         finally:
             proc.terminate()
             proc.wait(timeout=30)
-    return sum(spent.commands.values()) / idle_s
+    top = ", ".join(f"{name} {calls / idle_s:.1f}" for name, calls in spent.commands.most_common(6))
+    return sum(spent.commands.values()) / idle_s, top
 
 
 def projection(redis_cpu_ms: float, worker_cpu_ms: float, gpus: list[tuple[str, float]]) -> list[str]:
@@ -202,7 +209,7 @@ def main() -> None:
             raise SystemExit(f"the job did not complete: {progress}; see {log}")
         # Idle cost with the production defaults (the burst workers above poll faster).
         idle_env = {k: v for k, v in env.items() if k != "DATAGEN_POLL_INTERVAL_S"}
-        idle_per_s = idle_commands_per_s(client, idle_env, args.idle_s, log)
+        idle_per_s, idle_top = idle_commands_per_s(client, idle_env, args.idle_s, log)
 
     n = args.n
     commands = sum(spent.commands.values())
@@ -219,11 +226,15 @@ def main() -> None:
         f"ingest), {redis_ms:.3f} ms CPU/prompt -> {1000 / redis_ms:,.0f} prompts/s per Redis core"
     )
     print(f"    top commands per prompt: {top}")
+    # Scripts' time includes the commands they call, which are also listed on their own.
+    timed = ", ".join(f"{name} {us / n:.1f}" for name, us in spent.usec.most_common(TOP_COMMANDS))
+    executing_ms = sum(us for name, us in spent.usec.items() if not name.startswith("eval")) / 1000 / n
+    print(f"    executing commands: {executing_ms:.3f} ms/prompt; top by time (us/prompt): {timed}")
     print(
         f"  workers: {worker_ms:.2f} ms CPU/prompt (start-up of {startup_cpu_s:.1f} s CPU per process "
         f"taken out) -> {1000 / worker_ms:,.0f} prompts/s per worker process core"
     )
-    print(f"  idle worker: {idle_per_s:.1f} Redis commands/s with nothing queued")
+    print(f"  idle worker: {idle_per_s:.1f} Redis commands/s with nothing queued ({idle_top})")
     print("  projection (prompts/s per GPU = tokens/s / output length):")
     for line in projection(redis_ms, worker_ms, gpus):
         print(line)

@@ -15,6 +15,9 @@ from typing import Any
 from redis import Redis
 from redis.client import Pipeline
 from redis.commands.core import Script
+from rq.job import Job
+from rq.utils import now as rq_now
+from rq.utils import utcformat
 
 from datagen.errors import JobStateError
 from datagen.job_progress import now_ms
@@ -22,7 +25,7 @@ from datagen.keys import Keys
 from datagen.redistext import as_texts
 from datagen.states import JobState, PromptClass
 
-__all__ = ["COUNT_STATES", "FAILED_REPORTS_CAP", "JobOutcomes", "RequeueItem"]
+__all__ = ["COUNT_STATES", "FAILED_REPORTS_CAP", "AckItem", "AckTarget", "JobOutcomes", "RequeueItem"]
 
 FAILED_REPORTS_CAP = 10_000
 # The states the count script moves a job between (it completes a running job).
@@ -32,6 +35,7 @@ UNKNOWN_PARTITION = "unknown"
 RETRY_LOCK_TTL_MS = 120_000
 # RQ ids per call of the report-forgetting script (Lua's stack limits ARGV).
 RETRY_FORGET_SLICE = 5000
+RQ_JOB_KEY_PREFIX = Job.redis_job_namespace_prefix
 
 
 @dataclass(frozen=True)
@@ -46,6 +50,29 @@ class RequeueItem:
     cls: str
 
 
+@dataclass(frozen=True)
+class AckItem:
+    """One prompt whose record is committed: what RQ and its job's counters need."""
+
+    rq_id: str
+    job_id: str
+    incarnation: str
+    output_tokens: int
+    partition: str
+    cls: str
+    finish: str
+    result_ttl_s: int
+
+
+@dataclass(frozen=True)
+class AckTarget:
+    """Where a worker's prompts of one class finish in RQ."""
+
+    started_key: str
+    finished_key: str
+    execution_id: str
+
+
 class JobOutcomes:
     """JobStore's counting and retrying half (see the module docstring)."""
 
@@ -55,6 +82,7 @@ class JobOutcomes:
     _requeue: Script
     _release: Script
     _forget: Script
+    _ack: Script
 
     # Workers ------------------------------------------------------------------------------------
     # A set of RQ ids rather than a counter: a prompt that is handed back or reaped and then
@@ -101,6 +129,42 @@ class JobOutcomes:
             incarnation,
         ]
         self._count_script(keys=self._count_keys(job_id), args=[*args, *COUNT_STATES], client=pipe)
+
+    def ack_done(
+        self, target: AckTarget, items: Sequence[AckItem], *, client: Redis | Pipeline | None = None
+    ) -> int:
+        """Finish committed prompts in RQ and count them done in their jobs, in one script
+        (`datagen._ack_script`); returns how many counted (0 inside a pipeline). Safe to repeat:
+        a prompt already counted is not counted again."""
+        if not items:
+            return 0
+        keys = self.keys
+        at = rq_now()
+        args: list[str | int | float] = [
+            RQ_JOB_KEY_PREFIX,
+            keys.job_key_prefix(),
+            keys.running_suffix(),
+            keys.breakdown_suffix(),
+            keys.partitions_suffix(),
+            now_ms(),
+            utcformat(at),
+            at.timestamp(),
+            target.execution_id,
+            *COUNT_STATES,
+        ]
+        for item in items:
+            args += [
+                item.rq_id,
+                item.job_id,
+                item.incarnation,
+                item.output_tokens,
+                item.partition,
+                item.cls,
+                item.finish,
+                item.result_ttl_s,
+            ]
+        counted = self._ack(keys=[target.started_key, target.finished_key], args=args, client=client)
+        return counted if isinstance(counted, int) else 0
 
     def count_failed(
         self,
@@ -189,6 +253,8 @@ class JobOutcomes:
             raise JobStateError(
                 f"job {job_id} was cancelled or deleted; submit its dataset again under a new job id"
             )
+        if moved and items:
+            self.redis.publish(self.keys.wake_channel(), items[0].cls)
         return as_texts(moved)
 
     def forget_failure_reports(self, job_id: str, rq_ids: Sequence[str]) -> None:

@@ -22,6 +22,18 @@ __all__ = [
 # answers both "is the job there" and "which incarnation" for every job made since). A prompt is
 # counted only if it was still in the running set, so finishing the same prompt twice (a stalled worker
 # and its rescuer) counts once.
+# Two timestamps (ARGV[4], set once each with HSETNX, so the first writer wins and a retry or a second
+# count never moves them) show how a run starts and ends:
+# - `first_record_at_ms`: the count that moves `done` from 0 to positive (the job's first record; the
+#   HINCRBY's answer tells, so later counts cost no extra command); failed and cancelled prompts never
+#   set it. A job counted before this field existed keeps none.
+# - `tail_from_ms`: the first call that finds the job `running` (ingestion finished, so `accepted` is
+#   the whole job) with done + failed + cancelled >= ceil(0.95 * accepted), i.e. 20 * finished >= 19 *
+#   accepted in integers: the job's last 5 % of prompts ("the tail") start then. It is set before the
+#   completion check, so the call that completes a job sets it too (a tail of 0 s at the least), and so
+#   does the zero-increment call `finish_ingest` makes as ingestion ends (a job 95 % done by then has
+#   its tail start at the end of ingestion). A prompt added later (the next turn of multi-turn `all`
+#   mode) does not move it.
 COUNT_AND_MAYBE_COMPLETE = """
 local key = KEYS[1]
 local incarnation = redis.call('HGET', key, 'incarnation')
@@ -32,7 +44,10 @@ end
 if ARGV[11] ~= '' and incarnation ~= ARGV[11] then return 0 end
 if ARGV[5] ~= '' and redis.call('SREM', KEYS[2], ARGV[5]) == 0 then return -1 end
 if tonumber(ARGV[2]) ~= 0 then
-  redis.call('HINCRBY', key, ARGV[1], ARGV[2])
+  local count = redis.call('HINCRBY', key, ARGV[1], ARGV[2])
+  if ARGV[1] == 'done' and count > 0 and count == tonumber(ARGV[2]) then
+    redis.call('HSETNX', key, 'first_record_at_ms', ARGV[4])
+  end
   local label = ARGV[8]
   if redis.call('SISMEMBER', KEYS[5], label) == 0 then label = 'other' end
   local suffix = '|' .. label .. '|' .. ARGV[9]
@@ -50,6 +65,9 @@ if redis.call('HGET', key, 'state') == ARGV[12] then
   local failed = tonumber(redis.call('HGET', key, 'failed') or '0')
   local cancelled = tonumber(redis.call('HGET', key, 'cancelled') or '0')
   local accepted = tonumber(redis.call('HGET', key, 'accepted') or '0')
+  if 20 * (done + failed + cancelled) >= 19 * accepted then
+    redis.call('HSETNX', key, 'tail_from_ms', ARGV[4])
+  end
   if done + failed + cancelled >= accepted then
     redis.call('HSET', key, 'state', ARGV[13], 'finished_at_ms', ARGV[4])
     redis.call('DEL', KEYS[2])

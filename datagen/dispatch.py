@@ -2,13 +2,13 @@
 
 Prompts do not wait in RQ's class queue but in one backlog list per job and class. A job with
 prompts to dispatch sits in a sorted set per class and priority, scored by its virtual time
-(prompts dispatched divided by its weight). A worker's claim is one script: take a prompt put
-back on RQ's queue first (handed back by a stopping worker, or a dead worker's, requeued by the
-reaper), else pop the backlog of the unpaused job with the lowest virtual time at the highest
-priority that has work, and move the RQ id into RQ's intermediate list exactly as RQ's own
-LMOVE does, so the rest of RQ's bookkeeping (started registry, heartbeats, recovery) is unchanged.
-This is stride scheduling: over any stretch where two jobs both have work, their dispatches
-follow their weights, and a 10M-prompt job cannot hold back a small urgent one.
+(prompts dispatched divided by its weight). A worker's claim is one script that hands it up to N
+prompts: those put back on RQ's queue first (handed back by a stopping worker, or a dead worker's,
+requeued by the reaper), then each from the backlog of the unpaused job with the lowest virtual
+time at the highest priority that has work, and starts them as RQ's worker would (started
+registry, job status, heartbeat expiry), so ``rq info`` and RQ's recovery keep working. This is
+stride scheduling: over any stretch where two jobs both have work, their dispatches follow their
+weights, and a 10M-prompt job cannot hold back a small urgent one.
 
 A prompt on RQ's list whose job is paused (a dead worker's, reaped during the pause) is moved
 to the front of that job's backlog rather than run.
@@ -25,73 +25,36 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any, cast
 
 from redis import Redis
 from redis.client import Pipeline
 from rq.job import Job
+from rq.utils import now as rq_now
+from rq.utils import utcformat
 
+from datagen._dispatch_scripts import CLAIM_MANY
 from datagen.jobs import LUA_COUNT_CANCELLED_QUEUED
 from datagen.keys import Keys
 from datagen.redistext import as_text, as_texts
 from datagen.states import JobState, Priority, PromptClass
 
-__all__ = ["SHARE_WINDOW_S", "Dispatch", "JobShare"]
+__all__ = ["SHARE_WINDOW_S", "Claimant", "Claimed", "Dispatch", "JobShare"]
 
 # The recent share counts dispatches over this window, in buckets of WINDOW_BUCKET_S.
 SHARE_WINDOW_S = 60
 WINDOW_BUCKET_S = 10
 # A claim looks at this many jobs per priority at most (paused jobs are skipped, not removed).
 SCAN_JOBS = 1000
+# Prompts per claim at most (the script's replies and ZADD arguments stay small).
+MAX_CLAIM = 256
 # Ids pushed per RPUSH inside a script (Lua's unpack has a stack limit).
 PUSH_SLICE = 1000
 RQ_JOB_PREFIX = Job.redis_job_namespace_prefix
 
-# KEYS: RQ queue, its intermediate list, paused jobs, the class's sets by priority (high, normal,
-# low), the current window bucket. ARGV: job key prefix, backlog suffix, bucket TTL, scan limit,
-# RQ id prefix (``{ns}-``; the job id follows it up to the next ``-``). A handed-back prompt of a
-# paused job goes back to the front of its backlog instead, so that a pause holds even for them.
-_CLAIM = """
-local sets = {high = 4, normal = 5, low = 6}
-local id
-for _ = 1, tonumber(ARGV[4]) do
-  id = redis.call('LMOVE', KEYS[1], KEYS[2], 'LEFT', 'RIGHT')
-  if not id then break end
-  local rest = string.sub(id, #ARGV[5] + 1)
-  local dash = string.find(rest, '-', 1, true)
-  local job = dash and string.sub(rest, 1, dash - 1) or ''
-  if job == '' or redis.call('SISMEMBER', KEYS[3], job) == 0 then return id end
-  redis.call('RPOP', KEYS[2])
-  redis.call('LPUSH', ARGV[1] .. job .. ARGV[2], id)
-  local z = KEYS[sets[redis.call('HGET', ARGV[1] .. job, 'priority') or 'normal'] or 5]
-  if not redis.call('ZSCORE', z, job) then
-    local first = redis.call('ZRANGE', z, 0, 0, 'WITHSCORES')
-    redis.call('ZADD', z, first[2] or 0, job)
-  end
-end
-for z = 4, 6 do
-  local entries = redis.call('ZRANGE', KEYS[z], 0, tonumber(ARGV[4]) - 1)
-  for _, job in ipairs(entries) do
-    if redis.call('SISMEMBER', KEYS[3], job) == 0 then
-      local jobkey = ARGV[1] .. job
-      id = redis.call('LMOVE', jobkey .. ARGV[2], KEYS[2], 'LEFT', 'RIGHT')
-      if id then
-        local weight = tonumber(redis.call('HGET', jobkey, 'weight') or '1') or 1
-        if weight <= 0 then weight = 1 end
-        redis.call('ZINCRBY', KEYS[z], 1 / weight, job)
-        redis.call('HINCRBY', jobkey, 'dispatched', 1)
-        redis.call('HINCRBY', KEYS[7], job, 1)
-        redis.call('EXPIRE', KEYS[7], ARGV[3])
-        return id
-      end
-      redis.call('ZREM', KEYS[z], job)
-    end
-  end
-end
-return false
-"""
-
-# KEYS: job hash, backlog, the job's set for this class and priority, the job's breakdown. ARGV:
+# KEYS: job hash, backlog, the job's set for this class and priority, the job's breakdown, the wake
+# channel (idle workers learn of the prompts at once, `workers.wake`). ARGV:
 # job id, slice size, class, the cancelled state, RQ ids... A cancelled job takes no more prompts:
 # they are counted cancelled instead (a worker may enqueue a multi-turn conversation's next turn as
 # the cancel lands); a deleted job takes none and counts nothing (its keys must not come back).
@@ -114,6 +77,7 @@ if not redis.call('ZSCORE', KEYS[3], ARGV[1]) then
   local first = redis.call('ZRANGE', KEYS[3], 0, 0, 'WITHSCORES')
   redis.call('ZADD', KEYS[3], first[2] or 0, ARGV[1])
 end
+redis.call('PUBLISH', KEYS[5], ARGV[3])
 return n
 """
 )
@@ -133,6 +97,27 @@ return #ids
 )
 
 DROP_CHUNK = 1000
+
+
+@dataclass(frozen=True)
+class Claimant:
+    """Who claims: the RQ queue of the class, its started registry, the worker's RQ name, the
+    execution id of its started-registry members, and how long they live without a heartbeat."""
+
+    queue_key: str
+    started_key: str
+    worker_name: str
+    execution_id: str
+    ttl_s: int
+
+
+@dataclass(frozen=True)
+class Claimed:
+    """A started prompt: its RQ id, its RQ job hash as it was when claimed, and when it started."""
+
+    rq_id: str
+    fields: dict[bytes, bytes]
+    started_at: datetime
 
 
 @dataclass(frozen=True)
@@ -161,22 +146,24 @@ class Dispatch:
     def __init__(self, redis: Redis, keys: Keys) -> None:
         self.redis = redis
         self.keys = keys
-        self._claim = redis.register_script(_CLAIM)
+        self._claim = redis.register_script(CLAIM_MANY)
         self._add = redis.register_script(_ADD)
         self._drop = redis.register_script(_DROP)
 
     # Workers -------------------------------------------------------------------------------------
-    def claim(self, cls: PromptClass, queue_key: str, intermediate_key: str) -> str | None:
-        """Move the next RQ id of ``cls`` into RQ's intermediate list; None when nothing is due."""
+    def claim_many(self, cls: PromptClass, n: int, claimant: Claimant) -> list[Claimed]:
+        """Start up to ``n`` prompts of ``cls`` for ``claimant`` (see `datagen._dispatch_scripts`):
+        each is in RQ's started registry and its job's running set when this returns."""
         keys = self.keys
         bucket = int(time.time() // WINDOW_BUCKET_S)
-        result = self._claim(
+        now = rq_now()
+        replies = self._claim(
             keys=[
-                queue_key,
-                intermediate_key,
+                claimant.queue_key,
                 keys.paused_jobs(),
                 *(keys.dispatch_jobs(cls, p) for p in Priority),
                 keys.dispatch_window(bucket),
+                claimant.started_key,
             ],
             args=[
                 keys.job_key_prefix(),
@@ -184,9 +171,20 @@ class Dispatch:
                 SHARE_WINDOW_S + WINDOW_BUCKET_S,
                 SCAN_JOBS,
                 keys.rq_id_prefix(),
+                RQ_JOB_PREFIX,
+                max(0, min(n, MAX_CLAIM)),
+                now.timestamp() + claimant.ttl_s,
+                utcformat(now),
+                claimant.worker_name,
+                claimant.execution_id,
+                keys.running_suffix(),
             ],
         )
-        return None if result is None else as_text(result)
+        claimed = []
+        for rq_id, flat in cast(list[list[Any]], replies):
+            fields = dict(zip(flat[::2], flat[1::2], strict=True))
+            claimed.append(Claimed(as_text(rq_id), fields, now))
+        return claimed
 
     # Enqueueing ----------------------------------------------------------------------------------
     def add(
@@ -200,6 +198,7 @@ class Dispatch:
             self.keys.job_backlog(job_id, cls),
             self.keys.dispatch_jobs(cls, priority),
             self.keys.job_breakdown(job_id),
+            self.keys.wake_channel(),
         ]
         args = [job_id, PUSH_SLICE, cls.value, JobState.CANCELLED.value, *rq_ids]
         self._add(keys=keys, args=args, client=pipe)
@@ -227,6 +226,12 @@ class Dispatch:
                 if others and min(others) > own:
                     self.redis.zadd(key, {job_id: min(others)}, xx=True)
         self.redis.srem(self.keys.paused_jobs(), job_id)
+        self.wake()
+
+    def wake(self, cls: PromptClass | None = None) -> None:
+        """Tell idle workers that prompts (of ``cls``, or of every class) can be claimed."""
+        for each in [cls] if cls is not None else list(PromptClass):
+            self.redis.publish(self.keys.wake_channel(), each.value)
 
     def is_paused(self, job_id: str) -> bool:
         return bool(self.redis.sismember(self.keys.paused_jobs(), job_id))

@@ -25,6 +25,8 @@ INT_FIELDS = (
     "created_at_ms",
     "finished_at_ms",
     "ingest_line",
+    "first_record_at_ms",
+    "tail_from_ms",
 )
 
 
@@ -55,6 +57,9 @@ class JobProgress:
     flagged: int = 0
     priority: str = "normal"
     weight: float = 1.0
+    # Set once by the count script (datagen/_job_scripts.py, COUNT_AND_MAYBE_COMPLETE); 0 until then.
+    first_record_at_ms: int = 0
+    tail_from_ms: int = 0
 
     @property
     def queued(self) -> int:
@@ -64,12 +69,27 @@ class JobProgress:
         end = self.finished_at_ms or (at_ms if at_ms is not None else now_ms())
         return max(1e-3, (end - self.created_at_ms) / 1000)
 
+    def time_to_first_record_s(self) -> float | None:
+        """Seconds from the job's creation to its first record; None before it has one."""
+        if not self.first_record_at_ms:
+            return None
+        return max(0.0, (self.first_record_at_ms - self.created_at_ms) / 1000)
+
+    def tail_s(self, at_ms: int | None = None) -> float | None:
+        """Seconds the job has spent in its tail, its last 5 % of prompts: from the count that
+        reached 95 % to the job's end (or ``at_ms``/now while it runs); None before the tail starts."""
+        if not self.tail_from_ms:
+            return None
+        end = self.finished_at_ms or (at_ms if at_ms is not None else now_ms())
+        return max(0.0, (end - self.tail_from_ms) / 1000)
+
     def to_json(self, at_ms: int | None = None) -> dict[str, Any]:
         elapsed_s = self.elapsed_s(at_ms)
         finished = self.done + self.failed + self.cancelled
         remaining = max(0, self.accepted - finished)
         rate = finished / elapsed_s
         eta_s = None if self.state.is_final else (remaining / rate if rate > 0 else None)
+        first_s, tail_s = self.time_to_first_record_s(), self.tail_s(at_ms)
         return {
             "id": self.job_id,
             "state": self.state.value,
@@ -95,6 +115,8 @@ class JobProgress:
             "eta_s": None if eta_s is None else round(eta_s, 1),
             "created_at_ms": self.created_at_ms,
             "finished_at_ms": self.finished_at_ms or None,
+            "time_to_first_record_s": None if first_s is None else round(first_s, 3),
+            "tail_s": None if tail_s is None else round(tail_s, 3),
             "error": self.error,
             "storage_error": self.storage_error,
         }

@@ -18,7 +18,15 @@ from redis import Redis
 from redis.client import Pipeline
 
 from datagen import _job_scripts as scripts
-from datagen._job_outcomes import COUNT_STATES, FAILED_REPORTS_CAP, JobOutcomes, RequeueItem
+from datagen._ack_script import ACK_DONE
+from datagen._job_outcomes import (
+    COUNT_STATES,
+    FAILED_REPORTS_CAP,
+    AckItem,
+    AckTarget,
+    JobOutcomes,
+    RequeueItem,
+)
 from datagen.errors import JobNotFoundError, JobStateError
 from datagen.job_progress import INT_FIELDS, JobProgress, now_ms
 from datagen.keys import SEEN_SEGMENTS, Keys
@@ -29,6 +37,8 @@ from datagen.states import JobState
 __all__ = [
     "FAILED_REPORTS_CAP",
     "LUA_COUNT_CANCELLED_QUEUED",
+    "AckItem",
+    "AckTarget",
     "JobProgress",
     "JobStore",
     "RequeueItem",
@@ -58,6 +68,7 @@ class JobStore(JobOutcomes):
         self._release = redis.register_script(scripts.RELEASE)
         self._forget = redis.register_script(scripts.FORGET_REPORTS)
         self._set_if_exists = redis.register_script(scripts.SET_IF_EXISTS)
+        self._ack = redis.register_script(ACK_DONE)
 
     # Creation and lookup ------------------------------------------------------------------------
     def create(
@@ -174,6 +185,8 @@ class JobStore(JobOutcomes):
             flagged=ints["flagged"],
             priority=fields.get("priority", "normal"),
             weight=float(fields.get("weight", 1.0)),
+            first_record_at_ms=ints["first_record_at_ms"],
+            tail_from_ms=ints["tail_from_ms"],
         )
 
     def list_ids(self, limit: int = 1000) -> list[str]:

@@ -82,15 +82,25 @@ class Keys:
 
     def job_running(self, job_id: str) -> str:
         """Set of RQ ids of the job's prompts that a worker has started and not finished."""
-        return f"{self.namespace}:job:{job_id}:running"
+        return f"{self.job_key_prefix()}{job_id}{self.running_suffix()}"
 
     def job_breakdown(self, job_id: str) -> str:
         """Hash ``{counter}|{partition label}|{class}`` -> count: progress by partition and class."""
-        return f"{self.namespace}:job:{job_id}:breakdown"
+        return f"{self.job_key_prefix()}{job_id}{self.breakdown_suffix()}"
 
     def job_partitions(self, job_id: str) -> str:
         """Set of the job's partitions that get their own metric label (the rest are ``other``)."""
-        return f"{self.namespace}:job:{job_id}:partitions"
+        return f"{self.job_key_prefix()}{job_id}{self.partitions_suffix()}"
+
+    # The claim and ack scripts build these per job from the prefix and suffix.
+    def running_suffix(self) -> str:
+        return ":running"
+
+    def breakdown_suffix(self) -> str:
+        return ":breakdown"
+
+    def partitions_suffix(self) -> str:
+        return ":partitions"
 
     def job_failed(self, job_id: str) -> str:
         """List of JSON failure reports (sample id, turn, reason), capped."""
@@ -132,6 +142,11 @@ class Keys:
     def dispatch_window(self, bucket: int) -> str:
         """Hash job id -> prompts dispatched during one time bucket (the recent share)."""
         return f"{self.namespace}:dispatch:window:{bucket}"
+
+    def wake_channel(self) -> str:
+        """Pub/sub channel: a class name is published whenever prompts of that class become
+        claimable (enqueued, resumed, retried, handed back, reaped), waking idle workers."""
+        return f"{self.namespace}:wake"
 
     def paused_jobs(self) -> str:
         """Set of paused job ids: their prompts are not dispatched."""

@@ -1,8 +1,9 @@
 """``submit --wait`` (and the demo): a progress line until a job ends, and the exit code it ends with.
 
 The line fits the console: where the fields do not fit, whole fields drop out, least useful first
-(the job id, then the elapsed time, the bar, tokens per second, the ETA, the rejected count); the
-numbers left are never cut. Progress counts and the state always stay.
+(the time to the first record and the tail time, the job id, then the elapsed time, the bar, tokens
+per second, the ETA, the rejected count); the numbers left are never cut. Progress counts and the
+state always stay.
 """
 
 from __future__ import annotations
@@ -77,6 +78,10 @@ class JobLine:
         ]
         if job.get("eta_s"):
             fields.append(_Field(60, f"ETA {float(job['eta_s']):.0f}s", detail=True))
+        if job.get("time_to_first_record_s") is not None:
+            fields.append(_Field(5, f"first record {float(job['time_to_first_record_s']):.1f}s", detail=True))
+        if job.get("tail_s") is not None:
+            fields.append(_Field(8, f"tail {float(job['tail_s']):.1f}s", detail=True))
         elapsed_s = int(time.monotonic() - self.started_s)
         fields.append(_Field(20, str(timedelta(seconds=max(elapsed_s, 0)))))
         return fields

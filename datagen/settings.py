@@ -65,6 +65,10 @@ DEFAULT_HEALTH_TIMEOUTS_TO_DOWN = 3
 DEFAULT_CONTROL_INTERVAL_S = 1.0
 DEFAULT_CONTROLLER_INTERVAL_S = 2.0
 DEFAULT_CONTROLLER_FLOOR = 0.05
+# Slow start: the KV controller's first in-flight target per server and its pace until it finds
+# the server's limit (0: start at the ceiling).
+DEFAULT_CONTROLLER_INITIAL_TARGET = 16
+DEFAULT_CONTROLLER_SLOW_START_INTERVAL_S = 0.5
 DEFAULT_REAPER_INTERVAL_S = 10.0
 DEFAULT_MAX_WORKER_LOSSES = 3
 DEFAULT_DRAIN_TIMEOUT_S = 120.0
@@ -138,6 +142,8 @@ class WorkerSettings(CommonSettings):
     commit_interval_s: float = Field(default=DEFAULT_COMMIT_INTERVAL_S, gt=0)
     shard_max_records: int = Field(default=DEFAULT_SHARD_MAX_RECORDS, ge=1)
     poll_interval_s: float = Field(default=DEFAULT_POLL_INTERVAL_S, gt=0)
+    # Fault tests only: how long a committed shard's acknowledgement waits (kill -9 in between).
+    test_ack_delay_s: float = Field(default=0.0, ge=0, le=60)
     health_interval_s: float = Field(default=DEFAULT_HEALTH_INTERVAL_S, gt=0)
     health_timeout_s: float = Field(default=DEFAULT_HEALTH_TIMEOUT_S, gt=0)
     health_timeouts_to_down: int = Field(default=DEFAULT_HEALTH_TIMEOUTS_TO_DOWN, ge=1)
@@ -145,8 +151,13 @@ class WorkerSettings(CommonSettings):
     kv_controller: bool = True
     controller_interval_s: float = Field(default=DEFAULT_CONTROLLER_INTERVAL_S, gt=0)
     controller_floor: float = Field(default=DEFAULT_CONTROLLER_FLOOR, gt=0, le=1)
+    controller_initial_target: int = Field(default=DEFAULT_CONTROLLER_INITIAL_TARGET, ge=0, le=10_000)
+    controller_slow_start_interval_s: float = Field(default=DEFAULT_CONTROLLER_SLOW_START_INTERVAL_S, gt=0)
     reaper_interval_s: float = Field(default=DEFAULT_REAPER_INTERVAL_S, gt=0)
     drain_timeout_s: float = Field(default=DEFAULT_DRAIN_TIMEOUT_S, ge=0)
+    backup_requests: bool = Field(
+        default=True, description="race stragglers on a faster idle server at the end of a run"
+    )
     api_key: SecretStr | None = Field(
         default=None, description="SGLang --api-key, sent as a bearer token to servers without their own"
     )

@@ -5,7 +5,9 @@ for a cancelled, failed or deleted job) together with (a) its rows added to the 
 (`service.rowids`) and (b) the job's counters and the line checkpoint. A crash anywhere leaves
 either the whole chunk or none of it; a resumed ingestion starts after the checkpoint, and the
 rows guard (read before each chunk) keeps a resubmitted row from being enqueued twice, since RQ
-itself accepts a second enqueue of the same job id.
+itself accepts a second enqueue of the same job id. Chunks start small and double up to the
+configured size (`service.chunk.chunk_sizes`), and the first one also goes out after a deadline, so
+warm workers start on a new job within a fraction of a second of its submit.
 
 Evaluation hygiene (`datagen.hygiene`) judges each chunk's rows last: contaminated rows and
 duplicates become rejected rows, and the kept rows' packed records are appended to the job's
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,7 +43,7 @@ from datagen.spec import JobSpec
 from datagen.states import JobState, PromptClass, SpecialTextPolicy
 from datagen.storage import Storage
 from datagen.tokenization import PromptRenderer, renderer_for, special_text_reason
-from service.chunk import Chunk, breakdown, chunk_items
+from service.chunk import Chunk, breakdown, chunk_items, chunk_sizes
 from service.metrics import CoordinatorMetrics
 from service.rowids import check_row_ids, repeated_lines, row_id
 
@@ -50,6 +53,10 @@ log = logging.getLogger(__name__)
 
 REDIS_RETRY_MIN_S = 1.0
 REDIS_RETRY_MAX_S = 30.0
+# The first chunk of an ingestion is small, and goes out after this long even if it is not full
+# (slow rendering, long prompts): warm workers start on a job within a fraction of a second.
+FIRST_CHUNK = 32
+FIRST_CHUNK_S = 0.1
 
 
 @dataclass(frozen=True)
@@ -61,6 +68,11 @@ class IngestOptions:
     # file), and one huge job's window never holds back another job's ingestion.
     max_queued_per_class: int = 200_000
     backpressure_poll_s: float = 1.0
+    # Chunks grow from this size to ``chunk`` (`service.chunk.chunk_sizes`); the first one is
+    # flushed after ``first_chunk_s`` with whatever prompts it holds. Neither applies when ``chunk``
+    # is already this small.
+    first_chunk: int = FIRST_CHUNK
+    first_chunk_s: float = FIRST_CHUNK_S
 
 
 class _Stopped(Exception):
@@ -158,15 +170,21 @@ class Ingestor:
             log.info("job %s: resuming ingestion of %s after line %d", job_id, input_name, start_line)
         hygiene = self._hygiene(job_id, spec)
         chunk = Chunk(input_name)
+        sizes = chunk_sizes(self.options.first_chunk, self.options.chunk)
+        size = next(sizes)
+        # Only the first chunk has a deadline; None once it is out (or when chunks are small anyway).
+        deadline = time.monotonic() + self.options.first_chunk_s if size < self.options.chunk else None
         with self._open(job_id, source) as stream:
             for item, conversation in chunk_items(stream, spec, start_line):
                 if stop.is_set():
                     log.info("job %s: ingestion paused at line %d (shutdown)", job_id, chunk.last_line)
                     return
                 self._add(chunk, item, conversation, job_id, spec, renderer, context_len, incarnation)
-                if len(chunk.prompts) + len(chunk.rejected) >= self.options.chunk:
+                full = len(chunk.prompts) + len(chunk.rejected) >= size
+                if full or (deadline is not None and chunk.prompts and time.monotonic() >= deadline):
                     self._flush(job_id, spec, chunk, stop, hygiene, incarnation)
                     chunk = Chunk(input_name)
+                    size, deadline = next(sizes), None
         self._flush(job_id, spec, chunk, stop, hygiene, incarnation)
         self.jobs.finish_ingest(job_id)
         log.info("job %s: ingestion finished", job_id)

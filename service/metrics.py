@@ -90,6 +90,16 @@ class _JobsCollector(Collector):
         )
         weight = GaugeMetricFamily("datagen_job_weight", "The job's fair-share weight", labels=["job"])
         paused = GaugeMetricFamily("datagen_job_paused", "1 while a job is paused", labels=["job"])
+        first_record = GaugeMetricFamily(
+            "datagen_job_first_record_seconds",
+            "Seconds from the job's creation to its first record (while it has none, seconds waited so far)",
+            labels=["job"],
+        )
+        tail = GaugeMetricFamily(
+            "datagen_job_tail_seconds",
+            "Seconds spent on the job's last 5% of prompts (0 until 95% have finished)",
+            labels=["job"],
+        )
         try:
             jobs = [self.jobs.progress(job_id) for job_id in self.jobs.list_ids(SCRAPE_JOBS)]
             shares = self.dispatch.shares()
@@ -103,12 +113,13 @@ class _JobsCollector(Collector):
                     share_recent.add_metric([job.job_id], share.recent if share else 0.0)
                     weight.add_metric([job.job_id], job.weight)
                     paused.add_metric([job.job_id], 1 if job.paused else 0)
+                    _timing(job, first_record, tail)
         except RedisError:
             return
         for state, count in states.items():
             by_state.add_metric([state.value], count)
         yield from (by_state, prompts, tokens, finishes, progress_ratio, eta)
-        yield from (share_target, share_recent, weight, paused)
+        yield from (share_target, share_recent, weight, paused, first_record, tail)
 
     def _job(
         self,
@@ -130,6 +141,15 @@ class _JobsCollector(Collector):
         view = job.to_json(at_ms=int(time.time() * 1000))
         if view["eta_s"] is not None:
             eta.add_metric([job.job_id], view["eta_s"])
+
+
+def _timing(job: JobProgress, first_record: GaugeMetricFamily, tail: GaugeMetricFamily) -> None:
+    """A running job's start and tail as gauges that always answer: a start still waited for shows
+    the wait so far (a stuck start rises on the dashboard), a tail not yet begun shows 0."""
+    at_ms = int(time.time() * 1000)
+    first_s = job.time_to_first_record_s()
+    first_record.add_metric([job.job_id], job.elapsed_s(at_ms) if first_s is None else first_s)
+    tail.add_metric([job.job_id], job.tail_s(at_ms) or 0.0)
 
 
 @dataclass

@@ -1,5 +1,6 @@
-"""Admission: one claim loop per class takes prompts from RQ while that class has a free slot,
-and runs each as an asyncio task.
+"""Admission: one claim loop per class takes prompts from RQ while that class has free slots,
+as many per claim as are free, and runs each as an asyncio task. With nothing to claim it waits
+for a wake-up (`workers.wake`) instead of polling Redis.
 
 :class:`Slots` is the account of what runs: the tasks of each class, how many of them are still
 generating (a slot is held from the claim until the server has answered, not while the record
@@ -23,10 +24,19 @@ from workers.control import FleetSync
 from workers.fleet import Fleet
 from workers.redisretry import REDIS_RETRY_MAX_S, REDIS_RETRY_MIN_S
 from workers.rqbridge import InFlight, QueueIdentity, payload_of
+from workers.wake import Wakeups
 
 __all__ = ["Admission", "RunPrompt", "Slots"]
 
 log = logging.getLogger(__name__)
+
+# While requests end one by one, a claim waits this long for freed slots to gather, until a
+# capacity / CLAIM_BATCH_DIVISOR of them are free: one claim then starts several prompts (its
+# cost in Redis commands is mostly per call). Nothing next to a generation's seconds.
+CLAIM_GATHER_S = 0.005
+CLAIM_BATCH_DIVISOR = 8
+# An idle claim loop polls at most this rarely; wake-ups (`workers.wake`) bring it back at once.
+IDLE_POLL_MAX_S = 5.0
 
 # The life of one claimed prompt (``workers.prompt.PromptRunner.run``).
 RunPrompt = Callable[[QueueIdentity, InFlight, PromptClass], Coroutine[Any, Any, None]]
@@ -42,6 +52,9 @@ class Slots:
         # cancelled with abort (those finish as cancelled instead of being handed back).
         self._task_jobs: dict[asyncio.Task[None], str] = {}
         self._aborted: set[asyncio.Task[None]] = set()
+        # Set while no prompt task runs (burst mode checks whether it is done then).
+        self.empty = asyncio.Event()
+        self.empty.set()
 
     def stop(self) -> None:
         self.stopping.set()
@@ -53,6 +66,7 @@ class Slots:
     def add(self, cls: PromptClass, task: asyncio.Task[None], job_id: str) -> None:
         tasks = self.tasks[cls]
         tasks.add(task)
+        self.empty.clear()
         self._task_jobs[task] = job_id
         task.add_done_callback(tasks.discard)
         task.add_done_callback(self._task_done)
@@ -76,6 +90,8 @@ class Slots:
         self._task_jobs.pop(task, None)
         self._aborted.discard(task)
         self.freed.set()
+        if not self._task_jobs:
+            self.empty.set()
 
 
 class Admission:
@@ -90,6 +106,9 @@ class Admission:
         *,
         burst: bool,
         poll_interval_s: float,
+        wakeups: Wakeups | None = None,
+        on_claim_empty: Callable[[PromptClass], None] | None = None,
+        on_claimed: Callable[[PromptClass], None] | None = None,
     ) -> None:
         self.slots = slots
         self.identities = identities
@@ -99,6 +118,10 @@ class Admission:
         self.run_prompt = run_prompt
         self.burst = burst
         self.poll_interval_s = poll_interval_s
+        self.wakeups = wakeups
+        self.on_claim_empty = on_claim_empty
+        self.on_claimed = on_claimed
+        self.claims = 0
 
     async def run(self) -> None:
         await asyncio.gather(*(self._admit(cls) for cls in PromptClass))
@@ -107,18 +130,25 @@ class Admission:
         slots = self.slots
         identity = self.identities[cls]
         poll_s = self.poll_interval_s
+        idle_s = 0.0
         outage_s = 0.0
         while not slots.stopping.is_set():
             if self.burst and self._burst_done():
                 return
             # Prompts waiting only for their shard commit no longer use a server slot.
-            if cls in self.sync.paused_classes or slots.generating[cls] >= self.fleet.capacity(cls):
-                slots.freed.clear()
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(slots.freed.wait(), timeout=poll_s)
+            free = self.fleet.capacity(cls) - slots.generating[cls]
+            if cls in self.sync.paused_classes or free <= 0:
+                await self._wait_freed(poll_s)
                 continue
+            if free < self._min_batch(cls) and slots.generating[cls] and idle_s == 0.0:
+                # Requests are ending one by one: gather a few freed slots into one claim.
+                await self._wait_freed(CLAIM_GATHER_S)
+                free = self.fleet.capacity(cls) - slots.generating[cls]
+                if free <= 0:
+                    continue
             try:
-                item = identity.claim(self.dispatch, cls)
+                items = identity.claim_many(self.dispatch, cls, free)
+                self.claims += 1
                 outage_s = 0.0
             except redis.RedisError as exc:
                 if not outage_s:
@@ -126,12 +156,45 @@ class Admission:
                 outage_s = min(REDIS_RETRY_MAX_S, max(REDIS_RETRY_MIN_S, outage_s * 2))
                 await asyncio.sleep(outage_s)
                 continue
-            if item is None:
-                await asyncio.sleep(poll_s)
+            if not items:
+                if self.on_claim_empty is not None:
+                    self.on_claim_empty(cls)
+                # Nothing to claim: wait for a wake-up (`workers.wake`), polling ever more slowly.
+                idle_s = min(IDLE_POLL_MAX_S, max(poll_s, idle_s * 2))
+                await self._wait_for_work(cls, idle_s if self.wakeups is not None else poll_s)
                 continue
-            slots.generating[cls] += 1
-            task = asyncio.create_task(self.run_prompt(identity, item, cls), name=item.job.id)
-            slots.add(cls, task, str((payload_of(item.job) or {}).get("job", "")))
+            idle_s = 0.0
+            if self.on_claimed is not None:
+                self.on_claimed(cls)
+            for item in items:
+                slots.generating[cls] += 1
+                task = asyncio.create_task(self.run_prompt(identity, item, cls), name=item.job.id)
+                slots.add(cls, task, str((payload_of(item.job) or {}).get("job", "")))
+
+    def _min_batch(self, cls: PromptClass) -> int:
+        return max(1, self.fleet.capacity(cls) // CLAIM_BATCH_DIVISOR)
+
+    async def _wait_freed(self, timeout_s: float) -> None:
+        self.slots.freed.clear()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.slots.freed.wait(), timeout=timeout_s)
+
+    async def _wait_for_work(self, cls: PromptClass, timeout_s: float) -> None:
+        if self.wakeups is None:
+            await asyncio.sleep(timeout_s)
+            return
+        # A stop must not wait out a long idle poll, nor burst mode the end of its last prompt.
+        waiters = {
+            asyncio.ensure_future(self.wakeups.wait(cls, timeout_s)),
+            asyncio.ensure_future(self.slots.stopping.wait()),
+        }
+        if self.burst and not self.slots.empty.is_set():
+            waiters.add(asyncio.ensure_future(self.slots.empty.wait()))
+        try:
+            await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for waiter in waiters:
+                waiter.cancel()
 
     def _burst_done(self) -> bool:
         """Burst mode ends when nothing runs here and no unpaused job has prompts to dispatch."""

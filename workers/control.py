@@ -12,7 +12,11 @@
   length, another model than the fleet's, or a 401/403 (the API key) keeps the worker off it,
   published as ``refused`` with the reason, until a later probe passes.
 - :class:`KvControl` (per server, in the one worker holding the server's controller lease):
-  reads ``/metrics``, runs :func:`workers.controller.decide`, writes the shared target.
+  reads ``/metrics``, runs :func:`workers.controller.decide`, writes the shared target and applies
+  it to its own worker's limits at once. Before the worker's first claim it seeds a server with no
+  target yet with the slow-start window; it steps every ``controller_slow_start_interval_s`` during
+  slow start, then every ``controller_interval_s``. A server seen going down or restarting (its
+  counters went back) starts slow start again.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import asyncio
 import json
 import logging
 import math
+import time
 from typing import cast
 
 from redis import Redis, RedisError
@@ -37,8 +42,9 @@ from datagen.jobs import now_ms
 from datagen.keys import Keys
 from datagen.preflight import check_server_joins
 from datagen.redistext import as_text, as_texts
+from datagen.settings import DEFAULT_CONTROLLER_INITIAL_TARGET, DEFAULT_CONTROLLER_SLOW_START_INTERVAL_S
 from datagen.states import PromptClass, ServerState
-from workers.controller import KvSignals, decide, parse_kv_signals
+from workers.controller import KvSignals, decide, parse_kv_signals, restarted
 from workers.fleet import Fleet, Server
 from workers.metrics import WorkerMetrics
 
@@ -48,11 +54,18 @@ log = logging.getLogger(__name__)
 
 # Entries of a server's worker hash vanish when every worker listing it is gone.
 WORKERS_HASH_TTL_S = 300
+# An unchanged view is published again this often (the live window, LIVE_WINDOW_S, is 10 s).
+REPUBLISH_S = 3.0
 DOWN_PROBE_INTERVAL_S = 1.0
 METRICS_TIMEOUT_S = 10.0
 LEASE_INTERVALS = 3
 # Consecutive unreadable /metrics pages before the controller says it is blind.
 METRICS_MISSES_TO_WARN = 3
+# How often the controller steps while this worker has no request on the server.
+IDLE_STEP_S = 5.0
+# The controller's phases, stored in the server's control hash.
+SLOW_START = "slow_start"
+STEADY = "steady"
 API_KEY_HINT = (
     "Check the API key of server {name}: DATAGEN_SERVER_API_KEYS or DATAGEN_SERVER_API_KEYS_FILE "
     "(NAME=KEY), else DATAGEN_API_KEY, must be the server's --api-key"
@@ -85,46 +98,59 @@ class FleetSync:
         # Cancelled jobs whose in-flight prompts this worker must abort.
         self.aborting_jobs: set[str] = set()
         self.draining = False
+        self._published: dict[str, dict[str, object]] = {}
+        self._published_at = 0.0
+        self._read_at = 0.0
 
     async def run(self) -> None:
         while True:
             await asyncio.sleep(self.interval_s)
             try:
-                self.sync_once()
+                self.sync_once(lazy=True)
             except RedisError as exc:
                 log.warning("cannot sync fleet state with Redis: %s", exc)
             await self.fleet.changed()
 
-    def sync_once(self) -> None:
+    def sync_once(self, *, lazy: bool = False) -> None:
+        """Read the pauses (every time: a pause takes effect within 2 s) and each server's shared
+        factor and sharers (``lazy``, as the background loop does: only while this worker has
+        requests in flight, else every ``REPUBLISH_S``); apply them and publish this worker's
+        views (``lazy``: an unchanged view only every ``REPUBLISH_S``)."""
         servers = self.fleet.servers
+        idle = not any(any(server.in_flight.values()) for server in servers)
+        full = not lazy or not idle or time.monotonic() - self._read_at >= REPUBLISH_S
         with self.redis.pipeline(transaction=False) as pipe:
             pipe.smembers(self.keys.paused_queues())
             pipe.smembers(self.keys.paused_servers())
             pipe.smembers(self.keys.aborting_jobs())
-            for server in servers:
-                pipe.hget(self.keys.server_control(server.name), "factor")
-                pipe.hgetall(self.keys.server_workers(server.name))
+            if full:
+                for server in servers:
+                    pipe.hget(self.keys.server_control(server.name), "factor")
+                    pipe.hgetall(self.keys.server_workers(server.name))
             replies = pipe.execute()
         paused_queues, paused_servers = set(as_texts(replies[0])), set(as_texts(replies[1]))
         self.aborting_jobs = set(as_texts(replies[2]))
         self._set_paused_classes(paused_queues)
+        if full:
+            self._read_at = time.monotonic()
         now = now_ms()
         for i, server in enumerate(servers):
-            raw_factor, raw_workers = replies[3 + 2 * i], replies[4 + 2 * i]
-            factor = float(raw_factor) if raw_factor and self.shared_factor else 1.0
-            others = sum(
-                1
-                for name, entry in cast(dict[bytes, bytes], raw_workers).items()
-                # Another worker's live view makes it a sharer of the server's slots.
-                if as_text(name) != self.worker_name and shares_server(json.loads(entry), now)
-            )
             was_paused = server.paused
             server.paused = server.name in paused_servers
             if server.paused != was_paused:
                 log.info("server %s %s", server.name, "paused" if server.paused else "resumed")
-            server.apply_target(factor, 1 + others)
+            if full:
+                raw_factor, raw_workers = replies[3 + 2 * i], replies[4 + 2 * i]
+                factor = float(raw_factor) if raw_factor and self.shared_factor else 1.0
+                others = sum(
+                    1
+                    for name, entry in cast(dict[bytes, bytes], raw_workers).items()
+                    # Another worker's live view makes it a sharer of the server's slots.
+                    if as_text(name) != self.worker_name and shares_server(json.loads(entry), now)
+                )
+                server.apply_target(factor, 1 + others)
             self._update_metrics(server)
-        self.publish()
+        self.publish(force=not lazy)
 
     def _set_paused_classes(self, names: set[str]) -> None:
         paused = {cls for cls in PromptClass if cls.value in names}
@@ -139,24 +165,36 @@ class FleetSync:
         for cls in PromptClass:
             self.metrics.in_flight_target.labels(server.name, cls.value).set(server.limits[cls])
 
-    def publish(self) -> None:
+    def publish(self, *, force: bool = True) -> None:
+        """Publish this worker's view of each server; unless ``force``, a view that did not change
+        is republished only every ``REPUBLISH_S`` (well within the live window), so an idle worker
+        costs Redis little."""
+        views = {}
+        for server in self.fleet.servers:
+            views[server.name] = self._view(server)
+        now = time.monotonic()
+        if not force and views == self._published and now - self._published_at < REPUBLISH_S:
+            return
         with self.redis.pipeline(transaction=False) as pipe:
             for server in self.fleet.servers:
-                view = {
-                    "state": ServerState.DRAINING if self.draining else server.state,
-                    "in_flight": {cls.value: server.in_flight[cls] for cls in PromptClass},
-                    "limits": {cls.value: server.limits[cls] for cls in PromptClass},
-                    "factor": round(server.factor, 4),
-                    "context_len": server.context_len,
-                    **server.model(),
-                    "refused": server.refused,
-                    "metrics": self.metrics_address,
-                    "seen_at_ms": now_ms(),
-                }
+                view = {**views[server.name], "seen_at_ms": now_ms()}
                 key = self.keys.server_workers(server.name)
                 pipe.hset(key, self.worker_name, json.dumps(view, sort_keys=True))
                 pipe.expire(key, WORKERS_HASH_TTL_S)
             pipe.execute()
+        self._published, self._published_at = views, now
+
+    def _view(self, server: Server) -> dict[str, object]:
+        return {
+            "state": ServerState.DRAINING if self.draining else server.state,
+            "in_flight": {cls.value: server.in_flight[cls] for cls in PromptClass},
+            "limits": {cls.value: server.limits[cls] for cls in PromptClass},
+            "factor": round(server.factor, 4),
+            "context_len": server.context_len,
+            **server.model(),
+            "refused": server.refused,
+            "metrics": self.metrics_address,
+        }
 
     def withdraw(self) -> None:
         with self.redis.pipeline(transaction=False) as pipe:
@@ -271,6 +309,13 @@ class HealthProbe:
 
 
 class KvControl:
+    """The KV controller of one server; only the worker holding the server's controller lease
+    steps it (any worker may seed or reset the shared target, see :meth:`prime` and :meth:`step`).
+
+    The phase (``slow_start`` or ``steady``) lives in the server's control hash beside the target,
+    so a worker that takes the lease over carries on where the previous holder was.
+    """
+
     def __init__(
         self,
         redis: Redis,
@@ -281,6 +326,8 @@ class KvControl:
         owner: str,
         interval_s: float,
         floor_fraction: float,
+        initial_target: int = DEFAULT_CONTROLLER_INITIAL_TARGET,
+        slow_start_interval_s: float = DEFAULT_CONTROLLER_SLOW_START_INTERVAL_S,
     ) -> None:
         self.redis = redis
         self.keys = keys
@@ -289,16 +336,70 @@ class KvControl:
         self.owner = owner
         self.interval_s = interval_s
         self.floor_fraction = floor_fraction
+        self.initial_target = initial_target
+        self.slow_start_interval_s = slow_start_interval_s
         self._previous: KvSignals | None = None
         self._misses = 0
+        # This worker's last view of the phase; it sets the pace of the loop.
+        self._slow_start = True
+        self._was_up = server.up
+        # Whether this worker had requests on the server at the last step.
+        self._last_busy = False
 
     async def run(self) -> None:
+        # The worker creates this task before its claim loops' tasks, so this runs before the
+        # first claim: the first burst already sees the slow-start window, not the ceiling.
+        try:
+            self.prime()
+        except RedisError as exc:
+            log.warning("KV controller for %s cannot reach Redis: %s", self.server.name, exc)
+        last_step = 0.0
         while True:
-            await asyncio.sleep(self.interval_s)
+            await asyncio.sleep(self._pause_s())
+            idle = not self._last_busy and not any(self.server.in_flight.values())
+            if idle and time.monotonic() - last_step < IDLE_STEP_S:
+                # Nothing of this worker's ran there since the last step: little to decide, so an
+                # idle worker steps (and spends Redis commands) rarely; demand resumes the pace.
+                continue
+            last_step = time.monotonic()
             try:
                 await self.step()
             except RedisError as exc:
                 log.warning("KV controller for %s cannot reach Redis: %s", self.server.name, exc)
+
+    def _pause_s(self) -> float:
+        if self._slow_start:
+            return min(self.interval_s, self.slow_start_interval_s)
+        return self.interval_s
+
+    def _ceiling(self) -> int:
+        return sum(self.server.max_limits.values())
+
+    def _initial(self, ceiling: int) -> int:
+        """The slow-start window, within the floor and the ceiling (0: the ceiling, no slow start)."""
+        if self.initial_target == 0:
+            return ceiling
+        return min(ceiling, max(self._floor(ceiling), self.initial_target))
+
+    def prime(self) -> None:
+        """Seed a server that has no shared target yet with the slow-start window (atomically: the
+        first worker wins), and apply the shared target to this worker's limits now rather than at
+        the next fleet sync."""
+        server, ceiling = self.server, self._ceiling()
+        if ceiling == 0:
+            return
+        initial = self._initial(ceiling)
+        key = self.keys.server_control(server.name)
+        with self.redis.pipeline(transaction=True) as pipe:
+            pipe.hsetnx(key, "target", initial)
+            pipe.hsetnx(key, "ceiling", ceiling)
+            pipe.hsetnx(key, "factor", initial / ceiling)
+            pipe.hsetnx(key, "phase", SLOW_START if initial < ceiling else STEADY)
+            pipe.hget(key, "factor")
+            pipe.hget(key, "phase")
+            *_, raw_factor, raw_phase = pipe.execute()
+        self._slow_start = raw_phase is not None and as_text(raw_phase) == SLOW_START
+        server.apply_target(float(raw_factor), server.share)
 
     def _hold_lease(self) -> bool:
         key = self.keys.server_controller_lease(self.server.name)
@@ -313,10 +414,53 @@ class KvControl:
 
     async def step(self) -> None:
         server = self.server
-        ceiling = sum(server.max_limits.values())
-        if not server.up or ceiling == 0 or not self._hold_lease():
+        ceiling = self._ceiling()
+        if not server.up:
+            if self._was_up and ceiling:
+                # Whatever the server held is gone; when it is back it starts from slow start.
+                self._restart(ceiling, "the server went down")
+            self._was_up = False
             self._previous = None
             return
+        self._was_up = True
+        self._last_busy = any(server.in_flight.values())
+        if ceiling == 0 or not self._hold_lease():
+            self._previous = None
+            self._slow_start = False  # another worker steps it: look at the lease at the usual pace
+            return
+        current = await self._read_signals()
+        if current is None:
+            return
+        self._observe(current)
+        key = self.keys.server_control(server.name)
+        state = {as_text(k): as_text(v) for k, v in cast(dict[bytes, bytes], self.redis.hgetall(key)).items()}
+        before = min(ceiling, int(state["target"])) if "target" in state else self._initial(ceiling)
+        target, slow, previous, note = before, state.get("phase", STEADY) == SLOW_START, self._previous, ""
+        if "target" not in state:
+            slow = self._initial(ceiling) < ceiling
+        # The signals the last controller wrote also tell a restart that happened while none looked.
+        if restarted(previous or _stored_signals(state), current):
+            target, slow, previous = self._initial(ceiling), self._initial(ceiling) < ceiling, None
+            note = "the server restarted"
+        decision = decide(
+            target,
+            previous,
+            current,
+            floor=self._floor(ceiling),
+            ceiling=ceiling,
+            slow_start=slow,
+            usable=self._usable(),
+        )
+        self._previous = current
+        self._slow_start = decision.slow_start
+        reason = "; ".join(r for r in (note, decision.reason) if r) or None
+        self._write(key, ceiling, decision.target, decision.slow_start, current, reason)
+        server.apply_target(decision.target / ceiling, server.share)
+        if reason is not None:
+            self._changed(before, decision.target, reason)
+
+    async def _read_signals(self) -> KvSignals | None:
+        server = self.server
         try:
             current = parse_kv_signals(await server.client.metrics_text(timeout_s=METRICS_TIMEOUT_S))
         except (DatagenError, ValueError) as exc:
@@ -328,41 +472,65 @@ class KvControl:
                     server.name,
                     exc,
                 )
-            return
+            return None
         if self._misses >= METRICS_MISSES_TO_WARN:
             log.info("server %s: /metrics readable again; KV control resumes", server.name)
         self._misses = 0
-        self._observe(current)
-        key = self.keys.server_control(server.name)
-        raw_target = self.redis.hget(key, "target")
-        target = min(ceiling, int(raw_target)) if raw_target else ceiling
-        floor = max(1, math.ceil(ceiling * self.floor_fraction))
-        decision = decide(target, self._previous, current, floor=floor, ceiling=ceiling)
-        self._previous = current
+        return current
+
+    def _floor(self, ceiling: int) -> int:
+        return max(1, math.ceil(ceiling * self.floor_fraction))
+
+    def _usable(self) -> int | None:
+        """The server's slots of the classes this worker has in flight there (its limits times the
+        workers sharing the server): a job of one class cannot fill the other class's share. None
+        when this worker has nothing there (other workers may): the whole target."""
+        server = self.server
+        used = sum(limit for cls, limit in server.limits.items() if server.in_flight[cls] > 0)
+        return server.share * used if used else None
+
+    def _restart(self, ceiling: int, why: str) -> None:
+        initial = self._initial(ceiling)
+        self._slow_start = initial < ceiling
+        key = self.keys.server_control(self.server.name)
+        self.redis.hset(
+            key,
+            mapping={
+                "target": initial,
+                "ceiling": ceiling,
+                "factor": initial / ceiling,
+                "phase": SLOW_START if self._slow_start else STEADY,
+                "reason": f"{why}; in-flight target back to {initial}",
+                "changed_at_ms": now_ms(),
+            },
+        )
+        self.server.apply_target(initial / ceiling, self.server.share)
+        log.info("server %s: %s; in-flight target back to %d (slow start)", self.server.name, why, initial)
+
+    def _write(
+        self, key: str, ceiling: int, target: int, slow_start: bool, signals: KvSignals, reason: str | None
+    ) -> None:
         with self.redis.pipeline(transaction=False) as pipe:
             pipe.hset(
                 key,
                 mapping={
-                    "target": decision.target,
+                    "target": target,
                     "ceiling": ceiling,
-                    "factor": decision.target / ceiling,
-                    "signals": json.dumps(current.to_json(), sort_keys=True),
+                    "factor": target / ceiling,
+                    "phase": SLOW_START if slow_start else STEADY,
+                    "signals": json.dumps(signals.to_json(), sort_keys=True),
                     "controller": self.owner,
                 },
             )
-            if decision.reason is not None:
-                pipe.hset(key, mapping={"reason": decision.reason, "changed_at_ms": now_ms()})
+            if reason is not None:
+                pipe.hset(key, mapping={"reason": reason, "changed_at_ms": now_ms()})
             pipe.execute()
-        if decision.reason is not None:
-            direction = "down" if decision.target < target else "up"
-            self.metrics.controller_changes.labels(server.name, direction).inc()
-            log.info(
-                "server %s: in-flight target %d -> %d: %s",
-                server.name,
-                target,
-                decision.target,
-                decision.reason,
-            )
+
+    def _changed(self, before: int, after: int, reason: str) -> None:
+        if after != before:
+            direction = "down" if after < before else "up"
+            self.metrics.controller_changes.labels(self.server.name, direction).inc()
+        log.info("server %s: in-flight target %d -> %d: %s", self.server.name, before, after, reason)
 
     def _observe(self, signals: KvSignals) -> None:
         name = self.server.name
@@ -372,3 +540,10 @@ class KvControl:
         self.metrics.server_running.labels(name).set(signals.num_running_reqs)
         if signals.retracted_total is not None:
             self.metrics.server_retractions.labels(name).set(signals.retracted_total)
+
+
+def _stored_signals(state: dict[str, str]) -> KvSignals | None:
+    try:
+        return KvSignals.from_json(json.loads(state["signals"])) if "signals" in state else None
+    except (ValueError, TypeError):
+        return None

@@ -4,16 +4,27 @@ SGLang admits a request only when its prompt plus a reserve for its ``max_new_to
 the KV pool; what is sent beyond that waits in the *server's* queue, where it cannot move to a
 server that frees up, dies with a restart and ignores a paused queue. So the controller moves a
 server's in-flight target (a total over both classes, shared by every worker that lists the
-server) between a floor and the configured maximum:
+server) between a floor and the configured maximum.
+
+It starts small, in *slow start* (like TCP's): a new server, or one that restarted, gets a window
+of a few requests (``controller_initial_target``) that grows by half at each sample while the window is
+in use, nothing waits in the server's queue and KV usage has headroom (the growth is also capped
+where the current usage per running request says the pool would be full). The first sign of the
+server's limit (a queue, retractions, a full pool) or the ceiling ends slow start, and the steady
+rules take over:
 
 - retractions since the last sample: the pool overflowed during decode, cut the target by 30 %;
 - requests waiting in the server's queue beyond a small tolerance: snap the target down to what
   the server actually runs (plus the tolerance), or by 10 % if it is already there;
-- the target is in use (running + waiting near it), nothing waits and KV usage has headroom:
-  grow by 10 % (at least one request).
+- the target is in use (running + waiting near it), nothing waited at this sample nor the one
+  before and KV usage has headroom: grow by 5 % (at least one request).
+
+The queue tolerance is small (one request, or 3 % of those running) and growth is slow because a
+queue of a few requests already keeps a server's batch full: more only parks work there.
 
 It reads the server's ``/metrics`` in either name form (``sglang:`` or ``sglang_``), summing over
-data-parallel ranks.
+data-parallel ranks. A counter that went down (requests served, retractions) means the server
+restarted, which starts slow start again.
 """
 
 from __future__ import annotations
@@ -23,15 +34,18 @@ from dataclasses import dataclass
 
 from prometheus_client.parser import text_string_to_metric_families
 
-__all__ = ["Decision", "KvSignals", "decide", "parse_kv_signals"]
+__all__ = ["Decision", "KvSignals", "decide", "parse_kv_signals", "restarted"]
 
 RETRACTION_BACKOFF = 0.7
 QUEUE_BACKOFF = 0.9
-GROWTH = 0.1
-QUEUE_TOLERANCE_ABS = 2
-QUEUE_TOLERANCE_FRACTION = 0.05
+GROWTH = 0.05
+QUEUE_TOLERANCE_ABS = 1
+QUEUE_TOLERANCE_FRACTION = 0.03
 USAGE_HIGH = 0.9
 BINDING_FRACTION = 0.9
+# Slow start's growth per sample: 1.5 rather than TCP's 2, so that the step that finds the
+# server's limit parks at most a third of what runs in its queue.
+SLOW_START_GROWTH = 1.5
 
 _SIGNALS = {
     "token_usage": "token_usage",
@@ -39,6 +53,7 @@ _SIGNALS = {
     "num_running_reqs": "num_running_reqs",
     "num_retracted_requests": "retracted_total",
     "max_total_num_tokens": "max_total_num_tokens",
+    "num_requests": "requests_total",
 }
 
 
@@ -49,6 +64,7 @@ class KvSignals:
     num_running_reqs: float = 0.0
     retracted_total: float | None = None
     max_total_num_tokens: float | None = None
+    requests_total: float | None = None  # requests the server has served since it started
 
     def to_json(self) -> dict[str, float | None]:
         return {
@@ -57,7 +73,13 @@ class KvSignals:
             "num_running_reqs": self.num_running_reqs,
             "retracted_total": self.retracted_total,
             "max_total_num_tokens": self.max_total_num_tokens,
+            "requests_total": self.requests_total,
         }
+
+    @classmethod
+    def from_json(cls, values: dict[str, float | None]) -> KvSignals:
+        """The inverse of :meth:`to_json`; unknown keys (an older or newer worker) are ignored."""
+        return cls(**{k: v for k, v in values.items() if k in cls.__dataclass_fields__})  # type: ignore[arg-type]
 
 
 def _signal_name(family: str) -> str | None:
@@ -82,12 +104,14 @@ def parse_kv_signals(text: str) -> KvSignals:
     usage = values.get("token_usage")
     retracted = values.get("retracted_total")
     capacity = values.get("max_total_num_tokens")
+    requests = values.get("requests_total")
     return KvSignals(
         token_usage=max(usage) if usage else None,
         num_queue_reqs=sum(values.get("num_queue_reqs", [0.0])),
         num_running_reqs=sum(values.get("num_running_reqs", [0.0])),
         retracted_total=sum(retracted) if retracted else None,
         max_total_num_tokens=sum(capacity) if capacity else None,
+        requests_total=sum(requests) if requests else None,
     )
 
 
@@ -95,15 +119,82 @@ def parse_kv_signals(text: str) -> KvSignals:
 class Decision:
     target: int
     reason: str | None  # None: unchanged
+    slow_start: bool = False  # still in slow start after this decision
 
 
 def decide(
-    target: int, previous: KvSignals | None, current: KvSignals, *, floor: int, ceiling: int
+    target: int,
+    previous: KvSignals | None,
+    current: KvSignals,
+    *,
+    floor: int,
+    ceiling: int,
+    slow_start: bool = False,
+    usable: int | None = None,
 ) -> Decision:
-    """The next in-flight target for one server."""
+    """The next in-flight target for one server.
+
+    ``usable``: how much of the target the prompt classes that have work can use (the target is
+    a total over both classes; a job of long prompts alone uses only the long share of it). The
+    target counts as in use when the server runs or queues nearly that many. None: all of it.
+    """
+    used = target if usable is None else max(1, min(target, usable))
+    in_use = current.num_running_reqs + current.num_queue_reqs >= BINDING_FRACTION * used
+    if slow_start:
+        grown = _slow_start_growth(target, current, used)
+        return _slow_start(
+            target, previous, current, floor=floor, ceiling=ceiling, in_use=in_use, grown=grown
+        )
+    return _steady(target, previous, current, floor=floor, ceiling=ceiling, in_use=in_use)
+
+
+def _slow_start_growth(target: int, current: KvSignals, used: int) -> int:
+    grown = max(target + 1, math.floor(target * SLOW_START_GROWTH))
+    usage, running = current.token_usage, current.num_running_reqs
+    if usage and running:
+        # What the pool holds at the current usage per running request (a low estimate while the
+        # running requests are young, so slow start never stops on it, only grows slower), in
+        # units of the target, of which the classes with work use ``used``.
+        fits = running * USAGE_HIGH / usage * target / used
+        grown = min(grown, max(target + 1, math.floor(fits)))
+    return grown
+
+
+def _slow_start(
+    target: int,
+    previous: KvSignals | None,
+    current: KvSignals,
+    *,
+    floor: int,
+    ceiling: int,
+    in_use: bool,
+    grown: int,
+) -> Decision:
+    queue, running, usage = current.num_queue_reqs, current.num_running_reqs, current.token_usage
+    limit_seen = (
+        _retractions(previous, current) > 0
+        or queue > _tolerance(running)
+        or (usage is not None and usage >= USAGE_HIGH)
+    )
+    if limit_seen:
+        steady = _steady(target, previous, current, floor=floor, ceiling=ceiling, in_use=in_use)
+        cause = steady.reason or f"KV usage {_pct(usage)}"
+        return Decision(steady.target, f"slow start ends at {target}: {cause}")
+    if target >= ceiling:
+        return Decision(ceiling, f"slow start ends at the ceiling {ceiling}")
+    if not in_use:
+        return Decision(target, None, slow_start=True)  # not used yet: wait for demand, not grow
+    new = max(floor, min(ceiling, grown))
+    reason = f"slow start: {running:.0f} running, {queue:.0f} waiting, KV usage {_pct(usage)}"
+    return Decision(new, reason, slow_start=True)
+
+
+def _steady(
+    target: int, previous: KvSignals | None, current: KvSignals, *, floor: int, ceiling: int, in_use: bool
+) -> Decision:
     queue = current.num_queue_reqs
     running = current.num_running_reqs
-    tolerance = max(QUEUE_TOLERANCE_ABS, QUEUE_TOLERANCE_FRACTION * running)
+    tolerance = _tolerance(running)
     usage = current.token_usage
     retracted = _retractions(previous, current)
     if retracted > 0:
@@ -113,13 +204,34 @@ def decide(
         snapped = math.ceil(running + tolerance)
         new = snapped if snapped < target else math.floor(target * QUEUE_BACKOFF)
         reason = f"{queue:.0f} requests waiting in the server queue beside {running:.0f} running"
-    elif running + queue >= BINDING_FRACTION * target and (usage is None or usage < USAGE_HIGH):
+    elif queue < 1 and _quiet(previous) and in_use and (usage is None or usage < USAGE_HIGH):
         new = target + max(1, math.ceil(target * GROWTH))
         reason = f"headroom: {running:.0f} running, {queue:.0f} waiting, KV usage {_pct(usage)}"
     else:
         return Decision(target, None)
     new = max(floor, min(ceiling, new))
     return Decision(new, reason if new != target else None)
+
+
+def restarted(previous: KvSignals | None, current: KvSignals) -> bool:
+    """Whether the server restarted between two samples: one of its counters went down."""
+    if previous is None:
+        return False
+    pairs = (
+        (previous.requests_total, current.requests_total),
+        (previous.retracted_total, current.retracted_total),
+    )
+    return any(before is not None and now is not None and now < before for before, now in pairs)
+
+
+def _quiet(previous: KvSignals | None) -> bool:
+    """Nothing waited at the previous sample either: growth waits one sample after a queue, so the
+    target does not climb straight back into the limit it was just cut from."""
+    return previous is None or previous.num_queue_reqs < 1
+
+
+def _tolerance(running: float) -> float:
+    return max(QUEUE_TOLERANCE_ABS, QUEUE_TOLERANCE_FRACTION * running)
 
 
 def _retractions(previous: KvSignals | None, current: KvSignals) -> float:

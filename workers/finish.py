@@ -1,11 +1,13 @@
-"""The RQ transitions that record how a prompt ended, each with the job's counters in RQ's own
-transaction: succeeded (and, in multi-turn ``all`` mode, its next turn enqueued), failed,
-cancelled with its job, dropped because its job was deleted, or handed back unfinished.
+"""The RQ transitions that record how a prompt ended, each with the job's counters in the same
+transaction: succeeded (batched with its shard, `workers.acks`; in multi-turn ``all`` mode with its
+next turn enqueued), failed, cancelled with its job, dropped because its job was deleted, or handed
+back unfinished.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import Mapping
 
@@ -16,13 +18,14 @@ from rq.job import Job, JobStatus
 from datagen.dispatch import Dispatch
 from datagen.enqueue import EnqueueOptions, enqueue_prompts
 from datagen.errors import RetryableError
-from datagen.jobs import JobStore, now_ms
+from datagen.jobs import AckItem, JobStore, now_ms
 from datagen.keys import Keys, prompt_key
 from datagen.payload import PromptPayload
 from datagen.records import Record
 from datagen.settings import DEFAULT_FAILURE_TTL_S, DEFAULT_MAX_WORKER_LOSSES, DEFAULT_RESULT_TTL_S
 from datagen.states import PromptClass
 from datagen.tokenization import renderer_for
+from workers.acks import Acks, ack_item
 from workers.failures import failure_report, prompt_labels
 from workers.jobinfo import JobInfos
 from workers.metrics import WorkerMetrics
@@ -45,7 +48,9 @@ class Finisher:
         identities: Mapping[PromptClass, QueueIdentity],
         metrics: WorkerMetrics,
         job_infos: JobInfos,
+        acks: Acks,
     ) -> None:
+        self.acks = acks
         self.redis = redis_client
         self.keys = keys
         self.jobs = jobs
@@ -69,7 +74,7 @@ class Finisher:
             return None
         return following
 
-    def succeed(
+    async def succeed(
         self,
         identity: QueueIdentity,
         item: InFlight,
@@ -77,38 +82,27 @@ class Finisher:
         following: PromptPayload | None,
         incarnation: str = "",
     ) -> None:
-        label = self.jobs.label_of(record.job_id, record.partition) if following is not None else ""
-
-        def hook(pipe: Pipeline) -> None:
-            self.jobs.count_done(
-                pipe,
-                record.job_id,
-                item.job.id,
-                record.output_len,
-                partition=record.partition,
-                cls=record.cls,
-                finish=record.finish_type,
-                incarnation=incarnation,
+        """The record is committed: finish the prompt in RQ and count it done, batched with the
+        other prompts of its shard (`workers.acks`); a next turn is enqueued in the same
+        transaction as its done count, so the job cannot complete in between."""
+        ack = ack_item(
+            item,
+            job_id=record.job_id,
+            incarnation=incarnation,
+            output_tokens=record.output_len,
+            partition=record.partition,
+            cls=record.cls,
+            finish=record.finish_type,
+        )
+        if following is None:
+            await self.acks.done(identity, item, ack)
+        else:
+            label = self.jobs.label_of(record.job_id, record.partition)
+            await while_redis_down(
+                functools.partial(self._succeed_with_next_turn, identity, item, ack, following, label),
+                already_done=lambda: is_final(item.job),
             )
-            if following is not None:
-                # In the same transaction as the done count: the job cannot complete in between.
-                queues = {cls: identity.queue for cls, identity in self.identities.items()}
-                options = _enqueue_options(item.job)
-                enqueue_prompts(
-                    pipe,
-                    queues,
-                    self.keys,
-                    record.job_id,
-                    [following],
-                    options,
-                    dispatch=self.dispatch,
-                    priority=self.job_infos.get(record.job_id, incarnation).spec.priority,
-                )
-                self.jobs.add_prompt(
-                    pipe, record.job_id, len(following.prompt_ids), label=label, cls=following.cls.value
-                )
-
-        identity.finish_success(item, hook)
+            identity.finished([item])
         self._observe(record)
         log.info(
             "done %s server=%s class=%s prompt=%d output=%d finish=%s attempts=%d %.2fs",
@@ -121,6 +115,29 @@ class Finisher:
             record.attempts,
             (record.finished_at_ms - record.started_at_ms) / 1000,
         )
+
+    def _succeed_with_next_turn(
+        self, identity: QueueIdentity, item: InFlight, ack: AckItem, following: PromptPayload, label: str
+    ) -> None:
+        job_id = ack.job_id
+        with self.redis.pipeline() as pipe:
+            # The done count first, as alone; the next turn's enqueue and count in the same MULTI.
+            self.jobs.ack_done(identity.ack_target, [ack], client=pipe)
+            queues = {cls: each.queue for cls, each in self.identities.items()}
+            enqueue_prompts(
+                pipe,
+                queues,
+                self.keys,
+                job_id,
+                [following],
+                _enqueue_options(item.job),
+                dispatch=self.dispatch,
+                priority=self.job_infos.get(job_id, ack.incarnation).spec.priority,
+            )
+            self.jobs.add_prompt(
+                pipe, job_id, len(following.prompt_ids), label=label, cls=following.cls.value
+            )
+            pipe.execute()
 
     def _observe(self, record: Record) -> None:
         metrics = self.metrics

@@ -1,9 +1,15 @@
 """The SGLang servers one worker sends to: slots per server and class, state, routing.
 
-A prompt goes to the server with the most free slots for its class (least outstanding) among
-those that are up and not paused, so a slow or loaded server gets less, never a blind round
-robin. A server's slots per class are its configured maximum scaled by the shared in-flight
-factor (the KV controller's) and divided among the workers that list the server.
+A prompt goes to a server with a free slot for its class among those that are up and not paused:
+the fastest by measured speed (seconds per output token of its recent requests), and among
+servers about as fast, the one with the most free slots (least outstanding), never a blind round
+robin. While every server is full this is the one that frees a slot; what speed changes is the
+choice when several have room (the backlog is draining, or a limit just grew): the last prompts
+go to the fast servers instead of being spread over slow ones. A server not measured yet comes
+after measured ones (while none is measured, free slots alone decide); it gets work, and a
+measurement, once the others are full. A server's slots per class are its configured
+maximum scaled by the shared in-flight factor (the KV controller's) and divided among the
+workers that list the server.
 """
 
 from __future__ import annotations
@@ -37,6 +43,11 @@ _NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 AFFINITY_WAIT_S = 2.0
 # Prompts remembered for affinity (their samples are enqueued together, so recent ones suffice).
 AFFINITY_MEMORY = 10_000
+# Weight of the newest request in a server's measured speed (EWMAs of wall time and output tokens).
+SPEED_EWMA_ALPHA = 0.1
+# Servers whose seconds per token are within this factor of the fastest's count as equally fast
+# (chosen among by free slots): measurement noise must not pile everything on one server.
+SAME_SPEED_FACTOR = 1.15
 
 
 @dataclass(eq=False)
@@ -57,6 +68,10 @@ class Server:
     factor: float = 1.0
     share: int = 1
     limits: dict[PromptClass, int] = field(init=False)
+    # Measured speed: EWMAs of a successful request's wall seconds and output tokens (None until
+    # the first one). Their ratio is the server's seconds per output token under its recent load.
+    latency_ewma_s: float | None = None
+    tokens_ewma: float | None = None
 
     def __post_init__(self) -> None:
         self.limits = dict(self.max_limits)
@@ -79,6 +94,22 @@ class Server:
 
     def free(self, cls: PromptClass) -> int:
         return max(0, self.limits[cls] - self.in_flight[cls]) if self.accepting else 0
+
+    @property
+    def s_per_token(self) -> float | None:
+        """Seconds per output token of this server's recent requests; None until measured."""
+        if self.latency_ewma_s is None or not self.tokens_ewma:
+            return None
+        return self.latency_ewma_s / self.tokens_ewma
+
+    def observe(self, latency_s: float, output_tokens: int) -> None:
+        """A request finished here in ``latency_s`` with ``output_tokens``: update the speed."""
+        if self.latency_ewma_s is None or self.tokens_ewma is None:
+            self.latency_ewma_s, self.tokens_ewma = latency_s, float(output_tokens)
+            return
+        a = SPEED_EWMA_ALPHA
+        self.latency_ewma_s += a * (latency_s - self.latency_ewma_s)
+        self.tokens_ewma += a * (output_tokens - self.tokens_ewma)
 
     def apply_target(self, factor: float, share: int) -> None:
         """Scale the configured maximum by ``factor`` and split it among ``share`` workers."""
@@ -108,7 +139,7 @@ class Fleet:
     async def acquire(
         self, cls: PromptClass, *, affinity: str | None = None, avoid: frozenset[str] = frozenset()
     ) -> Server:
-        """A slot on the least loaded server.
+        """A slot on the fastest server with room (least loaded among equally fast ones).
 
         ``avoid`` names servers where this prompt already failed (a timeout, a 5xx, an abort):
         others are preferred while they have room, so a retry does not go back to a wedged server
@@ -129,7 +160,7 @@ class Fleet:
                     preferred is not None and preferred.accepting and time.monotonic() < deadline
                 )
                 if not waiting_for_preferred and self.free_slots(cls) > 0:
-                    server = self._least_loaded(cls, avoid)
+                    server = self._pick(cls, avoid)
                     break
                 timeout_s = max(0.0, deadline - time.monotonic()) if waiting_for_preferred else None
                 with contextlib.suppress(TimeoutError):
@@ -140,9 +171,22 @@ class Fleet:
         self.metrics.in_flight.labels(server.name, cls.value).inc()
         return server
 
-    def _least_loaded(self, cls: PromptClass, avoid: frozenset[str]) -> Server:
+    def try_acquire(self, server: Server, cls: PromptClass) -> bool:
+        """A slot on ``server`` now if it has one (for work that must not wait: backup requests);
+        give it back with :meth:`release`."""
+        if server.free(cls) <= 0:
+            return False
+        server.in_flight[cls] += 1
+        self.metrics.in_flight.labels(server.name, cls.value).inc()
+        return True
+
+    def _pick(self, cls: PromptClass, avoid: frozenset[str]) -> Server:
         with_room = [s for s in self.servers if s.free(cls) > 0]
         pool = [s for s in with_room if s.name not in avoid] or with_room
+        measured = [v for s in pool if (v := s.s_per_token) is not None]
+        if measured:
+            limit = min(measured) * SAME_SPEED_FACTOR
+            pool = [s for s in pool if (v := s.s_per_token) is not None and v <= limit]
         most = max(s.free(cls) for s in pool)
         return random.choice([s for s in pool if s.free(cls) == most])
 

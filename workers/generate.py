@@ -3,15 +3,21 @@
 Retryable errors are retried inside the task (attempts in ``job.meta``). A server fault (the
 server is down or unreachable) sends the prompt elsewhere without charging an attempt; any other
 retryable error charges one and keeps the prompt off that server. :class:`FatalError` ends it.
+
+At the end of a run a request may race a backup on a faster idle server (`workers.backup`): the
+first answer makes the record (its ``server`` and ``rid``, which ends ``b.<tag>`` for a backup),
+the other request is cancelled. One prompt gets at most one backup.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import random
 import time
+from collections.abc import Callable
 
 from rq.job import Job
 
@@ -21,6 +27,7 @@ from datagen.payload import PromptPayload
 from datagen.records import Record
 from datagen.settings import WorkerSettings
 from datagen.states import PromptClass
+from workers.backup import Backups, Straggler
 from workers.control import API_KEY_HINT
 from workers.fleet import Fleet, Server
 from workers.jobinfo import JobInfos
@@ -47,6 +54,7 @@ class Generator:
         *,
         worker_name: str,
         tag: str,
+        backups: Backups | None = None,
     ) -> None:
         self.settings = settings
         self.fleet = fleet
@@ -54,6 +62,7 @@ class Generator:
         self.job_infos = job_infos
         self.worker_name = worker_name
         self.tag = tag
+        self.backups = backups
 
     async def generate(self, job: Job, payload: PromptPayload, cls: PromptClass) -> Record:
         job_info = self.job_infos.get(payload.job, payload.incarnation)
@@ -64,9 +73,11 @@ class Generator:
         started_at_ms = now_ms()
         tries = 0
         failed_on: set[str] = set()  # servers where this prompt timed out, got a 5xx or was aborted
+        backed_up = False
         while True:
             tries += 1
             server = await self.fleet.acquire(cls, affinity=affinity, avoid=frozenset(failed_on))
+            straggler: Straggler | None = None
             try:
                 max_new = max_new_tokens(payload, server)
                 params = spec.sampling_for(payload.gen, max_new)
@@ -76,7 +87,15 @@ class Generator:
                     extra = params.get("stop_token_ids") or []
                     params["stop_token_ids"] = sorted(set(job_info.stop_ids) | set(extra))
                 rid = f"{job.id}.a{tries}.{self.tag}"
-                result = await self._call(server, cls, payload, params, rid)
+                if self.backups is not None and self.backups.enabled and not backed_up:
+                    fits = _same_max_new(payload, max_new)
+                    avoid = frozenset(failed_on)
+                    straggler = self.backups.track(server, cls, max_new=max_new, fits=fits, avoid=avoid)
+                    answered, rid, result = await self._race(
+                        self.backups, straggler, payload, params, rq_id=job.id, tries=tries
+                    )
+                else:
+                    answered, result = server, await self._call(server, cls, payload, params, rid)
             except RetryableError as exc:
                 error: RetryableError = exc
             except ConfigError as exc:
@@ -88,14 +107,35 @@ class Generator:
                 enqueued_at_ms = int(job.enqueued_at.timestamp() * 1000) if job.enqueued_at else None
                 timing = (enqueued_at_ms, started_at_ms)
                 return self._record(
-                    payload, job_info.tokenizer, result, server, rid, attempts + 1, timing, max_new, params
+                    payload, job_info.tokenizer, result, answered, rid, attempts + 1, timing, max_new, params
                 )
             finally:
                 await self.fleet.release(server, cls)
+                if self.backups is not None:
+                    backed_up = backed_up or (straggler is not None and straggler.backup_server is not None)
+                    self.backups.freed(cls)
             if not error.server_fault:
                 failed_on.add(server.name)
             attempts = await self._after_retryable(job, server, error, attempts, tries)
             await asyncio.sleep(self._backoff_s(tries))
+
+    async def _race(
+        self,
+        backups: Backups,
+        straggler: Straggler,
+        payload: PromptPayload,
+        params: dict[str, object],
+        *,
+        rq_id: str,
+        tries: int,
+    ) -> tuple[Server, str, GenerateResult]:
+        """The request, raced against a backup if one is offered; the server and rid that answered."""
+        server, cls = straggler.server, straggler.cls
+        rid, backup_rid = f"{rq_id}.a{tries}.{self.tag}", f"{rq_id}.a{tries}b.{self.tag}"
+        backup = functools.partial(self._call, cls=cls, payload=payload, params=params, rid=backup_rid)
+        primary = self._call(server, cls, payload, params, rid)
+        answered, result = await backups.race(straggler, primary, backup, name=rq_id)
+        return answered, (rid if answered is server else backup_rid), result
 
     async def _after_retryable(
         self, job: Job, server: Server, error: RetryableError, attempts: int, tries: int
@@ -144,7 +184,9 @@ class Generator:
         except FatalError:
             self.metrics.requests.labels(*labels, "fatal").inc()
             raise
-        self.metrics.request_latency.labels(*labels).observe(time.perf_counter() - started)
+        latency_s = time.perf_counter() - started
+        server.observe(latency_s, len(result.output_ids))
+        self.metrics.request_latency.labels(*labels).observe(latency_s)
         self.metrics.requests.labels(*labels, "ok").inc()
         self.metrics.prompt_tokens.labels(*labels).inc(len(payload.prompt_ids))
         self.metrics.generated_tokens.labels(*labels).inc(len(result.output_ids))
@@ -189,6 +231,19 @@ class Generator:
             started_at_ms=timing[1],
             finished_at_ms=now_ms(),
         )
+
+
+def _same_max_new(payload: PromptPayload, max_new: int) -> Callable[[Server], bool]:
+    """Whether a backup on a server would get the same ``max_new_tokens`` (its context may be
+    shorter): only then is it the same request."""
+
+    def fits(server: Server) -> bool:
+        try:
+            return max_new_tokens(payload, server) == max_new
+        except FatalError:
+            return False
+
+    return fits
 
 
 def max_new_tokens(payload: PromptPayload, server: Server) -> int:

@@ -2,7 +2,8 @@
 
 Labels are bounded: ``server`` (the worker's configured names), ``class`` (``short``, ``long``),
 ``finish`` (SGLang's finish types, `datagen.states.FinishType`), ``direction`` (``up``, ``down``),
-``outcome`` (requests: ``ok``, ``retryable``, ``fatal``; reaped prompts: ``requeued``, ``failed``)
+``outcome`` (requests: ``ok``, ``retryable``, ``fatal``; reaped prompts: ``requeued``, ``failed``;
+backup requests: ``won``, ``lost``, ``failed``, ``stopped``, ``cancelled``, see `workers.backup`)
 and ``reason`` (the class name of a `datagen.errors` exception; for a prompt that failed after its
 retries ran out, ``gave_up_`` and the class name of the last retryable error).
 """
@@ -73,6 +74,12 @@ class WorkerMetrics:
             registry=r,
         )
         self.retries = Counter("datagen_worker_retries", "Retried attempts by reason", ["reason"], registry=r)
+        self.backup_requests = Counter(
+            "datagen_worker_backup_requests",
+            "Backup requests for stragglers, by how they ended",
+            ["server", "class", "outcome"],
+            registry=r,
+        )
         self.failures = Counter("datagen_worker_failures", "Prompts failed for good", ["reason"], registry=r)
         self.aborted = Counter(
             "datagen_worker_aborted", "In-flight prompts aborted because their job was cancelled", registry=r

@@ -10,7 +10,8 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
+from typing import Any
 
 from datagen.errors import FatalError, JobNotFoundError
 from datagen.jobs import JobStore
@@ -39,12 +40,14 @@ class PromptRunner:
         self.finisher = finisher
 
     async def run(self, identity: QueueIdentity, item: InFlight, cls: PromptClass) -> None:
+        # The claim put the prompt in its job's running set and RQ's started registry.
         job_id = (payload_of(item.job) or {}).get("job")
         try:
-            if job_id is not None:
-                await while_redis_down(lambda: self.jobs.started(job_id, item.job.id))
             finish = await self._outcome(identity, item, cls, job_id)
-            await while_redis_down(finish, already_done=lambda: is_final(item.job))
+            if asyncio.iscoroutine(finish):
+                await finish
+            else:
+                await while_redis_down(finish, already_done=lambda: is_final(item.job))
         except asyncio.CancelledError:
             if self.slots.aborted(asyncio.current_task()) and job_id is not None:
                 # Its job was cancelled with abort: closing the request made SGLang abort it.
@@ -59,8 +62,9 @@ class PromptRunner:
 
     async def _outcome(
         self, identity: QueueIdentity, item: InFlight, cls: PromptClass, job_id: str | None
-    ) -> Callable[[], None]:
-        """Run the prompt; return the RQ transition that records how it ended."""
+    ) -> Callable[[], None] | Coroutine[Any, Any, None]:
+        """Run the prompt; return the RQ transition that records how it ended (a coroutine for a
+        success, which is acknowledged with its shard)."""
         finisher = self.finisher
         try:
             try:
@@ -80,4 +84,4 @@ class PromptRunner:
         except Exception as exc:  # a bug must fail one prompt, not the worker
             log.exception("prompt %s crashed the task", item.job.id)
             return functools.partial(finisher.fail, identity, item, job_id, exc)
-        return functools.partial(finisher.succeed, identity, item, record, following, payload.incarnation)
+        return finisher.succeed(identity, item, record, following, payload.incarnation)

@@ -31,6 +31,7 @@ from rq.worker_registration import clean_worker_registry
 from datagen.jobs import JobStore
 from datagen.keys import Keys
 from datagen.redistext import as_texts
+from datagen.states import PromptClass
 from workers.failures import failure_report, prompt_labels
 from workers.metrics import WorkerMetrics
 from workers.rqbridge import fail_job, payload_of
@@ -120,6 +121,7 @@ class Reaper:
         for rq_id in stuck:
             if self.redis.lrem(queue.intermediate_queue_key, 1, rq_id) == 1:
                 queue.push_job_id(rq_id, at_front=True)
+                self.redis.publish(self.keys.wake_channel(), self._class_of(queue))
                 result.requeued += 1
         waiting = listed - stuck - started
         with self.redis.pipeline() as pipe:
@@ -128,6 +130,9 @@ class Reaper:
                 pipe.sadd(seen_key, *waiting)
                 pipe.pexpire(seen_key, int(self.interval_s * 3000))
             pipe.execute()
+
+    def _class_of(self, queue: Queue) -> str:
+        return next((cls.value for cls in PromptClass if self.keys.queue_name(cls) == queue.name), "")
 
     def _recover(self, queue: Queue, rq_id: str, result: ReapResult) -> None:
         try:
@@ -149,6 +154,7 @@ class Reaper:
                 pipe.hset(job.key, "retries_left", left - 1)
                 job.set_status(JobStatus.QUEUED, pipeline=pipe)
                 queue.push_job_id(rq_id, pipeline=pipe, at_front=True)
+                pipe.publish(self.keys.wake_channel(), self._class_of(queue))
                 if job_id is not None:
                     self.jobs.handed_back(pipe, job_id, rq_id)
                 result.requeued += 1

@@ -1,18 +1,18 @@
 """RQ bookkeeping for prompts run as asyncio tasks.
 
 RQ 2.x runs one job per worker process. We keep RQ's queues, registries and job hashes (so
-``rq info`` and rq-dashboard stay true) and reuse its own transitions, from a subclass of
-``BaseWorker`` that never calls ``work()``: one identity per queue, because RQ's
-intermediate-list bookkeeping assumes a single-queue worker (RQ 2.12 removes a taken job from its
-queue's intermediate list only when ``len(worker.queues) == 1``, in ``rq/worker/base.py``).
-
-Everything here is synchronous and is called from the event loop with no ``await`` between
-setting ``self.execution`` and the RQ call that reads it, since RQ keeps one current execution
-per worker object.
+``rq info`` and rq-dashboard stay true) from a subclass of ``BaseWorker`` that never calls
+``work()``, one identity per queue. The common path is batched in our own scripts, which write
+what RQ's worker would: a claim starts up to N prompts at once (`datagen.dispatch`), and the
+prompts of a committed shard finish at once (`workers.acks`); one heartbeat per identity renews
+all of its started-registry entries. The rare paths (failure, cancel, hand back) use RQ's own
+transitions. RQ's execution hashes are not written: a started-registry member is
+``<rq id>:<execution id>`` as RQ's, and the execution id names the worker process.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -21,15 +21,14 @@ from typing import Any
 from redis import Redis
 from redis.client import Pipeline
 from rq import Queue
-from rq.exceptions import NoSuchJobError
-from rq.executions import Execution
 from rq.job import Job, JobStatus
 from rq.serializers import JSONSerializer
 from rq.utils import now
 from rq.worker import BaseWorker, WorkerStatus
 from rq.worker_registration import clean_worker_registry
 
-from datagen.dispatch import Dispatch
+from datagen.dispatch import Claimant, Dispatch
+from datagen.jobs import AckTarget
 from datagen.states import PromptClass
 
 __all__ = ["InFlight", "QueueIdentity", "fail_job", "payload_of"]
@@ -42,9 +41,9 @@ HEARTBEATS_PER_TTL = 3
 
 FinishHook = Callable[[Pipeline], None]
 
-# KEYS: an RQ job hash. Deletes it only if it is a heartbeat's remnant (no status: RQ never saved it).
+# KEYS: an RQ job hash. Deletes it only if it is a remnant (no ``data``: no enqueue ever saved it).
 _DROP_REMNANT = """
-if redis.call('HEXISTS', KEYS[1], 'status') == 0 then return redis.call('DEL', KEYS[1]) end
+if redis.call('HEXISTS', KEYS[1], 'data') == 0 then return redis.call('DEL', KEYS[1]) end
 return 0
 """
 
@@ -53,14 +52,25 @@ return 0
 class InFlight:
     job: Job
     queue: Queue
-    execution: Execution
+    # The prompt's started-registry member, ``<rq id>:<execution id>``.
+    member: str
 
 
 class QueueIdentity(BaseWorker):
     """The RQ worker identity for one queue of a datagen worker process."""
 
-    def __init__(self, queue_name: str, name: str, connection: Redis, heartbeat_interval_s: float) -> None:
+    def __init__(
+        self,
+        queue_name: str,
+        name: str,
+        connection: Redis,
+        heartbeat_interval_s: float,
+        execution_id: str | None = None,
+        wake: tuple[str, str] | None = None,
+    ) -> None:
         self._ttl_s = int(heartbeat_interval_s * HEARTBEATS_PER_TTL) + HEARTBEAT_GRACE_S
+        # Names the worker process in its started-registry members (no ``:``: RQ splits on it).
+        self.execution_id = (execution_id or name).replace(":", "-")
         super().__init__(
             [queue_name],
             name=name,
@@ -69,8 +79,10 @@ class QueueIdentity(BaseWorker):
             worker_ttl=self._ttl_s,
             job_monitoring_interval=max(1, int(heartbeat_interval_s)),
         )
-        self._finish_hook: FinishHook | None = None
         self.in_flight: set[InFlight] = set()
+        self._shown_state: str | None = None
+        # The wake channel and this queue's class, published when a prompt is handed back.
+        self.wake_channel, self.cls_value = wake or ("", "")
         self._drop_remnant = connection.register_script(_DROP_REMNANT)
 
     @property
@@ -81,11 +93,6 @@ class QueueIdentity(BaseWorker):
     def get_heartbeat_ttl(self, job: Job) -> int:
         # The task heartbeats every job it runs, so the TTL need not cover the job's timeout.
         return self._ttl_s
-
-    def increment_successful_job_count(self, pipeline: Pipeline | None = None) -> None:
-        super().increment_successful_job_count(pipeline)
-        if self._finish_hook is not None and pipeline is not None:
-            self._finish_hook(pipeline)
 
     def clean_registries(self) -> None:
         """RQ's maintenance, minus the started registry and the intermediate list.
@@ -109,41 +116,56 @@ class QueueIdentity(BaseWorker):
     def register(self) -> None:
         self.register_birth()
         self.set_state(WorkerStatus.IDLE)
+        self._shown_state = WorkerStatus.IDLE
 
     def unregister(self) -> None:
         self.register_death()
 
     # Jobs ---------------------------------------------------------------------------------------
-    def claim(self, dispatch: Dispatch, cls: PromptClass) -> InFlight | None:
-        """Move the next prompt due (:mod:`datagen.dispatch`) into started; never blocks."""
+    @functools.cached_property
+    def claimant(self) -> Claimant:
         queue = self.queue
-        while True:
-            rq_id = dispatch.claim(cls, queue.key, queue.intermediate_queue_key)
-            if rq_id is None:
-                return None
-            try:
-                job = self.job_class.fetch(rq_id, connection=self.connection, serializer=self.serializer)
-            except NoSuchJobError:
-                # Deleted meanwhile (its job was cancelled or deleted): nothing to run.
-                self.connection.lrem(queue.intermediate_queue_key, 1, rq_id)
-                continue
-            break
-        execution = self.prepare_execution(job)
-        self.prepare_job_execution(job, remove_from_intermediate_queue=True)
-        item = InFlight(job, queue, execution)
-        self.in_flight.add(item)
-        return item
+        return Claimant(
+            queue_key=queue.key,
+            started_key=queue.started_job_registry.key,
+            worker_name=self.name,
+            execution_id=self.execution_id,
+            ttl_s=self._ttl_s,
+        )
 
-    def finish_success(self, item: InFlight, hook: FinishHook) -> None:
-        """Finish the job; ``hook`` adds our own counters to RQ's transaction."""
-        item.job.ended_at = now()
-        item.job._status = JobStatus.FINISHED
-        self.execution = item.execution
-        self._finish_hook = hook
-        try:
-            self.handle_job_success(item.job, item.queue, item.queue.started_job_registry)
-        finally:
-            self._finish_hook = None
+    @functools.cached_property
+    def ack_target(self) -> AckTarget:
+        queue = self.queue
+        return AckTarget(
+            started_key=queue.started_job_registry.key,
+            finished_key=queue.finished_job_registry.key,
+            execution_id=self.execution_id,
+        )
+
+    def claim_many(self, dispatch: Dispatch, cls: PromptClass, n: int) -> list[InFlight]:
+        """Start up to ``n`` prompts due (:mod:`datagen.dispatch`); never blocks."""
+        queue = self.queue
+        items = []
+        for claimed in dispatch.claim_many(cls, n, self.claimant):
+            job = self.job_class(claimed.rq_id, connection=self.connection, serializer=self.serializer)
+            job.restore(claimed.fields)
+            # What the claim script wrote, as RQ's prepare_for_execution sets it on its object.
+            job._status = JobStatus.STARTED
+            job.worker_name = self.name
+            job.started_at = job.last_heartbeat = claimed.started_at
+            item = InFlight(job, queue, f"{claimed.rq_id}:{self.execution_id}")
+            self.in_flight.add(item)
+            items.append(item)
+        return items
+
+    def claim(self, dispatch: Dispatch, cls: PromptClass) -> InFlight | None:
+        """Start the next prompt due, if any."""
+        items = self.claim_many(dispatch, cls, 1)
+        return items[0] if items else None
+
+    def finished(self, items: list[InFlight]) -> None:
+        """Forget prompts that finished (their ack is in Redis): no more heartbeats for them."""
+        for item in items:
             self.in_flight.discard(item)
 
     def finish_failure(self, item: InFlight, message: str, hook: FinishHook | None) -> None:
@@ -156,8 +178,8 @@ class QueueIdentity(BaseWorker):
         job = item.job
         job.ended_at = now()
         with self.connection.pipeline() as pipe:
-            fail_job(job, message, pipe, worker_name=self.name, execution=item.execution)
-            item.execution.delete(job, pipe)
+            fail_job(job, message, pipe, worker_name=self.name)
+            pipe.zrem(item.queue.started_job_registry.key, item.member)
             self.increment_failed_job_count(pipe)
             if hook is not None:
                 hook(pipe)
@@ -169,7 +191,7 @@ class QueueIdentity(BaseWorker):
         job = item.job
         job.ended_at = now()
         with self.connection.pipeline() as pipe:
-            item.execution.delete(job, pipe)
+            pipe.zrem(item.queue.started_job_registry.key, item.member)
             job.set_status(JobStatus.CANCELED, pipeline=pipe)
             item.queue.canceled_job_registry.add(job, pipeline=pipe)
             if hook is not None:
@@ -179,60 +201,55 @@ class QueueIdentity(BaseWorker):
 
     def drop(self, item: InFlight) -> None:
         """Forget a prompt whose datagen job was deleted while it ran: only this run of it goes.
-        Its RQ job hash is gone, or belongs to a new job of the same id, and is left alone; but our
-        own heartbeats wrote ``last_heartbeat`` into the deleted one, so a hash with nothing else
-        (no ``status``) is removed."""
-        with self.connection.pipeline() as pipe:
-            item.execution.delete(item.job, pipe)
-            pipe.execute()
+        Its RQ job hash is gone, or belongs to a new job of the same id, and is left alone; but the
+        claim wrote its start into the deleted one, so a hash with no ``data`` (a remnant) goes."""
+        self.connection.zrem(item.queue.started_job_registry.key, item.member)
         self._drop_remnant(keys=[item.job.key])
         self.in_flight.discard(item)
 
     def hand_back(self, item: InFlight, hook: FinishHook | None) -> None:
         """Return an unfinished job to the front of its queue without charging an attempt."""
         with self.connection.pipeline() as pipe:
-            item.execution.delete(item.job, pipe)
+            pipe.zrem(item.queue.started_job_registry.key, item.member)
             item.job.set_status(JobStatus.QUEUED, pipeline=pipe)
             item.queue.push_job_id(item.job.id, pipeline=pipe, at_front=True)
+            if self.wake_channel:
+                pipe.publish(self.wake_channel, self.cls_value)
             if hook is not None:
                 hook(pipe)
             pipe.execute()
         self.in_flight.discard(item)
 
     def beat(self) -> None:
-        """One heartbeat for the identity and every job it runs, in one round trip."""
+        """One heartbeat for the identity and every prompt it runs, in one round trip: one ZADD
+        renews all of their started-registry entries."""
         ttl = self._ttl_s
-        with self.connection.pipeline() as pipe:
+        with self.connection.pipeline(transaction=False) as pipe:
             self.heartbeat(ttl, pipeline=pipe)
-            for item in self.in_flight:
-                item.execution.heartbeat(item.queue.started_job_registry, ttl, pipeline=pipe)
-                item.job.heartbeat(now(), ttl, pipeline=pipe, xx=True)
+            if self.in_flight:
+                expiry = now().timestamp() + ttl
+                pipe.zadd(
+                    self.queue.started_job_registry.key,
+                    dict.fromkeys((item.member for item in self.in_flight), expiry),
+                    xx=True,
+                )
             pipe.execute()
-        self.set_state(WorkerStatus.BUSY if self.in_flight else WorkerStatus.IDLE)
+        state = WorkerStatus.BUSY if self.in_flight else WorkerStatus.IDLE
+        if state != self._shown_state:
+            self.set_state(state)
+            self._shown_state = state
         if self.should_run_maintenance_tasks:
             self.run_maintenance_tasks()
 
 
-def fail_job(
-    job: Job, message: str, pipe: Pipeline, *, worker_name: str, execution: Execution | None = None
-) -> None:
+def fail_job(job: Job, message: str, pipe: Pipeline, *, worker_name: str) -> None:
     """Mark ``job`` failed and put it in RQ's failed registry with ``message`` as its exception text
-    (and an RQ result saying so), in ``pipe``; ``execution`` is the run that failed, if one is known.
+    (and an RQ result saying so), in ``pipe``.
 
     RQ's own transition, without spending the job's RQ retries (``Job.handle_failure`` would).
     """
     job.set_status(JobStatus.FAILED, pipeline=pipe)
-    if execution is None:
-        job._handle_failure(message, pipe, worker_name=worker_name)
-        return
-    job._handle_failure(
-        message,
-        pipe,
-        worker_name=worker_name,
-        execution_id=execution.id,
-        execution_started_at=execution.created_at,
-        execution_ended_at=job.ended_at,
-    )
+    job._handle_failure(message, pipe, worker_name=worker_name)
 
 
 def payload_of(job: Job) -> dict[str, Any] | None:

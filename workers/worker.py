@@ -35,7 +35,9 @@ from datagen.settings import DEFAULT_METRICS_PORT, WorkerSettings
 from datagen.startup import claim_storage_async, connect_redis_async
 from datagen.states import PromptClass
 from datagen.storage import Storage
+from workers.acks import Acks
 from workers.admission import Admission, Slots
+from workers.backup import Backups
 from workers.control import FleetSync, HealthProbe, KvControl
 from workers.finish import Finisher
 from workers.fleet import Fleet, Server, ServerSpec
@@ -46,6 +48,7 @@ from workers.prompt import PromptRunner
 from workers.reaper import Reaper
 from workers.rqbridge import QueueIdentity
 from workers.sglang import ClientTimeouts, SGLangClient
+from workers.wake import Wakeups
 from workers.writer import RecordWriter
 
 __all__ = ["Worker"]
@@ -115,9 +118,12 @@ class Worker:
                 self.keys.rq_worker_name(self.name, cls),
                 self.redis,
                 self.settings.heartbeat_interval_s,
+                execution_id=f"{os.getpid()}-{self.tag}",
+                wake=(self.keys.wake_channel(), cls.value),
             )
             for cls in PromptClass
         }
+        self.wakeups = Wakeups(self.settings.require_redis_url(), self.keys.wake_channel())
         for identity in self.identities.values():
             identity.register()
         self.fleet = Fleet([self._make_server(spec) for spec in self.server_specs], self.metrics)
@@ -134,6 +140,12 @@ class Worker:
             metrics_address=self.metrics_address,
         )
         self.sync.sync_once()
+        self._kv_controls = (
+            [self._kv_control(server) for server in self.fleet.servers] if self.settings.kv_controller else []
+        )
+        for control in self._kv_controls:
+            # Slow start holds from the first claim: the limits are the window before admission runs.
+            control.prime()
         self.writer = RecordWriter(
             self.storage,
             self.metrics,
@@ -198,11 +210,24 @@ class Worker:
     def _admission(self) -> Admission:
         """Wire the phases of a prompt: claim → run → record."""
         job_infos = JobInfos(self.jobs)
-        generator = Generator(
-            self.settings, self.fleet, self.metrics, job_infos, worker_name=self.name, tag=self.tag
+        backups = Backups(
+            self.fleet,
+            self.metrics,
+            enabled=self.settings.backup_requests,
+            is_paused=lambda cls: cls in self.sync.paused_classes,
         )
+        generator = Generator(
+            self.settings,
+            self.fleet,
+            self.metrics,
+            job_infos,
+            worker_name=self.name,
+            tag=self.tag,
+            backups=backups,
+        )
+        acks = Acks(self.jobs, delay_s=self.settings.test_ack_delay_s)
         finisher = Finisher(
-            self.redis, self.keys, self.jobs, self.dispatch, self.identities, self.metrics, job_infos
+            self.redis, self.keys, self.jobs, self.dispatch, self.identities, self.metrics, job_infos, acks
         )
         prompts = PromptRunner(self.slots, self.jobs, generator, self.writer, finisher)
         return Admission(
@@ -214,6 +239,9 @@ class Worker:
             prompts.run,
             burst=self.burst,
             poll_interval_s=self.settings.poll_interval_s,
+            wakeups=self.wakeups,
+            on_claim_empty=backups.on_claim_empty,
+            on_claimed=backups.on_claimed,
         )
 
     def _probe(self, server: Server) -> HealthProbe:
@@ -241,12 +269,12 @@ class Worker:
         loops = [
             self._heartbeat_loop(),
             self._abort_loop(),
+            self.wakeups.run(),
             self.sync.run(),
             reaper.run(),
             *(p.run() for p in probes),
         ]
-        if self.settings.kv_controller:
-            loops += [self._kv_control(server).run() for server in self.fleet.servers]
+        loops += [control.run() for control in self._kv_controls]
         self._background = [asyncio.create_task(loop) for loop in loops]
         if self.install_signal_handlers:
             loop = asyncio.get_running_loop()
@@ -344,6 +372,8 @@ class Worker:
             owner=self.name,
             interval_s=self.settings.controller_interval_s,
             floor_fraction=self.settings.controller_floor,
+            initial_target=self.settings.controller_initial_target,
+            slow_start_interval_s=self.settings.controller_slow_start_interval_s,
         )
 
     async def _abort_loop(self) -> None:

@@ -44,14 +44,24 @@ def status(
         "in flight",
         "tok/s",
         "ETA s",
+        "1st record s",
+        "tail s",
         title="jobs",
     )
     for job in jobs:
         eta = "" if job["eta_s"] is None else f"{job['eta_s']:.0f}"
         cells = [job[k] for k in ("total", "done", "failed", "rejected", "in_flight")]
         state = job["state"] + (" (paused)" if job.get("paused") else "")
+        timing = [_seconds(job.get("time_to_first_record_s")), _seconds(job.get("tail_s"))]
         jobs_table.add_row(
-            job["id"], state, _priority(job), _share(job), *map(str, cells), f"{job['tokens_per_s']:.0f}", eta
+            job["id"],
+            state,
+            _priority(job),
+            _share(job),
+            *map(str, cells),
+            f"{job['tokens_per_s']:.0f}",
+            eta,
+            *timing,
         )
     queues_table = Table("queue", "paused", "queued", "started", "failed", title="queues")
     for queue in queues:
@@ -105,6 +115,11 @@ def _priority(job: dict[str, Any]) -> str:
 def _share(job: dict[str, Any]) -> str:
     share = job.get("share")
     return "" if not share else f"{share['recent']:.0%} / {share['target']:.0%}"
+
+
+def _seconds(value: float | None) -> str:
+    """A time to first record or a tail: blank until the job has one (an older coordinator: never)."""
+    return "" if value is None else f"{value:.1f}"
 
 
 def _pause(paused: bool, target: str | None, server: str | None, job: str | None) -> None:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import time
+
 import redis
 
-from datagen.dispatch import Dispatch
+from datagen.dispatch import Claimant, Dispatch
 from datagen.jobs import JobStore
 from datagen.keys import Keys
 from datagen.spec import JobSpec
@@ -14,7 +16,8 @@ from datagen.tokenization import bundled_tokenizer_path
 NS = "disp"
 SHORT = PromptClass.SHORT
 QUEUE = "q"
-INTERMEDIATE = "q:intermediate"
+STARTED = "q:started"
+CLAIMANT = Claimant(queue_key=QUEUE, started_key=STARTED, worker_name="w", execution_id="x", ttl_s=30)
 
 
 def _job(redis_client: redis.Redis, job_id: str, n: int, **spec: object) -> None:
@@ -22,19 +25,36 @@ def _job(redis_client: redis.Redis, job_id: str, n: int, **spec: object) -> None
     JobStore(redis_client, keys).create(job_id, JobSpec(tokenizer=bundled_tokenizer_path(), **spec))  # type: ignore[arg-type]
     dispatch = Dispatch(redis_client, keys)
     priority = Priority(str(spec.get("priority", "normal")))
+    ids = [f"{job_id}-{i}" for i in range(n)]
+    _rq_jobs(redis_client, ids)
     with redis_client.pipeline() as pipe:
-        dispatch.add(pipe, job_id, SHORT, priority, [f"{job_id}-{i}" for i in range(n)])
+        dispatch.add(pipe, job_id, SHORT, priority, ids)
         pipe.execute()
+
+
+def _rq_jobs(redis_client: redis.Redis, ids: list[str]) -> None:
+    """The RQ job hashes that enqueueing saves (a claim skips an id whose hash is gone)."""
+    for rq_id in ids:
+        redis_client.hset(f"rq:job:{rq_id}", mapping={"data": b"x", "status": "queued"})
+
+
+def _claim(dispatch: Dispatch) -> str | None:
+    claimed = dispatch.claim_many(SHORT, 1, CLAIMANT)
+    return claimed[0].rq_id if claimed else None
 
 
 def _claims(dispatch: Dispatch, n: int) -> list[str]:
     out = []
     for _ in range(n):
-        rq_id = dispatch.claim(SHORT, QUEUE, INTERMEDIATE)
+        rq_id = _claim(dispatch)
         if rq_id is None:
             break
         out.append(rq_id.split("-")[0])
     return out
+
+
+def _started(redis_client: redis.Redis) -> list[str]:
+    return sorted(m.decode().split(":")[0] for m in redis_client.zrange(STARTED, 0, -1))
 
 
 def test_weights_decide_the_order_within_a_priority(redis_client: redis.Redis) -> None:
@@ -46,8 +66,8 @@ def test_weights_decide_the_order_within_a_priority(redis_client: redis.Redis) -
     # lexically first id.
     assert order[:8] == ["a", "b", "a", "a", "a", "b", "a", "a"]
     assert order.count("a") == 30 and order.count("b") == 10  # exactly 3:1 while both have work
-    # Each claim moved the RQ id into the intermediate list, as RQ's own LMOVE does.
-    assert redis_client.llen(INTERMEDIATE) == 40
+    # Each claimed prompt is in RQ's started registry, as RQ's own worker would put it.
+    assert len(_started(redis_client)) == 40
     shares = dispatch.shares()
     assert (shares["b"].target, shares["b"].active) == (1.0, True)  # a ran dry: b has the fleet
     assert shares["a"].dispatched == 30 and round(shares["a"].recent, 2) == 0.75
@@ -56,6 +76,7 @@ def test_weights_decide_the_order_within_a_priority(redis_client: redis.Redis) -
 def test_high_priority_first_and_handed_back_prompts_before_all(redis_client: redis.Redis) -> None:
     _job(redis_client, "bulk", 5)
     _job(redis_client, "urgent", 2, priority="high")
+    _rq_jobs(redis_client, ["back-1"])
     redis_client.rpush(QUEUE, "back-1")  # a prompt handed back by a stopping worker
     dispatch = Dispatch(redis_client, Keys(NS))
     assert _claims(dispatch, 10) == ["back", "urgent", "urgent", "bulk", "bulk", "bulk", "bulk", "bulk"]
@@ -85,7 +106,7 @@ def test_a_cancelled_job_takes_no_prompts_and_withdraw_counts_them(redis_client:
     _job(redis_client, "c", 3)  # a late ingestion chunk
     assert redis_client.llen(keys.job_backlog("c", SHORT)) == 0
     assert jobs.progress("c").cancelled == 8
-    assert dispatch.claim(SHORT, QUEUE, INTERMEDIATE) is None
+    assert _claim(dispatch) is None
 
 
 def test_a_paused_jobs_handed_back_prompt_waits_in_its_backlog(redis_client: redis.Redis) -> None:
@@ -97,10 +118,41 @@ def test_a_paused_jobs_handed_back_prompt_waits_in_its_backlog(redis_client: red
     dispatch.pause("a")
     # A dead worker's prompt of the paused job, reaped onto RQ's list (ids as keys.rq_job_id builds).
     reaped = keys.rq_job_id("a", "s9", 0, 0)
+    _rq_jobs(redis_client, [reaped])
     redis_client.lpush(QUEUE, reaped)
-    rq_id = dispatch.claim(SHORT, QUEUE, INTERMEDIATE)
+    rq_id = _claim(dispatch)
     assert rq_id is not None and rq_id.startswith("b-")  # not the paused job's
     assert redis_client.lrange(keys.job_backlog("a", SHORT), 0, 0) == [reaped.encode()]
-    assert redis_client.lrange(INTERMEDIATE, 0, -1) == [b"a-0", b"b-0", b"b-1"]
+    assert _started(redis_client) == ["a-0", "b-0", "b-1"]
     dispatch.resume("a")
-    assert dispatch.claim(SHORT, QUEUE, INTERMEDIATE) == reaped  # first when resumed
+    assert _claim(dispatch) == reaped  # first when resumed
+
+
+def test_one_claim_of_many_takes_the_same_order_as_single_claims(redis_client: redis.Redis) -> None:
+    _job(redis_client, "a", 30, weight=3.0)
+    _job(redis_client, "b", 30)
+    dispatch = Dispatch(redis_client, Keys(NS))
+    claimed = dispatch.claim_many(SHORT, 8, CLAIMANT)
+    # One call takes what the first 8 single claims take (written by hand in the weights test:
+    # a b a a a b a a), grouped by job.
+    assert sorted(c.rq_id for c in claimed) == ["a-0", "a-1", "a-2", "a-3", "a-4", "a-5", "b-0", "b-1"]
+    # Started as RQ's worker would: status, worker, a started-registry member scored by the
+    # heartbeat's expiry (the job's running set: tests/workers/test_reaper.py); the fields
+    # returned are the queued job's.
+    assert redis_client.hget("rq:job:a-0", "status") == b"started"
+    assert redis_client.hget("rq:job:a-0", "worker_name") == b"w"
+    assert claimed[0].fields[b"status"] == b"queued"
+    score = redis_client.zscore(STARTED, "a-0:x")
+    assert score is not None and 25 < score - time.time() <= 30
+    assert Dispatch(redis_client, Keys(NS)).shares()["a"].dispatched == 6
+    # More than is left: everything, and b's set entry goes once its backlog is empty.
+    rest = dispatch.claim_many(SHORT, 100, CLAIMANT)
+    assert len(rest) == 52 and dispatch.claim_many(SHORT, 5, CLAIMANT) == []
+
+
+def test_a_claim_skips_prompts_whose_rq_job_is_gone(redis_client: redis.Redis) -> None:
+    _job(redis_client, "a", 3)
+    redis_client.delete("rq:job:a-1")  # its job was deleted meanwhile
+    dispatch = Dispatch(redis_client, Keys(NS))
+    assert [c.rq_id for c in dispatch.claim_many(SHORT, 3, CLAIMANT)] == ["a-0", "a-2"]
+    assert _started(redis_client) == ["a-0", "a-2"]

@@ -4,7 +4,7 @@ import pytest
 import redis
 
 from datagen.errors import JobNotFoundError
-from datagen.jobs import JobStore
+from datagen.jobs import AckItem, AckTarget, JobStore
 from datagen.keys import Keys
 from datagen.spec import JobSpec
 from datagen.states import JobState
@@ -91,3 +91,63 @@ def test_a_prompt_finished_twice_is_counted_once(store: JobStore, redis_client: 
         1,
         10,
     )
+
+
+def _ack(job: str, rq_id: str, tokens: int, *, incarnation: str = "", partition: str = "math") -> AckItem:
+    return AckItem(rq_id, job, incarnation, tokens, partition, "short", "stop", result_ttl_s=100)
+
+
+TARGET = AckTarget(started_key="started", finished_key="finished", execution_id="x")
+
+
+def test_a_batch_ack_counts_each_prompt_once_and_finishes_it_in_rq(
+    store: JobStore, redis_client: redis.Redis
+) -> None:
+    """Issue 11: one script finishes a shard's prompts; repeated (a lost reply), it counts nothing."""
+    store.create("j1", JobSpec(tokenizer="tok"))
+    with redis_client.pipeline() as pipe:
+        store.add_ingest_counts(pipe, "j1", {"rows": 40, "accepted": 40}, line=40)
+        pipe.execute()
+    store.finish_ingest("j1")
+    ids = [f"rq-{i}" for i in range(40)]
+    for rq_id in ids:
+        store.started("j1", rq_id)
+        redis_client.hset(f"rq:job:{rq_id}", mapping={"data": "x", "status": "started"})
+        redis_client.zadd("started", {f"{rq_id}:x": 1e12})
+    batch = [_ack("j1", rq_id, 10) for rq_id in ids[:37]]
+    assert store.ack_done(TARGET, batch) == 37
+    assert store.ack_done(TARGET, batch) == 0  # the same batch again: counted before
+    progress = store.progress("j1")
+    assert (progress.state, progress.done, progress.in_flight, progress.output_tokens) == (
+        JobState.RUNNING,
+        37,
+        3,
+        370,
+    )
+    assert redis_client.hget("rq:job:rq-0", "status") == b"finished"
+    assert 0 < redis_client.ttl("rq:job:rq-0") <= 100
+    assert redis_client.zcard("started") == 3 and redis_client.zcard("finished") == 37
+    fields = redis_client.hgetall(Keys("t").job("j1"))
+    # 37 of 40 ended: past 95 % (38 of 40)? Not yet; the first record is known.
+    assert b"first_record_at_ms" in fields and b"tail_from_ms" not in fields
+    assert store.ack_done(TARGET, [_ack("j1", "rq-37", 5)]) == 1
+    assert b"tail_from_ms" in redis_client.hgetall(Keys("t").job("j1"))  # 38 of 40 = 95 %
+    breakdown = redis_client.hgetall(Keys("t").job_breakdown("j1"))
+    assert breakdown[b"done|other|short"] == b"38"  # "math" is not a labelled partition here
+    assert breakdown[b"output_tokens|other|short"] == b"375"
+    assert store.ack_done(TARGET, [_ack("j1", "rq-38", 1), _ack("j1", "rq-39", 1)]) == 2
+    assert store.progress("j1").state is JobState.COMPLETED
+
+
+def test_a_batch_ack_of_another_incarnation_counts_nothing_and_leaves_rq_alone(
+    store: JobStore, redis_client: redis.Redis
+) -> None:
+    store.create("j1", JobSpec(tokenizer="tok"))
+    current = redis_client.hget(Keys("t").job("j1"), "incarnation")
+    assert current
+    store.started("j1", "rq-a")
+    redis_client.hset("rq:job:rq-a", mapping={"data": "x", "status": "queued"})
+    assert store.ack_done(TARGET, [_ack("j1", "rq-a", 10, incarnation="old")]) == 0
+    assert redis_client.hget("rq:job:rq-a", "status") == b"queued"  # the new job's prompt
+    assert store.ack_done(TARGET, [_ack("gone", "rq-g", 10)]) == 0
+    assert not redis_client.exists(Keys("t").job("gone"), Keys("t").job_running("gone"), "rq:job:rq-g")

@@ -93,3 +93,25 @@ def test_before_the_total_is_known(job: dict[str, Any] | None, expected: str) ->
     [line] = _render(job, 80)
     assert expected in line
     assert cell_len(line) <= 80
+
+
+TIMED = dict(RUNNING, time_to_first_record_s=0.84, tail_s=12.25)
+
+
+def test_time_to_first_record_and_tail_show_where_they_fit() -> None:
+    [line] = _render(TIMED, 200)
+    assert line.endswith(" · ETA 3600s · first record 0.8s · tail 12.2s 1:02:05"), line
+    # At 80 columns they are the first to go; everything the plain line shows stays.
+    [narrow] = _render(TIMED, 80)
+    assert "first record" not in narrow and "tail" not in narrow
+    assert narrow == _render(RUNNING, 80)[0]
+
+
+@pytest.mark.parametrize("width", range(20, 201, 7))
+def test_timing_fields_drop_out_whole(width: int) -> None:
+    [line] = _render(TIMED, width)
+    assert cell_len(line) <= width
+    assert "…" not in line
+    assert ("first record" in line) == ("first record 0.8s" in line), line
+    assert ("tail" in line) == ("tail 12.2s" in line), line
+    assert set(re.findall(r"\d+", line)) <= RUNNING_NUMBERS | {"0", "8", "12", "2"}

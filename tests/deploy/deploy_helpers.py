@@ -58,6 +58,7 @@ EXPECTED_METRICS: dict[str, tuple[str, frozenset[str]]] = {
         ("datagen_worker_output_length_tokens", "histogram", ("class",)),
         ("datagen_worker_prompt_length_tokens", "histogram", ("class",)),
         ("datagen_worker_retries", "counter", ("reason",)),
+        ("datagen_worker_backup_requests", "counter", ("server", "class", "outcome")),
         ("datagen_worker_failures", "counter", ("reason",)),
         ("datagen_worker_aborted", "counter", ()),
         ("datagen_worker_server_up", "gauge", ("server",)),
@@ -91,6 +92,8 @@ EXPECTED_METRICS: dict[str, tuple[str, frozenset[str]]] = {
         ("datagen_job_share_recent", "gauge", ("job",)),
         ("datagen_job_weight", "gauge", ("job",)),
         ("datagen_job_paused", "gauge", ("job",)),
+        ("datagen_job_first_record_seconds", "gauge", ("job",)),
+        ("datagen_job_tail_seconds", "gauge", ("job",)),
     ]
 }
 

@@ -280,13 +280,9 @@ class FaultStack:
         }
 
     def started_by(self, pid: int) -> set[str]:
-        """Started-registry members whose execution belongs to the worker process ``pid``."""
-        members = sorted(self.started_members())
-        with self.redis.pipeline(transaction=False) as pipe:
-            for member in members:
-                pipe.hget(f"rq:execution:{member}", "worker_name")
-            names = pipe.execute()
-        return {m for m, name in zip(members, names, strict=True) if name and f"-{pid}-" in name.decode()}
+        """Started-registry members whose execution belongs to the worker process ``pid`` (the
+        execution id of a member ``<rq id>:<execution id>`` is ``<pid>-<worker tag>``)."""
+        return {m for m in self.started_members() if m.split(":", 1)[1].startswith(f"{pid}-")}
 
 
 def job_spec(max_new_tokens: int, seed: int) -> dict[str, Any]:

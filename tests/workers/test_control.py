@@ -4,6 +4,7 @@ HTTP: health probes, targets shared by the workers listing one server, the KV co
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -16,7 +17,7 @@ from datagen.storage import Storage
 from service.fleetview import FleetView
 from tests.helpers import running_simulator
 from tests.workers.worker_helpers import KEYS, eventually, ingest, settings, start, stop
-from workers.control import HealthProbe
+from workers.control import HealthProbe, KvControl
 from workers.fleet import Fleet, Server
 from workers.metrics import WorkerMetrics
 from workers.sglang import ClientTimeouts, SGLangClient
@@ -120,15 +121,121 @@ async def test_controller_lowers_the_target_when_work_waits_in_the_server(
     redis_client: redis.Redis, redis_url: str, storage: Storage, tokenizer_path: str
 ) -> None:
     ingest(redis_client, storage, "kv", 120)
-    # The server runs at most 8 requests; 64 in flight would park 56 in its queue.
+    # The server runs at most 8 requests; 64 in flight would park 56 in its queue. A target learnt
+    # earlier (past slow start) is where a new worker starts.
+    control_key = KEYS.server_control("s")
+    redis_client.hset(control_key, mapping={"target": 65, "factor": 1.0, "phase": "steady"})
     with running_simulator(tokenizer_path=tokenizer_path, time_scale=0.01, max_running_requests=8) as url:
         worker = await start(
             settings(redis_url, storage, short_concurrency=64, kv_controller=True), {"s": url}
         )
         run = asyncio.create_task(worker.run())
-        control_key = KEYS.server_control("s")
         await eventually(lambda: int(redis_client.hget(control_key, "target") or 65) <= 20, 20)
         reason = redis_client.hget(control_key, "reason")
         assert reason is not None and b"waiting in the server queue" in reason
         await eventually(lambda: worker.fleet.servers[0].limits[PromptClass.SHORT] <= 20, 5)
         await stop(worker, run)
+
+
+async def test_controller_starts_in_slow_start_and_ends_it_at_the_server_queue(
+    redis_client: redis.Redis, redis_url: str, storage: Storage, tokenizer_path: str
+) -> None:
+    ingest(redis_client, storage, "slow", 200)
+    # The server runs at most 20 requests: slow start climbs from its window (16) by half (24),
+    # and work waits.
+    with running_simulator(tokenizer_path=tokenizer_path, time_scale=0.02, max_running_requests=20) as url:
+        worker = await start(
+            settings(redis_url, storage, short_concurrency=64, kv_controller=True), {"s": url}
+        )
+        control_key = KEYS.server_control("s")
+        await asyncio.sleep(0)  # the controller's task seeds the window before any claim
+        # 64 short + 1 long: floor 4 (5 %), window 16, this worker's short limit ceil(64 * 16 / 65).
+        assert redis_client.hget(control_key, "target") == b"16"
+        assert redis_client.hget(control_key, "phase") == b"slow_start"
+        assert worker.fleet.servers[0].limits[PromptClass.SHORT] == 16
+        run = asyncio.create_task(worker.run())
+        await eventually(lambda: redis_client.hget(control_key, "phase") == b"steady", 20)
+        reason = (redis_client.hget(control_key, "reason") or b"").decode()
+        assert reason.startswith("slow start ends at 24: ") and "waiting in the server queue" in reason
+        # Snapped down to what runs (20) plus the tolerance of one.
+        assert int(redis_client.hget(control_key, "target") or 0) <= 21
+        await stop(worker, run)
+
+
+@pytest.fixture
+async def kv_control(
+    redis_client: redis.Redis, tokenizer_path: str
+) -> AsyncIterator[tuple[Server, KvControl]]:
+    with running_simulator(tokenizer_path=tokenizer_path, time_scale=0.0) as url:
+        client = SGLangClient("s", url, timeouts=ClientTimeouts(), max_connections=2)
+        server = Server("s", client, max_limits={PromptClass.SHORT: 96, PromptClass.LONG: 4})
+        control = KvControl(
+            redis_client, KEYS, server, WorkerMetrics(), owner="w1", interval_s=0.5, floor_fraction=0.05
+        )
+        yield server, control
+        await client.aclose()
+
+
+def _control(redis_client: redis.Redis) -> dict[str, str]:
+    raw = redis_client.hgetall(KEYS.server_control("s"))
+    return {k.decode(): v.decode() for k, v in raw.items()}  # type: ignore[union-attr]
+
+
+async def test_prime_seeds_the_window_once_and_keeps_a_learnt_target(
+    redis_client: redis.Redis, kv_control: tuple[Server, KvControl]
+) -> None:
+    server, control = kv_control
+    server.share = 2  # another worker lists the server too: each gets half
+    control.prime()
+    assert _control(redis_client) == {
+        "target": "16",
+        "ceiling": "100",
+        "factor": "0.16",
+        "phase": "slow_start",
+    }
+    assert server.limits == {PromptClass.SHORT: 8, PromptClass.LONG: 1}  # ceil(96 * 0.16 / 2)
+    # A second worker starting later does not reset what the first one's controller learnt.
+    redis_client.hset(KEYS.server_control("s"), mapping={"target": 40, "factor": 0.4, "phase": "steady"})
+    control.prime()
+    assert _control(redis_client)["target"] == "40"
+    assert server.limits[PromptClass.SHORT] == 20  # ceil(96 * 0.4 / 2)
+
+
+async def test_a_server_that_goes_down_restarts_in_slow_start(
+    redis_client: redis.Redis, kv_control: tuple[Server, KvControl]
+) -> None:
+    server, control = kv_control
+    redis_client.hset(
+        KEYS.server_control("s"), mapping={"target": 60, "ceiling": 100, "factor": 0.6, "phase": "steady"}
+    )
+    await control.step()  # idle: nothing runs, the learnt target holds
+    assert _control(redis_client)["target"] == "60" and server.limits[PromptClass.SHORT] == 58
+    server.up = False
+    await control.step()
+    state = _control(redis_client)
+    assert (state["target"], state["phase"]) == ("16", "slow_start")
+    assert state["reason"] == "the server went down; in-flight target back to 16"
+    assert server.limits[PromptClass.SHORT] == 16  # ceil(96 * 0.16)
+
+
+async def test_a_server_whose_counters_went_back_restarts_in_slow_start(
+    redis_client: redis.Redis, kv_control: tuple[Server, KvControl]
+) -> None:
+    server, control = kv_control
+    # What the last controller saw before it went away: the server had served 5000 requests. The
+    # simulator here has served none, so it restarted meanwhile.
+    signals = {"num_queue_reqs": 0, "num_running_reqs": 50, "requests_total": 5000}
+    redis_client.hset(
+        KEYS.server_control("s"),
+        mapping={
+            "target": 60,
+            "ceiling": 100,
+            "factor": 0.6,
+            "phase": "steady",
+            "signals": json.dumps(signals),
+        },
+    )
+    await control.step()
+    state = _control(redis_client)
+    assert (state["target"], state["phase"], state["reason"]) == ("16", "slow_start", "the server restarted")
+    assert server.limits[PromptClass.SHORT] == 16

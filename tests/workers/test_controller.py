@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from workers.controller import KvSignals, decide, parse_kv_signals
+from workers.controller import Decision, KvSignals, decide, parse_kv_signals, restarted
 
 # Written after SGLang's exposition (shared/reference/sglang-contract.md §5): colon names, DP ranks.
 COLON_PAGE = """\
@@ -25,6 +25,9 @@ sglang:num_retracted_requests_created{model_name="m"} 1.7e9
 # HELP sglang:max_total_num_tokens Capacity.
 # TYPE sglang:max_total_num_tokens gauge
 sglang:max_total_num_tokens{model_name="m"} 200000
+# HELP sglang:num_requests_total Requests processed.
+# TYPE sglang:num_requests_total counter
+sglang:num_requests_total{model_name="m"} 1234
 """
 
 
@@ -36,6 +39,7 @@ def test_parse_colon_form_sums_dp_ranks_and_takes_the_fullest_pool() -> None:
         num_running_reqs=190,
         retracted_total=4,
         max_total_num_tokens=200000,
+        requests_total=1234,
     )
 
 
@@ -65,15 +69,18 @@ def test_a_restarted_server_is_not_a_retraction() -> None:
 def test_a_server_queue_snaps_the_target_to_what_runs() -> None:
     signals = KvSignals(token_usage=0.97, num_queue_reqs=300, num_running_reqs=180)
     decision = decide(512, None, signals, floor=10, ceiling=512)
-    assert decision.target == 189  # 180 running + a tolerance of 5 % (9)
+    assert decision.target == 186  # 180 running + a tolerance of 3 % (5.4), rounded up
     assert decision.reason is not None and "300 requests waiting" in decision.reason
     # Already at what runs: a further 10 % down.
-    assert decide(189, None, signals, floor=10, ceiling=512).target == 170
+    assert decide(186, None, signals, floor=10, ceiling=512).target == 167
+    # A small server: the tolerance is one request, so two waiting is already a queue.
+    small = KvSignals(token_usage=0.6, num_queue_reqs=2, num_running_reqs=28)
+    assert decide(40, None, small, floor=1, ceiling=512).target == 29
 
 
 def test_headroom_grows_only_when_the_target_is_in_use() -> None:
     busy = KvSignals(token_usage=0.5, num_queue_reqs=0, num_running_reqs=95)
-    assert decide(100, None, busy, floor=1, ceiling=512).target == 110
+    assert decide(100, None, busy, floor=1, ceiling=512).target == 105
     idle = KvSignals(token_usage=0.5, num_queue_reqs=0, num_running_reqs=20)
     assert decide(100, None, idle, floor=1, ceiling=512).reason is None
     full = KvSignals(token_usage=0.95, num_queue_reqs=0, num_running_reqs=100)
@@ -86,3 +93,102 @@ def test_floor_and_ceiling_bound_every_decision() -> None:
     busy = KvSignals(token_usage=0.1, num_running_reqs=510)
     assert decide(510, None, busy, floor=1, ceiling=512).target == 512
     assert decide(512, None, busy, floor=1, ceiling=512).reason is None
+
+
+def test_growth_waits_one_sample_after_a_queue() -> None:
+    busy = KvSignals(token_usage=0.5, num_queue_reqs=0, num_running_reqs=30)
+    after_a_queue = KvSignals(token_usage=0.6, num_queue_reqs=3, num_running_reqs=30)
+    assert decide(30, after_a_queue, busy, floor=1, ceiling=512).reason is None
+    assert decide(30, busy, busy, floor=1, ceiling=512).target == 32  # 30 + 5 %, rounded up
+    # One request waiting is within the tolerance: hold, neither cut nor grow.
+    one = KvSignals(token_usage=0.5, num_queue_reqs=1, num_running_reqs=30)
+    assert decide(31, busy, one, floor=1, ceiling=512).reason is None
+
+
+# Slow start ------------------------------------------------------------------------------------
+
+
+def test_slow_start_grows_by_half_while_the_window_is_used_and_nothing_waits() -> None:
+    used = KvSignals(token_usage=0.1, num_queue_reqs=0, num_running_reqs=16)
+    assert decide(16, None, used, floor=1, ceiling=512, slow_start=True) == Decision(
+        24, "slow start: 16 running, 0 waiting, KV usage 10%", slow_start=True
+    )
+    # Three more quiet samples: 24 -> 36 -> 54 -> 81.
+    target = 24
+    for expected in (36, 54, 81):
+        signals = KvSignals(token_usage=0.1, num_running_reqs=target)
+        target = decide(target, None, signals, floor=1, ceiling=512, slow_start=True).target
+        assert target == expected
+
+
+def test_slow_start_waits_for_demand_instead_of_growing() -> None:
+    idle = KvSignals(token_usage=0.01, num_queue_reqs=0, num_running_reqs=3)
+    assert decide(16, None, idle, floor=1, ceiling=512, slow_start=True) == Decision(
+        16, None, slow_start=True
+    )
+
+
+def test_slow_start_growth_is_capped_where_the_pool_would_be_full() -> None:
+    # 40 running use 80 % of the pool: about 45 fit at 90 %, not 60.
+    signals = KvSignals(token_usage=0.8, num_queue_reqs=0, num_running_reqs=40)
+    assert decide(40, None, signals, floor=1, ceiling=512, slow_start=True).target == 45
+    # Never less than one more while slow start goes on.
+    full_ish = KvSignals(token_usage=0.89, num_queue_reqs=0, num_running_reqs=40)
+    assert decide(40, None, full_ish, floor=1, ceiling=512, slow_start=True).target == 41
+
+
+def test_a_server_queue_ends_slow_start_and_snaps_to_what_runs() -> None:
+    signals = KvSignals(token_usage=0.5, num_queue_reqs=10, num_running_reqs=50)
+    decision = decide(64, None, signals, floor=1, ceiling=512, slow_start=True)
+    assert decision.target == 52  # 50 running + a tolerance of 1.5, rounded up
+    assert not decision.slow_start
+    assert decision.reason == (
+        "slow start ends at 64: 10 requests waiting in the server queue beside 50 running"
+    )
+
+
+def test_high_kv_usage_ends_slow_start_without_a_change() -> None:
+    signals = KvSignals(token_usage=0.95, num_queue_reqs=0, num_running_reqs=30)
+    assert decide(32, None, signals, floor=1, ceiling=512, slow_start=True) == Decision(
+        32, "slow start ends at 32: KV usage 95%"
+    )
+
+
+def test_retractions_end_slow_start_with_a_cut() -> None:
+    before = KvSignals(token_usage=0.5, retracted_total=5, num_running_reqs=40)
+    after = KvSignals(token_usage=0.7, retracted_total=7, num_running_reqs=40)
+    decision = decide(40, before, after, floor=1, ceiling=512, slow_start=True)
+    assert (decision.target, decision.slow_start) == (28, False)
+
+
+def test_slow_start_ends_at_the_ceiling() -> None:
+    used = KvSignals(token_usage=0.2, num_running_reqs=60)
+    assert decide(60, None, used, floor=1, ceiling=80, slow_start=True).target == 80  # not 90
+    assert decide(80, None, used, floor=1, ceiling=80, slow_start=True) == Decision(
+        80, "slow start ends at the ceiling 80"
+    )
+
+
+def test_a_job_of_one_class_uses_only_that_class_share_of_the_target() -> None:
+    # Target 100 over both classes; the long class's share of this worker's slots is 10, and the
+    # server runs 9 long prompts: that is the target in use, though 9 is far below 100.
+    signals = KvSignals(token_usage=0.2, num_queue_reqs=0, num_running_reqs=9)
+    assert decide(100, None, signals, floor=1, ceiling=512, slow_start=True, usable=10).target == 150
+    assert decide(100, None, signals, floor=1, ceiling=512, slow_start=True).reason is None
+
+
+def test_a_counter_that_went_down_is_a_restart() -> None:
+    before = KvSignals(requests_total=500, retracted_total=3)
+    assert restarted(before, KvSignals(requests_total=2, retracted_total=3))
+    assert restarted(before, KvSignals(requests_total=501, retracted_total=0))
+    assert not restarted(before, KvSignals(requests_total=501, retracted_total=3))
+    assert not restarted(None, KvSignals(requests_total=0))
+    assert not restarted(KvSignals(), KvSignals(requests_total=0))  # nothing to compare
+
+
+def test_signals_survive_their_json_form() -> None:
+    signals = parse_kv_signals(COLON_PAGE)
+    assert KvSignals.from_json(signals.to_json()) == signals
+    assert KvSignals.from_json({"num_running_reqs": 3, "from_a_newer_worker": 1}) == KvSignals(
+        num_running_reqs=3
+    )

@@ -58,6 +58,39 @@ async def test_fleet_picks_the_server_with_most_free_slots() -> None:
     await client.aclose()
 
 
+async def test_fleet_prefers_the_faster_server_among_those_with_room() -> None:
+    client = SGLangClient("x", "http://127.0.0.1:9", timeouts=ClientTimeouts(), max_connections=1)
+    limits = {PromptClass.SHORT: 4, PromptClass.LONG: 1}
+    a, b, c, d = (Server(name, client, max_limits=dict(limits)) for name in "abcd")
+    fleet = Fleet([a, b, c, d], WorkerMetrics())
+    a.observe(1.0, 100)  # 10 ms a token
+    b.observe(3.0, 100)  # 30 ms a token
+    c.observe(1.05, 100)  # as fast as a, within measurement noise
+    # d is not measured yet: it comes last.
+    picks = [(await fleet.acquire(PromptClass.SHORT)).name for _ in range(16)]
+    assert sorted(picks[:8]) == ["a"] * 4 + ["c"] * 4  # least outstanding among the fast ones
+    assert picks[8:] == ["b"] * 4 + ["d"] * 4
+    await fleet.release(b, PromptClass.SHORT)
+    await fleet.release(a, PromptClass.SHORT)
+    assert (await fleet.acquire(PromptClass.SHORT)) is a
+    assert (await fleet.acquire(PromptClass.SHORT)) is b
+    # A slot taken without waiting (backup requests): only where one is free.
+    await fleet.release(c, PromptClass.SHORT)
+    assert fleet.try_acquire(c, PromptClass.SHORT)
+    assert not fleet.try_acquire(c, PromptClass.SHORT)
+    await client.aclose()
+
+
+def test_measured_speed_is_an_ewma_of_seconds_per_output_token() -> None:
+    client = SGLangClient("x", "http://127.0.0.1:9", timeouts=ClientTimeouts(), max_connections=1)
+    server = Server("s", client, max_limits={PromptClass.SHORT: 1, PromptClass.LONG: 1})
+    assert server.s_per_token is None
+    server.observe(2.0, 100)
+    assert server.s_per_token == pytest.approx(0.02)
+    server.observe(12.0, 100)  # latency EWMA 2 + 0.1 * 10 = 3.0 over 100 tokens
+    assert server.s_per_token == pytest.approx(0.03)
+
+
 async def test_pausing_a_server_moves_new_work_to_the_others(
     redis_client: redis.Redis, redis_url: str, storage: Storage, two_speeds: dict[str, str]
 ) -> None:

@@ -28,8 +28,7 @@ def _claim(redis_client: redis.Redis, name: str) -> str:
     identity = QueueIdentity(KEYS.queue_name(PromptClass.SHORT), name, redis_client, 0.5)
     identity.register()
     item = identity.claim(Dispatch(redis_client, KEYS), PromptClass.SHORT)
-    assert item is not None
-    JobStore(redis_client, KEYS).started("reap", item.job.id)
+    assert item is not None  # the claim put it in the job's running set too (in_flight below)
     # The worker dies: its heartbeat lapses (the score is the expiry time).
     registry = item.queue.started_job_registry
     member = next(m for m in redis_client.zrange(registry.key, 0, -1) if m.decode().startswith(item.job.id))
