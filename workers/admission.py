@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 # capacity / CLAIM_BATCH_DIVISOR of them are free: one claim then starts several prompts (its
 # cost in Redis commands is mostly per call). Nothing next to a generation's seconds.
 CLAIM_GATHER_S = 0.005
-CLAIM_BATCH_DIVISOR = 8
+CLAIM_BATCH_DIVISOR = 4
 # An idle claim loop polls at most this rarely; wake-ups (`workers.wake`) bring it back at once.
 IDLE_POLL_MAX_S = 5.0
 
@@ -142,10 +142,7 @@ class Admission:
                 continue
             if free < self._min_batch(cls) and slots.generating[cls] and idle_s == 0.0:
                 # Requests are ending one by one: gather a few freed slots into one claim.
-                await self._wait_freed(CLAIM_GATHER_S)
-                free = self.fleet.capacity(cls) - slots.generating[cls]
-                if free <= 0:
-                    continue
+                free = await self._gather(cls, free)
             try:
                 items = identity.claim_many(self.dispatch, cls, free)
                 self.claims += 1
@@ -170,6 +167,17 @@ class Admission:
                 slots.generating[cls] += 1
                 task = asyncio.create_task(self.run_prompt(identity, item, cls), name=item.job.id)
                 slots.add(cls, task, str((payload_of(item.job) or {}).get("job", "")))
+
+    async def _gather(self, cls: PromptClass, free: int) -> int:
+        """Wait up to CLAIM_GATHER_S for a batch's worth of free slots; returns how many are free."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + CLAIM_GATHER_S
+        while free < self._min_batch(cls) and (left_s := deadline - loop.time()) > 0:
+            await self._wait_freed(left_s)
+            if self.slots.stopping.is_set():
+                break
+            free = self.fleet.capacity(cls) - self.slots.generating[cls]
+        return free
 
     def _min_batch(self, cls: PromptClass) -> int:
         return max(1, self.fleet.capacity(cls) // CLAIM_BATCH_DIVISOR)
