@@ -26,7 +26,12 @@ Printed, over the whole job (ingest, claims, finishes, idle polling while the la
 The figures are for this machine's cores, which the simulators, workers and Redis share: on two
 cores Redis CPU per prompt is inflated by contention, so the projection is conservative.
 
-Run: ``python bench/scale.py [--n 2000] [--workers 2] [--servers 2] [--time-scale 0] [--idle-s 10]``.
+With ``--baseline-tree DIR`` (another checkout, e.g. ``git worktree add /tmp/base <commit>``) the same
+job runs first with that checkout's workers, on a fresh Redis and fresh simulators, and the ratios
+are printed: the baseline of the same run.
+
+Run: ``python bench/scale.py [--n 2000] [--workers 2] [--servers 2] [--time-scale 0] [--idle-s 10]
+[--baseline-tree DIR]``.
 """
 
 from __future__ import annotations
@@ -90,9 +95,12 @@ def delta(after: Usage, before: Usage) -> Usage:
 
 
 def worker_env(
-    redis_url: str, storage: Storage, servers: list[str], *, burst_poll_s: float
+    redis_url: str, storage: Storage, servers: list[str], *, burst_poll_s: float, tree: Path | None = None
 ) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(ENV_PREFIX)}
+    if tree is not None:
+        # The baseline's workers import the other checkout's packages (``-m datagen`` from there).
+        env["PYTHONPATH"] = str(tree)
     env.update(
         {
             "HF_HUB_OFFLINE": "1",
@@ -110,9 +118,13 @@ def worker_env(
 def run_workers(k: int, env: dict[str, str], log: Path) -> tuple[float, float]:
     """K burst workers; returns (wall seconds, their summed CPU seconds)."""
     command = [sys.executable, "-m", "datagen", "worker", "--burst"]
+    cwd = env.get("PYTHONPATH")
     with open(log, "ab") as out:
         started = time.perf_counter()
-        procs = [subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT) for _ in range(k)]
+        procs = [
+            subprocess.Popen(command, env=env, cwd=cwd, stdout=out, stderr=subprocess.STDOUT)
+            for _ in range(k)
+        ]
         cpu_s = 0.0
         deadline = time.monotonic() + WORKER_TIMEOUT_S
         for proc in procs:
@@ -131,7 +143,9 @@ def idle_commands_per_s(
     """Redis commands per second of one long-running worker with nothing queued."""
     command = [sys.executable, "-m", "datagen", "worker"]
     with open(log, "ab") as out:
-        proc = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            command, env=env, cwd=env.get("PYTHONPATH"), stdout=out, stderr=subprocess.STDOUT
+        )
         try:
             time.sleep(min(5.0, idle_s))  # start-up: probes, registration
             before = usage(client)
@@ -167,19 +181,23 @@ def parse_gpus(values: list[str]) -> list[tuple[str, float]]:
     return out
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--n", type=int, default=DEFAULT_N)
-    parser.add_argument("--workers", type=int, default=DEFAULT_WORKERS)
-    parser.add_argument("--servers", type=int, default=DEFAULT_SERVERS)
-    parser.add_argument("--time-scale", type=float, default=0.0)
-    parser.add_argument("--idle-s", type=float, default=DEFAULT_IDLE_S)
-    parser.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS)
-    parser.add_argument("--gpu", action="append", help="LABEL=TOKENS_PER_S (repeatable)")
-    args = parser.parse_args()
-    offline_hub()
-    gpus = parse_gpus(args.gpu or list(DEFAULT_GPUS))
+@dataclass(frozen=True)
+class Figures:
+    wall_s: float
+    commands: float  # per prompt
+    ingest_commands: float
+    redis_ms: float  # Redis CPU per prompt
+    executing_ms: float
+    worker_ms: float
+    startup_cpu_s: float
+    idle_per_s: float
+    idle_top: str
+    top: str
+    timed: str
 
+
+def measure(args: argparse.Namespace, tree: Path | None) -> Figures:
+    """One whole job on a fresh Redis and fresh simulators; ``tree``: run another checkout's workers."""
     with ExitStack() as stack, tempfile.TemporaryDirectory(prefix="scale-") as tmp_name:
         tmp = Path(tmp_name)
         redis_server = stack.enter_context(LocalRedis())
@@ -193,7 +211,7 @@ def main() -> None:
         rows_path = tmp / "prompts.jsonl"
         write_jsonl(rows_path, short_rows(args.n))
         log = tmp / "workers.log"
-        env = worker_env(redis_server.url, storage, servers, burst_poll_s=0.05)
+        env = worker_env(redis_server.url, storage, servers, burst_poll_s=0.05, tree=tree)
 
         # A burst worker with nothing to do: its CPU is the start-up (imports, tokenizer, probes) that
         # every worker pays once, taken out of the per-prompt figure.
@@ -210,33 +228,78 @@ def main() -> None:
         # Idle cost with the production defaults (the burst workers above poll faster).
         idle_env = {k: v for k, v in env.items() if k != "DATAGEN_POLL_INTERVAL_S"}
         idle_per_s, idle_top = idle_commands_per_s(client, idle_env, args.idle_s, log)
-
     n = args.n
-    commands = sum(spent.commands.values())
-    redis_ms = 1000 * spent.redis_cpu_s / n
-    worker_ms = 1000 * max(0.0, worker_cpu_s - args.workers * startup_cpu_s) / n
-    top = ", ".join(f"{name} {calls / n:.2f}" for name, calls in spent.commands.most_common(TOP_COMMANDS))
+    # Scripts' time includes the commands they call, which are also listed on their own.
+    executing_us = sum(us for name, us in spent.usec.items() if not name.startswith("eval"))
+    return Figures(
+        wall_s=wall_s,
+        commands=sum(spent.commands.values()) / n,
+        ingest_commands=sum(ingest_part.commands.values()) / n,
+        redis_ms=1000 * spent.redis_cpu_s / n,
+        executing_ms=executing_us / 1000 / n,
+        worker_ms=1000 * max(0.0, worker_cpu_s - args.workers * startup_cpu_s) / n,
+        startup_cpu_s=startup_cpu_s,
+        idle_per_s=idle_per_s,
+        idle_top=idle_top,
+        top=", ".join(f"{name} {calls / n:.2f}" for name, calls in spent.commands.most_common(TOP_COMMANDS)),
+        timed=", ".join(f"{name} {us / n:.1f}" for name, us in spent.usec.most_common(TOP_COMMANDS)),
+    )
+
+
+def report(label: str, n: int, f: Figures) -> None:
+    print(f"  {label}:")
+    print(f"    whole run: {f.wall_s:.2f} s, {n / f.wall_s:,.0f} prompts/s (workers' start to the last exit)")
+    print(
+        f"    Redis: {f.commands:.1f} commands/prompt ({f.ingest_commands:.1f} of them ingest), "
+        f"{f.redis_ms:.3f} ms CPU/prompt -> {1000 / f.redis_ms:,.0f} prompts/s per Redis core"
+    )
+    print(f"      top commands per prompt: {f.top}")
+    print(f"      executing commands: {f.executing_ms:.3f} ms/prompt; top by time (us/prompt): {f.timed}")
+    print(
+        f"    workers: {f.worker_ms:.2f} ms CPU/prompt (start-up of {f.startup_cpu_s:.1f} s CPU per process "
+        f"taken out) -> {1000 / f.worker_ms:,.0f} prompts/s per worker process core"
+    )
+    print(f"    idle worker: {f.idle_per_s:.1f} Redis commands/s with nothing queued ({f.idle_top})")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--n", type=int, default=DEFAULT_N)
+    parser.add_argument("--workers", type=int, default=DEFAULT_WORKERS)
+    parser.add_argument("--servers", type=int, default=DEFAULT_SERVERS)
+    parser.add_argument("--time-scale", type=float, default=0.0)
+    parser.add_argument("--idle-s", type=float, default=DEFAULT_IDLE_S)
+    parser.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS)
+    parser.add_argument("--gpu", action="append", help="LABEL=TOKENS_PER_S (repeatable)")
+    parser.add_argument(
+        "--baseline-tree",
+        type=Path,
+        help="another checkout (e.g. `git worktree add /tmp/base <commit>`) whose workers run the same "
+        "job first, as the baseline of the same run",
+    )
+    args = parser.parse_args()
+    offline_hub()
+    gpus = parse_gpus(args.gpu or list(DEFAULT_GPUS))
+    baseline = measure(args, args.baseline_tree.resolve()) if args.baseline_tree else None
+    ours = measure(args, None)
+    n = args.n
     print(
         f"scale: N={n} prompts, {args.workers} worker processes x {args.servers} simulated servers "
         f"(time scale {args.time_scale}), one Redis; {os.cpu_count()} CPUs shared by all"
     )
-    print(f"  whole run: {wall_s:.2f} s, {n / wall_s:,.0f} prompts/s (workers' start to the last exit)")
-    print(
-        f"  Redis: {commands / n:.1f} commands/prompt ({sum(ingest_part.commands.values()) / n:.1f} of them "
-        f"ingest), {redis_ms:.3f} ms CPU/prompt -> {1000 / redis_ms:,.0f} prompts/s per Redis core"
-    )
-    print(f"    top commands per prompt: {top}")
-    # Scripts' time includes the commands they call, which are also listed on their own.
-    timed = ", ".join(f"{name} {us / n:.1f}" for name, us in spent.usec.most_common(TOP_COMMANDS))
-    executing_ms = sum(us for name, us in spent.usec.items() if not name.startswith("eval")) / 1000 / n
-    print(f"    executing commands: {executing_ms:.3f} ms/prompt; top by time (us/prompt): {timed}")
-    print(
-        f"  workers: {worker_ms:.2f} ms CPU/prompt (start-up of {startup_cpu_s:.1f} s CPU per process "
-        f"taken out) -> {1000 / worker_ms:,.0f} prompts/s per worker process core"
-    )
-    print(f"  idle worker: {idle_per_s:.1f} Redis commands/s with nothing queued ({idle_top})")
-    print("  projection (prompts/s per GPU = tokens/s / output length):")
-    for line in projection(redis_ms, worker_ms, gpus):
+    if baseline is not None:
+        report(f"baseline: workers of {args.baseline_tree}", n, baseline)
+    report("this tree", n, ours)
+    if baseline is not None:
+        print(
+            f"  ratios (this tree / baseline): commands/prompt {ours.commands / baseline.commands:.2f}x, "
+            f"Redis CPU/prompt {ours.redis_ms / baseline.redis_ms:.2f}x, worker CPU/prompt "
+            f"{ours.worker_ms / baseline.worker_ms:.2f}x, idle commands/s "
+            f"{ours.idle_per_s / baseline.idle_per_s:.2f}x, "
+            f"whole-run prompts/s {baseline.wall_s / ours.wall_s:.2f}x"
+        )
+    print("  projection for this tree (prompts/s per GPU = tokens/s / output length):")
+    for line in projection(ours.redis_ms, ours.worker_ms, gpus):
         print(line)
     peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print(f"  (this script's own peak memory: {peak_mib:.0f} MiB)")
