@@ -78,6 +78,8 @@ class Usage:
     # Microseconds Redis spent executing each command (a script's includes its own calls); the rest
     # of its CPU is reading and writing sockets.
     usec: Counter[str]
+    # Socket reads Redis processed: client round trips (a pipeline's commands may share one).
+    reads: int
 
 
 def usage(client: redis.Redis) -> Usage:
@@ -85,13 +87,19 @@ def usage(client: redis.Redis) -> Usage:
     cpu = client.info("cpu")
     commands = Counter({name.removeprefix("cmdstat_"): int(v["calls"]) for name, v in stats.items()})
     usec = Counter({name.removeprefix("cmdstat_"): int(v["usec"]) for name, v in stats.items()})
-    return Usage(commands, float(cpu["used_cpu_sys"]) + float(cpu["used_cpu_user"]), usec)
+    reads = int(client.info("stats").get("total_reads_processed", 0))
+    return Usage(commands, float(cpu["used_cpu_sys"]) + float(cpu["used_cpu_user"]), usec, reads)
 
 
 def delta(after: Usage, before: Usage) -> Usage:
     commands = after.commands - before.commands
-    commands["info"] -= 2  # our own two INFO calls
-    return Usage(+commands, after.redis_cpu_s - before.redis_cpu_s, +(after.usec - before.usec))
+    commands["info"] -= 3  # our own three INFO calls
+    return Usage(
+        +commands,
+        after.redis_cpu_s - before.redis_cpu_s,
+        +(after.usec - before.usec),
+        after.reads - before.reads,
+    )
 
 
 def worker_env(
@@ -192,6 +200,7 @@ class Figures:
     startup_cpu_s: float
     idle_per_s: float
     idle_top: str
+    round_trips: float  # per prompt
     top: str
     timed: str
 
@@ -241,6 +250,7 @@ def measure(args: argparse.Namespace, tree: Path | None) -> Figures:
         startup_cpu_s=startup_cpu_s,
         idle_per_s=idle_per_s,
         idle_top=idle_top,
+        round_trips=spent.reads / n,
         top=", ".join(f"{name} {calls / n:.2f}" for name, calls in spent.commands.most_common(TOP_COMMANDS)),
         timed=", ".join(f"{name} {us / n:.1f}" for name, us in spent.usec.most_common(TOP_COMMANDS)),
     )
@@ -253,7 +263,7 @@ def report(label: str, n: int, f: Figures) -> None:
         f"    Redis: {f.commands:.1f} commands/prompt ({f.ingest_commands:.1f} of them ingest), "
         f"{f.redis_ms:.3f} ms CPU/prompt -> {1000 / f.redis_ms:,.0f} prompts/s per Redis core"
     )
-    print(f"      top commands per prompt: {f.top}")
+    print(f"      top commands per prompt: {f.top}; client round trips per prompt: {f.round_trips:.2f}")
     print(f"      executing commands: {f.executing_ms:.3f} ms/prompt; top by time (us/prompt): {f.timed}")
     print(
         f"    workers: {f.worker_ms:.2f} ms CPU/prompt (start-up of {f.startup_cpu_s:.1f} s CPU per process "

@@ -4,10 +4,7 @@ prompt. The counting rules are COUNT_AND_MAYBE_COMPLETE's (`datagen._job_scripts
 
 from __future__ import annotations
 
-__all__ = ["ACK_DONE", "ACK_FIELDS"]
-
-# Values per prompt in ARGV, after the fixed ones.
-ACK_FIELDS = 8
+__all__ = ["ACK_DONE"]
 
 # KEYS: 1 the class's RQ started registry, 2 its finished registry.
 # ARGV: 1 RQ job key prefix, 2 job key prefix, 3 running-set suffix, 4 breakdown suffix, 5 partitions

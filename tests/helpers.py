@@ -279,3 +279,16 @@ def serve_coordinator(settings: CoordinatorSettings, *, log_level: str = "critic
     finally:
         server.should_exit = True
         thread.join(timeout=10)
+
+
+class StopAfter(threading.Event):
+    """A stop signal that trips after ``checks`` looks (ingestion looks once before the run and once
+    per row read): an ingestion stopped part way, for real."""
+
+    def __init__(self, checks: int) -> None:
+        super().__init__()
+        self.left = checks
+
+    def is_set(self) -> bool:
+        self.left -= 1
+        return self.left < 0 or super().is_set()

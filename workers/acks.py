@@ -2,8 +2,8 @@
 durable, and their acknowledgements (RQ finished, job counted done) go to Redis in one script call
 per class (`datagen.jobs.JobStore.ack_done`) instead of one transaction each.
 
-A task waits until its ack is in Redis, so its slot, its heartbeat and burst mode's "nothing in
-flight" keep their meaning. A Redis outage holds the batch and retries it: the script is safe to
+A task waits until its ack is in Redis, so its heartbeat and burst mode's "nothing in flight" keep
+their meaning. A Redis outage holds the batch and retries it: the script is safe to
 repeat, since a prompt already counted is not counted again. A worker killed between the shard
 commit and the ack leaves its prompts started; the reaper hands them out again and the second
 record of each is dropped by exports (first record wins), while the count happens once.
@@ -21,9 +21,12 @@ from datagen.settings import DEFAULT_RESULT_TTL_S
 from workers.redisretry import while_redis_down
 from workers.rqbridge import InFlight, QueueIdentity
 
-__all__ = ["Acks"]
+__all__ = ["Acks", "ack_item"]
 
 log = logging.getLogger(__name__)
+
+# Prompts per script call at most (Lua's unpack, and one call's time on Redis, stay bounded).
+MAX_ACKS_PER_CALL = 1000
 
 
 @dataclass(eq=False)
@@ -39,6 +42,8 @@ class Acks:
         self.jobs = jobs
         self._waiting: list[_Waiting] = []
         self._scheduled = False
+        # Running flushes (the event loop keeps only weak references to tasks).
+        self._flushes: set[asyncio.Task[None]] = set()
         # Fault tests only (``test_ack_delay_s``): a window to kill the worker after the commit.
         self.delay_s = delay_s
 
@@ -51,8 +56,13 @@ class Acks:
             # The other tasks of the same shard resume in this loop iteration: flushing on the
             # next one takes them all in one call.
             self._scheduled = True
-            loop.call_soon(lambda: asyncio.ensure_future(self._flush()))
+            loop.call_soon(self._start_flush)
         await asyncio.shield(future)
+
+    def _start_flush(self) -> None:
+        task = asyncio.ensure_future(self._flush())
+        self._flushes.add(task)
+        task.add_done_callback(self._flushes.discard)
 
     async def _flush(self) -> None:
         self._scheduled = False
@@ -64,7 +74,12 @@ class Acks:
         by_identity: dict[QueueIdentity, list[_Waiting]] = {}
         for waiting in batch:
             by_identity.setdefault(waiting.identity, []).append(waiting)
-        for identity, group in by_identity.items():
+        groups = [
+            (identity, waiting[start : start + MAX_ACKS_PER_CALL])
+            for identity, waiting in by_identity.items()
+            for start in range(0, len(waiting), MAX_ACKS_PER_CALL)
+        ]
+        for identity, group in groups:
             target = identity.ack_target
             acks = [w.ack for w in group]
             try:

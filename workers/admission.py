@@ -121,7 +121,6 @@ class Admission:
         self.wakeups = wakeups
         self.on_claim_empty = on_claim_empty
         self.on_claimed = on_claimed
-        self.claims = 0
 
     async def run(self) -> None:
         await asyncio.gather(*(self._admit(cls) for cls in PromptClass))
@@ -145,7 +144,6 @@ class Admission:
                 free = await self._gather(cls, free)
             try:
                 items = identity.claim_many(self.dispatch, cls, free)
-                self.claims += 1
                 outage_s = 0.0
             except redis.RedisError as exc:
                 if not outage_s:

@@ -347,8 +347,8 @@ class KvControl:
         self._last_busy = False
 
     async def run(self) -> None:
-        # The worker creates this task before its claim loops' tasks, so this runs before the
-        # first claim: the first burst already sees the slow-start window, not the ceiling.
+        # `Worker.start` primed it before admission began; again here for a controller started
+        # on its own (HSETNX: a target learnt meanwhile is kept).
         try:
             self.prime()
         except RedisError as exc:

@@ -5,7 +5,6 @@ coordinator, a worker, an export and the report over S3."""
 from __future__ import annotations
 
 import json
-import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -36,7 +35,14 @@ from service.app import create_app
 from service.coordinator import Coordinator
 from service.ingest import IngestOptions, Ingestor
 from simulator.model import SpecialIds, expected_output
-from tests.helpers import fast_worker_settings, make_record, make_spec, running_simulator, wait_ingested
+from tests.helpers import (
+    StopAfter,
+    fast_worker_settings,
+    make_record,
+    make_spec,
+    running_simulator,
+    wait_ingested,
+)
 from workers.fleet import ServerSpec
 from workers.worker import Worker
 
@@ -227,18 +233,6 @@ def _post(client: TestClient, lines: list[str], job_id: str) -> Any:
     return client.post("/jobs", data=data, files={"dataset": ("d.jsonl", body, "application/jsonl")})
 
 
-class _StopAfter(threading.Event):
-    """A stop signal that trips after ``checks`` looks: an ingestion paused part way, for real."""
-
-    def __init__(self, checks: int) -> None:
-        super().__init__()
-        self.left = checks
-
-    def is_set(self) -> bool:
-        self.left -= 1
-        return self.left < 0 or super().is_set()
-
-
 def test_uploads_over_the_limit_leave_nothing_and_ingestion_resumes_on_s3(
     s3_url: str, redis_url: str, redis_client: redis.Redis
 ) -> None:
@@ -259,7 +253,7 @@ def test_uploads_over_the_limit_leave_nothing_and_ingestion_resumes_on_s3(
     redis_client.hset(keys.job("job"), mapping={"ingest_input": name, "ingest_line": 0})
     enqueue = EnqueueOptions(result_ttl_s=600, failure_ttl_s=600, max_worker_losses=3)
     ingestor = Ingestor(redis_client, keys, jobs, storage, IngestOptions(chunk=3, enqueue=enqueue))
-    ingestor.run("job", name, _StopAfter(1 + 5))  # chunk 1-3 flushed; lines 4-5 read, not flushed
+    ingestor.run("job", name, StopAfter(1 + 5))  # chunk 1-3 flushed; lines 4-5 read, not flushed
     assert (jobs.progress("job").state, jobs.ingest_line("job")) == (JobState.INGESTING, 3)
 
     coordinator = Coordinator(settings, redis_client)

@@ -18,24 +18,12 @@ from datagen.states import JobState, PromptClass
 from datagen.storage import Storage
 from service.chunk import chunk_sizes
 from service.ingest import IngestOptions, Ingestor
-from tests.helpers import make_spec
+from tests.helpers import StopAfter, make_spec
 
 NS = "first"
 JOB = "job"
 ROWS = 200
 ENQUEUE = EnqueueOptions(result_ttl_s=600, failure_ttl_s=600, max_worker_losses=3)
-
-
-class _StopAfter(threading.Event):
-    """A stop signal that trips after ``checks`` looks (one per row read, one before the run)."""
-
-    def __init__(self, checks: int) -> None:
-        super().__init__()
-        self.left = checks
-
-    def is_set(self) -> bool:
-        self.left -= 1
-        return self.left < 0 or super().is_set()
 
 
 def test_chunks_double_from_the_first_size_to_the_configured_one() -> None:
@@ -65,12 +53,12 @@ def _backlog(redis_client: redis.Redis) -> list[bytes]:
 def test_the_first_chunk_lands_before_the_rest_is_read(redis_client: redis.Redis, tmp_path: Path) -> None:
     # A long deadline: only the size decides here.
     jobs, ingestor, name = _setup(redis_client, tmp_path, first_chunk=32, first_chunk_s=60.0)
-    ingestor.run(JOB, name, _StopAfter(1 + 40))  # stopped after 40 rows: 32 committed, 8 not
+    ingestor.run(JOB, name, StopAfter(1 + 40))  # stopped after 40 rows: 32 committed, 8 not
     assert jobs.ingest_line(JOB) == 32
     assert len(_backlog(redis_client)) == jobs.progress(JOB).accepted == 32
 
     # The resumed run starts after the checkpoint, again small (32, 64, then the other 72 rows).
-    ingestor.run(JOB, name, _StopAfter(1 + 32 + 64 + 1))
+    ingestor.run(JOB, name, StopAfter(1 + 32 + 64 + 1))
     assert jobs.ingest_line(JOB) == 32 + 32 + 64
     ingestor.run(JOB, name, threading.Event())
     progress = jobs.progress(JOB)
@@ -87,7 +75,7 @@ def test_the_first_chunk_lands_before_the_rest_is_read(redis_client: redis.Redis
 def test_the_first_chunk_goes_out_at_its_deadline(redis_client: redis.Redis, tmp_path: Path) -> None:
     # A deadline already passed: the first chunk goes out with the first prompt; the next is 64.
     jobs, ingestor, name = _setup(redis_client, tmp_path, first_chunk=32, first_chunk_s=0.0)
-    ingestor.run(JOB, name, _StopAfter(1 + 40))
+    ingestor.run(JOB, name, StopAfter(1 + 40))
     assert jobs.ingest_line(JOB) == 1
     assert len(_backlog(redis_client)) == 1
 
@@ -98,5 +86,5 @@ def test_small_configured_chunks_keep_their_size(redis_client: redis.Redis, tmp_
     jobs, _, name = _setup(redis_client, tmp_path)
     options = IngestOptions(chunk=3, enqueue=ENQUEUE, first_chunk=32, first_chunk_s=0.0)
     ingestor = Ingestor(redis_client, keys, jobs, Storage(str(tmp_path / "data")), options)
-    ingestor.run(JOB, name, _StopAfter(1 + 8))
+    ingestor.run(JOB, name, StopAfter(1 + 8))
     assert jobs.ingest_line(JOB) == 6
