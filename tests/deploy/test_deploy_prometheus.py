@@ -282,6 +282,9 @@ def observed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Observed]:
             "DATAGEN_RETRY_MAX_S": "0.2",
             "DATAGEN_HEALTH_INTERVAL_S": "0.2",
             "DATAGEN_CONTROLLER_INTERVAL_S": "0.5",
+            # Start at the ceiling: slow start would keep simB's small KV pool from ever
+            # retracting, and the retraction panels need the planted fault to show.
+            "DATAGEN_CONTROLLER_INITIAL_TARGET": "0",
             "DATAGEN_COMMIT_INTERVAL_S": "0.5",
             "DATAGEN_HEARTBEAT_INTERVAL_S": "1",
             "DATAGEN_REAPER_INTERVAL_S": "1",

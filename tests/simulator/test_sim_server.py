@@ -73,4 +73,6 @@ async def test_300_requests_at_concurrency_64_finish_in_a_few_seconds() -> None:
     ]
     assert outputs == expected
     assert sum(map(len, outputs)) / n_requests > 200
-    assert elapsed < 10, f"took {elapsed:.1f}s"
+    # About 6 s alone on two cores and 12-13 s under CI's coverage tracing; a simulator that served
+    # requests one at a time would take minutes (each takes about 1.3 s here, 64 at once).
+    assert elapsed < 30, f"took {elapsed:.1f}s"
