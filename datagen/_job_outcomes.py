@@ -1,8 +1,9 @@
-"""How prompts end, as `datagen.jobs.JobStore` records it: a worker counts a prompt done, failed or
-cancelled inside RQ's own transaction (one Lua script, so a prompt finished twice counts once and a
-prompt of another incarnation of the job is not counted); a retry puts failed prompts back, one retry
-per job at a time and each prompt at most once. Part of `JobStore` (its base class), kept apart only
-for size: the job's keys and scripts are JobStore's."""
+"""How prompts end, as `datagen.jobs.JobStore` records it: a worker counts a committed shard's
+prompts done in one script with their RQ bookkeeping (`ack_done`), and a prompt failed or cancelled
+inside that prompt's RQ transaction (the count script); either way a prompt finished twice counts
+once and a prompt of another incarnation of the job is not counted. A retry puts failed prompts
+back, one retry per job at a time and each prompt at most once. Part of `JobStore` (its base
+class), kept apart only for size: the job's keys and scripts are JobStore's."""
 
 from __future__ import annotations
 
@@ -102,33 +103,6 @@ class JobOutcomes:
             k.job_breakdown(job_id),
             k.job_partitions(job_id),
         ]
-
-    def count_done(
-        self,
-        pipe: Pipeline,
-        job_id: str,
-        rq_id: str,
-        output_tokens: int,
-        *,
-        partition: str,
-        cls: str,
-        finish: str = "",
-        incarnation: str = "",
-    ) -> None:
-        args: list[str | int] = [
-            "done",
-            1,
-            output_tokens,
-            now_ms(),
-            rq_id,
-            "",
-            0,
-            partition,
-            cls,
-            finish,
-            incarnation,
-        ]
-        self._count_script(keys=self._count_keys(job_id), args=[*args, *COUNT_STATES], client=pipe)
 
     def ack_done(
         self, target: AckTarget, items: Sequence[AckItem], *, client: Redis | Pipeline | None = None

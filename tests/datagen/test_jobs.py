@@ -33,9 +33,7 @@ def test_job_completes_when_the_last_prompt_is_counted(store: JobStore, redis_cl
     store.started("j1", "rq-a")
     store.started("j1", "rq-b")
     store.started("j1", "rq-b")  # started again after a hand-back: still one prompt in flight
-    with redis_client.pipeline() as pipe:
-        store.count_done(pipe, "j1", "rq-a", output_tokens=10, partition="math", cls="short")
-        pipe.execute()
+    store.ack_done(TARGET, [_ack("j1", "rq-a", 10)])
     progress = store.progress("j1")
     assert (progress.state, progress.done, progress.in_flight, progress.output_tokens) == (
         JobState.RUNNING,
@@ -78,11 +76,7 @@ def test_a_prompt_finished_twice_is_counted_once(store: JobStore, redis_client: 
     store.started("j1", "rq-a")
     store.started("j1", "rq-b")
     for _ in range(2):
-        with redis_client.pipeline() as pipe:
-            store.count_done(
-                pipe, "j1", "rq-a", output_tokens=10, partition="math", cls="short", finish="stop"
-            )
-            pipe.execute()
+        store.ack_done(TARGET, [_ack("j1", "rq-a", 10)])
     progress = store.progress("j1")
     # Counted twice, rq-a would make done 2 = accepted and complete the job with rq-b still running.
     assert (progress.state, progress.done, progress.in_flight, progress.output_tokens) == (
