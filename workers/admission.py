@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Callable, Collection, Coroutine, Mapping
 from typing import Any
 
@@ -37,6 +38,10 @@ CLAIM_GATHER_S = 0.005
 CLAIM_BATCH_DIVISOR = 4
 # An idle claim loop polls at most this rarely; wake-ups (`workers.wake`) bring it back at once.
 IDLE_POLL_MAX_S = 5.0
+# With servers of clearly different speeds, the backlog left decides the end of a run: the slower
+# servers start no new prompts (`Fleet.held_back`). It is read at most this often, and counted down
+# by this worker's claims in between.
+BACKLOG_REFRESH_S = 0.5
 
 # The life of one claimed prompt (``workers.prompt.PromptRunner.run``).
 RunPrompt = Callable[[QueueIdentity, InFlight, PromptClass], Coroutine[Any, Any, None]]
@@ -121,6 +126,8 @@ class Admission:
         self.wakeups = wakeups
         self.on_claim_empty = on_claim_empty
         self.on_claimed = on_claimed
+        # Per class: when the backlog was read (monotonic) and what is left of it since.
+        self._backlogs: dict[PromptClass, list[float]] = {}
 
     async def run(self) -> None:
         await asyncio.gather(*(self._admit(cls) for cls in PromptClass))
@@ -134,14 +141,15 @@ class Admission:
         while not slots.stopping.is_set():
             if self.burst and self._burst_done():
                 return
-            # Prompts waiting only for their shard commit no longer use a server slot.
-            free = self.fleet.capacity(cls) - slots.generating[cls]
-            if cls in self.sync.paused_classes or free <= 0:
+            backlog = self._end_of_backlog(cls)
+            if cls in self.sync.paused_classes or (free := self._free(cls, backlog)) <= 0:
                 await self._wait_freed(poll_s)
                 continue
             if free < self._min_batch(cls) and slots.generating[cls] and idle_s == 0.0:
                 # Requests are ending one by one: gather a few freed slots into one claim.
-                free = await self._gather(cls, free)
+                free = await self._gather(cls, free, backlog)
+                if free <= 0:
+                    continue
             try:
                 items = identity.claim_many(self.dispatch, cls, free)
                 outage_s = 0.0
@@ -159,14 +167,13 @@ class Admission:
                 await self._wait_for_work(cls, idle_s if self.wakeups is not None else poll_s)
                 continue
             idle_s = 0.0
-            if self.on_claimed is not None:
-                self.on_claimed(cls)
+            self._claimed(cls, len(items))
             for item in items:
                 slots.generating[cls] += 1
                 task = asyncio.create_task(self.run_prompt(identity, item, cls), name=item.job.id)
                 slots.add(cls, task, str((payload_of(item.job) or {}).get("job", "")))
 
-    async def _gather(self, cls: PromptClass, free: int) -> int:
+    async def _gather(self, cls: PromptClass, free: int, backlog: int | None) -> int:
         """Wait up to CLAIM_GATHER_S for a batch's worth of free slots; returns how many are free."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + CLAIM_GATHER_S
@@ -174,8 +181,38 @@ class Admission:
             await self._wait_freed(left_s)
             if self.slots.stopping.is_set():
                 break
-            free = self.fleet.capacity(cls) - self.slots.generating[cls]
+            free = self._free(cls, backlog)
         return free
+
+    def _free(self, cls: PromptClass, backlog: int | None) -> int:
+        """Slots to claim for: the servers' slots (prompts waiting only for their shard commit no
+        longer hold one) less those of servers held back at the end of the backlog."""
+        free = self.fleet.capacity(cls) - self.slots.generating[cls]
+        if free > 0 and backlog is not None:
+            free -= sum(s.free(cls) for s in self.fleet.held_back(cls, backlog))
+        return free
+
+    def _end_of_backlog(self, cls: PromptClass) -> int | None:
+        """With servers of clearly different speeds, the prompts of ``cls`` left to dispatch
+        fleet-wide; None otherwise, or when Redis cannot tell (nothing is held back then)."""
+        return self._backlog(cls) if self.fleet.mixed_speeds() else None
+
+    def _claimed(self, cls: PromptClass, n: int) -> None:
+        if (read := self._backlogs.get(cls)) is not None:
+            read[1] -= n
+        if self.on_claimed is not None:
+            self.on_claimed(cls)
+
+    def _backlog(self, cls: PromptClass) -> int | None:
+        """Prompts of ``cls`` left to dispatch fleet-wide, read at most every BACKLOG_REFRESH_S."""
+        now = time.monotonic()
+        read = self._backlogs.get(cls)
+        if read is None or now - read[0] >= BACKLOG_REFRESH_S:
+            try:
+                read = self._backlogs[cls] = [now, float(self.dispatch.depth(cls))]
+            except redis.RedisError:
+                return None
+        return max(0, int(read[1]))
 
     def _min_batch(self, cls: PromptClass) -> int:
         return max(1, self.fleet.capacity(cls) // CLAIM_BATCH_DIVISOR)

@@ -24,7 +24,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, cast
 from urllib.parse import urlsplit
 
 from pydantic import SecretStr
@@ -135,6 +135,44 @@ class Fleet:
 
     def free_slots(self, cls: PromptClass) -> int:
         return sum(s.free(cls) for s in self.servers)
+
+    def mixed_speeds(self) -> bool:
+        """Whether a server taking requests is measured clearly slower than the fastest: the only
+        case where :meth:`held_back` can hold anything (so the backlog it needs is read only then)."""
+        speeds = [v for s in self.servers if s.accepting and (v := s.s_per_token) is not None]
+        return len(speeds) >= 2 and max(speeds) > min(speeds) * SAME_SPEED_FACTOR
+
+    def held_back(self, cls: PromptClass, backlog: int) -> list[Server]:
+        """The servers that should start no new prompt of ``cls`` while ``backlog`` prompts are
+        left to dispatch fleet-wide: the end of a run.
+
+        With ``T`` the output tokens of a typical request here, a prompt sent to server S now
+        ends in about ``T * S.s_per_token``. Held back, it waits for the servers clearly faster
+        than S to take the backlog ahead of it (by Little's law they end ``slots / (T * s_per_token)``
+        requests a second, counting every worker's slots) and then takes ``T`` times the fastest
+        one's seconds per token. When that is sooner, S gets nothing new: the last prompts go to
+        the fast servers instead of starting on a slow one and ending after everything else.
+        S's slots count again as soon as the backlog is larger (a new job) or the faster servers
+        stop taking requests.
+        """
+        measured = [s for s in self.servers if s.accepting and s.s_per_token is not None]
+        tokens = [s.tokens_ewma for s in measured if s.tokens_ewma]
+        if len(measured) < 2 or not tokens:
+            return []
+        typical_tokens = sum(tokens) / len(tokens)
+        held = []
+        for server in measured:
+            own = cast(float, server.s_per_token)
+            faster = [f for f in measured if cast(float, f.s_per_token) * SAME_SPEED_FACTOR < own]
+            rate = sum(
+                f.limits[cls] * f.share / (typical_tokens * cast(float, f.s_per_token)) for f in faster
+            )
+            if rate <= 0:
+                continue
+            fastest = min(cast(float, f.s_per_token) for f in faster)
+            if backlog / rate + typical_tokens * fastest < typical_tokens * own:
+                held.append(server)
+        return held
 
     async def acquire(
         self, cls: PromptClass, *, affinity: str | None = None, avoid: frozenset[str] = frozenset()

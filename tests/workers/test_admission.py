@@ -1,5 +1,6 @@
-"""Admission (``workers.admission``) over real Redis and a simulator over real HTTP: a paused
-queue is no longer claimed from, and its in-flight prompts still finish."""
+"""Admission (``workers.admission``) over real Redis and simulators over real HTTP: a paused
+queue is no longer claimed from, and its in-flight prompts still finish; at the end of a backlog
+a slow server starts nothing new."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from datagen.storage import Storage
 from service.fleetview import FleetView
 from tests.helpers import running_simulator
 from tests.workers.worker_helpers import KEYS, eventually, ingest, records, settings, start, stop
+from workers.admission import BACKLOG_REFRESH_S
 
 
 async def test_pausing_a_queue_stops_dispatch_within_two_seconds(
@@ -41,3 +43,35 @@ async def test_pausing_a_queue_stops_dispatch_within_two_seconds(
         )
         await stop(worker, run)
     assert len(records(storage, "pause")) == 40
+
+
+async def test_the_slow_server_starts_nothing_new_at_the_end_of_the_backlog(
+    redis_client: redis.Redis, redis_url: str, storage: Storage, tokenizer_path: str
+) -> None:
+    short = PromptClass.SHORT
+    with (
+        running_simulator(tokenizer_path=tokenizer_path) as fast_url,
+        running_simulator(tokenizer_path=tokenizer_path) as slow_url,
+    ):
+        worker = await start(settings(redis_url, storage), {"fast": fast_url, "slow": slow_url})
+        admission = worker.admission
+
+        def free() -> int:
+            return admission._free(short, admission._end_of_backlog(short))
+
+        try:
+            fast, slow = worker.fleet.servers
+            assert free() == 8  # not measured yet: 4 slots on each
+            fast.observe(1.0, 100)  # 10 ms a token: its 4 slots end 4 requests a second
+            slow.observe(3.0, 100)  # 30 ms a token
+            # 5 prompts left: the fast server takes them all in 1.25 s and answers the last 1 s
+            # later, before a request started on the slow one now (3 s) would.
+            ingest(redis_client, storage, "endgame", 5)
+            assert free() == 4
+            # 15 left (another job; the backlog is read again after BACKLOG_REFRESH_S): 3.75 s + 1 s
+            # on the fast one, later than 3 s on the slow one, which gets work again.
+            ingest(redis_client, storage, "endgame2", 10)
+            await asyncio.sleep(BACKLOG_REFRESH_S)
+            assert free() == 8
+        finally:
+            await stop(worker)

@@ -104,3 +104,49 @@ async def test_pausing_a_server_moves_new_work_to_the_others(
         await stop(worker)
     assert {r["server"] for r in records(storage, "spause")} == {"slow"}
     assert FleetView(redis_client, KEYS).server("fast")["state"] == "paused"
+
+
+def _measured(name: str, client: SGLangClient, latency_s: float, short_limit: int) -> Server:
+    server = Server(name, client, max_limits={PromptClass.SHORT: short_limit, PromptClass.LONG: 1})
+    server.observe(latency_s, 100)  # 100 output tokens in latency_s
+    return server
+
+
+async def test_slow_servers_are_held_back_at_the_end_of_the_backlog() -> None:
+    client = SGLangClient("x", "http://127.0.0.1:9", timeouts=ClientTimeouts(), max_connections=1)
+    fast = _measured("fast", client, 1.0, 20)  # 10 ms a token: 20 slots end 20 requests a second
+    slow = _measured("slow", client, 3.0, 20)  # 30 ms a token: a request takes 3 s here, 1 s there
+    fleet = Fleet([fast, slow], WorkerMetrics())
+    short = PromptClass.SHORT
+    # Held when the fast server takes the backlog and its own request sooner than the slow one
+    # would answer: backlog / 20 + 1 s < 3 s, i.e. fewer than 40 prompts left.
+    assert fleet.held_back(short, 39) == [slow]
+    assert fleet.held_back(short, 40) == []
+    assert fleet.held_back(short, 0) == [slow]
+    assert fleet.mixed_speeds()
+    # The fast server's slots count every worker's share of it: with two workers listing it,
+    # this one has 10 of its 20 slots, and the backlog still drains at 20 a second.
+    fast.apply_target(1.0, 2)
+    assert fast.limits[short] == 10
+    assert fleet.held_back(short, 39) == [slow]
+    assert fleet.held_back(short, 40) == []
+    # The KV controller halved the fast server's target: 10 a second, fewer than 20 prompts.
+    fast.apply_target(0.5, 1)
+    assert fleet.held_back(short, 19) == [slow]
+    assert fleet.held_back(short, 20) == []
+    # Nothing faster takes requests: the slow server is all there is.
+    fast.paused = True
+    assert fleet.held_back(short, 0) == []
+    assert not fleet.mixed_speeds()
+    await client.aclose()
+
+
+async def test_servers_about_as_fast_or_unmeasured_are_never_held_back() -> None:
+    client = SGLangClient("x", "http://127.0.0.1:9", timeouts=ClientTimeouts(), max_connections=1)
+    a = _measured("a", client, 1.0, 8)
+    b = _measured("b", client, 1.1, 8)  # within SAME_SPEED_FACTOR of a
+    c = Server("c", client, max_limits={PromptClass.SHORT: 8, PromptClass.LONG: 1})  # not measured
+    fleet = Fleet([a, b, c], WorkerMetrics())
+    assert fleet.held_back(PromptClass.SHORT, 0) == []
+    assert not fleet.mixed_speeds()
+    await client.aclose()
