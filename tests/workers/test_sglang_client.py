@@ -5,6 +5,7 @@ Reply and error bodies are transcribed from shared/reference/sglang-contract.md 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from collections.abc import Callable
@@ -30,6 +31,7 @@ from workers.sglang import (
     Finish,
     GenerateResult,
     SGLangClient,
+    _split,
     parse_generate_response,
 )
 
@@ -813,16 +815,16 @@ async def test_one_async_client_is_reused_across_calls_and_closed_once() -> None
     transport = CountingTransport(answer(200, STOP_TOKEN_BODY))
     client = make_client(answer(200, STOP_TOKEN_BODY), transport=transport)
     await client.start()
-    opened = client._http
-    assert opened is not None
+    opened = list(client._pools)
+    assert len(opened) == 1
 
     for attempt in range(3):
         await client.generate(PROMPT_IDS, SAMPLING, rid=f"{RID}-{attempt}")
     await client.health(timeout_s=1.0)
 
-    assert client._http is opened
+    assert client._pools == opened
     control = client._control_http  # /health went to the small control pool, not the /generate one
-    assert control is not None and control is not opened
+    assert control is not None and control not in opened
     await client.health(timeout_s=1.0)
     assert client._control_http is control
     assert transport.closed == 0
@@ -879,3 +881,80 @@ def test_bad_base_url_is_a_config_error(base_url: str) -> None:
 def test_max_connections_must_be_positive() -> None:
     with pytest.raises(ConfigError):
         SGLangClient(SERVER_NAME, BASE_URL, timeouts=ClientTimeouts(), max_connections=0)
+
+
+def test_generate_connections_are_split_into_pools_of_at_most_32() -> None:
+    assert _split(1, 32) == [1]
+    assert _split(32, 32) == [32]
+    assert _split(64, 32) == [32, 32]
+    assert _split(65, 32) == [22, 22, 21]
+    assert _split(100, 32) == [25, 25, 25, 25]
+
+
+async def test_a_pool_is_opened_only_when_the_open_ones_are_full() -> None:
+    release = asyncio.Event()
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        await release.wait()
+        return httpx.Response(200, json=STOP_TOKEN_BODY)
+
+    client = SGLangClient(
+        SERVER_NAME,
+        BASE_URL,
+        timeouts=ClientTimeouts(),
+        max_connections=512,
+        transport=httpx.MockTransport(handler),
+    )
+    try:
+        await client.start()
+        assert len(client._pools) == 1  # of the 16 pools of 32, one is open
+        calls = [
+            asyncio.create_task(client.generate(PROMPT_IDS, SAMPLING, rid=f"{RID}-{i}")) for i in range(33)
+        ]
+        while sum(client._pool_open) < 33:
+            await asyncio.sleep(0.01)
+        assert client._pool_open[:2] == [32, 1]
+        assert len(client._pools) == 2
+        release.set()
+        await asyncio.gather(*calls)
+        assert sum(client._pool_open) == 0
+        await client.generate(PROMPT_IDS, SAMPLING, rid=f"{RID}-after")
+        assert len(client._pools) == 2  # free connections in the open pools: nothing new opened
+    finally:
+        await client.aclose()
+
+
+async def test_requests_in_flight_fill_every_generate_pool_to_its_size() -> None:
+    release = asyncio.Event()
+    entered = 0
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        nonlocal entered
+        entered += 1
+        await release.wait()
+        return httpx.Response(200, json=STOP_TOKEN_BODY)
+
+    client = SGLangClient(
+        SERVER_NAME,
+        BASE_URL,
+        timeouts=ClientTimeouts(),
+        max_connections=70,
+        transport=httpx.MockTransport(handler),
+    )
+    try:
+        calls = [
+            asyncio.create_task(client.generate(PROMPT_IDS, SAMPLING, rid=f"{RID}-{i}")) for i in range(70)
+        ]
+        while entered < 70:
+            await asyncio.sleep(0.01)
+        # 70 connections are 3 pools of 24, 23 and 23, each opened once the open ones were full:
+        # with 70 requests open each pool is exactly full.
+        assert client._pool_sizes == [24, 23, 23]
+        assert client._pool_open == [24, 23, 23]
+        assert len(client._pools) == 3
+        release.set()
+        results = await asyncio.gather(*calls)
+        assert len(results) == 70
+        assert client._pool_open == [0, 0, 0]
+    finally:
+        await client.aclose()
