@@ -381,7 +381,7 @@ def read_records(client: redis.Redis, storage: Storage, n: int) -> list[dict[str
     progress = JobStore(client, Keys(BENCH_NAMESPACE)).progress(BENCH_JOB_ID)
     if progress.state is not JobState.COMPLETED or progress.done != n:
         raise SystemExit(f"the worker did not finish every prompt: {progress}")
-    columns = ["sample_id", "output_len", "server", "attempts", "started_at_ms", "finished_at_ms"]
+    columns = ["sample_id", "output_len", "server", "rid", "attempts", "started_at_ms", "finished_at_ms"]
     rows = [
         {k: row[k] for k in columns}
         for b in storage.iter_record_batches(BENCH_JOB_ID)

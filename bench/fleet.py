@@ -42,6 +42,17 @@ each server answered (a backup that won counts for its server); backups that won
 ran; and the servers' gauges sampled from ``/metrics`` every 0.25 s over the whole run, summed
 over the three servers (KV usage is their mean), each as mean/p95.
 
+Then two lines of a model, not a measurement: ``ideal scheduler (model)`` is the makespan of a
+scheduler with no overhead that starts the prompts in the dataset's order, each the moment a slot
+frees on the fastest server with one, each server with as many slots as its solo run kept running
+and its solo seconds per token (mean running / decode rate), knowing nothing of the output lengths
+(the records' lengths, in the dataset's order); ``, end-of-backlog hold`` adds the worker's rule
+that a clearly slower server starts nothing near the end (``Fleet.held_back``). It is what the
+whole-run ratio can be at this N without knowing output lengths: one long answer started on the
+slow server mid-run, while the fast ones were full, ends the run alone. Under the table, per
+datagen line: where the prompts that started in the last 2 s of dispatch went, and the prompt that
+completed last.
+
 Run: ``python bench/fleet.py [--n 1200] [--time-scale 0.1] [--limit 64] [--fixed] [--round-robin]``.
 """
 
@@ -49,9 +60,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import heapq
+import re
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -74,6 +87,7 @@ from datagen.redis_server import LocalRedis
 from datagen.settings import DEFAULT_SHORT_CONCURRENCY
 from datagen.spec import JobSpec
 from datagen.storage import Storage
+from workers.fleet import SAME_SPEED_FACTOR
 
 DEFAULT_N = 1200
 DEFAULT_TIME_SCALE = 0.1
@@ -98,6 +112,8 @@ PROMPTS_FILE = "prompts.jsonl"
 # A "while prompts were left to send" window shorter than this share of the run (everything was
 # sent at once) says nothing about feeding the servers: no figure.
 MIN_FED_SHARE = 0.25
+# The end of dispatch: prompts that started this long before the last one did, by server.
+END_GAME_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -113,6 +129,9 @@ class Line:
     tail_s: float = 0.0  # from the last percentile's completion to the end of the run
     drain_s: float = 0.0  # from the last prompt's dispatch to the end of the run
     backups: tuple[int, int] = (0, 0)  # backup requests that won, that ran
+    end_game: dict[str, int] = field(default_factory=dict)  # prompts started in the last END_GAME_S
+    last_prompt: tuple[str, int, float, float] | None = None  # server, tokens, started s, ended s
+    lengths: tuple[int, ...] = ()  # output tokens of each prompt, in the dataset's order
 
     @property
     def tokens_per_s(self) -> float:
@@ -185,6 +204,19 @@ def datagen(
         if sample.name.endswith("_total")
     }
     backups = (int(outcomes.get("won", 0)), int(sum(outcomes.values())))
+    # The prompts that started in the last END_GAME_S before the last one left the queue, by server.
+    end_ms = max(r["started_at_ms"] for r in records) - END_GAME_S * 1000
+    end_game = {
+        name: sum(1 for r in records if r["server"] == name and r["started_at_ms"] > end_ms) for name in urls
+    }
+    # The last prompt to complete: its server, output tokens, and when it started and ended.
+    last = max(records, key=lambda r: r["finished_at_ms"])
+    last_prompt = (
+        str(last["server"]),
+        int(last["output_len"]),
+        (last["started_at_ms"] - wall_started_ms) / 1000,
+        (last["finished_at_ms"] - wall_started_ms) / 1000,
+    )
     return Line(
         label,
         run.wall_s,
@@ -197,7 +229,50 @@ def datagen(
         tail_s,
         run.wall_s - (last_sent - run.started_at),
         backups,
+        end_game,
+        last_prompt,
+        tuple(r["output_len"] for r in sorted(records, key=lambda r: _row_index(r["sample_id"]))),
     )
+
+
+def _row_index(sample_id: str) -> int:
+    match = re.match(r"p(\d+)", sample_id)
+    if match is None:
+        raise SystemExit(f"unexpected sample id {sample_id!r}")
+    return int(match.group(1))
+
+
+def ideal_makespan(lengths: tuple[int, ...], servers: list[tuple[int, float]], *, hold: bool) -> float:
+    """Seconds an ideal scheduler takes: no overhead, ``servers`` as (slots, seconds per output token)
+    at a constant speed, the prompts in the dataset's order, each started the moment a slot frees
+    on the fastest server with one; it does not know the output lengths. With ``hold``, the same
+    end-of-backlog rule as ``Fleet.held_back`` (with the mean length as the typical one)."""
+    slots = [[0.0] * n for n, _ in servers]
+    for heap in slots:
+        heapq.heapify(heap)
+    typical = sum(lengths) / len(lengths)
+    speeds = [spt for _, spt in servers]
+
+    def held(i: int, backlog: int) -> bool:
+        faster = [j for j in range(len(servers)) if speeds[j] * SAME_SPEED_FACTOR < speeds[i]]
+        if not hold or not faster:
+            return False
+        rate = sum(servers[j][0] / (typical * speeds[j]) for j in faster)
+        return backlog / rate + typical * min(speeds[j] for j in faster) < typical * speeds[i]
+
+    now = end = 0.0
+    for k, length in enumerate(lengths):
+        while True:
+            ready = [i for i, heap in enumerate(slots) if heap[0] <= now and not held(i, len(lengths) - k)]
+            if ready:
+                break
+            now = min(heap[0] for heap in slots if heap[0] > now)
+        i = min(ready, key=lambda j: speeds[j])
+        heapq.heappop(slots[i])
+        done = now + length * speeds[i]
+        heapq.heappush(slots[i], done)
+        end = max(end, done)
+    return end
 
 
 def steady_state(records: list[dict[str, Any]], ended_at_s: float) -> tuple[float, float]:
@@ -246,6 +321,26 @@ def report(solos: list[Line], lines: list[Line], args: argparse.Namespace) -> No
             f"  {line.label}: {ratio:.3f} x capacity over the whole run (target >= {TARGET_RATIO}: "
             f"{verdict}), {line.steady_tps / capacity:.3f} x in the steady state"
         )
+    model = [(round(line.fed.running_mean), line.fed.running_mean / line.fed.gen_tps_mean) for line in solos]
+    lengths = next((line.lengths for line in lines if line.lengths), ())
+    if lengths and all(n > 0 for n, _ in model):
+        tokens = sum(lengths)
+        for hold in (False, True):
+            span = ideal_makespan(lengths, model, hold=hold)
+            label = "ideal scheduler (model)" + (", end-of-backlog hold" if hold else "")
+            print(
+                f"  {label:<38} {span:6.2f} {tokens / span:7.0f} {tokens / span / capacity:6.3f}x   (each "
+                f"server as its solo run: slots = mean running, s/token = running / decode rate)"
+            )
+    for line in lines:
+        if line.last_prompt is not None:
+            server, tokens, started, ended = line.last_prompt
+            shares = "/".join(str(line.end_game.get(name, 0)) for name in SPEEDS)
+            print(
+                f"    {line.label}: prompts started in the last {END_GAME_S:.0f} s of dispatch "
+                f"x1/x1.5/x3 {shares}; the last to complete: {tokens} tokens on {server}, "
+                f"started at {started:.1f} s, ended at {ended:.1f} s"
+            )
     fed = lines[0].fed
     print(
         f"    {lines[0].label}: servers' queues while prompts were left to send: {fed.queue_mean:.1f} "

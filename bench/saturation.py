@@ -260,6 +260,15 @@ def report_controller(run: DatagenRun) -> None:
         print(f"  (c) this worker's short in-flight limit over time: {shown}{more}")
         peak_in_flight = max(in_flight for _, _, in_flight in run.trace)
         print(f"  (c) most requests in flight at once: {peak_in_flight}")
+        # What the worker has in flight against what the server holds (running + waiting): the
+        # difference is in transit (claimed, being sent, answered but not yet read).
+        worker_mean = sum(n for _, _, n in run.trace) / len(run.trace)
+        limit_mean = sum(limit for _, limit, _ in run.trace) / len(run.trace)
+        held = stats.running_mean + stats.queue_mean
+        print(
+            f"  (c) in flight at the worker {worker_mean:.1f} on average (limit {limit_mean:.1f}), "
+            f"at the server {held:.1f}: {worker_mean - held:.1f} in transit"
+        )
 
 
 def main() -> None:
