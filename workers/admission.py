@@ -1,6 +1,7 @@
 """Admission: one claim loop per class takes prompts from RQ while that class has free slots,
 as many per claim as are free, and runs each as an asyncio task. With nothing to claim it waits
-for a wake-up (`workers.wake`) instead of polling Redis.
+for a wake-up (`workers.wake`) instead of polling Redis. On a fleet of mixed speeds the slots of
+servers held back at the end of the backlog (`Fleet.held_back`) are not claimed for.
 
 :class:`Slots` is the account of what runs: the tasks of each class, how many of them are still
 generating (a slot is held from the claim until the server has answered, not while the record
@@ -141,8 +142,11 @@ class Admission:
         while not slots.stopping.is_set():
             if self.burst and self._burst_done():
                 return
+            if cls in self.sync.paused_classes:
+                await self._wait_freed(poll_s)
+                continue
             backlog = self._end_of_backlog(cls)
-            if cls in self.sync.paused_classes or (free := self._free(cls, backlog)) <= 0:
+            if (free := self._free(cls, backlog)) <= 0:
                 await self._wait_freed(poll_s)
                 continue
             if free < self._min_batch(cls) and slots.generating[cls] and idle_s == 0.0:

@@ -5,7 +5,8 @@ the fastest by measured speed (seconds per output token of its recent requests),
 servers about as fast, the one with the most free slots (least outstanding), never a blind round
 robin. While every server is full this is the one that frees a slot; what speed changes is the
 choice when several have room (the backlog is draining, or a limit just grew): the last prompts
-go to the fast servers instead of being spread over slow ones. A server not measured yet comes
+go to the fast servers instead of being spread over slow ones, and near the end of the backlog
+a clearly slower server starts nothing new (:meth:`Fleet.held_back`). A server not measured yet comes
 after measured ones (while none is measured, free slots alone decide); it gets work, and a
 measurement, once the others are full. A server's slots per class are its configured
 maximum scaled by the shared in-flight factor (the KV controller's) and divided among the

@@ -169,7 +169,8 @@ class SGLangClient:
         self._pools: list[httpx.AsyncClient] = []
         self._pool_sizes = _split(max_connections, GENERATE_POOL_CONNECTIONS)
         self._pool_open = [0] * len(self._pool_sizes)
-        # Shared by the pools: building one costs about 70 ms (the CA bundle), a pool without it too.
+        # Built once and shared by every pool: httpx would build one per client, about 70 ms each
+        # (it loads the CA bundle).
         self._ssl_context: ssl.SSLContext | None = None
         self._closed = False
 
