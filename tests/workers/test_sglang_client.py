@@ -891,31 +891,48 @@ def test_generate_connections_are_split_into_pools_of_at_most_32() -> None:
     assert _split(100, 32) == [25, 25, 25, 25]
 
 
-async def test_a_pool_is_opened_only_when_the_open_ones_are_full() -> None:
-    release = asyncio.Event()
+class HeldRequests:
+    """A client whose ``/generate`` requests stay open until :attr:`release` is set, to look at the
+    pools while they wait."""
 
-    async def handler(request: httpx.Request) -> httpx.Response:
-        await release.wait()
+    def __init__(self, max_connections: int) -> None:
+        self.release = asyncio.Event()
+        self.entered = 0
+        self.client = SGLangClient(
+            SERVER_NAME,
+            BASE_URL,
+            timeouts=ClientTimeouts(),
+            max_connections=max_connections,
+            transport=httpx.MockTransport(self._handler),
+        )
+
+    async def _handler(self, request: httpx.Request) -> httpx.Response:
+        self.entered += 1
+        await self.release.wait()
         return httpx.Response(200, json=STOP_TOKEN_BODY)
 
-    client = SGLangClient(
-        SERVER_NAME,
-        BASE_URL,
-        timeouts=ClientTimeouts(),
-        max_connections=512,
-        transport=httpx.MockTransport(handler),
-    )
+    async def open(self, n: int) -> list[asyncio.Task[GenerateResult]]:
+        """Start ``n`` requests and return once all of them reached the server."""
+        started = self.entered
+        calls = [
+            asyncio.create_task(self.client.generate(PROMPT_IDS, SAMPLING, rid=f"{RID}-{started + i}"))
+            for i in range(n)
+        ]
+        while self.entered < started + n:
+            await asyncio.sleep(0.01)
+        return calls
+
+
+async def test_a_pool_is_opened_only_when_the_open_ones_are_full() -> None:
+    held = HeldRequests(512)
+    client = held.client
     try:
         await client.start()
         assert len(client._pools) == 1  # of the 16 pools of 32, one is open
-        calls = [
-            asyncio.create_task(client.generate(PROMPT_IDS, SAMPLING, rid=f"{RID}-{i}")) for i in range(33)
-        ]
-        while sum(client._pool_open) < 33:
-            await asyncio.sleep(0.01)
+        calls = await held.open(33)
         assert client._pool_open[:2] == [32, 1]
         assert len(client._pools) == 2
-        release.set()
+        held.release.set()
         await asyncio.gather(*calls)
         assert sum(client._pool_open) == 0
         await client.generate(PROMPT_IDS, SAMPLING, rid=f"{RID}-after")
@@ -925,34 +942,16 @@ async def test_a_pool_is_opened_only_when_the_open_ones_are_full() -> None:
 
 
 async def test_requests_in_flight_fill_every_generate_pool_to_its_size() -> None:
-    release = asyncio.Event()
-    entered = 0
-
-    async def handler(request: httpx.Request) -> httpx.Response:
-        nonlocal entered
-        entered += 1
-        await release.wait()
-        return httpx.Response(200, json=STOP_TOKEN_BODY)
-
-    client = SGLangClient(
-        SERVER_NAME,
-        BASE_URL,
-        timeouts=ClientTimeouts(),
-        max_connections=70,
-        transport=httpx.MockTransport(handler),
-    )
+    held = HeldRequests(70)
+    client = held.client
     try:
-        calls = [
-            asyncio.create_task(client.generate(PROMPT_IDS, SAMPLING, rid=f"{RID}-{i}")) for i in range(70)
-        ]
-        while entered < 70:
-            await asyncio.sleep(0.01)
+        calls = await held.open(70)
         # 70 connections are 3 pools of 24, 23 and 23, each opened once the open ones were full:
         # with 70 requests open each pool is exactly full.
         assert client._pool_sizes == [24, 23, 23]
         assert client._pool_open == [24, 23, 23]
         assert len(client._pools) == 3
-        release.set()
+        held.release.set()
         results = await asyncio.gather(*calls)
         assert len(results) == 70
         assert client._pool_open == [0, 0, 0]
