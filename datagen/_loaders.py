@@ -1,9 +1,15 @@
 """Loading what a job spec names: the tokenizer (transformers' ``AutoTokenizer``) and a chat template
 file, checked for Jinja syntax, with one-line errors that say what to pass instead. Names arrive
-resolved (`datagen.sources`)."""
+resolved (`datagen.sources`).
+
+transformers and huggingface_hub are imported lazily (the CLI starts fast without them), but their
+lazy modules are not safe to resolve from several threads at once: long-lived processes call
+`preload_libraries` at start, before any thread needs them, and the import here holds a lock.
+"""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -15,7 +21,19 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from datagen.errors import InvalidSpecError
 from datagen.sources import ResolvedSource
 
-__all__ = ["check_template_syntax", "load_tokenizer", "read_template"]
+__all__ = ["check_template_syntax", "load_tokenizer", "preload_libraries", "read_template"]
+
+_IMPORT_LOCK = threading.Lock()
+
+
+def preload_libraries() -> None:
+    """Import what loading and hashing a tokenizer needs, once, from one thread (see above)."""
+    with _IMPORT_LOCK:
+        import huggingface_hub
+        from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+        # Resolve the lazy attributes a first load touches, not just the top-level modules.
+        _ = (AutoTokenizer.from_pretrained, PreTrainedTokenizerFast, huggingface_hub.try_to_load_from_cache)
 
 
 class _GenerationTag(jinja2.ext.Extension):
@@ -70,7 +88,8 @@ def load_tokenizer(source: ResolvedSource, trust_remote_code: bool, file_names: 
             f"tokenizer directory {name} holds no tokenizer files (tokenizer.json, tokenizer_config.json, "
             "...); pass the directory the model's tokenizer was saved to"
         )
-    from transformers import AutoTokenizer  # heavy import, only when a tokenizer is loaded
+    preload_libraries()
+    from transformers import AutoTokenizer  # resolved by preload_libraries
 
     try:
         return AutoTokenizer.from_pretrained(source.location, trust_remote_code=trust_remote_code)

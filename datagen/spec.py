@@ -18,12 +18,13 @@ from pydantic import (
     StringConstraints,
     ValidationError,
     field_validator,
+    model_validator,
 )
 
 from datagen.decontam import BUILTIN_SETS, DEFAULT_NGRAM, MIN_ITEM_WORDS
 from datagen.dedup import DEFAULT_NEAR_THRESHOLD, DedupMode
 from datagen.errors import InvalidSpecError
-from datagen.states import MultiTurnMode, Priority, PromptClass, SpecialTextPolicy
+from datagen.states import MultiTurnMode, Priority, PromptClass, SpecialTextPolicy, ToolMismatch
 
 __all__ = [
     "MAX_KWARGS_BYTES",
@@ -80,6 +81,8 @@ PathText = Annotated[
 NameText = Annotated[
     str, StringConstraints(strict=True, min_length=1, max_length=MAX_NAME_CHARS), AfterValidator(_plain_text)
 ]
+# SGLang's --tool-call-parser names: qwen25, deepseekv3, kimi_k2, gpt-oss, ...
+ParserName = Annotated[str, StringConstraints(strict=True, pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
 
 
 def _decontam_source(value: str) -> str:
@@ -194,6 +197,14 @@ class JobSpec(BaseModel):
         default=DEFAULT_LONG_THRESHOLD_TOKENS, ge=1, le=MAX_NEW_TOKENS_LIMIT
     )
     multi_turn: MultiTurnMode = MultiTurnMode.LAST
+    tool_call_parser: ParserName | None = Field(
+        default=None,
+        description="all mode: SGLang's tool-call parser (e.g. qwen25, deepseekv3) for the model's calls",
+    )
+    tool_mismatch: ToolMismatch = Field(
+        default=ToolMismatch.STOP,
+        description="all mode: stop a conversation whose tool calls differ from the dataset's, or keep going",
+    )
     context_len: StrictInt | None = Field(default=None, ge=2, le=MAX_NEW_TOKENS_LIMIT * 16)
     partitions: list[NameText] | None = Field(
         default=None, max_length=MAX_PARTITIONS, description="only these partitions; None = all"
@@ -250,6 +261,15 @@ class JobSpec(BaseModel):
         le=MAX_DECONTAM_NGRAM,
         description="words in the n-grams a user turn must share with a benchmark prompt",
     )
+
+    @model_validator(mode="after")
+    def _tool_fields_need_all_mode(self) -> JobSpec:
+        if self.tool_call_parser is not None and self.multi_turn is not MultiTurnMode.ALL:
+            raise ValueError(
+                "tool_call_parser reads regenerated turns, which only multi_turn: all has; "
+                "set multi_turn: all or drop tool_call_parser"
+            )
+        return self
 
     @field_validator("temperatures")
     @classmethod

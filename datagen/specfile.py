@@ -41,6 +41,12 @@ context_len: null
 partitions: null
 # last: regenerate the final assistant turn; all: every assistant turn, on-policy.
 multi_turn: last
+# all mode, tool calls: the server's SGLang tool-call parser (qwen25, deepseekv3, kimi_k2, ...) reads each
+# regenerated turn's calls through POST /parse_function_call; null keeps the dataset's calls.
+tool_call_parser: null
+# When the model's calls differ from the dataset's (names or count): stop the conversation, or keep going
+# with the dataset's tool results.
+tool_mismatch: stop
 # Generations per prompt (gen 0..N-1), seeds sampling_seed + gen; temperatures cycle over them.
 samples: 1
 temperatures: null

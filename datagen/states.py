@@ -12,6 +12,8 @@ __all__ = [
     "PromptClass",
     "ServerState",
     "SpecialTextPolicy",
+    "StopReason",
+    "ToolMismatch",
 ]
 
 
@@ -58,6 +60,23 @@ class ServerState(StrEnum):
 class MultiTurnMode(StrEnum):
     LAST = "last"
     ALL = "all"
+
+
+class ToolMismatch(StrEnum):
+    """Multi-turn ``all`` with a tool-call parser: what a turn whose tool calls differ from the
+    dataset's does to its conversation."""
+
+    STOP = "stop"  # end the conversation at that turn (recorded as stopped, not failed)
+    KEEP = "keep"  # go on with the model's calls and the dataset's tool results
+
+
+class StopReason(StrEnum):
+    """Why a multi-turn ``all`` conversation ended before its last turn (not a failure: every turn
+    before it is recorded and done)."""
+
+    TRUNCATED = "truncated"  # the turn before was cut at max_new_tokens
+    TOOL_MISMATCH = "tool_mismatch"  # the model's tool calls differ from the dataset's
+    ERROR = "error"  # the next turn could not be built (template refused the history, parser failed)
 
 
 class Priority(StrEnum):

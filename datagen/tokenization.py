@@ -6,7 +6,8 @@ There is one path from a conversation to tokens (DESIGN decision 1)::
                                   return_dict=False, chat_template=..., **chat_template_kwargs)
 
 `PromptRenderer` owns a loaded tokenizer plus the template and kwargs of one job. Loading a tokenizer
-takes over a second, so `get_renderer` keeps a few of them. Spec problems (tokenizer, template,
+takes over a second, so `get_renderer` keeps a few of them, loaded once each even when many threads
+ask at the same moment. Spec problems (tokenizer, template,
 kwargs) raise `InvalidSpecError`; a row the template refuses raises `InvalidRowError`.
 
 Names are resolved by `datagen.sources.resolve_source`, the function the coordinator's allowlist
@@ -16,11 +17,12 @@ size and render time) and only then by transformers, which stays the one source 
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import importlib.util
 import json
-from collections.abc import Mapping, Sequence
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -28,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 import jinja2
 import jinja2.ext
 
-from datagen._loaders import check_template_syntax, load_tokenizer, read_template
+from datagen._loaders import check_template_syntax, load_tokenizer, preload_libraries, read_template
 from datagen._template_budget import BudgetedTemplate
 from datagen.errors import InvalidRowError, InvalidSpecError
 from datagen.sources import SourceKind, resolve_source
@@ -44,8 +46,10 @@ __all__ = [
     "SpecialIds",
     "bundled_tokenizer_path",
     "canonical_kwargs_json",
+    "clear_renderer_cache",
     "default_chat_template_path",
     "get_renderer",
+    "preload_libraries",
     "renderer_for",
     "special_text_reason",
 ]
@@ -187,6 +191,8 @@ class PromptRenderer:
         self._special_finder: SpecialTextFinder | None = None
         self._generation_prompt: list[int] | None = None
         self._identity: dict[str, str] | None = None
+        # Guards the lazily built state above: a renderer is shared by threads (`get_renderer`).
+        self._lazy_lock = threading.RLock()
 
     def _resolve_template(self) -> str:
         if self._template_text is not None:
@@ -232,8 +238,10 @@ class PromptRenderer:
         text = self._template_for(tools)
         if text is None:
             return
-        if text not in self._budgeted:
-            self._budgeted[text] = BudgetedTemplate(text)
+        with self._lazy_lock:
+            if text not in self._budgeted:
+                self._budgeted[text] = BudgetedTemplate(text)
+            budgeted = self._budgeted[text]
         # The inputs as transformers hands them to the template: None-valued keys dropped, reasoning
         # under each of its names, special tokens and kwargs as variables.
         chat = []
@@ -252,7 +260,7 @@ class PromptRenderer:
             "add_generation_prompt": add_generation_prompt,
         }
         try:
-            self._budgeted[text].render(variables)
+            budgeted.render(variables)
         except InvalidRowError:
             raise
         except Exception:
@@ -307,9 +315,11 @@ class PromptRenderer:
     ) -> list[str]:
         """The distinct added-token texts (``<｜Assistant｜>``, ``<think>``, ...) spelled anywhere in a
         row's messages or tool definitions, sorted (`datagen.special_text`)."""
-        if self._special_finder is None:
-            self._special_finder = SpecialTextFinder(self._tokenizer.get_added_vocab())
-        return self._special_finder.find([messages, tools])
+        with self._lazy_lock:
+            if self._special_finder is None:
+                self._special_finder = SpecialTextFinder(self._tokenizer.get_added_vocab())
+            finder = self._special_finder
+        return finder.find([messages, tools])
 
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = False) -> str:
         return str(self._tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens))
@@ -334,6 +344,10 @@ class PromptRenderer:
 
     def generation_prompt_ids(self) -> list[int]:
         """The ids the template appends for the generation prompt (with this renderer's kwargs)."""
+        with self._lazy_lock:
+            return self._generation_prompt_ids()
+
+    def _generation_prompt_ids(self) -> list[int]:
         if self._generation_prompt is None:
             without = _flat_ids(
                 self._apply(_PROBE_MESSAGES, None, tokenize=True, add_generation_prompt=False)
@@ -373,6 +387,10 @@ class PromptRenderer:
         ``tokenizer_sha256`` hashes each present tokenizer file (name, then the sha256 of its bytes)
         in a fixed order; ``chat_template_sha256`` is the sha256 of the template's UTF-8 text.
         """
+        with self._lazy_lock:
+            return self._identity_of()
+
+    def _identity_of(self) -> dict[str, str]:
         if self._identity is None:
             self._identity = {
                 "tokenizer": self.tokenizer_name,
@@ -385,7 +403,58 @@ class PromptRenderer:
         return dict(self._identity)
 
 
-@functools.lru_cache(maxsize=RENDERER_CACHE_SIZE)
+class _RendererCache:
+    """`get_renderer`'s cache: at most ``size`` renderers, least recently used out first.
+
+    Worker threads (`asyncio.to_thread`) ask for a job's renderer at the same moment when many
+    first turns finish together. Each key is loaded once while its other callers wait, and loads
+    run one at a time: transformers resolves its lazy modules on first use, which is not safe from
+    several threads at once. Failures are not cached.
+    """
+
+    def __init__(self, size: int) -> None:
+        self._size = size
+        self._entries: OrderedDict[tuple[str, str | None, bool, str], PromptRenderer] = OrderedDict()
+        self._entries_lock = threading.Lock()
+        self._load_lock = threading.Lock()
+
+    def _hit(self, key: tuple[str, str | None, bool, str]) -> PromptRenderer | None:
+        with self._entries_lock:
+            found = self._entries.get(key)
+            if found is not None:
+                self._entries.move_to_end(key)
+            return found
+
+    def get(
+        self, key: tuple[str, str | None, bool, str], load: Callable[[], PromptRenderer]
+    ) -> PromptRenderer:
+        found = self._hit(key)
+        if found is not None:
+            return found
+        with self._load_lock:
+            found = self._hit(key)  # loaded while this caller waited
+            if found is not None:
+                return found
+            renderer = load()
+            with self._entries_lock:
+                self._entries[key] = renderer
+                while len(self._entries) > self._size:
+                    self._entries.popitem(last=False)
+            return renderer
+
+    def clear(self) -> None:
+        with self._entries_lock:
+            self._entries.clear()
+
+
+_RENDERERS = _RendererCache(RENDERER_CACHE_SIZE)
+
+
+def clear_renderer_cache() -> None:
+    """Forget every cached renderer (a changed template file is read again on next use)."""
+    _RENDERERS.clear()
+
+
 def get_renderer(
     tokenizer: str,
     chat_template_path: str | None = None,
@@ -393,6 +462,7 @@ def get_renderer(
     chat_template_kwargs_json: str = "{}",
 ) -> PromptRenderer:
     """A shared renderer per (tokenizer, template, trust_remote_code, kwargs); failures are not cached.
+    Safe to call from many threads at once (`_RendererCache`).
 
     Build the last argument with `canonical_kwargs_json` so equal kwargs hit the same entry.
     """
@@ -402,11 +472,15 @@ def get_renderer(
         raise InvalidSpecError(f"chat_template_kwargs is not valid JSON: {exc}") from exc
     if not isinstance(kwargs, dict):
         raise InvalidSpecError("chat_template_kwargs must be a JSON object")
-    return PromptRenderer(
-        tokenizer,
-        chat_template_path=chat_template_path,
-        trust_remote_code=trust_remote_code,
-        chat_template_kwargs=kwargs,
+    key = (tokenizer, chat_template_path, trust_remote_code, chat_template_kwargs_json)
+    return _RENDERERS.get(
+        key,
+        lambda: PromptRenderer(
+            tokenizer,
+            chat_template_path=chat_template_path,
+            trust_remote_code=trust_remote_code,
+            chat_template_kwargs=kwargs,
+        ),
     )
 
 

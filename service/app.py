@@ -224,8 +224,11 @@ def _install_job_reads(app: FastAPI, guarded: list[Any]) -> None:
         coord: Coord,
         job_id: JobId,
         kind: Annotated[
-            Literal["rejected", "failed", "flagged"],
-            Query(description="rejected rows, failed prompts, or rows accepted with a warning"),
+            Literal["rejected", "failed", "flagged", "stopped"],
+            Query(
+                description="rejected rows, failed prompts, rows accepted with a warning, or "
+                "conversations (multi_turn all) that stopped before their last turn"
+            ),
         ] = "rejected",
         limit: Annotated[int, Query(ge=1, le=MAX_ERRORS_LIMIT)] = DEFAULT_ERRORS_LIMIT,
     ) -> dict[str, Any]:
@@ -233,6 +236,8 @@ def _install_job_reads(app: FastAPI, guarded: list[Any]) -> None:
             return {"kind": kind, "errors": coord.rejected(job_id, limit)}
         if kind == "flagged":
             return {"kind": kind, "errors": coord.flagged(job_id, limit)}
+        if kind == "stopped":
+            return {"kind": kind, "errors": coord.stopped(job_id, limit)}
         coord.jobs.progress(job_id)
         return {"kind": kind, "errors": coord.jobs.failed_reports(job_id, limit)}
 

@@ -31,7 +31,7 @@ from datagen.sources import SourceKind, resolve_source
 from datagen.spec import JobSpec
 from datagen.states import JobState
 from datagen.storage import Storage, validate_job_id
-from datagen.tokenization import renderer_for
+from datagen.tokenization import preload_libraries, renderer_for
 from service.allowlist import check_allowed
 from service.dryrun import dry_run
 from service.fleetview import FleetView
@@ -86,6 +86,7 @@ class Coordinator:
     def start(self) -> None:
         """Claim the storage for this namespace, then resume ingestions that a previous coordinator
         left half done."""
+        preload_libraries()  # before ingestion threads load tokenizers (`datagen._loaders`)
         self.storage.claim_namespace(self.settings.namespace)
         for job_id in self.jobs.list_ids():
             try:
@@ -306,6 +307,13 @@ class Coordinator:
         self.jobs.progress(job_id)  # 404 for an unknown job
         # Merged over the ingestion chunks' objects, one row per upload and line.
         return list(itertools.islice(self.storage.iter_rejected(job_id), limit))
+
+    def stopped(self, job_id: str, limit: int) -> list[dict[str, Any]]:
+        """Conversations that ended before their last turn, and why (`workers.conversation`)."""
+        self.jobs.progress(job_id)  # 404 for an unknown job
+        incarnation = self.jobs.incarnation(job_id)
+        rows = (r for r in self.storage.iter_stopped(job_id) if r.get("inc") in (None, "", incarnation))
+        return list(itertools.islice(rows, limit))
 
     def flagged(self, job_id: str, limit: int) -> list[dict[str, Any]]:
         """Rows accepted with a warning (content that spells special tokens' text)."""

@@ -27,7 +27,7 @@ from simulator.chaos import Chaos
 from simulator.config import SimConfig
 from simulator.engine import OOM_MESSAGE, Engine, Outcome, SimRequest
 from simulator.metrics import SimMetrics
-from simulator.model import SimOutput, SpecialIds, apply_stop_token_ids, expected_output
+from simulator.model import SimOutput, SpecialIds, apply_stop_token_ids, expected_output, tool_call_ids_for
 
 __all__ = ["SimServer"]
 
@@ -140,10 +140,19 @@ class SimServer:
             mean_reasoning_tokens=self.config.mean_reasoning_tokens,
             mean_answer_tokens=self.config.mean_answer_tokens,
             ignore_eos=sp.ignore_eos,
+            tool_call_ids=self._tool_call_ids(input_ids, sp),
         )
         if sp.stop_token_ids and not sp.ignore_eos:
             output = apply_stop_token_ids(output, sp.stop_token_ids, max_new_tokens=max_new)
         return output, max_new
+
+    def _tool_call_ids(self, input_ids: list[int], sp: SamplingParams) -> list[int]:
+        fmt = self.config.tool_call_format
+        if fmt is None or self.tokenizer is None:
+            return []
+        return tool_call_ids_for(
+            input_ids, seed=sp.sampling_seed, tokenizer=self.tokenizer, tool_call_format=fmt
+        )
 
     def _inject_faults(self, planned: list[_Planned]) -> None:
         for item in planned:

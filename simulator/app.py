@@ -3,6 +3,9 @@
 Not simulated, by choice: streaming (``stream: true`` gets a 400 saying so), logprobs, hidden
 states, input embeddings, grammar constraints and stop strings (accepted, never matched: the
 simulated text is random), the prefix cache (``cached_tokens`` is always 0) and pause/continue.
+
+``/parse_function_call`` implements SGLang's qwen25 (alias qwen) and deepseekv3 parsers only; another
+``tool_call_parser`` gets a 400 naming them, where SGLang's uncaught ValueError would be a bare 500.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from simulator._protocol import GenerateReqInput, RequestError, ServerBug
 from simulator._service import SimServer
 from simulator.chaos import Chaos
 from simulator.config import SimConfig
+from simulator.toolcalls import UnsupportedParserError, parse_function_call
 
 __all__ = ["SGLANG_VERSION", "create_app"]
 
@@ -47,6 +51,32 @@ class AbortReq(BaseModel):
     abort_all: bool = False
 
 
+class FunctionSpec(BaseModel):
+    """SGLang's ``Function`` (of ``Tool``): only ``name`` is required."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    name: str
+    description: str | None = None
+    parameters: object | None = None
+    strict: bool = False
+
+
+class ToolSpec(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    type: str = "function"
+    function: FunctionSpec
+
+
+class ParseFunctionCallReq(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    text: str
+    tools: list[ToolSpec] = []
+    tool_call_parser: str | None = None
+
+
 def create_app(config: SimConfig) -> FastAPI:
     """A FastAPI app simulating one SGLang server; its engine runs inside the app lifespan."""
     server = SimServer(config)
@@ -66,6 +96,7 @@ def create_app(config: SimConfig) -> FastAPI:
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(HTTPException, _http_error)
     app.include_router(_generation_routes(server))
+    app.include_router(_parsing_routes())
     app.include_router(_info_routes(server))
     app.include_router(_control_routes(server))
     return app
@@ -138,6 +169,25 @@ def _generation_routes(server: SimServer) -> APIRouter:
         if chaos.health_status is not None:
             return Response(status_code=chaos.health_status)
         return Response(status_code=200 if server.is_ready else 503)
+
+    return router
+
+
+def _parsing_routes() -> APIRouter:
+    router = APIRouter()
+
+    @router.post("/parse_function_call")
+    async def parse_function_call_request(obj: ParseFunctionCallReq) -> Response:
+        names = [tool.function.name for tool in obj.tools]
+        try:
+            result = parse_function_call(obj.text, names, obj.tool_call_parser)
+        except UnsupportedParserError as exc:
+            return _bad_request(str(exc))
+        calls = [
+            {"tool_index": call.tool_index, "name": call.name, "parameters": call.parameters}
+            for call in result.calls
+        ]
+        return JSONResponse({"normal_text": result.normal_text, "calls": calls})
 
     return router
 

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 from typing import Self
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationInfo, field_validator, model_validator
 
 from simulator.model import DEFAULT_MEAN_ANSWER_TOKENS, DEFAULT_MEAN_REASONING_TOKENS
+from simulator.toolcalls import ToolCallFormat
 
 __all__ = [
     "DEFAULT_CLIP_MAX_NEW_TOKENS",
@@ -77,6 +78,8 @@ class SimConfig(BaseModel):
 
     mean_reasoning_tokens: float = Field(default=DEFAULT_MEAN_REASONING_TOKENS, ge=0.0)
     mean_answer_tokens: float = Field(default=DEFAULT_MEAN_ANSWER_TOKENS, ge=0.0)
+    # Prompts that offer tools may get a call spelled in this format (None: never a call).
+    tool_call_format: ToolCallFormat | None = None
 
     fail_503_rate: float = Field(default=0.0, ge=0.0, le=1.0)
     fail_500_rate: float = Field(default=0.0, ge=0.0, le=1.0)
@@ -89,6 +92,17 @@ class SimConfig(BaseModel):
         if self.fail_503_rate + self.fail_500_rate + self.abort_rate > 1.0:
             raise ValueError("fail_503_rate + fail_500_rate + abort_rate must not exceed 1.0")
         return self
+
+    @field_validator("tool_call_format")
+    @classmethod
+    def _check_tool_calls(cls, value: ToolCallFormat | None, info: ValidationInfo) -> ToolCallFormat | None:
+        # A field validator (not a model one) so the error names this field; tokenizer_path is
+        # declared earlier, so it is in info.data when valid.
+        if value is not None and not info.data.get("tokenizer_path"):
+            raise ValueError(
+                "needs a tokenizer (tokenizer_path, --tokenizer) to find the tools prompts offer"
+            )
+        return value
 
     @property
     def max_req_len(self) -> int:

@@ -11,6 +11,13 @@ Shape of an output, like a reasoning model prompted with a trailing ``<think>``:
 Reasoning and answer lengths are lognormal (heavy-tailed); ordinary tokens are drawn uniformly
 from ids that decode to normal text. Tokens are drawn in output order from one stream, so an
 output cut at ``max_new_tokens=k`` is always a prefix of the output with a larger limit.
+
+A prompt that offers tools may end its answer with a tool call (``tool_call_ids``)::
+
+    reasoning tokens..., </think>, answer tokens..., call tokens..., EOS
+
+:func:`tool_call_plan` says which call, from its own random stream, so prompts without tools
+keep exactly the outputs they had; :func:`tool_call_ids_for` spells it in the simulator's tokens.
 """
 
 from __future__ import annotations
@@ -25,15 +32,19 @@ from functools import lru_cache
 from typing import Any
 
 from datagen.states import FinishType
+from simulator.toolcalls import OfferedTool, ToolCall, ToolCallFormat, format_tool_calls, offered_tools
 
 __all__ = [
     "DEFAULT_MEAN_ANSWER_TOKENS",
     "DEFAULT_MEAN_REASONING_TOKENS",
     "LENGTH_SIGMA",
+    "TOOL_CALL_PROBABILITY",
     "SimOutput",
     "SpecialIds",
     "apply_stop_token_ids",
     "expected_output",
+    "tool_call_ids_for",
+    "tool_call_plan",
 ]
 
 # Means of the two lognormal lengths. With LENGTH_SIGMA = 1 the median of a lognormal is
@@ -43,6 +54,12 @@ DEFAULT_MEAN_ANSWER_TOKENS = 80.0
 LENGTH_SIGMA = 1.0
 # Keeps a pathological draw from allocating millions of ids; outputs are cut far earlier anyway.
 MAX_SAMPLED_LENGTH = 1 << 17
+
+# How often a prompt that offers tools gets a call; arguments are "v0".."v9".
+TOOL_CALL_PROBABILITY = 2 / 3
+_ARGUMENT_DIGITS = 10
+# Appended to the seed bytes for the tool-call stream, apart from the token stream.
+_TOOL_CALL_STREAM_TAG = b"|tool_call"
 
 # Ids below this are byte-fallback pieces in byte-level BPE vocabularies: on their own they
 # decode to U+FFFD, so ordinary tokens start above them.
@@ -107,12 +124,16 @@ def expected_output(
     mean_reasoning_tokens: float = DEFAULT_MEAN_REASONING_TOKENS,
     mean_answer_tokens: float = DEFAULT_MEAN_ANSWER_TOKENS,
     ignore_eos: bool = False,
+    tool_call_ids: Sequence[int] = (),
 ) -> SimOutput:
     """What the simulator generates for ``prompt_ids`` (the ids sent, not including the output).
 
     ``max_new_tokens`` is the effective limit; a cut output has exactly that many ids and a
     ``length`` finish. As in SGLang's ``Req.check_finished``, the length check runs before the
     EOS check, so an EOS landing exactly on the limit still reports ``length``.
+
+    ``tool_call_ids`` (from :func:`tool_call_ids_for`) end the answer, before the EOS; under
+    ``ignore_eos`` ordinary tokens follow them up to the limit.
     """
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be at least 0, got {max_new_tokens}")
@@ -124,9 +145,12 @@ def expected_output(
     out = rng.choices(ordinary, k=min(reasoning_len, max_new_tokens))
     if len(out) < max_new_tokens:
         out.append(special.think_end_id)
-    room = max_new_tokens - len(out)
-    out += rng.choices(ordinary, k=room if ignore_eos else min(answer_len, room))
-    if not ignore_eos and len(out) < max_new_tokens:
+    out += rng.choices(ordinary, k=min(answer_len, max_new_tokens - len(out)))
+    out += tool_call_ids[: max_new_tokens - len(out)]
+    if ignore_eos:
+        # One stream: without call ids this is the same draw as ``k=room`` in one go.
+        out += rng.choices(ordinary, k=max_new_tokens - len(out))
+    elif len(out) < max_new_tokens:
         out.append(special.eos_id)
     if len(out) >= max_new_tokens:
         return SimOutput(out, {"type": FinishType.LENGTH.value, "length": max_new_tokens})
@@ -151,6 +175,41 @@ def apply_stop_token_ids(
                 return SimOutput(ids, {"type": FinishType.LENGTH.value, "length": max_new_tokens})
             return SimOutput(ids, {"type": FinishType.STOP.value, "matched": token})
     return output
+
+
+def tool_call_plan(
+    prompt_ids: Sequence[int], seed: int | None, tools: Sequence[OfferedTool]
+) -> tuple[ToolCall, ...]:
+    """The calls the simulated model makes for a prompt offering ``tools`` (``()`` for none).
+
+    About ``TOOL_CALL_PROBABILITY`` of prompts with tools get one call to one of them, with an
+    argument ``"v<digit>"`` for each of its parameter properties.
+    """
+    if not tools:
+        return ()
+    rng = random.Random(_seed_bytes(prompt_ids, seed) + _TOOL_CALL_STREAM_TAG)
+    if rng.random() >= TOOL_CALL_PROBABILITY:
+        return ()
+    tool = rng.choice(tools)
+    arguments = {prop: f"v{rng.randrange(_ARGUMENT_DIGITS)}" for prop in tool.properties}
+    return (ToolCall(tool.name, arguments),)
+
+
+def tool_call_ids_for(
+    prompt_ids: Sequence[int], *, seed: int | None, tokenizer: Any, tool_call_format: ToolCallFormat
+) -> list[int]:
+    """The ``tool_call_ids`` the simulator passes to :func:`expected_output` for a prompt.
+
+    ``tokenizer`` is the simulator's (a loaded Hugging Face tokenizer): it decodes the prompt to
+    find the tools it offers (:func:`simulator.toolcalls.offered_tools`) and encodes the planned
+    calls, spelled in ``tool_call_format``.
+    """
+    prompt_text = tokenizer.decode(list(prompt_ids), skip_special_tokens=False)
+    calls = tool_call_plan(prompt_ids, seed, offered_tools(prompt_text))
+    if not calls:
+        return []
+    ids: list[int] = tokenizer.encode(format_tool_calls(calls, tool_call_format), add_special_tokens=False)
+    return ids
 
 
 def _seed_bytes(prompt_ids: Sequence[int], seed: int | None) -> bytes:

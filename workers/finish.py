@@ -1,12 +1,11 @@
 """The RQ transitions that record how a prompt ended, each with the job's counters in the same
 transaction: succeeded (batched with its shard, `workers.acks`; in multi-turn ``all`` mode with its
-next turn enqueued), failed, cancelled with its job, dropped because its job was deleted, or handed
-back unfinished.
+next turn enqueued, or its conversation's stop stored first, `workers.conversation`), failed,
+cancelled with its job, dropped because its job was deleted, or handed back unfinished.
 """
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import logging
 from collections.abc import Mapping
@@ -24,14 +23,13 @@ from datagen.payload import PromptPayload
 from datagen.records import Record
 from datagen.settings import DEFAULT_FAILURE_TTL_S, DEFAULT_MAX_WORKER_LOSSES, DEFAULT_RESULT_TTL_S
 from datagen.states import PromptClass
-from datagen.tokenization import renderer_for
 from workers.acks import Acks, ack_item
+from workers.conversation import Conversations, ConversationStop, NextTurn
 from workers.failures import failure_report, prompt_labels
 from workers.jobinfo import JobInfos
 from workers.metrics import WorkerMetrics
 from workers.redisretry import while_redis_down
 from workers.rqbridge import InFlight, QueueIdentity, payload_of
-from workers.turns import next_turn
 
 __all__ = ["Finisher", "is_final"]
 
@@ -49,8 +47,10 @@ class Finisher:
         metrics: WorkerMetrics,
         job_infos: JobInfos,
         acks: Acks,
+        conversations: Conversations,
     ) -> None:
         self.acks = acks
+        self.conversations = conversations
         self.redis = redis_client
         self.keys = keys
         self.jobs = jobs
@@ -59,15 +59,13 @@ class Finisher:
         self.metrics = metrics
         self.job_infos = job_infos
 
-    async def following_turn(self, payload: PromptPayload, record: Record) -> PromptPayload | None:
-        """Multi-turn ``all`` mode: the next turn to enqueue, unless it was enqueued before."""
-        if payload.conversation is None:
-            return None
-        spec = self.job_infos.get(payload.job, payload.incarnation).spec
-        renderer = await asyncio.to_thread(renderer_for, spec)
-        following = await asyncio.to_thread(next_turn, payload, record, spec, renderer)
-        if following is None:
-            return None
+    async def following_turn(self, payload: PromptPayload, record: Record) -> NextTurn:
+        """Multi-turn ``all`` mode, once the turn's record is committed: the next turn to enqueue
+        (None if it was enqueued before), or why the conversation stops (`workers.conversation`).
+        Raises only JobNotFoundError and CancelledError: the turn is done whatever happens here."""
+        following = await self.conversations.after(payload, record)
+        if not isinstance(following, PromptPayload):
+            return following
         member = prompt_key(following.sample_id, following.turn, following.gen)
         key = self.keys.job_enqueued(payload.job)
         if await while_redis_down(lambda: bool(self.redis.sismember(key, member))):
@@ -79,12 +77,14 @@ class Finisher:
         identity: QueueIdentity,
         item: InFlight,
         record: Record,
-        following: PromptPayload | None,
+        following: NextTurn,
         incarnation: str = "",
+        payload: PromptPayload | None = None,
     ) -> None:
         """The record is committed: finish the prompt in RQ and count it done, batched with the
         other prompts of its shard (`workers.acks`); a next turn is enqueued in the same
-        transaction as its done count, so the job cannot complete in between."""
+        transaction as its done count, so the job cannot complete in between; a conversation's
+        stop is stored before the done count, so a completed job shows every stop."""
         ack = ack_item(
             item,
             job_id=record.job_id,
@@ -94,7 +94,9 @@ class Finisher:
             cls=record.cls,
             finish=record.finish_type,
         )
-        if following is None:
+        if isinstance(following, ConversationStop) and payload is not None:
+            await self.conversations.record_stop(payload, following)
+        if not isinstance(following, PromptPayload):
             await self.acks.done(identity, item, ack)
         else:
             label = self.jobs.label_of(record.job_id, record.partition)

@@ -5,7 +5,8 @@ Labels are bounded: ``server`` (the worker's configured names), ``class`` (``sho
 ``outcome`` (requests: ``ok``, ``retryable``, ``fatal``; reaped prompts: ``requeued``, ``failed``;
 backup requests: ``won``, ``lost``, ``failed``, ``stopped``, ``cancelled``, see `workers.backup`)
 and ``reason`` (the class name of a `datagen.errors` exception; for a prompt that failed after its
-retries ran out, ``gave_up_`` and the class name of the last retryable error).
+retries ran out, ``gave_up_`` and the class name of the last retryable error; for a conversation
+that stopped, `datagen.states.StopReason`).
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from datagen.states import StopReason
 
 __all__ = ["LATENCY_BUCKETS_S", "LENGTH_BUCKETS", "RESULT_BUCKETS_S", "WorkerMetrics"]
 
@@ -81,6 +84,14 @@ class WorkerMetrics:
             registry=r,
         )
         self.failures = Counter("datagen_worker_failures", "Prompts failed for good", ["reason"], registry=r)
+        self.conversations_stopped = Counter(
+            "datagen_worker_conversations_stopped",
+            "Multi-turn all: conversations ended before their last turn (truncated, tool_mismatch, error)",
+            ["reason"],
+            registry=r,
+        )
+        for reason in StopReason:  # every reason's series exists from the start, at zero
+            self.conversations_stopped.labels(reason.value)
         self.aborted = Counter(
             "datagen_worker_aborted", "In-flight prompts aborted because their job was cancelled", registry=r
         )

@@ -1,5 +1,7 @@
 """The life of one claimed prompt, as an asyncio task: count it started, generate, commit the record,
-then record how it ended (:mod:`workers.finish`) even through a Redis outage.
+then record how it ended (:mod:`workers.finish`) even through a Redis outage. A prompt whose record
+is committed is never failed: its conversation's next turn (multi-turn ``all``) is a step of its
+own that ends the conversation, not the prompt, when it cannot be built.
 
 A task cancelled because its job was cancelled with abort finishes as cancelled; one cancelled for
 any other reason (a hard stop) hands its prompt back to the queue.
@@ -73,7 +75,6 @@ class PromptRunner:
             finally:
                 self.slots.release(cls)
             await self.writer.commit(record, payload.incarnation)
-            following = await finisher.following_turn(payload, record)
         except JobNotFoundError:
             # Its job was deleted (or the id reused) while it ran: nothing of it is stored or counted.
             return functools.partial(finisher.drop_stale, identity, item)
@@ -84,4 +85,9 @@ class PromptRunner:
         except Exception as exc:  # a bug must fail one prompt, not the worker
             log.exception("prompt %s crashed the task", item.job.id)
             return functools.partial(finisher.fail, identity, item, job_id, exc)
-        return finisher.succeed(identity, item, record, following, payload.incarnation)
+        # Committed: the prompt is done from here on, whatever its conversation's next turn meets.
+        try:
+            following = await finisher.following_turn(payload, record)
+        except JobNotFoundError:
+            return functools.partial(finisher.drop_stale, identity, item)
+        return finisher.succeed(identity, item, record, following, payload.incarnation, payload)

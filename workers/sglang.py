@@ -46,8 +46,10 @@ from workers.sglang_replies import (
     ERROR_TEXT_MAX_CHARS,
     Finish,
     GenerateResult,
+    ParsedCalls,
     abort_error,
     is_int,
+    parse_function_call_response,
     parse_generate_response,
     status_error,
 )
@@ -94,6 +96,7 @@ SERVER_INFO_PATH = "/server_info"
 LEGACY_SERVER_INFO_PATH = "/get_server_info"
 MODELS_PATH = "/v1/models"
 METRICS_PATH = "/metrics"
+PARSE_FUNCTION_CALL_PATH = "/parse_function_call"
 
 
 # --------------------------------------------------------------------------------------------------
@@ -402,6 +405,26 @@ class SGLangClient:
             if is_int(max_model_len) and max_model_len > 0:
                 return int(max_model_len)
         return None
+
+    async def parse_function_call(
+        self, text: str, parser: str, tools: Sequence[Mapping[str, object]], *, timeout_s: float
+    ) -> ParsedCalls:
+        """The server's own tool-call parser (``--tool-call-parser`` names) applied to ``text``."""
+        what = f"POST {PARSE_FUNCTION_CALL_PATH} ({parser})"
+        body = {"text": text, "tool_call_parser": parser, "tools": [dict(t) for t in tools]}
+        response = await self._send(
+            "POST",
+            PARSE_FUNCTION_CALL_PATH,
+            what=what,
+            phase_timeouts=self._control_timeout(timeout_s),
+            body=body,
+        )
+        if response.status_code != 200:
+            raise status_error(response, server=self._label, what=what)
+        try:
+            return parse_function_call_response(self._json(response, what=what))
+        except ServerError as exc:
+            raise ServerError(f"{what} on SGLang server {self._label}: unusable reply: {exc}") from exc
 
     async def metrics_text(self, *, timeout_s: float = DEFAULT_CONTROL_TIMEOUT_S) -> str:
         """The Prometheus text of ``/metrics`` (exists only with ``--enable-metrics``)."""

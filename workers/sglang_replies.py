@@ -27,8 +27,11 @@ from datagen.states import FinishType
 __all__ = [
     "Finish",
     "GenerateResult",
+    "ParsedCalls",
+    "ToolCall",
     "abort_error",
     "error_message",
+    "parse_function_call_response",
     "parse_generate_response",
     "status_error",
 ]
@@ -293,3 +296,53 @@ def abort_error(result: GenerateResult, *, server: str) -> DatagenError:
 # --------------------------------------------------------------------------------------------------
 # The client
 # --------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """One call SGLang's tool-call parser found: the function's name and its arguments (the JSON
+    object the model wrote; its text when that is not an object)."""
+
+    name: str
+    arguments: dict[str, object] | str
+
+
+@dataclass(frozen=True)
+class ParsedCalls:
+    """``POST /parse_function_call``'s reply: the text around the calls, and the calls in order."""
+
+    normal_text: str
+    calls: tuple[ToolCall, ...]
+
+
+def parse_function_call_response(body: object) -> ParsedCalls:
+    """``{"normal_text": str, "calls": [{"tool_index", "name", "parameters": JSON text}]}``."""
+    if not isinstance(body, dict) or not isinstance(body.get("normal_text"), str):
+        raise ServerError(
+            f"/parse_function_call reply has no normal_text: {str(body)[:ERROR_TEXT_MAX_CHARS]!r}"
+        )
+    raw_calls = body.get("calls")
+    if not isinstance(raw_calls, list):
+        raise ServerError(
+            f"/parse_function_call reply has no calls list: {str(body)[:ERROR_TEXT_MAX_CHARS]!r}"
+        )
+    calls = []
+    for raw in raw_calls:
+        name = raw.get("name") if isinstance(raw, dict) else None
+        if not isinstance(name, str):
+            raise ServerError(f"/parse_function_call reply has a call without a name: {raw!r}")
+        parameters = raw.get("parameters", "{}")
+        arguments: dict[str, object] | str = (
+            parameters if isinstance(parameters, str) else json.dumps(parameters)
+        )
+        if isinstance(parameters, str):
+            try:
+                decoded = json.loads(parameters)
+            except json.JSONDecodeError:
+                decoded = None
+            if isinstance(decoded, dict):
+                arguments = decoded
+        elif isinstance(parameters, dict):
+            arguments = parameters
+        calls.append(ToolCall(name=name, arguments=arguments))
+    return ParsedCalls(normal_text=body["normal_text"], calls=tuple(calls))

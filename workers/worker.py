@@ -35,10 +35,12 @@ from datagen.settings import DEFAULT_METRICS_PORT, WorkerSettings
 from datagen.startup import claim_storage_async, connect_redis_async
 from datagen.states import PromptClass
 from datagen.storage import Storage
+from datagen.tokenization import preload_libraries
 from workers.acks import Acks
 from workers.admission import Admission, Slots
 from workers.backup import Backups
 from workers.control import FleetSync, HealthProbe, KvControl
+from workers.conversation import Conversations
 from workers.finish import Finisher
 from workers.fleet import Fleet, Server, ServerSpec
 from workers.generate import Generator
@@ -103,6 +105,9 @@ class Worker:
 
     async def _start(self) -> None:
         timeout_s = self.settings.startup_timeout_s
+        # Before any thread renders a next turn: imported lazily by many threads at once, the
+        # tokenizer libraries fail (`datagen._loaders`).
+        preload_libraries()
         self.redis = await connect_redis_async(
             self.settings.require_redis_url(),
             timeout_s,
@@ -226,8 +231,17 @@ class Worker:
             backups=backups,
         )
         acks = Acks(self.jobs, delay_s=self.settings.test_ack_delay_s)
+        conversations = Conversations(job_infos, self.fleet.servers, self.storage, self.metrics)
         finisher = Finisher(
-            self.redis, self.keys, self.jobs, self.dispatch, self.identities, self.metrics, job_infos, acks
+            self.redis,
+            self.keys,
+            self.jobs,
+            self.dispatch,
+            self.identities,
+            self.metrics,
+            job_infos,
+            acks,
+            conversations,
         )
         prompts = PromptRunner(self.slots, self.jobs, generator, self.writer, finisher)
         return Admission(

@@ -157,6 +157,10 @@ def sim(
     ] = None,
     mean_reasoning_tokens: Annotated[float | None, typer.Option()] = None,
     mean_answer_tokens: Annotated[float | None, typer.Option()] = None,
+    tool_call_format: Annotated[
+        str | None,
+        typer.Option(help="qwen25 or deepseekv3: prompts offering tools may get a call (needs --tokenizer)"),
+    ] = None,
     fail_503_rate: Annotated[float | None, typer.Option(help="fraction of /generate answered 503")] = None,
     fail_500_rate: Annotated[float | None, typer.Option(help="fraction of /generate answered 500")] = None,
     abort_rate: Annotated[float | None, typer.Option(help="fraction of /generate aborted")] = None,
@@ -181,6 +185,7 @@ def sim(
         "reserve_fraction": reserve_fraction,
         "mean_reasoning_tokens": mean_reasoning_tokens,
         "mean_answer_tokens": mean_answer_tokens,
+        "tool_call_format": tool_call_format,
         "fail_503_rate": fail_503_rate,
         "fail_500_rate": fail_500_rate,
         "abort_rate": abort_rate,

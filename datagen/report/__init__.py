@@ -2,7 +2,8 @@
 
 Modules: ``build`` (`build_report`: one streaming pass over the committed records, read through
 :mod:`datagen.recordset` as the exports read them, and the checks), ``stats`` (fixed-bin length
-histograms), ``render`` (the terminal view, report.json, PNG histograms and report.html).
+histograms), ``conversations`` (how the conversations of a multi-turn ``all`` job went: the report's
+``conversations`` section), ``render`` (the terminal view, report.json, PNG histograms and report.html).
 """
 
 from datagen.report.build import Check, CheckStatus, JobReport, build_report

@@ -4,6 +4,8 @@ One streaming pass over the committed records (one batch in memory, fixed-bin hi
 
 - counts by finish reason, partition (and partition × finish) and class;
 - prompt-length and output-length histograms (outputs split by finish reason);
+- for a multi-turn ``all`` job, how its conversations went (`datagen.report.conversations`: turns
+  reached, conversations stopped before their last turn, the share of records with regenerated history);
 - checks, each ``ok``, ``warn`` or ``fail`` (a failure makes the command exit 1):
 
   ============================  ======  ================================================================
@@ -48,8 +50,9 @@ import pyarrow as pa
 
 from datagen.export.tokens import JobTokens, load_job_tokens
 from datagen.recordset import RowViews, SeenKeys, iter_committed_batches
+from datagen.report.conversations import ConversationTally
 from datagen.report.stats import LengthHistogram
-from datagen.states import FinishType
+from datagen.states import FinishType, MultiTurnMode
 from datagen.storage import Storage
 
 __all__ = ["Check", "CheckStatus", "JobReport", "build_report"]
@@ -151,12 +154,22 @@ class JobReport:
     rejected_by_class: Counter[str] = field(default_factory=Counter)
     rejected_by_partition: Counter[tuple[str, str]] = field(default_factory=Counter)
     checks: dict[str, Check] = field(default_factory=dict)
+    # Multi-turn ``all`` jobs only (None otherwise).
+    conversation_tally: ConversationTally | None = None
+
+    @property
+    def conversations(self) -> ConversationTally | None:
+        """How the conversations went, when there is anything to say: a record with turn > 0 or a
+        conversation stopped before its last turn."""
+        tally = self.conversation_tally
+        return tally if tally is not None and tally.present else None
 
     @property
     def failed(self) -> bool:
         return any(check.status is CheckStatus.FAIL for check in self.checks.values())
 
     def to_json(self) -> dict[str, Any]:
+        conversations = self.conversations
         return {
             "job_id": self.job_id,
             "records": self.records,
@@ -177,6 +190,7 @@ class JobReport:
                 for p in sorted({q for q, _ in self.rejected_by_partition})
             },
             "checks": [check.to_json() for check in self.checks.values()],
+            **({"conversations": conversations.to_json()} if conversations is not None else {}),
         }
 
 
@@ -271,6 +285,8 @@ class _Scanner:
             selected = new & (finish_array == finish)
             histogram = report.output_lengths.setdefault(finish, LengthHistogram())
             histogram.add((lengths - prompt_lens)[selected])
+        if report.conversation_tally is not None:
+            report.conversation_tally.add_rows(columns["sample_id"], columns["turn"], columns["gen"], new)
 
 
 def _read_rejected(storage: Storage, job_id: str, report: JobReport) -> None:
@@ -305,7 +321,10 @@ def build_report(
     """Scan a job's committed records, rejected and flagged rows; ``tokenizer`` overrides the
     manifest's path."""
     tokens = load_job_tokens(storage, job_id, tokenizer)
+    manifest = storage.read_manifest(job_id) or {}
     report = JobReport(job_id=job_id, checks=_checks(tokens))
+    if (manifest.get("spec") or {}).get("multi_turn") == MultiTurnMode.ALL:
+        report.conversation_tally = ConversationTally(MAX_EXAMPLES)
     scanner = _Scanner(report, tokens)
     for batch in iter_committed_batches(storage, job_id, _COLUMNS):
         scanner.add(batch)
@@ -315,4 +334,8 @@ def build_report(
         _name_repeats(storage, job_id, scanner.repeats, report.checks["duplicate_sequences"])
     _read_rejected(storage, job_id, report)
     _read_flagged(storage, job_id, report)
+    if report.conversation_tally is not None:
+        # As Storage.list_commits tells the job's own commits from an earlier job's of the same id.
+        incarnation = str(manifest.get("incarnation", ""))
+        report.conversation_tally.add_stopped(storage.iter_stopped(job_id), incarnation)
     return report

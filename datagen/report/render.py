@@ -19,12 +19,13 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from datagen.errors import StorageError
 from datagen.report.stats import LENGTH_EDGES, LengthHistogram
 
-__all__ = ["CheckView", "ReportView", "print_report", "write_report"]
+__all__ = ["CheckView", "ConversationsView", "ReportView", "print_report", "write_report"]
 
 TOP_PARTITIONS = 20
 BAR_WIDTH = 40
@@ -53,6 +54,25 @@ class CheckView(Protocol):
     def examples(self) -> list[str]: ...
 
 
+class ConversationsView(Protocol):
+    """What the views show of a ``datagen.report.conversations.ConversationTally``."""
+
+    @property
+    def conversations(self) -> int: ...
+    @property
+    def turns_reached(self) -> Counter[int]: ...
+    @property
+    def stopped(self) -> Counter[str]: ...
+    @property
+    def stopped_examples(self) -> Mapping[str, list[str]]: ...
+    @property
+    def records(self) -> int: ...
+    @property
+    def regenerated(self) -> int: ...
+    @property
+    def regenerated_share(self) -> float: ...
+
+
 class ReportView(Protocol):
     """What the views show of a ``datagen.report.JobReport``."""
 
@@ -76,6 +96,8 @@ class ReportView(Protocol):
     def output_lengths(self) -> Mapping[str, LengthHistogram]: ...
     @property
     def checks(self) -> Mapping[str, CheckView]: ...
+    @property
+    def conversations(self) -> ConversationsView | None: ...
     @property
     def failed(self) -> bool: ...
     def to_json(self) -> dict[str, Any]: ...
@@ -125,6 +147,30 @@ def _bars(title: str, histogram: LengthHistogram) -> Table:
     return table
 
 
+def _conversation_summary(c: ConversationsView) -> str:
+    """One line, the same in every view."""
+    reached = ", ".join(f"{n}: {count:,}" for n, count in sorted(c.turns_reached.items()))
+    return (
+        f"{c.conversations:,} conversations (multi-turn all); turns recorded {reached}; "
+        f"regenerated history: {c.regenerated:,} of {c.records:,} records ({c.regenerated_share:.0%}); "
+        f"stopped before their last turn: {c.stopped.total():,}"
+    )
+
+
+def _stopped_rows(c: ConversationsView) -> list[tuple[str, int, list[str]]]:
+    return [(reason, n, c.stopped_examples.get(reason, [])) for reason, n in c.stopped.most_common()]
+
+
+def _print_conversations(c: ConversationsView, console: Console) -> None:
+    console.print(f"[bold]conversations[/bold]: {_conversation_summary(c)}")
+    if c.stopped:
+        table = Table("reason", "conversations", "e.g.", title="conversations stopped before their last turn")
+        for reason, count, examples in _stopped_rows(c):
+            # Messages are the worker's text (tool names, template errors): never rich markup.
+            table.add_row(escape(reason), f"{count:,}", escape("\n".join(examples[:EXAMPLES_SHOWN])))
+        console.print(table)
+
+
 def print_report(report: ReportView, console: Console) -> None:
     console.print(f"[bold]job {report.job_id}[/bold]: {report.records:,} records, {report.unique:,} unique")
     finishes = sorted(report.by_finish)
@@ -141,6 +187,8 @@ def print_report(report: ReportView, console: Console) -> None:
     console.print(lengths)
     console.print(_bars("prompt lengths", report.prompt_lengths))
     console.print(_bars("output lengths", _combined_outputs(report)))
+    if report.conversations is not None:
+        _print_conversations(report.conversations, console)
     checks = Table("check", "status", "found", "what", title="checks")
     for check in report.checks.values():
         examples = "; ".join(check.examples[:EXAMPLES_SHOWN])
@@ -227,8 +275,18 @@ def _html(report: ReportView, plots: dict[str, bytes]) -> str:
         f"{_html_table(['partition', 'records', *finishes], partitions)}"
         f"<h2>Lengths (tokens)</h2>"
         f"{_html_table(['', 'records', 'min', 'mean', 'p50 ≤', 'p90 ≤', 'max'], lengths)}"
+        f"{_html_conversations(report)}"
         f"{images}</body></html>"
     )
+
+
+def _html_conversations(report: ReportView) -> str:
+    c = report.conversations
+    if c is None:
+        return ""
+    stopped = [[reason, f"{n:,}", "; ".join(examples)] for reason, n, examples in _stopped_rows(c)]
+    table = _html_table(["reason", "conversations", "examples"], stopped) if stopped else ""
+    return f"<h2>Conversations</h2><p>{html.escape(_conversation_summary(c))}</p>{table}"
 
 
 def write_report(report: ReportView, out_dir: Path) -> list[Path]:

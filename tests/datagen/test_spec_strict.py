@@ -112,3 +112,16 @@ def test_unreadable_spec_files_are_one_line_errors(tmp_path: Path, content: byte
 def test_an_example_spec_field_round_trips_as_json() -> None:
     example = json.loads(JobSpec(tokenizer="/models/x").model_dump_json())
     assert validate_spec(example) == JobSpec(tokenizer="/models/x")
+
+
+def test_tool_fields_name_a_parser_and_need_all_mode() -> None:
+    spec = validate_spec({"tokenizer": "t", "multi_turn": "all", "tool_call_parser": "qwen25"})
+    assert (spec.tool_call_parser, spec.tool_mismatch) == ("qwen25", "stop")
+    with pytest.raises(
+        InvalidSpecError, match=r"tool_call_parser reads regenerated turns.*set multi_turn: all"
+    ):
+        validate_spec({"tokenizer": "t", "tool_call_parser": "qwen25"})
+    with pytest.raises(InvalidSpecError, match="tool_call_parser"):
+        validate_spec({"tokenizer": "t", "multi_turn": "all", "tool_call_parser": "qwen 25"})
+    with pytest.raises(InvalidSpecError, match="tool_mismatch"):
+        validate_spec({"tokenizer": "t", "multi_turn": "all", "tool_mismatch": "ignore"})

@@ -7,6 +7,8 @@ bos 0, <｜User｜> 128803, <｜Assistant｜> 128804, <think> 128821, "\\n" 201)
 from __future__ import annotations
 
 import hashlib
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -314,3 +316,40 @@ def test_non_string_content_is_a_row_error(renderer: PromptRenderer) -> None:
 def test_empty_conversation_is_a_row_error(renderer: PromptRenderer) -> None:
     with pytest.raises(InvalidRowError):
         renderer.render([])
+
+
+def test_renderers_load_once_per_key_however_many_threads_ask(tokenizer_path: str) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    from datagen.tokenization import _RendererCache
+
+    loads: list[str] = []
+    cache = _RendererCache(2)
+    gate = threading.Barrier(16)
+
+    def load(name: str) -> Any:
+        loads.append(name)
+        time.sleep(0.05)  # a slow load: the other callers arrive while it runs
+        return object()
+
+    def ask(i: int) -> Any:
+        gate.wait()
+        key = (f"tok{i % 2}", None, False, "{}")
+        return cache.get(key, lambda: load(key[0]))
+
+    with ThreadPoolExecutor(16) as pool:
+        got = list(pool.map(ask, range(16)))
+    assert sorted(loads) == ["tok0", "tok1"]
+    assert len({id(g) for g in got}) == 2
+    cache.get(("tok0", None, False, "{}"), lambda: load("not again"))  # a hit: tok0 is now the newest
+    assert len(loads) == 2
+    # A failed load is not kept: the next caller loads again.
+    with pytest.raises(InvalidSpecError):
+        cache.get(("bad", None, False, "{}"), lambda: (_ for _ in ()).throw(InvalidSpecError("no")))
+    cache.get(("bad", None, False, "{}"), lambda: load("bad"))
+    assert loads[-1] == "bad"
+    # The least recently used key (tok1) left when "bad" came in.
+    cache.get(("tok0", None, False, "{}"), lambda: load("again"))
+    assert loads[-1] == "bad"
+    cache.get(("tok1", None, False, "{}"), lambda: load("tok1 again"))
+    assert loads[-1] == "tok1 again"

@@ -60,6 +60,7 @@ EXPECTED_METRICS: dict[str, tuple[str, frozenset[str]]] = {
         ("datagen_worker_retries", "counter", ("reason",)),
         ("datagen_worker_backup_requests", "counter", ("server", "class", "outcome")),
         ("datagen_worker_failures", "counter", ("reason",)),
+        ("datagen_worker_conversations_stopped", "counter", ("reason",)),
         ("datagen_worker_aborted", "counter", ()),
         ("datagen_worker_server_up", "gauge", ("server",)),
         ("datagen_worker_server_paused", "gauge", ("server",)),

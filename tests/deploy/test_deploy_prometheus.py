@@ -59,6 +59,8 @@ MIN_ROUNDS = 3
 MAY_STAY_ZERO = {
     "Dead workers' prompts handed back": "no worker dies here (tests/e2e/test_lifecycle.py)",
     "Shard commit errors": "storage does not fail here",
+    "Conversations stopped before their last turn": "no multi-turn all job runs here "
+    "(tests/workers/test_conversation_tools.py)",
 }
 UNDERSCORE_RELABEL = {
     "source_labels": ["__name__"],

@@ -250,9 +250,9 @@ def _refused_after_template_change(client: TestClient, tmp_path: Path) -> None:
     assert _post(client, rows, spec=spec, job_id="pinned2").status_code == 202
     wait_ingested(client, "pinned2")
     template.write_text(default_chat_template_path().read_text().replace("## Tools", "## Functions"))
-    from datagen.tokenization import get_renderer
+    from datagen.tokenization import clear_renderer_cache
 
-    get_renderer.cache_clear()  # a coordinator restart would load the changed file
+    clear_renderer_cache()  # a coordinator restart would load the changed file
     response = _post(client, rows, spec=spec, job_id="pinned2")
     assert response.status_code == 400
     assert "another chat template" in response.json()["error"]

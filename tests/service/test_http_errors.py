@@ -27,9 +27,11 @@ from datagen.errors import (
     UnknownServerError,
     UploadTooLargeError,
 )
+from datagen.jobs import JobStore
 from datagen.keys import Keys
 from datagen.redis_server import LocalRedis
 from datagen.settings import CoordinatorSettings
+from datagen.storage import Storage
 from datagen.tokenization import bundled_tokenizer_path, default_chat_template_path
 from service.app import create_app
 from tests.helpers import INGEST_TIMEOUT_S, make_spec, serve_coordinator, wait_ingested, wait_until
@@ -235,6 +237,22 @@ def test_flagged_rows_can_be_listed(client: TestClient) -> None:
     assert response.status_code == 200, response.text
     assert response.json() == {"kind": "flagged", "errors": []}
     _assert_error_body(client.get("/jobs/nope/errors?kind=flagged"), 404, "JobNotFoundError", "nope")
+
+
+def test_stopped_conversations_of_the_current_incarnation_can_be_listed(
+    client: TestClient, settings: CoordinatorSettings, redis_client: redis.Redis
+) -> None:
+    job = wait_ingested(client, _post(client, (GOOD_ROW + "\n").encode()).json()["id"])
+    storage = Storage(settings.storage)
+    incarnation = JobStore(redis_client, Keys(NS)).incarnation(job["id"])
+    now = {"sample_id": "a", "gen": 0, "turn": 1, "turns": 2, "reason": "tool_mismatch", "inc": incarnation}
+    storage.write_stopped(job["id"], "a-g0", {**now, "message": "the model called ['f'], the dataset ['g']"})
+    storage.write_stopped(job["id"], "b-g0", {**now, "sample_id": "b", "reason": "error", "inc": "older"})
+    response = client.get(f"/jobs/{job['id']}/errors", params={"kind": "stopped"})
+    assert response.status_code == 200, response.text
+    [stop] = response.json()["errors"]
+    assert (stop["sample_id"], stop["reason"], stop["turn"]) == ("a", "tool_mismatch", 1)
+    _assert_error_body(client.get("/jobs/nope/errors?kind=stopped"), 404, "JobNotFoundError", "nope")
 
 
 # -- the client keeps the class --------------------------------------------------------------------

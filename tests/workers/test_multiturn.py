@@ -88,7 +88,8 @@ async def test_all_mode_renders_each_turn_from_the_regenerated_history(
         assert prompt == expected_prompt, f"turn {turn}"
         expected = expected_output(prompt, max_new_tokens=2000, seed=SEED, special=special)
         assert record["input_ids"][record["prompt_len"] :] == expected.output_ids
-        generated.append(renderer.decode(expected.output_ids, skip_special_tokens=True))
+        assert expected.output_ids[-1] == 1  # <｜end▁of▁sentence｜>, the end of the turn: not history
+        generated.append(renderer.decode(expected.output_ids[:-1]))
     turn2_text = renderer.decode(
         records[("conv", 2, 0)]["input_ids"][: records[("conv", 2, 0)]["prompt_len"]]
     )

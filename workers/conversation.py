@@ -1,0 +1,203 @@
+"""Multi-turn ``all`` mode, after a turn's record is committed: build the conversation's next turn,
+or say why the conversation stops there.
+
+The turn is done once its record is committed, whatever this step meets; so this step never fails a
+prompt. It ends in one of three ways:
+
+- the next turn's payload (enqueued with the turn's done count, `workers.finish`);
+- None: the conversation has no more turns;
+- a `ConversationStop` (`datagen.states.StopReason`): the turn was cut at ``max_new_tokens``
+  (``truncated``), the model's tool calls differ from the dataset's and the job's ``tool_mismatch``
+  is ``stop`` (``tool_mismatch``), or building the next turn kept failing (``error``). A stop is
+  stored under ``jobs/<job>/stopped/`` (``GET /jobs/{id}/errors?kind=stopped``, the report).
+
+Building the next turn is retried with backoff (a server that parses tool calls may be restarting;
+a bug may be transient, like a race on first load); a template that refuses the history is not
+retried: the same text fails the same way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from datagen.errors import DatagenError, FatalError, InvalidRowError, JobNotFoundError
+from datagen.payload import PromptPayload
+from datagen.records import Record
+from datagen.states import FinishType, StopReason, ToolMismatch
+from datagen.storage import Storage
+from datagen.tokenization import renderer_for
+from workers.fleet import Server
+from workers.jobinfo import JobInfo, JobInfos
+from workers.metrics import WorkerMetrics
+from workers.redisretry import while_redis_down
+from workers.sglang_replies import ParsedCalls
+from workers.turns import assistant_turn, dataset_call_names, history_text, next_turn
+
+__all__ = ["NEXT_TURN_ATTEMPTS", "ConversationStop", "Conversations", "stopped_object_name"]
+
+log = logging.getLogger(__name__)
+
+NEXT_TURN_ATTEMPTS = 4
+NEXT_TURN_BACKOFF_S = (0.5, 2.0, 8.0)
+PARSE_TIMEOUT_S = 30.0
+STOP_WRITE_ATTEMPTS = 5
+
+
+@dataclass(frozen=True)
+class ConversationStop:
+    """The conversation ends before ``turn`` (the first turn not generated) of its ``turns``."""
+
+    turn: int
+    turns: int
+    reason: StopReason
+    message: str
+
+
+NextTurn = PromptPayload | ConversationStop | None
+
+
+def stopped_object_name(sample_id: str, gen: int) -> str:
+    """The stored name of one conversation's stop: one object per (sample, gen), rewritten in place
+    when a turn is redone."""
+    return f"{hashlib.sha1(sample_id.encode('utf-8')).hexdigest()[:16]}-g{gen}"
+
+
+def _matched_id(matched: str | None) -> int | None:
+    return int(matched) if matched is not None and matched.isdigit() else None
+
+
+class Conversations:
+    def __init__(
+        self,
+        job_infos: JobInfos,
+        servers: Sequence[Server],
+        storage: Storage,
+        metrics: WorkerMetrics,
+        *,
+        backoff_s: Sequence[float] = NEXT_TURN_BACKOFF_S,
+    ) -> None:
+        self.backoff_s = backoff_s
+        self.job_infos = job_infos
+        self.servers = servers
+        self.storage = storage
+        self.metrics = metrics
+
+    async def after(self, payload: PromptPayload, record: Record) -> NextTurn:
+        """What follows the committed ``record`` of ``payload``'s turn. Raises only
+        JobNotFoundError (its job was deleted) and CancelledError."""
+        conversation = payload.conversation
+        if conversation is None:
+            return None
+        turns, turn = len(conversation["cuts"]), payload.turn
+        if turn + 1 >= turns:
+            return None
+        if record.finish_type != FinishType.STOP.value:
+            # A cut turn has no end of reasoning: a history built from it is a state the model
+            # never reaches.
+            return ConversationStop(
+                turn + 1,
+                turns,
+                StopReason.TRUNCATED,
+                f"turn {turn} was cut at max_new_tokens "
+                f"({record.output_len} tokens, finish {record.finish_type})",
+            )
+        info = await while_redis_down(lambda: self.job_infos.get(payload.job, payload.incarnation))
+        last: BaseException | None = None
+        for attempt in range(NEXT_TURN_ATTEMPTS):
+            if attempt:
+                await asyncio.sleep(self.backoff_s[min(attempt, len(self.backoff_s)) - 1])
+            try:
+                return await self._build(payload, record, info, attempt)
+            except InvalidRowError as exc:
+                return ConversationStop(
+                    turn + 1, turns, StopReason.ERROR, f"turn {turn + 1} cannot be rendered: {exc}"
+                )
+            except (JobNotFoundError, asyncio.CancelledError):
+                raise
+            except FatalError as exc:
+                return ConversationStop(turn + 1, turns, StopReason.ERROR, f"turn {turn + 1}: {exc}")
+            except Exception as exc:  # retried: a restarting server, or a bug that may not repeat
+                last = exc
+                log.warning(
+                    "building turn %d of %s (attempt %d of %d) failed: %s: %s",
+                    turn + 1,
+                    payload.sample_id,
+                    attempt + 1,
+                    NEXT_TURN_ATTEMPTS,
+                    type(exc).__name__,
+                    exc,
+                    exc_info=not isinstance(exc, DatagenError),
+                )
+        return ConversationStop(
+            turn + 1,
+            turns,
+            StopReason.ERROR,
+            f"building turn {turn + 1} failed {NEXT_TURN_ATTEMPTS} times: {type(last).__name__}: {last}",
+        )
+
+    async def _build(self, payload: PromptPayload, record: Record, info: JobInfo, attempt: int) -> NextTurn:
+        conversation: dict[str, Any] = payload.conversation or {}
+        spec = info.spec
+        renderer = await asyncio.to_thread(renderer_for, spec)
+        # The turn's end: the id it matched, and every id that could have ended it.
+        stop_ids = set(info.stop_ids)
+        eos_id = renderer.special_ids().eos_id
+        stop_ids.update(i for i in (eos_id, _matched_id(record.finish_matched)) if i is not None)
+        output_ids = record.input_ids[record.prompt_len :]
+        text = await asyncio.to_thread(history_text, renderer, output_ids, stop_ids)
+        regenerated: str | dict[str, Any] = text
+        tools = conversation.get("tools")
+        if spec.tool_call_parser is not None and tools:
+            parsed = await self._parse(record.server, attempt, text, spec.tool_call_parser, tools)
+            wanted = dataset_call_names(conversation, payload.turn)
+            made = [call.name for call in parsed.calls]
+            if made != wanted and spec.tool_mismatch is ToolMismatch.STOP:
+                return ConversationStop(
+                    payload.turn + 1,
+                    len(conversation["cuts"]),
+                    StopReason.TOOL_MISMATCH,
+                    f"turn {payload.turn}: the model called {made or 'no tool'}, "
+                    f"the dataset {wanted or 'no tool'}",
+                )
+            regenerated = assistant_turn(conversation, payload.turn, parsed.normal_text, parsed.calls)
+        return await asyncio.to_thread(next_turn, payload, spec, renderer, regenerated)
+
+    async def _parse(
+        self, server_name: str, attempt: int, text: str, parser: str, tools: list[dict[str, Any]]
+    ) -> ParsedCalls:
+        """The servers' own parser: first the generating server's, then the others' in turn on
+        retries (one may be restarting)."""
+        ordered = sorted(self.servers, key=lambda s: (not s.up, s.name != server_name))
+        server = ordered[attempt % len(ordered)]
+        return await server.client.parse_function_call(text, parser, tools, timeout_s=PARSE_TIMEOUT_S)
+
+    async def record_stop(self, payload: PromptPayload, stop: ConversationStop) -> None:
+        """Store the stop (retried; a storage outage costs the note, never the turn) and count it."""
+        self.metrics.conversations_stopped.labels(stop.reason.value).inc()
+        row = {
+            "sample_id": payload.sample_id,
+            "gen": payload.gen,
+            "turn": stop.turn,
+            "turns": stop.turns,
+            "reason": stop.reason.value,
+            "message": stop.message,
+            "partition": payload.partition,
+            "inc": payload.incarnation,
+        }
+        name = stopped_object_name(payload.sample_id, payload.gen)
+        log.info("conversation %s stopped before turn %d: %s", payload.sample_id, stop.turn, stop.message)
+        for attempt in range(STOP_WRITE_ATTEMPTS):
+            try:
+                await asyncio.to_thread(self.storage.write_stopped, payload.job, name, row)
+                return
+            except DatagenError as exc:
+                log.warning(
+                    "cannot store the stop of %s (attempt %d): %s", payload.sample_id, attempt + 1, exc
+                )
+                await asyncio.sleep(self.backoff_s[min(attempt, len(self.backoff_s) - 1)])
+        log.error("gave up storing the stop of conversation %s: %s", payload.sample_id, stop.message)
