@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from datagen.states import Priority, PromptClass
 
-__all__ = ["SEEN_SEGMENTS", "Keys"]
+__all__ = ["SEEN_SEGMENTS", "Keys", "prompt_key", "sample_digest"]
 
 # Keys the seen rows of one job are spread over (`Keys.job_seen`): 16 x 512 MB of records.
 SEEN_SEGMENTS = 16
@@ -26,8 +26,7 @@ class Keys:
         return f"{self.namespace}-{cls.value}"
 
     def rq_job_id(self, job_id: str, sample_id: str, turn: int, gen: int) -> str:
-        digest = hashlib.sha1(sample_id.encode("utf-8")).hexdigest()[:16]
-        return f"{self.rq_job_prefix(job_id)}{digest}-t{turn}-g{gen}"
+        return f"{self.rq_job_prefix(job_id)}{sample_digest(sample_id)}-t{turn}-g{gen}"
 
     def rq_id_prefix(self) -> str:
         """What every RQ id of this namespace starts with; the job id follows, up to a ``-``."""
@@ -190,7 +189,12 @@ class Keys:
         return f"{self.namespace}:reaper-seen:{queue_name}"
 
 
+def sample_digest(sample_id: str) -> str:
+    """A sample id as 16 hex characters: safe in RQ ids, Redis members and stored names, whatever
+    the id holds."""
+    return hashlib.sha1(sample_id.encode("utf-8")).hexdigest()[:16]
+
+
 def prompt_key(sample_id: str, turn: int, gen: int) -> str:
     """Member of :meth:`Keys.job_enqueued`; short because there is one per prompt."""
-    digest = hashlib.sha1(sample_id.encode("utf-8")).hexdigest()[:16]
-    return f"{digest}:{turn}:{gen}"
+    return f"{sample_digest(sample_id)}:{turn}:{gen}"

@@ -11,8 +11,8 @@ Layout (one folder per job under the root)::
                                                 without it is not data
     jobs/<job>/rejected/<upload>-<line>.jsonl   rows of one ingestion chunk that could not become prompts
     jobs/<job>/flagged/<upload>-<line>.jsonl    rows of one chunk accepted with a warning
-    jobs/<job>/stopped/<conversation>.jsonl     multi-turn ``all``: why a conversation stopped before
-                                                its last turn (one object per conversation)
+    jobs/<job>/stopped/<digest>-g<gen>.jsonl    multi-turn ``all``: why a conversation stopped before
+                                                its last turn (one object per sample and gen)
 
 Objects are written whole, never appended to or renamed, so the same code serves an object store.
 A shard is committed by writing its Parquet object, then its commit object; readers trust commit
@@ -46,6 +46,7 @@ import pyarrow.parquet as pq
 
 from datagen._storage_files import ObjectFiles
 from datagen.errors import ConfigError, DatagenError, InvalidSpecError, StorageError
+from datagen.keys import sample_digest
 
 __all__ = ["JOB_ID_PATTERN", "Storage", "validate_job_id"]
 
@@ -300,21 +301,29 @@ class Storage:
         """Flagged rows, ordered and merged as :meth:`iter_rejected`."""
         return self._iter_row_notes(job_id, "flagged")
 
-    def write_stopped(self, job_id: str, name: str, row: dict[str, Any]) -> None:
+    def write_stopped(self, job_id: str, sample_id: str, gen: int, row: dict[str, Any]) -> None:
         """Why one conversation stopped before its last turn (`workers.conversation`), named by the
         conversation: writing it again (a redone turn) replaces the object instead of adding one."""
-        path = self._path(job_id, "stopped", f"{_name(name)}.jsonl")
+        path = self._path(job_id, "stopped", f"{sample_digest(sample_id)}-g{gen}.jsonl")
         data = json.dumps(row, ensure_ascii=False).encode("utf-8") + b"\n"
         with _translated(f"cannot write {self._files.display(path)}"):
             self._files.write(path, lambda fh: fh.write(data))
 
     def iter_stopped(self, job_id: str) -> Iterator[dict[str, Any]]:
-        """Stopped conversations, one row each, by object name."""
+        """Stopped conversations of the job's current incarnation, one row each, by object name.
+        As with commits, a row of an earlier job of the same id (``inc`` another than the
+        manifest's) is left out; rows without ``inc``, or with no manifest stored, all count."""
         directory = self._path(job_id, "stopped")
         with _translated(f"cannot list {self._files.display(directory)}"):
             names = sorted(self._files.list_names(directory, ".jsonl"))
+        if not names:
+            return
+        manifest = self.read_manifest(job_id)
+        current = None if manifest is None else str(manifest.get("incarnation", ""))
         for name in names:
-            yield from self._read_rejected(posixpath.join(directory, name))
+            for row in self._read_rejected(posixpath.join(directory, name)):
+                if current is None or not row.get("inc") or str(row["inc"]) == current:
+                    yield row
 
     def _write_row_notes(self, job_id: str, folder: str, input_name: str, rows: list[dict[str, Any]]) -> None:
         # Named by the upload and the chunk's first line: a resumed chunk rewrites its own object.

@@ -311,9 +311,7 @@ class Coordinator:
     def stopped(self, job_id: str, limit: int) -> list[dict[str, Any]]:
         """Conversations that ended before their last turn, and why (`workers.conversation`)."""
         self.jobs.progress(job_id)  # 404 for an unknown job
-        incarnation = self.jobs.incarnation(job_id)
-        rows = (r for r in self.storage.iter_stopped(job_id) if r.get("inc") in (None, "", incarnation))
-        return list(itertools.islice(rows, limit))
+        return list(itertools.islice(self.storage.iter_stopped(job_id), limit))
 
     def flagged(self, job_id: str, limit: int) -> list[dict[str, Any]]:
         """Rows accepted with a warning (content that spells special tokens' text)."""

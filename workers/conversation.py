@@ -19,7 +19,6 @@ retried: the same text fails the same way.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -28,9 +27,10 @@ from typing import Any
 from datagen.errors import DatagenError, FatalError, InvalidRowError, JobNotFoundError
 from datagen.payload import PromptPayload
 from datagen.records import Record
+from datagen.spec import JobSpec
 from datagen.states import FinishType, StopReason, ToolMismatch
 from datagen.storage import Storage
-from datagen.tokenization import renderer_for
+from datagen.tokenization import PromptRenderer, renderer_for
 from workers.fleet import Server
 from workers.jobinfo import JobInfo, JobInfos
 from workers.metrics import WorkerMetrics
@@ -38,7 +38,7 @@ from workers.redisretry import while_redis_down
 from workers.sglang_replies import ParsedCalls
 from workers.turns import assistant_turn, dataset_call_names, history_text, next_turn
 
-__all__ = ["NEXT_TURN_ATTEMPTS", "ConversationStop", "Conversations", "stopped_object_name"]
+__all__ = ["NEXT_TURN_ATTEMPTS", "ConversationStop", "Conversations"]
 
 log = logging.getLogger(__name__)
 
@@ -61,14 +61,15 @@ class ConversationStop:
 NextTurn = PromptPayload | ConversationStop | None
 
 
-def stopped_object_name(sample_id: str, gen: int) -> str:
-    """The stored name of one conversation's stop: one object per (sample, gen), rewritten in place
-    when a turn is redone."""
-    return f"{hashlib.sha1(sample_id.encode('utf-8')).hexdigest()[:16]}-g{gen}"
-
-
-def _matched_id(matched: str | None) -> int | None:
-    return int(matched) if matched is not None and matched.isdigit() else None
+def _turn_text(spec: JobSpec, info: JobInfo, record: Record) -> tuple[PromptRenderer, str]:
+    """The job's renderer and the history text of the record's turn (one thread hop for both)."""
+    renderer = renderer_for(spec)
+    # The turn's end: the id it matched, and every id that could have ended it.
+    stop_ids = set(info.stop_ids)
+    matched = record.finish_matched
+    ends = (renderer.special_ids().eos_id, int(matched) if matched and matched.isdigit() else None)
+    stop_ids.update(i for i in ends if i is not None)
+    return renderer, history_text(renderer, record.input_ids[record.prompt_len :], stop_ids)
 
 
 class Conversations:
@@ -143,13 +144,7 @@ class Conversations:
     async def _build(self, payload: PromptPayload, record: Record, info: JobInfo, attempt: int) -> NextTurn:
         conversation: dict[str, Any] = payload.conversation or {}
         spec = info.spec
-        renderer = await asyncio.to_thread(renderer_for, spec)
-        # The turn's end: the id it matched, and every id that could have ended it.
-        stop_ids = set(info.stop_ids)
-        eos_id = renderer.special_ids().eos_id
-        stop_ids.update(i for i in (eos_id, _matched_id(record.finish_matched)) if i is not None)
-        output_ids = record.input_ids[record.prompt_len :]
-        text = await asyncio.to_thread(history_text, renderer, output_ids, stop_ids)
+        renderer, text = await asyncio.to_thread(_turn_text, spec, info, record)
         regenerated: str | dict[str, Any] = text
         tools = conversation.get("tools")
         if spec.tool_call_parser is not None and tools:
@@ -189,11 +184,12 @@ class Conversations:
             "partition": payload.partition,
             "inc": payload.incarnation,
         }
-        name = stopped_object_name(payload.sample_id, payload.gen)
         log.info("conversation %s stopped before turn %d: %s", payload.sample_id, stop.turn, stop.message)
         for attempt in range(STOP_WRITE_ATTEMPTS):
             try:
-                await asyncio.to_thread(self.storage.write_stopped, payload.job, name, row)
+                await asyncio.to_thread(
+                    self.storage.write_stopped, payload.job, payload.sample_id, payload.gen, row
+                )
                 return
             except DatagenError as exc:
                 log.warning(

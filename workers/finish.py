@@ -78,8 +78,7 @@ class Finisher:
         item: InFlight,
         record: Record,
         following: NextTurn,
-        incarnation: str = "",
-        payload: PromptPayload | None = None,
+        payload: PromptPayload,
     ) -> None:
         """The record is committed: finish the prompt in RQ and count it done, batched with the
         other prompts of its shard (`workers.acks`); a next turn is enqueued in the same
@@ -88,13 +87,13 @@ class Finisher:
         ack = ack_item(
             item,
             job_id=record.job_id,
-            incarnation=incarnation,
+            incarnation=payload.incarnation,
             output_tokens=record.output_len,
             partition=record.partition,
             cls=record.cls,
             finish=record.finish_type,
         )
-        if isinstance(following, ConversationStop) and payload is not None:
+        if isinstance(following, ConversationStop):
             await self.conversations.record_stop(payload, following)
         if not isinstance(following, PromptPayload):
             await self.acks.done(identity, item, ack)

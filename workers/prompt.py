@@ -90,4 +90,4 @@ class PromptRunner:
             following = await finisher.following_turn(payload, record)
         except JobNotFoundError:
             return functools.partial(finisher.drop_stale, identity, item)
-        return finisher.succeed(identity, item, record, following, payload.incarnation, payload)
+        return finisher.succeed(identity, item, record, following, payload)

@@ -315,6 +315,18 @@ class ParsedCalls:
     calls: tuple[ToolCall, ...]
 
 
+def _arguments(parameters: object) -> dict[str, object] | str:
+    """SGLang sends a call's arguments as JSON text; an object comes back as a dict (what chat
+    templates take), anything else as its JSON text."""
+    decoded = parameters
+    if isinstance(parameters, str):
+        try:
+            decoded = json.loads(parameters)
+        except json.JSONDecodeError:
+            return parameters
+    return decoded if isinstance(decoded, dict) else json.dumps(decoded)
+
+
 def parse_function_call_response(body: object) -> ParsedCalls:
     """``{"normal_text": str, "calls": [{"tool_index", "name", "parameters": JSON text}]}``."""
     if not isinstance(body, dict) or not isinstance(body.get("normal_text"), str):
@@ -331,18 +343,5 @@ def parse_function_call_response(body: object) -> ParsedCalls:
         name = raw.get("name") if isinstance(raw, dict) else None
         if not isinstance(name, str):
             raise ServerError(f"/parse_function_call reply has a call without a name: {raw!r}")
-        parameters = raw.get("parameters", "{}")
-        arguments: dict[str, object] | str = (
-            parameters if isinstance(parameters, str) else json.dumps(parameters)
-        )
-        if isinstance(parameters, str):
-            try:
-                decoded = json.loads(parameters)
-            except json.JSONDecodeError:
-                decoded = None
-            if isinstance(decoded, dict):
-                arguments = decoded
-        elif isinstance(parameters, dict):
-            arguments = parameters
-        calls.append(ToolCall(name=name, arguments=arguments))
+        calls.append(ToolCall(name=name, arguments=_arguments(raw.get("parameters", "{}"))))
     return ParsedCalls(normal_text=body["normal_text"], calls=tuple(calls))

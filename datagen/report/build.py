@@ -335,7 +335,5 @@ def build_report(
     _read_rejected(storage, job_id, report)
     _read_flagged(storage, job_id, report)
     if report.conversation_tally is not None:
-        # As Storage.list_commits tells the job's own commits from an earlier job's of the same id.
-        incarnation = str(manifest.get("incarnation", ""))
-        report.conversation_tally.add_stopped(storage.iter_stopped(job_id), incarnation)
+        report.conversation_tally.add_stopped(storage.iter_stopped(job_id))
     return report

@@ -60,12 +60,9 @@ class ConversationTally:
             if turn > 0:
                 self.regenerated += 1
 
-    def add_stopped(self, rows: Iterable[dict[str, Any]], incarnation: str) -> None:
-        """Stopped rows; those of another incarnation of the job id are skipped, rows without one count."""
+    def add_stopped(self, rows: Iterable[dict[str, Any]]) -> None:
+        """Stopped rows (`Storage.iter_stopped`: the job's current incarnation only)."""
         for row in rows:
-            inc = row.get("inc")
-            if inc and str(inc) != incarnation:
-                continue
             reason = str(row.get("reason") or UNKNOWN_REASON)
             self.stopped[reason] += 1
             examples = self.stopped_examples.setdefault(reason, [])

@@ -53,10 +53,10 @@ def _three_conversations(storage: Storage) -> None:
     samples = [_turn("a", 0), _turn("b", 0), _turn("b", 1), _turn("c", 0), _turn("c", 1), _turn("c", 2)]
     build_job(storage, [*samples, _turn("b", 1)], spec=ALL_TURNS)
     _as_incarnation(storage, INCARNATION)
-    storage.write_stopped(JOB, "a-0", _stopped("a", 1, 3, "truncated", inc=INCARNATION))
-    storage.write_stopped(JOB, "b-0", _stopped("b", 2, 3, "tool_mismatch", message=MISMATCH))
+    storage.write_stopped(JOB, "a", 0, _stopped("a", 1, 3, "truncated", inc=INCARNATION))
+    storage.write_stopped(JOB, "b", 0, _stopped("b", 2, 3, "tool_mismatch", message=MISMATCH))
     # Of the earlier job of this id: not this job's.
-    storage.write_stopped(JOB, "c-0", _stopped("c", 1, 3, "error", message=OLD_ERROR, inc="inc1"))
+    storage.write_stopped(JOB, "c", 0, _stopped("c", 1, 3, "error", message=OLD_ERROR, inc="inc1"))
 
 
 def test_conversations_of_an_all_job_by_hand(storage: Storage) -> None:
@@ -103,7 +103,7 @@ def test_report_shows_the_section(storage: Storage, tmp_path: Path) -> None:
 
 def test_stopped_rows_alone_make_the_section(storage: Storage) -> None:
     build_job(storage, [_turn("a", 0), _turn("b", 0)], spec=ALL_TURNS)
-    storage.write_stopped(JOB, "a-0", _stopped("a", 1, 2, "truncated"))  # no incarnation: counts
+    storage.write_stopped(JOB, "a", 0, _stopped("a", 1, 2, "truncated"))  # no incarnation: counts
     section = build_report(storage, JOB).to_json()["conversations"]
     assert section["turns_reached"] == {"1": 2} and section["stopped"]["by_reason"] == {"truncated": 1}
     assert (section["regenerated_history_share"], section["regenerated_history_records"]) == (0.0, 0)
@@ -112,7 +112,7 @@ def test_stopped_rows_alone_make_the_section(storage: Storage) -> None:
 def test_no_section_without_later_turns_or_stops(storage: Storage, tmp_path: Path) -> None:
     build_job(storage, [_turn("a", 0), _turn("b", 0)], spec=ALL_TURNS)
     # A stop of another incarnation of the job id is not this job's.
-    storage.write_stopped(JOB, "a-0", _stopped("a", 1, 2, "truncated", inc="inc1"))
+    storage.write_stopped(JOB, "a", 0, _stopped("a", 1, 2, "truncated", inc="inc1"))
     report = build_report(storage, JOB)
     assert report.conversations is None and "conversations" not in report.to_json()
     result = CliRunner().invoke(app, ["report", JOB, "--storage", str(storage.root)])

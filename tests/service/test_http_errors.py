@@ -246,8 +246,8 @@ def test_stopped_conversations_of_the_current_incarnation_can_be_listed(
     storage = Storage(settings.storage)
     incarnation = JobStore(redis_client, Keys(NS)).incarnation(job["id"])
     now = {"sample_id": "a", "gen": 0, "turn": 1, "turns": 2, "reason": "tool_mismatch", "inc": incarnation}
-    storage.write_stopped(job["id"], "a-g0", {**now, "message": "the model called ['f'], the dataset ['g']"})
-    storage.write_stopped(job["id"], "b-g0", {**now, "sample_id": "b", "reason": "error", "inc": "older"})
+    storage.write_stopped(job["id"], "a", 0, {**now, "message": "the model called ['f'], the dataset ['g']"})
+    storage.write_stopped(job["id"], "b", 0, {**now, "sample_id": "b", "reason": "error", "inc": "older"})
     response = client.get(f"/jobs/{job['id']}/errors", params={"kind": "stopped"})
     assert response.status_code == 200, response.text
     [stop] = response.json()["errors"]
