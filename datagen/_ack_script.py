@@ -14,8 +14,11 @@ __all__ = ["ACK_DONE"]
 #
 # Per prompt, as RQ's handle_job_success: the started-registry member goes, the RQ job is
 # ``finished`` with its ``ended_at`` and expires after its result TTL, and it joins the finished
-# registry scored by that expiry. Not written: RQ's Result stream entries and the worker's
-# success counters (nothing reads them, and each would cost a command per prompt).
+# registry scored by that expiry; only for a prompt this call counts: a prompt no longer running
+# (counted already, or back in its backlog in a job rebuilt from storage, `service.rebuild`) keeps
+# its RQ job as it is, so a stale ack never finishes or expires a copy that waits to run.
+# Not written: RQ's Result stream entries and the worker's success counters (nothing reads them,
+# and each would cost a command per prompt).
 # Per job, as COUNT_AND_MAYBE_COMPLETE: only prompts still in the job's running set count (a prompt
 # finished twice, by a stalled worker and its rescuer, counts once), prompts of another incarnation
 # of the job (deleted meanwhile, its id reused) neither count nor touch RQ's hashes, counters and
@@ -55,22 +58,22 @@ for _, job in ipairs(order) do
     redis.call('SREM', running, unpack(ids))
     local done, tokens, fields, labelled = 0, 0, {}, {}
     for n, i in ipairs(mine) do
-      local rqkey = ARGV[1] .. ARGV[i]
-      local ttl = tonumber(ARGV[i + 7])
-      if ttl == 0 then
-        redis.call('UNLINK', rqkey)
-      else
-        redis.call('HSET', rqkey, 'status', 'finished', 'ended_at', ARGV[7])
-        if ttl > 0 then
-          redis.call('EXPIRE', rqkey, ttl)
-          finished[#finished + 1] = tonumber(ARGV[8]) + ttl
-        else
-          redis.call('PERSIST', rqkey)
-          finished[#finished + 1] = '+inf'
-        end
-        finished[#finished + 1] = ARGV[i]
-      end
       if was_running[n] == 1 then
+        local rqkey = ARGV[1] .. ARGV[i]
+        local ttl = tonumber(ARGV[i + 7])
+        if ttl == 0 then
+          redis.call('UNLINK', rqkey)
+        else
+          redis.call('HSET', rqkey, 'status', 'finished', 'ended_at', ARGV[7])
+          if ttl > 0 then
+            redis.call('EXPIRE', rqkey, ttl)
+            finished[#finished + 1] = tonumber(ARGV[8]) + ttl
+          else
+            redis.call('PERSIST', rqkey)
+            finished[#finished + 1] = '+inf'
+          end
+          finished[#finished + 1] = ARGV[i]
+        end
         done = done + 1
         local out = tonumber(ARGV[i + 3])
         tokens = tokens + out

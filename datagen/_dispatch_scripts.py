@@ -7,11 +7,14 @@ from __future__ import annotations
 __all__ = ["CLAIM_MANY"]
 
 # KEYS: 1 RQ's queue list of the class, 2 paused jobs, 3-5 the class's dispatch sets by priority
-# (high, normal, low), 6 the current window bucket, 7 the class's RQ started registry.
+# (high, normal, low), 6 the current window bucket, 7 the class's RQ started registry, 8 the epoch.
 # ARGV: 1 job key prefix, 2 backlog suffix, 3 window bucket TTL, 4 scan limit, 5 RQ id prefix
 # (``{ns}-``; the job id follows it up to the next ``-``), 6 RQ job key prefix (``rq:job:``),
 # 7 how many prompts at most, 8 started-registry score (the heartbeat's expiry), 9 now in RQ's
-# time format, 10 the worker's RQ name, 11 the execution id, 12 the running set suffix.
+# time format, 10 the worker's RQ name, 11 the execution id, 12 the running set suffix, 13 the
+# worker's epoch floor (`datagen.epoch`): an epoch ``seq`` below it is a Redis restored from an
+# older snapshot, whose backlogs hold prompts already done; nothing is handed out until the
+# coordinator has rebuilt the jobs from storage and stamped a new ``seq``.
 #
 # Order: RQ's own list first (prompts handed back by a stopping worker or requeued by the reaper;
 # a paused job's go to the front of its backlog instead), then the backlogs by priority and, within
@@ -27,6 +30,7 @@ __all__ = ["CLAIM_MANY"]
 # reaped like one killed mid-generation. A prompt whose RQ job is gone (its job was cancelled or
 # deleted meanwhile) is dropped. Returns {id, HGETALL of its RQ job as it was queued} per prompt.
 CLAIM_MANY = """
+if tonumber(redis.call('HGET', KEYS[8], 'seq') or '0') < tonumber(ARGV[13]) then return {} end
 local want = tonumber(ARGV[7])
 local paused = {}
 for _, job in ipairs(redis.call('SMEMBERS', KEYS[2])) do paused[job] = true end

@@ -7,6 +7,7 @@ from __future__ import annotations
 __all__ = [
     "COUNT_AND_MAYBE_COMPLETE",
     "COUNT_CANCELLED_QUEUED",
+    "CREATE",
     "FORGET_REPORTS",
     "RELEASE",
     "REQUEUE_FAILED",
@@ -79,22 +80,46 @@ return 1
 
 # KEYS: job hash, its ingest fence. ARGV: the states it may move from (space-separated), the
 # state it moves to, what to do with the fence ("" nothing, "drop": ingestion may enqueue no more,
-# "arm": ingestion may enqueue for the job's incarnation), then field/value pairs to set with it.
-# Returns 1 if it moved. A job that does not exist never moves (and is never recreated).
+# "arm": ingestion may enqueue for the job's incarnation), the call's token, then field/value pairs
+# to set with it. Returns 1 if it moved. A job that does not exist never moves (and is never
+# recreated). The token is kept in the hash: the same call sent again (its reply was lost, and
+# redis-py or the caller repeated it) finds its own token and answers 1 again instead of "not moved".
 TRANSITION = """
 local state = redis.call('HGET', KEYS[1], 'state')
 if not state then return 0 end
+if state == ARGV[2] and redis.call('HGET', KEYS[1], 'transition') == ARGV[4] then return 1 end
 local allowed = false
 for from in string.gmatch(ARGV[1], '%S+') do
   if from == state then allowed = true end
 end
 if not allowed then return 0 end
-redis.call('HSET', KEYS[1], 'state', ARGV[2])
-for i = 4, #ARGV, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
+redis.call('HSET', KEYS[1], 'state', ARGV[2], 'transition', ARGV[4])
+for i = 5, #ARGV, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
 if ARGV[3] == 'drop' then redis.call('DEL', KEYS[2]) end
 if ARGV[3] == 'arm' then
   redis.call('SET', KEYS[2], redis.call('HGET', KEYS[1], 'incarnation') or '')
 end
+return 1
+"""
+
+# KEYS: job hash, the jobs index, the job's ingest fence. ARGV: job id, created (ms), the new
+# incarnation, the fence's value ("" for none), "replace" (or ""), then field/value pairs. Creates
+# the whole job at once. Returns 1 if the job now has this incarnation (made by this call, or by the
+# same call sent again after its reply was lost), 0 if another job of the id exists. A hash without
+# a state (half made by an older version, whose create was two commands) is made whole, never left
+# as an id that refuses every submit. "replace" (a job rebuilt from storage) makes it anew whatever
+# is there, in one step, so that readers never see the job missing meanwhile.
+CREATE = """
+local state = redis.call('HGET', KEYS[1], 'state')
+if state and ARGV[5] ~= 'replace' then
+  if redis.call('HGET', KEYS[1], 'incarnation') == ARGV[3] then return 1 end
+  return 0
+end
+redis.call('DEL', KEYS[1])
+redis.call('HSET', KEYS[1], 'created_at_ms', ARGV[2], 'incarnation', ARGV[3])
+for i = 6, #ARGV, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
+redis.call('ZADD', KEYS[2], ARGV[2], ARGV[1])
+if ARGV[4] ~= '' then redis.call('SET', KEYS[3], ARGV[4]) end
 return 1
 """
 

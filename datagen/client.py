@@ -63,6 +63,10 @@ class CoordinatorClient:
     def servers(self) -> list[dict[str, Any]]:
         return self._request("GET", "/servers")["servers"]
 
+    def health(self) -> dict[str, Any]:
+        """``GET /healthz``: liveness, and Redis's memory with what an operator must change."""
+        return self._request("GET", "/healthz")
+
     def set_queue_paused(self, name: str, paused: bool) -> dict[str, Any]:
         return self._request("POST", f"/queues/{name}/{'pause' if paused else 'resume'}")
 
@@ -79,6 +83,9 @@ class CoordinatorClient:
     def retry(self, job_id: str, *, reason: str | None = None) -> dict[str, Any]:
         params = {"reason": reason} if reason else {}
         return self._request("POST", f"/jobs/{job_id}/retry", params=params)
+
+    def recover(self, job_id: str) -> dict[str, Any]:
+        return self._request("POST", f"/jobs/{job_id}/recover")
 
     def delete(self, job_id: str, *, files: bool = False) -> dict[str, Any]:
         params = {"files": "true"} if files else {}

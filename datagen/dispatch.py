@@ -35,6 +35,7 @@ from rq.utils import now as rq_now
 from rq.utils import utcformat
 
 from datagen._dispatch_scripts import CLAIM_MANY
+from datagen.epoch import EpochWatch
 from datagen.jobs import LUA_COUNT_CANCELLED_QUEUED
 from datagen.keys import Keys
 from datagen.redistext import as_text, as_texts
@@ -143,9 +144,11 @@ class JobShare:
 
 
 class Dispatch:
-    def __init__(self, redis: Redis, keys: Keys) -> None:
+    def __init__(self, redis: Redis, keys: Keys, *, epoch: EpochWatch | None = None) -> None:
         self.redis = redis
         self.keys = keys
+        # A worker's view of Redis's epoch: claims hand out nothing while Redis is older than it.
+        self.epoch = epoch
         self._claim = redis.register_script(CLAIM_MANY)
         self._add = redis.register_script(_ADD)
         self._drop = redis.register_script(_DROP)
@@ -164,6 +167,7 @@ class Dispatch:
                 *(keys.dispatch_jobs(cls, p) for p in Priority),
                 keys.dispatch_window(bucket),
                 claimant.started_key,
+                keys.epoch(),
             ],
             args=[
                 keys.job_key_prefix(),
@@ -178,6 +182,7 @@ class Dispatch:
                 claimant.worker_name,
                 claimant.execution_id,
                 keys.running_suffix(),
+                self.epoch.floor if self.epoch is not None else 0,
             ],
         )
         claimed = []

@@ -8,7 +8,8 @@
     │   ├── GenerationAbortedError  finish_reason type "abort" (retraction OOM, waiting-queue abort, ...)
     │   ├── DuplicateRequestError   400 "Duplicate request ID": an earlier attempt is still running
     │   ├── StorageError            writing a shard or manifest failed; records were not committed
-    │   └── BackendUnavailableError the coordinator cannot reach Redis
+    │   ├── BackendUnavailableError the coordinator cannot reach Redis
+    │   └── RedisOutOfMemoryError   Redis at maxmemory refuses writes (raise it, or queue less)
     └── FatalError                  retrying cannot help; the prompt or request must change   400
         ├── BadRequestError         400 from SGLang: prompt too long, bad sampling values, ...
         ├── InvalidSpecError        a job spec that cannot run (tokenizer, template, limits)
@@ -21,6 +22,8 @@
         │   ├── UnknownServerError  no worker has reported a server of that name
         │   └── UnknownQueueError   no queue of that name
         ├── JobStateError           the job's state forbids the operation (delete while running) 409
+        ├── CorruptShardError       a committed shard that differs from its commit object or cannot
+        │                           be decoded (changed, truncated or missing after its commit)
         ├── AuthError               a missing or wrong bearer token                            401
         ├── InvalidRequestError     parameters or a body that do not match the HTTP API         422
         └── ConfigError             settings or environment that cannot start a process
@@ -41,6 +44,7 @@ __all__ = [
     "BadRequestError",
     "ConfigError",
     "CoordinatorUnreachableError",
+    "CorruptShardError",
     "DatagenError",
     "DuplicateRequestError",
     "FatalError",
@@ -53,6 +57,7 @@ __all__ = [
     "NoServersYetError",
     "NotFoundError",
     "PreflightError",
+    "RedisOutOfMemoryError",
     "RequestTimeoutError",
     "RetryableError",
     "ServerError",
@@ -105,6 +110,11 @@ class StorageError(RetryableError):
 
 class BackendUnavailableError(RetryableError):
     """The coordinator's Redis did not answer; the request may be repeated as it was."""
+
+
+class RedisOutOfMemoryError(RetryableError):
+    """Redis is over its ``maxmemory`` and refuses writes (``noeviction``); the request may be
+    repeated as it was once memory is freed or the limit raised (`datagen.redismemory`)."""
 
 
 class FatalError(DatagenError):
@@ -160,6 +170,18 @@ class UnknownQueueError(NotFoundError):
 
 class JobStateError(FatalError):
     """The operation does not fit the job's state (deleting a running job, resuming a finished one)."""
+
+
+class CorruptShardError(FatalError):
+    """A committed shard whose bytes or row count are not what its commit object says, or that
+    cannot be decoded: reading it again cannot help. ``path`` is where the shard is, ``problem``
+    what differs, ``records`` the rows its commit object counts (what skipping it loses)."""
+
+    def __init__(self, message: str, *, path: str = "", problem: str = "", records: int = 0) -> None:
+        super().__init__(message)
+        self.path = path
+        self.problem = problem or message
+        self.records = records
 
 
 class AuthError(FatalError):

@@ -60,6 +60,9 @@ class JobProgress:
     # Set once by the count script (datagen/_job_scripts.py, COUNT_AND_MAYBE_COMPLETE); 0 until then.
     first_record_at_ms: int = 0
     tail_from_ms: int = 0
+    # Set when the job was rebuilt from storage after Redis lost or rolled back its data
+    # (`service.rebuild`): when, why, and what it cost.
+    rebuilt: dict[str, Any] | None = None
 
     @property
     def queued(self) -> int:
@@ -114,6 +117,7 @@ class JobProgress:
             "elapsed_s": round(elapsed_s, 3),
             "eta_s": None if eta_s is None else round(eta_s, 1),
             "created_at_ms": self.created_at_ms,
+            "rebuilt": self.rebuilt,
             "finished_at_ms": self.finished_at_ms or None,
             "time_to_first_record_s": None if first_s is None else round(first_s, 3),
             "tail_s": None if tail_s is None else round(tail_s, 3),

@@ -63,6 +63,7 @@ class JobStore(JobOutcomes):
         self.redis = redis
         self.keys = keys
         self._count_script = redis.register_script(scripts.COUNT_AND_MAYBE_COMPLETE)
+        self._create = redis.register_script(scripts.CREATE)
         self._transition = redis.register_script(scripts.TRANSITION)
         self._requeue = redis.register_script(scripts.REQUEUE_FAILED)
         self._release = redis.register_script(scripts.RELEASE)
@@ -72,38 +73,51 @@ class JobStore(JobOutcomes):
 
     # Creation and lookup ------------------------------------------------------------------------
     def create(
-        self, job_id: str, spec: JobSpec, *, tokenizer_identity: str = "", stop_ids: list[int] | None = None
+        self,
+        job_id: str,
+        spec: JobSpec,
+        *,
+        tokenizer_identity: str = "",
+        stop_ids: list[int] | None = None,
+        incarnation: str | None = None,
+        created_at_ms: int | None = None,
+        state: JobState = JobState.INGESTING,
+        fields: dict[str, str | int] | None = None,
+        replace: bool = False,
     ) -> bool:
         """Create the job; False if it exists already (a resubmission appends to it).
 
         ``tokenizer_identity`` (name and file hash) is what workers write into each record;
-        ``stop_ids`` (from the pre-flight checks) are sent with every request of the job.
+        ``stop_ids`` (from the pre-flight checks) are sent with every request of the job. A job
+        rebuilt from storage (`service.rebuild`) passes the incarnation, creation time, state and
+        fields it had, and ``replace`` (whatever hash is there is replaced in the same step). One
+        script: sent again after a lost reply, it answers as the first time.
         """
-        key = self.keys.job(job_id)
-        created = now_ms()
-        if not self.redis.hsetnx(key, "created_at_ms", created):
-            return False
         # A new incarnation on every create: whatever an earlier job of this id (deleted) still
         # has in flight carries the old one, and is refused by the counters, the writer and exports.
-        incarnation = uuid.uuid4().hex[:16]
-        with self.redis.pipeline() as pipe:
-            pipe.hset(
-                key,
-                mapping={
-                    "incarnation": incarnation,
-                    "state": JobState.INGESTING.value,
-                    "spec": spec.model_dump_json(),
-                    "tokenizer_identity": tokenizer_identity or spec.tokenizer,
-                    # Read by the dispatch script (datagen/dispatch.py) on every claim.
-                    "priority": spec.priority.value,
-                    "weight": repr(spec.weight),
-                    "stop_ids": json.dumps(sorted(set(stop_ids or []))),
-                },
-            )
-            pipe.zadd(self.keys.jobs_index(), {job_id: created})
-            pipe.set(self.keys.job_ingest_fence(job_id), incarnation)
-            pipe.execute()
-        return True
+        incarnation = incarnation or uuid.uuid4().hex[:16]
+        mapping: dict[str, str | int] = {
+            "state": state.value,
+            "spec": spec.model_dump_json(),
+            "tokenizer_identity": tokenizer_identity or spec.tokenizer,
+            # Read by the dispatch script (datagen/dispatch.py) on every claim.
+            "priority": spec.priority.value,
+            "weight": repr(spec.weight),
+            "stop_ids": json.dumps(sorted(set(stop_ids or []))),
+            **(fields or {}),
+        }
+        fence = incarnation if state is JobState.INGESTING else ""
+        args: list[str | int] = [
+            job_id,
+            created_at_ms or now_ms(),
+            incarnation,
+            fence,
+            "replace" if replace else "",
+        ]
+        for name, value in mapping.items():
+            args += [name, value]
+        keys = [self.keys.job(job_id), self.keys.jobs_index(), self.keys.job_ingest_fence(job_id)]
+        return bool(self._create(keys=keys, args=args))
 
     def incarnation(self, job_id: str) -> str | None:
         """The job's current incarnation ("" for a job made before incarnations); None if it is gone."""
@@ -113,13 +127,21 @@ class JobStore(JobOutcomes):
         # Only a job made before incarnations, or one that is gone, needs the second look.
         return "" if self.redis.exists(self.keys.job(job_id)) else None
 
-    def set_ingest_input(self, job_id: str, input_name: str, context_len: int | None) -> None:
+    def set_ingest_input(
+        self, job_id: str, input_name: str, context_len: int | None, *, queue: list[str] | None = None
+    ) -> None:
         """The upload ingestion reads next, from its first line, and the context length that was
-        checked at submit (ingestion rejects over-long prompts by it)."""
+        checked at submit (ingestion rejects over-long prompts by it); ``queue``: the uploads a
+        rebuilt job ingests after it (a coordinator that restarts meanwhile goes on with them)."""
         fields: dict[Any, Any] = {"ingest_input": input_name, "ingest_line": 0}
+        fields["ingest_queue"] = json.dumps(queue or [])
         if context_len is not None:
             fields["context_len"] = context_len
         self.redis.hset(self.keys.job(job_id), mapping=fields)
+
+    def ingest_queue(self, job_id: str) -> list[str]:
+        raw = self.redis.hget(self.keys.job(job_id), "ingest_queue")
+        return [str(name) for name in json.loads(raw)] if raw else []
 
     def ingest_input(self, job_id: str) -> str | None:
         raw = self.redis.hget(self.keys.job(job_id), "ingest_input")
@@ -187,6 +209,7 @@ class JobStore(JobOutcomes):
             weight=float(fields.get("weight", 1.0)),
             first_record_at_ms=ints["first_record_at_ms"],
             tail_from_ms=ints["tail_from_ms"],
+            rebuilt=json.loads(fields["rebuilt"]) if fields.get("rebuilt") else None,
         )
 
     def list_ids(self, limit: int = 1000) -> list[str]:
@@ -270,7 +293,8 @@ class JobStore(JobOutcomes):
 
         Returns whether it moved; inside ``pipe`` that answer comes from ``pipe.execute()`` instead.
         """
-        args: list[str | int] = [" ".join(s.value for s in sources), target.value, fence]
+        token = uuid.uuid4().hex[:12]
+        args: list[str | int] = [" ".join(s.value for s in sources), target.value, fence, token]
         for name, value in (fields or {}).items():
             args += [name, value]
         keys = [self.keys.job(job_id), self.keys.job_ingest_fence(job_id)]

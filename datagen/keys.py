@@ -75,6 +75,11 @@ class Keys:
         failed or deleted. Ingestion WATCHes it around each chunk's transaction."""
         return f"{self.namespace}:job:{job_id}:ingest"
 
+    def job_ingest_checkpoint(self, job_id: str) -> str:
+        """``<upload>:<last line>`` of the last ingestion chunk that landed, written in that chunk's
+        transaction: a chunk whose reply was lost (and is sent again) is recognised, not applied twice."""
+        return f"{self.namespace}:job:{job_id}:ingest-at"
+
     def job_retry_lock(self, job_id: str) -> str:
         """Held while one retry of the job runs: concurrent retries are refused."""
         return f"{self.namespace}:job:{job_id}:retry-lock"
@@ -127,6 +132,7 @@ class Keys:
             self.job_failed(job_id),
             self.job_rows(job_id),
             self.job_ingest_fence(job_id),
+            self.job_ingest_checkpoint(job_id),
             self.job_retry_lock(job_id),
         ]
         seen = [self.job_seen(job_id, segment) for segment in range(SEEN_SEGMENTS)]
@@ -154,6 +160,12 @@ class Keys:
     def aborting_jobs(self) -> str:
         """Set of cancelled job ids whose in-flight prompts workers abort."""
         return f"{self.namespace}:aborting:jobs"
+
+    # Recovery from a Redis that lost or rolled back its data -----------------------------------
+    def epoch(self) -> str:
+        """Hash ``{id, seq}``: ``id`` names this Redis dataset (gone: Redis lost its data), ``seq``
+        only grows while it lives (lower than a process saw: Redis went back to an older snapshot)."""
+        return f"{self.namespace}:epoch"
 
     # Fleet --------------------------------------------------------------------------------------
     def servers_index(self) -> str:

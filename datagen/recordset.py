@@ -8,18 +8,23 @@
 - Rows: `RowViews` gives a batch's export ids (`export_id`), token slices and loss masks
   (`datagen.records.loss_mask_values`: 0 over the prompt, 1 over the output, after any clipping) as
   numpy views, without a Python list per row.
+- Integrity: every shard is held to its commit object (size, sha256, row count) before a row of it
+  is used (`Storage.read_shard`); `verify_job` checks and decodes every shard, for `datagen verify`.
 """
 
 from __future__ import annotations
 
 import hashlib
 import struct
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from functools import cached_property
 
 import numpy as np
 import pyarrow as pa
 
+from datagen._shards import is_sealed
+from datagen.errors import CorruptShardError
 from datagen.records import loss_mask_values
 from datagen.storage import Storage
 
@@ -27,12 +32,14 @@ __all__ = [
     "BATCH_ROWS",
     "RowViews",
     "SeenKeys",
+    "Verification",
     "export_id",
     "export_ids",
     "iter_committed_batches",
     "key_digest",
     "list_parts",
     "total_records",
+    "verify_job",
 ]
 
 BATCH_ROWS = 1024
@@ -46,10 +53,47 @@ def total_records(storage: Storage, job_id: str) -> int:
 
 
 def iter_committed_batches(
-    storage: Storage, job_id: str, columns: list[str], batch_rows: int = BATCH_ROWS
+    storage: Storage,
+    job_id: str,
+    columns: list[str],
+    batch_rows: int = BATCH_ROWS,
+    *,
+    on_corrupt: Callable[[CorruptShardError], None] | None = None,
 ) -> Iterator[pa.RecordBatch]:
     """Like `Storage.iter_record_batches`, but decoding only ``columns``."""
-    return storage.iter_record_batches(job_id, batch_rows, columns=columns)
+    return storage.iter_record_batches(job_id, batch_rows, columns=columns, on_corrupt=on_corrupt)
+
+
+@dataclass
+class Verification:
+    """What `verify_job` found. ``records`` are the rows of the good shards; ``unsealed`` counts good
+    shards committed before checksums existed (their row count checked, their bytes not)."""
+
+    shards: int = 0
+    records: int = 0
+    unsealed: int = 0
+    bad: list[CorruptShardError] = field(default_factory=list)
+
+
+def verify_job(
+    storage: Storage, job_id: str, on_progress: Callable[[int, int], None] | None = None
+) -> Verification:
+    """Hold every committed shard of the job's current incarnation to its commit object and decode
+    it whole (`Storage.check_shard`); ``on_progress`` gets (shards checked, shards)."""
+    commits = storage.list_commits(job_id)
+    result = Verification()
+    for commit in commits:
+        try:
+            result.records += storage.check_shard(job_id, commit)
+        except CorruptShardError as exc:
+            result.bad.append(exc)
+        else:
+            if not is_sealed(commit):
+                result.unsealed += 1
+        result.shards += 1
+        if on_progress is not None:
+            on_progress(result.shards, len(commits))
+    return result
 
 
 def key_digest(sample_id: str, turn: int, gen: int) -> bytes:

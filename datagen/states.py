@@ -77,6 +77,18 @@ class StopReason(StrEnum):
     TRUNCATED = "truncated"  # the turn before was cut at max_new_tokens
     TOOL_MISMATCH = "tool_mismatch"  # the model's tool calls differ from the dataset's
     ERROR = "error"  # the next turn could not be built (template refused the history, parser failed)
+    # Redis lost the conversation's next turn before it ran, and its job was rebuilt from storage,
+    # which holds each committed turn but not the history a worker builds from it.
+    LOST = "lost"
+
+
+class RebuildReason(StrEnum):
+    """Why a job was rebuilt from storage (`service.rebuild`); a metric label."""
+
+    LOST = "lost"  # Redis lost its data (its epoch is gone)
+    ROLLED_BACK = "rolled_back"  # Redis went back to an older snapshot
+    BEHIND = "behind"  # at coordinator start, Redis counted fewer done prompts than storage holds
+    RECOVER = "recover"  # an operator asked (`datagen recover`)
 
 
 class Priority(StrEnum):

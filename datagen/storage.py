@@ -7,8 +7,9 @@ Layout (one folder per job under the root)::
     jobs/<job>/input/<upload>.jsonl             the dataset as uploaded
     jobs/<job>/manifest.json                    provenance and incarnation, written once per incarnation
     jobs/<job>/records/<shard>.parquet          committed records
-    jobs/<job>/commits/<shard>.json             one per committed shard (with its incarnation); a shard
-                                                without it is not data
+    jobs/<job>/commits/<shard>.json             one per committed shard (with its incarnation and its
+                                                shard's size, sha256 and row count); a shard without it
+                                                is not data
     jobs/<job>/rejected/<upload>-<line>.jsonl   rows of one ingestion chunk that could not become prompts
     jobs/<job>/flagged/<upload>-<line>.jsonl    rows of one chunk accepted with a warning
     jobs/<job>/stopped/<digest>-g<gen>.jsonl    multi-turn ``all``: why a conversation stopped before
@@ -19,6 +20,11 @@ A shard is committed by writing its Parquet object, then its commit object; read
 objects only. Records are therefore never half-visible, and a crash between the two steps leaves
 an orphan shard that readers ignore. On a local directory each object is written to a temporary
 file, fsynced and renamed into place (`datagen._storage_files`).
+
+A commit object seals its shard (`datagen._shards`): readers hold the bytes they read to its size
+and sha256, and the footer to its row count, before decoding a row, and name a shard that differs
+(`CorruptShardError`): storage is not trusted blindly, since a changed byte that still decodes would
+export other tokens. Commit objects written before seals existed stay readable, row count checked.
 
 Rejected (and flagged) rows are one object per ingestion chunk, named by the upload and the chunk's first
 rejected line: a resumed ingestion rewrites the same object instead of appending a second copy,
@@ -37,15 +43,17 @@ import json
 import os
 import posixpath
 import re
+import time
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import IO, Any, BinaryIO
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from datagen._shards import RECORDS, byte_mismatch, is_sealed, open_parquet, parquet_bytes, row_mismatch, seal
 from datagen._storage_files import ObjectFiles
-from datagen.errors import ConfigError, DatagenError, InvalidSpecError, StorageError
+from datagen.errors import ConfigError, CorruptShardError, DatagenError, InvalidSpecError, StorageError
 from datagen.keys import sample_digest
 
 __all__ = ["JOB_ID_PATTERN", "Storage", "validate_job_id"]
@@ -56,7 +64,6 @@ JOB_ID_PATTERN = re.compile(r"[A-Za-z0-9_]{1,64}")
 _SHARD_PATTERN = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
 # One path segment: no separator, and no leading dot (so never "." or "..").
 _NAME_PATTERN = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9_.-]{0,199}$")
-PARQUET_COMPRESSION = "zstd"
 INPUT_SUFFIX = ".jsonl"
 LEGACY_REJECTED = "rejected.jsonl"
 # At the storage root: the Redis namespace whose jobs live here.
@@ -186,19 +193,19 @@ class Storage:
 
     # Shards -------------------------------------------------------------------------------------
     def commit_shard(self, job_id: str, shard: str, table: pa.Table, info: dict[str, Any]) -> str:
-        """Write the shard, then its commit object; returns where the shard is."""
+        """Write the shard, then its commit object, which seals it (the size, sha256 and row count
+        of the bytes written); returns where the shard is."""
         if not _SHARD_PATTERN.match(shard):
             raise ValueError(f"bad shard name {shard!r}")
         records_path = self._path(job_id, "records", f"{shard}.parquet")
         commit_path = self._path(job_id, "commits", f"{shard}.json")
-        body = dict(info, shard=shard, records=table.num_rows, path=f"records/{shard}.parquet")
-        data = json.dumps(body, sort_keys=True).encode("utf-8")
-
-        def write_shard(fh: BinaryIO) -> None:
-            pq.write_table(table, fh, compression=PARQUET_COMPRESSION)
-
         with _translated(f"cannot commit shard {shard} of job {job_id} under {self.url(job_id)}"):
-            self._files.write(records_path, write_shard)
+            shard_data = parquet_bytes(table)
+            body = dict(
+                info, shard=shard, path=f"records/{shard}.parquet", **seal(shard_data, table.num_rows)
+            )
+            data = json.dumps(body, sort_keys=True).encode("utf-8")
+            self._files.write(records_path, lambda fh: fh.write(memoryview(shard_data)))
             self._files.write(commit_path, lambda fh: fh.write(data))
         return self._files.display(records_path)
 
@@ -235,6 +242,32 @@ class Storage:
         # Shard names start with a random worker tag, so their order says nothing about time.
         return sorted(commits, key=lambda c: (int(c.get("committed_at_ms") or 0), str(c.get("shard", ""))))
 
+    # What Redis may lose: which jobs exist, and how they ended --------------------------------------
+    def list_jobs(self) -> list[str]:
+        """Every job id with something stored (`service.rebuild` rebuilds jobs Redis lost from these)."""
+        directory = self._files.under_root("jobs")
+        with _translated(f"cannot list the jobs under {self._files.display(directory)}"):
+            names = self._files.list_names(directory, "")
+        return [n for n in names if JOB_ID_PATTERN.fullmatch(n)]
+
+    def write_ending(self, job_id: str, ending: str, incarnation: str) -> None:
+        """Mark the incarnation ``ending`` (``deleted``, ``cancelled``): a job that Redis forgot is
+        rebuilt as it ended, never brought back to life. A new incarnation's manifest outdates it."""
+        path = self._path(job_id, f"{ending}.json")
+        data = json.dumps({"incarnation": incarnation, "at_ms": int(time.time() * 1000)}).encode("utf-8")
+        with _translated(f"cannot write {self._files.display(path)}"):
+            self._files.write(path, lambda fh: fh.write(data))
+
+    def ending(self, job_id: str, ending: str, incarnation: str) -> bool:
+        """Whether :meth:`write_ending` marked this incarnation of the job ``ending``."""
+        path = self._path(job_id, f"{ending}.json")
+        with _translated(f"cannot read {self._files.display(path)}"):
+            try:
+                marker = json.loads(self._files.read_bytes(path))
+            except FileNotFoundError:
+                return False
+        return str(marker.get("incarnation", "")) == incarnation
+
     # Namespace ------------------------------------------------------------------------------------
     def claim_namespace(self, namespace: str) -> None:
         """Bind this storage root to one Redis namespace, or refuse: job ids are unique only within
@@ -259,28 +292,110 @@ class Storage:
     def _shard_path(self, job_id: str, commit: dict[str, Any]) -> str:
         return self._path(job_id, *str(commit["path"]).split("/"))
 
+    def read_shard(self, job_id: str, commit: dict[str, Any]) -> pq.ParquetFile:
+        """A committed shard, held to its commit object before any row is decoded: its bytes to the
+        seal (size, sha256), its footer's row count to the commit's. Raises `CorruptShardError`
+        naming the shard and what differs; `StorageError` when the store cannot be read."""
+        path = self._shard_path(job_id, commit)
+        where = self._files.display(path)
+        with _translated(f"cannot read committed shard {where}"):
+            try:
+                data = self._files.read_bytes(path)
+            except FileNotFoundError as exc:
+                raise self._corrupt(job_id, commit, "is missing, though its commit object names it") from exc
+        self._hold(job_id, commit, byte_mismatch(commit, data))
+        try:
+            parquet = open_parquet(data)
+        except Exception as exc:  # whatever pyarrow makes of damaged bytes
+            raise self._corrupt(job_id, commit, f"is not readable Parquet ({exc})") from exc
+        self._hold(job_id, commit, row_mismatch(commit, parquet.metadata.num_rows))
+        return parquet
+
+    def check_shard(self, job_id: str, commit: dict[str, Any]) -> int:
+        """Hold one committed shard to its commit object and decode all of it (`datagen verify`);
+        returns its rows. Raises as `read_shard` does."""
+        parquet = self.read_shard(job_id, commit)
+        rows = sum(batch.num_rows for batch in self._decoded(job_id, commit, parquet.iter_batches()))
+        self._hold(job_id, commit, row_mismatch(commit, rows))
+        return rows
+
     def iter_record_batches(
-        self, job_id: str, batch_rows: int = 1024, columns: list[str] | None = None
+        self,
+        job_id: str,
+        batch_rows: int = 1024,
+        columns: list[str] | None = None,
+        *,
+        on_corrupt: Callable[[CorruptShardError], None] | None = None,
     ) -> Iterator[pa.RecordBatch]:
-        """Committed records only, in commit order, streaming (memory stays flat); ``columns``
-        decodes only those."""
+        """Committed records only, in commit order, streaming (memory stays flat but for one shard's
+        bytes); ``columns`` decodes only those. Each shard is held to its commit object first
+        (`read_shard`): a bad one raises `CorruptShardError`, or, with ``on_corrupt``, is handed to
+        it and skipped whole (no row of it is yielded)."""
         for commit in self.list_commits(job_id):
-            path = self._shard_path(job_id, commit)
-            with (
-                _translated(f"committed shard {self._files.display(path)} is unreadable"),
-                self._files.open_parquet(path) as fh,
-            ):
-                yield from pq.ParquetFile(fh).iter_batches(batch_size=batch_rows, columns=columns)
+            try:
+                batches = self._shard_batches(job_id, commit, batch_rows, columns)
+            except CorruptShardError as exc:
+                if on_corrupt is None:
+                    raise
+                on_corrupt(exc)
+                continue
+            yield from batches
+
+    def _shard_batches(
+        self, job_id: str, commit: dict[str, Any], batch_rows: int, columns: list[str] | None
+    ) -> Iterator[pa.RecordBatch]:
+        if not is_sealed(commit):
+            # Committed before seals existed: decoded whole first, so that a damaged one fails
+            # before any row of it is used. A sealed one holds the very bytes written: it streams.
+            table = self.read_shard_table(job_id, commit, columns)
+            return iter(table.to_batches(max_chunksize=batch_rows))
+        parquet = self.read_shard(job_id, commit)
+        return self._decoded(job_id, commit, parquet.iter_batches(batch_size=batch_rows, columns=columns))
+
+    def read_shard_table(
+        self, job_id: str, commit: dict[str, Any], columns: list[str] | None = None
+    ) -> pa.Table:
+        """A committed shard decoded whole (``columns`` only), held to its commit object first;
+        raises as `read_shard` does, a page that cannot be decoded included."""
+        parquet = self.read_shard(job_id, commit)
+        try:
+            return parquet.read(columns=columns)
+        except Exception as exc:  # a page pyarrow cannot decode, or whose CRC differs
+            raise self._corrupt(job_id, commit, f"cannot be decoded ({exc})") from exc
+
+    def _decoded(
+        self, job_id: str, commit: dict[str, Any], batches: Iterator[pa.RecordBatch]
+    ) -> Iterator[pa.RecordBatch]:
+        try:
+            yield from batches
+        except Exception as exc:  # a page pyarrow cannot decode, or whose CRC differs
+            raise self._corrupt(job_id, commit, f"cannot be decoded ({exc})") from exc
+
+    def _hold(self, job_id: str, commit: dict[str, Any], problem: str | None) -> None:
+        if problem is not None:
+            raise self._corrupt(job_id, commit, problem)
+
+    def _corrupt(self, job_id: str, commit: dict[str, Any], problem: str) -> CorruptShardError:
+        where = self._files.display(self._shard_path(job_id, commit))
+        return CorruptShardError(
+            f"job {job_id}: committed shard {where} {problem}; run `datagen verify {job_id}` to list "
+            "every bad shard, or export the rest with --skip-unreadable",
+            path=where,
+            problem=problem,
+            records=int(commit.get(RECORDS) or 0),
+        )
 
     def iter_shard_metadata(self, job_id: str) -> Iterator[pq.FileMetaData]:
-        """The Parquet footer of each committed shard, in commit order."""
+        """The Parquet footer of each committed shard, in commit order, for estimates (the shuffle's
+        bucket count), unchecked. A shard whose footer cannot be read is left out here: reading its
+        records (`read_shard`) is what names it, or skips it."""
         for commit in self.list_commits(job_id):
-            path = self._shard_path(job_id, commit)
-            with (
-                _translated(f"committed shard {self._files.display(path)} is unreadable"),
-                self._files.open_parquet(path) as fh,
-            ):
-                yield pq.read_metadata(fh)
+            try:
+                with self._files.open_parquet(self._shard_path(job_id, commit)) as fh:
+                    metadata = pq.read_metadata(fh)
+            except Exception:  # a damaged footer raises ArrowInvalid, OSError or UnicodeDecodeError
+                continue
+            yield metadata
 
     # Rejected and flagged rows ------------------------------------------------------------------
     def write_rejected(self, job_id: str, input_name: str, rows: list[dict[str, Any]]) -> None:

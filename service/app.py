@@ -15,6 +15,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from datagen.errors import (
@@ -24,10 +25,12 @@ from datagen.errors import (
     InvalidRequestError,
     JobNotFoundError,
     NotFoundError,
+    RedisOutOfMemoryError,
     UnknownQueueError,
     http_status,
     status_error_class,
 )
+from datagen.redismemory import is_out_of_memory, out_of_memory_error, read_memory
 from datagen.settings import CoordinatorSettings
 from datagen.spec import parse_spec_json
 from datagen.states import PromptClass
@@ -45,12 +48,16 @@ REDIS_SOCKET_TIMEOUT_S = 10.0
 MAX_REPORTED_PROBLEMS = 10
 OPENAPI_URL = "/openapi.json"
 # Redis errors that mean "not reachable now" (a failover makes a replica read-only for a while);
-# any other Redis error is a bug of ours and answers 500.
+# a refusal at maxmemory is said as such (`datagen.redismemory`); any other Redis error is a bug of
+# ours and answers 500.
 _REDIS_UNAVAILABLE = (
     redis.exceptions.ConnectionError,
     redis.exceptions.TimeoutError,
     redis.exceptions.ReadOnlyError,
 )
+# Retry-After of the 503s that say Redis cannot take a request now: a restart or failover takes
+# seconds; memory is freed by an operator (or by workers finishing prompts), which takes longer.
+RETRY_AFTER_S: dict[type[DatagenError], int] = {BackendUnavailableError: 5, RedisOutOfMemoryError: 30}
 
 
 _ROUTING_HINTS = {
@@ -125,8 +132,11 @@ def _install_routes(app: FastAPI) -> None:
 
     @app.get("/healthz")
     def healthz(coord: Coord) -> dict[str, Any]:
+        """Liveness (Redis answers), and Redis's memory against its maxmemory, with what an
+        operator must change in ``redis.problems`` (``datagen status`` shows them)."""
         coord.redis.ping()
-        return {"status": "ok"}
+        memory = read_memory(coord.redis)
+        return {"status": "ok", "redis": None if memory is None else memory.to_json()}
 
     @app.get("/metrics")
     def metrics(coord: Coord) -> Response:
@@ -208,6 +218,13 @@ def _install_job_controls(app: FastAPI, guarded: list[Any]) -> None:
     ) -> dict[str, Any]:
         """Re-enqueue the job's failed prompts with fresh attempts."""
         return coord.controls.retry(job_id, reason=reason)
+
+    @app.post("/jobs/{job_id}/recover", dependencies=guarded)
+    def recover_job(coord: Coord, job_id: JobId) -> dict[str, Any]:
+        """Rebuild the job from storage (what Redis holds of it is dropped): prompts with a committed
+        record count done, the rest run again. The coordinator does this by itself when Redis loses
+        or rolls back its data; this is for a job Redis lost while nothing watched it."""
+        return coord.recover(job_id)
 
     @app.delete("/jobs/{job_id}", dependencies=guarded)
     def delete_job(
@@ -303,7 +320,9 @@ def _validation_message(exc: RequestValidationError) -> str:
 def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(DatagenError)
     async def datagen_error(request: Request, exc: DatagenError) -> JSONResponse:
-        headers = {"WWW-Authenticate": "Bearer"} if isinstance(exc, AuthError) else None
+        headers = {"WWW-Authenticate": "Bearer"} if isinstance(exc, AuthError) else {}
+        if (retry_after_s := RETRY_AFTER_S.get(type(exc))) is not None:
+            headers["Retry-After"] = str(retry_after_s)
         return _error(http_status(exc), str(exc), type(exc).__name__, headers)
 
     @app.exception_handler(redis.exceptions.RedisError)
@@ -312,6 +331,11 @@ def _install_error_handlers(app: FastAPI) -> None:
         if isinstance(exc, _REDIS_UNAVAILABLE):
             log.warning("Redis unavailable on %s %s: %s", request.method, request.url.path, exc)
             translated: DatagenError = BackendUnavailableError("Redis is unavailable; retry shortly")
+        elif is_out_of_memory(exc):
+            coord: Coordinator = request.app.state.coordinator
+            coord.metrics.redis_oom_refusals.inc()
+            translated = await run_in_threadpool(out_of_memory_error, coord.redis, exc)
+            log.warning("%s %s refused: %s", request.method, request.url.path, translated)
         else:
             log.error("Redis error on %s %s", request.method, request.url.path, exc_info=exc)
             translated = DatagenError(f"internal error ({type(exc).__name__}); see the coordinator's log")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import itertools
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO
 
@@ -74,12 +74,20 @@ def chunk_items(
 
 
 def breakdown(
-    chunk: Chunk, fresh: list[PromptPayload], labels: dict[str, str]
+    chunk: Chunk,
+    fresh: list[PromptPayload],
+    labels: dict[str, str],
+    done: Sequence[tuple[PromptPayload, int]] = (),
 ) -> dict[tuple[str, str, str], int]:
-    """Accepted prompts and rejected rows by partition label and class, for the metrics."""
+    """Accepted prompts and rejected rows by partition label and class, for the metrics; ``done``:
+    prompts of ``fresh`` already committed (a rebuilt job), with how many turns each counts."""
     counts: Counter[tuple[str, str, str]] = Counter()
     for payload in fresh:
         counts["accepted", labels[payload.partition], payload.cls.value] += 1
+    for payload, turns in done:
+        label = labels[payload.partition]
+        counts["accepted", label, payload.cls.value] += turns - 1
+        counts["done", label, payload.cls.value] += turns
     if chunk.rejected:
         counts["rejected", UNKNOWN, UNKNOWN] += len(chunk.rejected)
     return dict(counts)

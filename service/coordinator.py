@@ -11,11 +11,13 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import IO, Any
 
-from redis import Redis
+from redis import Redis, RedisError
 
 from datagen.dispatch import JobShare
 from datagen.enqueue import EnqueueOptions
+from datagen.epoch import EpochChange, EpochWatch
 from datagen.errors import (
+    DatagenError,
     InvalidSpecError,
     JobNotFoundError,
     JobStateError,
@@ -29,15 +31,17 @@ from datagen.preflight import PreflightResult, preflight_submit
 from datagen.settings import CoordinatorSettings
 from datagen.sources import SourceKind, resolve_source
 from datagen.spec import JobSpec
-from datagen.states import JobState
+from datagen.states import JobState, RebuildReason
 from datagen.storage import Storage, validate_job_id
 from datagen.tokenization import preload_libraries, renderer_for
 from service.allowlist import check_allowed
+from service.committed import Committed, read_committed
 from service.dryrun import dry_run
 from service.fleetview import FleetView
 from service.ingest import IngestOptions, Ingestor
 from service.lifecycle import JobControls
 from service.metrics import CoordinatorMetrics
+from service.rebuild import Rebuilder, Suspicion
 
 __all__ = ["Coordinator"]
 
@@ -51,6 +55,8 @@ PINNED_IDENTITY = {
     "chat_template_kwargs": "chat_template_kwargs",
 }
 JOIN_TIMEOUT_S = 10.0
+# How often the coordinator checks Redis's epoch (`datagen.epoch`): two round trips, five commands.
+EPOCH_CHECK_S = 1.0
 
 
 class Coordinator:
@@ -81,28 +87,105 @@ class Coordinator:
         )
         self._ingests: dict[str, _IngestRun] = {}
         self._lock = threading.Lock()
+        self.epoch = EpochWatch(redis, self.keys)
+        self.rebuilder = Rebuilder(
+            self.jobs,
+            self.storage,
+            self.controls,
+            start_ingest=lambda job_id, inputs, committed: self._start_ingest(
+                job_id, inputs, committed=committed, fresh=True
+            ),
+            stop_ingest=self.stop_ingest,
+            on_rebuilt=lambda reason: self.metrics.jobs_rebuilt.labels(reason.value).inc(),
+        )
+        self._closing = threading.Event()
+        self._watcher: threading.Thread | None = None
 
     # Lifecycle ----------------------------------------------------------------------------------
     def start(self) -> None:
-        """Claim the storage for this namespace, then resume ingestions that a previous coordinator
-        left half done."""
+        """Claim the storage for this namespace, rebuild the jobs Redis lost or holds behind its
+        storage (`service.rebuild`), resume ingestions a previous coordinator left half done, and
+        start watching Redis's epoch."""
         preload_libraries()  # before ingestion threads load tokenizers (`datagen._loaders`)
         self.storage.claim_namespace(self.settings.namespace)
+        self.epoch.look()
+        # No epoch and no job: a new Redis, or one that lost its data while nothing watched it.
+        lost = self.epoch.found_none and not self.jobs.list_ids(1)
+        why = "Redis had no data at coordinator start" if lost else "coordinator start"
+        try:
+            self.rebuilder.reconcile(Suspicion(why, lost=lost, epoch_ms=self.epoch.read_seq))
+        except DatagenError as exc:
+            # Storage failing now: the watch tries again while Redis has no epoch.
+            log.warning("cannot hold the stored jobs to Redis at start: %s", exc)
+            if lost:
+                self._start_watch()
+                return
+        self.epoch.stamp()  # after the rebuild: workers that saw Redis go back in time go on now
+        self._resume_ingesting()
+        self._start_watch()
+
+    def _start_watch(self) -> None:
+        self._watcher = threading.Thread(target=self._watch, name="epoch-watch", daemon=True)
+        self._watcher.start()
+
+    def close(self) -> None:
+        self._closing.set()
+        if self._watcher is not None:
+            self._watcher.join(timeout=JOIN_TIMEOUT_S)
+        for run in list(self._ingests.values()):
+            run.stop.set()
+        for run in list(self._ingests.values()):
+            run.thread.join(timeout=JOIN_TIMEOUT_S)
+
+    def _resume_ingesting(self) -> None:
+        """Resume every job Redis says is ingesting that no thread here ingests (left half done by
+        a previous coordinator, or put back to ingesting by a Redis restored from a snapshot)."""
         for job_id in self.jobs.list_ids():
             try:
                 progress = self.jobs.progress(job_id)
             except JobNotFoundError:
                 continue
-            if progress.state is JobState.INGESTING:
-                input_name = self._current_input(job_id)
-                if input_name is not None:
-                    self._start_ingest(job_id, input_name)
+            if progress.state is not JobState.INGESTING:
+                continue
+            with self._lock:
+                run = self._ingests.get(job_id)
+                if run is not None and run.thread.is_alive():
+                    continue
+            inputs = self._remaining_inputs(job_id)
+            if inputs:
+                committed = read_committed(self.storage, job_id) if progress.rebuilt else None
+                self._start_ingest(job_id, inputs, committed=committed)
 
-    def close(self) -> None:
-        for run in list(self._ingests.values()):
-            run.stop.set()
-        for run in list(self._ingests.values()):
-            run.thread.join(timeout=JOIN_TIMEOUT_S)
+    def _watch(self) -> None:
+        """Check Redis's epoch every second (`datagen.epoch`): rebuild from storage what a Redis
+        that lost or rolled back its data no longer holds, then resume what it left ingesting."""
+        while not self._closing.wait(EPOCH_CHECK_S):
+            try:
+                change = self.epoch.look()
+                if change is EpochChange.LOST:
+                    log.warning("Redis lost its data (its epoch is gone); rebuilding jobs from storage")
+                    self.rebuilder.reconcile(Suspicion("Redis lost its data", lost=True))
+                elif change is EpochChange.ROLLED_BACK:
+                    log.warning("Redis went back to an older snapshot; rebuilding live jobs from storage")
+                    self.rebuilder.reconcile(
+                        Suspicion("Redis went back to an older snapshot", lost=True, rolled_back=True)
+                    )
+                self.epoch.stamp()
+                if change in (EpochChange.LOST, EpochChange.ROLLED_BACK):
+                    self._resume_ingesting()
+            except (RedisError, DatagenError) as exc:
+                # Redis or storage away: the next check tries again (and sees what changed).
+                log.warning("cannot check Redis's epoch or rebuild jobs: %s", exc)
+            except Exception:  # a bug must not end the watch silently
+                log.exception("the epoch watch failed; it goes on")
+
+    def recover(self, job_id: str) -> dict[str, Any]:
+        """Rebuild one job from storage on an operator's request (`datagen recover`)."""
+        validate_job_id(job_id)
+        note = self.rebuilder.rebuild(job_id, "asked for (datagen recover)", RebuildReason.RECOVER)
+        body = self.job_json(job_id)
+        body["rebuilt"] = note
+        return body
 
     def stop_ingest(self, job_id: str) -> None:
         """Stop the job's ingestion and wait until it is over (before a cancel or delete answers)."""
@@ -154,17 +237,21 @@ class Coordinator:
                 tokenizer_identity=f"{identity['tokenizer']}@sha256:{identity['tokenizer_sha256']}",
                 stop_ids=preflight.stop_ids,
             )
-            if created:
-                manifest = self._manifest(job_id, spec, identity, servers, preflight)
-                manifest["incarnation"] = self.jobs.incarnation(job_id) or ""
-                # This incarnation's manifest; records of an earlier one (committed late, after its
-                # delete) stay out of every export.
-                self.storage.write_manifest(job_id, manifest)
-            else:
+            if not created:
                 self.jobs.restart_ingest(job_id)
+            incarnation = self.jobs.incarnation(job_id) or ""
+            stored = self.storage.read_manifest(job_id) if not created else None
+            if created or stored is None or str(stored.get("incarnation") or "") != incarnation:
+                # This incarnation's manifest (also when the first submit's answer was lost after
+                # its create); records of an earlier one (committed late, after its delete) stay
+                # out of every export. Storage rebuilds the job from it if Redis loses it.
+                manifest = self._manifest(job_id, spec, identity, servers, preflight)
+                manifest["incarnation"] = incarnation
+                manifest["created_at_ms"] = self.jobs.progress(job_id).created_at_ms
+                self.storage.write_manifest(job_id, manifest)
             self.jobs.set_ingest_input(job_id, input_name, preflight.context_len)
             self.metrics.jobs_submitted.inc()
-            self._start_ingest(job_id, input_name)
+            self._start_ingest(job_id, [input_name])
         return job_id, created
 
     def job_json(self, job_id: str, shares: dict[str, JobShare] | None = None) -> dict[str, Any]:
@@ -283,20 +370,52 @@ class Coordinator:
             return None
         return name if self.storage.input_exists(job_id, name) else None
 
-    def _start_ingest(self, job_id: str, input_name: str) -> None:
+    def _start_ingest(
+        self, job_id: str, inputs: list[str], *, committed: Committed | None = None, fresh: bool = False
+    ) -> None:
+        """Ingest ``inputs`` in order in one thread (the job's current upload first, from its
+        checkpoint; ``fresh``: every upload from its first line, as a rebuild does)."""
         incarnation = self.jobs.incarnation(job_id)
-        if incarnation is None:
+        if incarnation is None or not inputs:
             return
         stop = threading.Event()
         thread = threading.Thread(
-            target=self.ingestor.run,
-            args=(job_id, input_name, stop),
-            kwargs={"incarnation": incarnation},
+            target=self._ingest_all,
+            args=(job_id, inputs, stop, incarnation, committed, fresh),
             name=f"ingest-{job_id}",
             daemon=True,
         )
         self._ingests[job_id] = _IngestRun(thread, stop)
         thread.start()
+
+    def _ingest_all(
+        self,
+        job_id: str,
+        inputs: list[str],
+        stop: threading.Event,
+        incarnation: str,
+        committed: Committed | None,
+        fresh: bool,
+    ) -> None:
+        for n, name in enumerate(inputs):
+            if n > 0 or fresh:
+                try:
+                    self.jobs.set_ingest_input(job_id, name, None, queue=inputs[n + 1 :])
+                except (RedisError, DatagenError) as exc:
+                    log.warning("job %s: cannot start ingesting %s; it resumes later: %s", job_id, name, exc)
+                    return
+            last = n == len(inputs) - 1
+            ended = self.ingestor.run(
+                job_id, name, stop, incarnation=incarnation, committed=committed, finish=last
+            )
+            if not ended:
+                return
+
+    def _remaining_inputs(self, job_id: str) -> list[str]:
+        """The upload the job was ingesting (if still stored), then those queued after it."""
+        current = self._current_input(job_id)
+        queued = [n for n in self.jobs.ingest_queue(job_id) if self.storage.input_exists(job_id, n)]
+        return ([current] if current is not None else []) + queued
 
     def wait_ingested(self, job_id: str, timeout_s: float) -> None:
         run = self._ingests.get(job_id)

@@ -32,18 +32,20 @@ from datagen.dataset import Prompt, RowError
 from datagen.dedup import DedupMode
 from datagen.dispatch import Dispatch
 from datagen.enqueue import EnqueueOptions, enqueue_prompts
-from datagen.errors import DatagenError, InvalidRowError, JobNotFoundError
+from datagen.errors import DatagenError, InvalidRowError, JobNotFoundError, StorageError
 from datagen.fleet import fleet_context_len
 from datagen.hygiene import Hygiene, HygieneRow, Verdicts
 from datagen.jobs import JobStore
 from datagen.keys import Keys, prompt_key
 from datagen.payload import PromptPayload
+from datagen.redismemory import is_out_of_memory, out_of_memory_error
 from datagen.redistext import as_text
 from datagen.spec import JobSpec
 from datagen.states import JobState, PromptClass, SpecialTextPolicy
 from datagen.storage import Storage
 from datagen.tokenization import PromptRenderer, renderer_for, special_text_reason
 from service.chunk import Chunk, breakdown, chunk_items, chunk_sizes
+from service.committed import Committed, Settled, settle_committed
 from service.metrics import CoordinatorMetrics
 from service.rowids import check_row_ids, repeated_lines, row_id
 
@@ -107,8 +109,15 @@ class Ingestor:
         self.dispatch = Dispatch(redis, keys)
 
     def run(
-        self, job_id: str, source: str | Path, stop: threading.Event, *, incarnation: str | None = None
-    ) -> None:
+        self,
+        job_id: str,
+        source: str | Path,
+        stop: threading.Event,
+        *,
+        incarnation: str | None = None,
+        committed: Committed | None = None,
+        finish: bool = True,
+    ) -> bool:
         """Ingest one uploaded file; resumable from the job's checkpoint. Never raises.
 
         ``source`` is the name of one of the job's stored uploads (`Storage.write_input`), or a
@@ -119,34 +128,60 @@ class Ingestor:
 
         While Redis is unreachable (a restart) it waits and resumes from the checkpoint: each
         chunk's enqueue and checkpoint are one transaction, so nothing is enqueued twice.
+
+        ``committed`` (a job rebuilt from storage, `service.rebuild`): prompts with a committed
+        record are counted done, not enqueued. ``finish`` False leaves the job ingesting at the end
+        (more uploads follow). Returns whether the upload was ingested to its end.
         """
         delay_s = REDIS_RETRY_MIN_S
+        storage_failed = False
         while not stop.is_set():
             try:
-                self._run(job_id, source, stop, incarnation)
-                return
+                ended = self._run(job_id, source, stop, incarnation, committed, finish, storage_failed)
+                return ended
             except _Stopped:
                 log.info(
                     "job %s: ingestion stopped; it resumes from its checkpoint if the job is live", job_id
                 )
-                return
+                return False
             except (_Cancelled, JobNotFoundError):
                 log.info("job %s: ingestion stopped: the job was cancelled, failed or deleted", job_id)
-                return
+                return False
             except RedisError as exc:
+                if is_out_of_memory(exc):  # waited out like an outage, and said as what it is
+                    if self.metrics is not None:
+                        self.metrics.redis_oom_refusals.inc()
+                    problem = str(out_of_memory_error(self.redis, exc))
+                else:
+                    problem = f"Redis unreachable during ingestion ({exc})"
+                log.warning("job %s: %s; ingestion resumes in %.0f s", job_id, problem, delay_s)
+                stop.wait(delay_s)
+                delay_s = min(REDIS_RETRY_MAX_S, delay_s * 2)
+            except (StorageError, OSError) as exc:
+                # As a worker does: a storage outage (read-only, full, unreachable) is waited out and
+                # shown on the job; the ingestion resumes from its checkpoint, the job never fails.
                 log.warning(
-                    "job %s: Redis unreachable during ingestion, resuming in %.0f s: %s", job_id, delay_s, exc
+                    "job %s: storage error during ingestion, resuming in %.0f s: %s", job_id, delay_s, exc
                 )
+                self._set_storage_error(job_id, f"ingestion: {exc}")
+                storage_failed = True
                 stop.wait(delay_s)
                 delay_s = min(REDIS_RETRY_MAX_S, delay_s * 2)
             except DatagenError as exc:
                 log.error("job %s: ingestion failed: %s", job_id, exc)
                 self._fail(job_id, str(exc))
-                return
+                return False
             except Exception as exc:  # a bug must not kill the coordinator thread silently
                 log.exception("job %s: ingestion crashed", job_id)
                 self._fail(job_id, f"ingestion crashed: {exc!r}")
-                return
+                return False
+        return False
+
+    def _set_storage_error(self, job_id: str, error: str | None) -> None:
+        try:
+            self.jobs.set_storage_error(job_id, error)
+        except RedisError as exc:
+            log.warning("job %s: cannot show the storage error on the job: %s", job_id, exc)
 
     def _fail(self, job_id: str, error: str) -> None:
         try:
@@ -154,7 +189,16 @@ class Ingestor:
         except RedisError as exc:
             log.error("job %s: cannot mark the job failed (Redis unreachable): %s", job_id, exc)
 
-    def _run(self, job_id: str, source: str | Path, stop: threading.Event, incarnation: str | None) -> None:
+    def _run(
+        self,
+        job_id: str,
+        source: str | Path,
+        stop: threading.Event,
+        incarnation: str | None,
+        committed: Committed | None,
+        finish: bool,
+        storage_failed: bool,
+    ) -> bool:
         current = self.jobs.incarnation(job_id)
         if current is None or (incarnation is not None and current != incarnation):
             raise _Cancelled  # deleted, or its id already reused, before ingestion began
@@ -178,16 +222,23 @@ class Ingestor:
             for item, conversation in chunk_items(stream, spec, start_line):
                 if stop.is_set():
                     log.info("job %s: ingestion paused at line %d (shutdown)", job_id, chunk.last_line)
-                    return
+                    return False
                 self._add(chunk, item, conversation, job_id, spec, renderer, context_len, incarnation)
                 full = len(chunk.prompts) + len(chunk.rejected) >= size
                 if full or (deadline is not None and chunk.prompts and time.monotonic() >= deadline):
-                    self._flush(job_id, spec, chunk, stop, hygiene, incarnation)
+                    self._flush(job_id, spec, chunk, stop, hygiene, incarnation, committed)
+                    if storage_failed:
+                        self._set_storage_error(job_id, None)
+                        storage_failed = False
                     chunk = Chunk(input_name)
                     size, deadline = next(sizes), None
-        self._flush(job_id, spec, chunk, stop, hygiene, incarnation)
-        self.jobs.finish_ingest(job_id)
-        log.info("job %s: ingestion finished", job_id)
+        self._flush(job_id, spec, chunk, stop, hygiene, incarnation, committed)
+        if storage_failed:
+            self._set_storage_error(job_id, None)
+        if finish:
+            self.jobs.finish_ingest(job_id)
+            log.info("job %s: ingestion finished", job_id)
+        return True
 
     def _hygiene(self, job_id: str, spec: JobSpec) -> Hygiene:
         """The job's decontamination index, and the rows it kept so far (from Redis)."""
@@ -284,6 +335,7 @@ class Ingestor:
         stop: threading.Event,
         hygiene: Hygiene,
         incarnation: str = "",
+        committed: Committed | None = None,
     ) -> None:
         if chunk.rows == 0:
             return
@@ -305,18 +357,21 @@ class Ingestor:
             self.storage.write_rejected(job_id, chunk.input_name, chunk.rejected)
         if chunk.flagged:
             self.storage.write_flagged(job_id, chunk.input_name, chunk.flagged)
+        fresh_payloads = [p for _, p, _ in fresh]
+        settled = settle_committed(self.storage, job_id, fresh_payloads, committed)
         counts = {
             "rows": chunk.rows,
             "rejected": len(chunk.rejected),
-            "accepted": len(fresh),
+            "accepted": len(fresh) + settled.later_turns,
             "skipped": len(chunk.prompts) - len(fresh),
             "prompt_tokens": sum(len(p.prompt_ids) for _, p, _ in fresh),
             "flagged": len(chunk.flagged),
+            "done": settled.done,
+            "output_tokens": settled.output_tokens,
         }
-        fresh_payloads = [p for _, p, _ in fresh]
-        self._wait_for_room(job_id, fresh_payloads, stop)
+        self._wait_for_room(job_id, settled.enqueue, stop)
         records = verdicts.record_bytes(hygiene.bands) if verdicts is not None else b""
-        self._commit(job_id, spec, chunk, fresh_payloads, counts, new_ids, records, incarnation)
+        self._commit(job_id, spec, chunk, fresh_payloads, counts, new_ids, records, incarnation, settled)
         if verdicts is not None:
             hygiene.keep(verdicts)
         if self.metrics is not None:
@@ -335,18 +390,27 @@ class Ingestor:
         new_ids: dict[str, str],
         seen: bytes,
         incarnation: str,
+        settled: Settled,
     ) -> None:
         """The chunk's enqueue, counters and checkpoint in one transaction, which lands only while
-        the job's ingest fence holds this incarnation (a cancel, failure or delete drops it)."""
+        the job's ingest fence holds this incarnation (a cancel, failure or delete drops it).
+        ``settled``: which of ``fresh`` have a committed record already (counted, not enqueued)."""
         fence = self.keys.job_ingest_fence(job_id)
+        checkpoint = self.keys.job_ingest_checkpoint(job_id)
+        # The chunk's id. A transaction whose reply is lost is sent again (redis-py turns the lost
+        # connection into a WatchError); finding its own id there, it is known to have landed.
+        chunk_id = f"{chunk.input_name}:{chunk.last_line}"
         while True:
             with self.redis.pipeline(transaction=True) as pipe:
                 try:
+                    pipe.watch(fence, checkpoint)
                     if incarnation:
-                        pipe.watch(fence)
                         held = pipe.get(fence)
                         if held is None or as_text(held) != incarnation:
                             raise _Cancelled
+                    landed = pipe.get(checkpoint)
+                    if landed is not None and as_text(landed) == chunk_id:
+                        return
                     labels, new_labels = self.jobs.partition_labels(job_id, {p.partition for p in fresh})
                     pipe.multi()
                     enqueue_prompts(
@@ -354,7 +418,7 @@ class Ingestor:
                         self._queues,
                         self.keys,
                         job_id,
-                        fresh,
+                        settled.enqueue,
                         self.options.enqueue,
                         dispatch=self.dispatch,
                         priority=spec.priority,
@@ -362,11 +426,12 @@ class Ingestor:
                     )
                     self.jobs.add_ingest_counts(pipe, job_id, counts, chunk.last_line)
                     self.jobs.add_partition_labels(pipe, job_id, new_labels)
-                    self.jobs.add_breakdown(pipe, job_id, breakdown(chunk, fresh, labels))
+                    self.jobs.add_breakdown(pipe, job_id, breakdown(chunk, fresh, labels, settled.turns))
                     self.jobs.remember_rows(pipe, job_id, new_ids)
                     # Any segment will do; spreading chunks keeps each key far below 512 MB.
                     segment = zlib.crc32(f"{chunk.input_name}:{chunk.last_line}".encode())
                     self.jobs.add_seen(pipe, job_id, segment, seen)
+                    pipe.set(checkpoint, chunk_id)
                     pipe.execute()
                     return
                 except WatchError:

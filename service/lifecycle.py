@@ -20,18 +20,21 @@ from rq.job import Job
 from rq.serializers import JSONSerializer
 
 from datagen.dispatch import RQ_JOB_PREFIX, Dispatch
-from datagen.errors import JobStateError
+from datagen.errors import JobNotFoundError, JobStateError, StorageError
 from datagen.jobs import OTHER_PARTITION, JobStore, RequeueItem
 from datagen.keys import Keys
 from datagen.redistext import as_text, as_texts
 from datagen.states import JobState, Priority, PromptClass
 from datagen.storage import Storage
 
-__all__ = ["JobControls"]
+__all__ = ["ENDING_CANCELLED", "ENDING_DELETED", "JobControls"]
 
 log = logging.getLogger(__name__)
 
 LIVE = (JobState.INGESTING, JobState.RUNNING)
+# The endings storage remembers of a job (`Storage.write_ending`), read by `service.rebuild`.
+ENDING_DELETED = "deleted"
+ENDING_CANCELLED = "cancelled"
 # Failed prompts re-enqueued per transaction.
 RETRY_CHUNK = 500
 SCAN_COUNT = 1000
@@ -81,6 +84,7 @@ class JobControls:
         moved = self.jobs.cancel(job_id)
         if not moved and self.jobs.state(job_id) is not JobState.CANCELLED:
             raise JobStateError(f"job {job_id} finished before it could be cancelled")
+        self._mark_cancelled(job_id)
         self.stop_ingest(job_id)
         if abort_in_flight:
             self.redis.sadd(self.keys.aborting_jobs(), job_id)
@@ -97,6 +101,16 @@ class JobControls:
         body = progress.to_json()
         body.update(dropped=dropped, in_flight=progress.in_flight, abort_in_flight=abort_in_flight)
         return body
+
+    def _mark_cancelled(self, job_id: str) -> None:
+        """Tell storage too: a job that Redis forgets later is rebuilt cancelled, not run again."""
+        incarnation = self.jobs.incarnation(job_id)
+        if incarnation is None:
+            return
+        try:
+            self.storage.write_ending(job_id, ENDING_CANCELLED, incarnation)
+        except StorageError as exc:
+            log.warning("job %s: cancelled, but storage could not record it: %s", job_id, exc)
 
     def _drop_handed_back(self, job_id: str) -> int:
         """Prompts of the job back on RQ's queues (handed back or requeued by the reaper)."""
@@ -219,7 +233,13 @@ class JobControls:
     # Delete ----------------------------------------------------------------------------------------
     def delete(self, job_id: str, *, files: bool = False) -> dict[str, Any]:
         """Remove the job's Redis keys and RQ jobs; with ``files``, its stored data as well."""
-        state = self.jobs.state(job_id)
+        try:
+            state = self.jobs.state(job_id)
+        except JobNotFoundError:
+            if files and self.storage.job_exists(job_id):
+                # Redis lost the job (or it was deleted without its files): only its files are left.
+                return self._delete_files_only(job_id)
+            raise
         if state in LIVE:
             raise JobStateError(
                 f"job {job_id} is {state.value}; cancel it first (POST /jobs/{job_id}/cancel, "
@@ -228,16 +248,11 @@ class JobControls:
         # A cancelled job's ingestion may still be between chunks: it must be over before the keys
         # go, or it would write them again.
         self.stop_ingest(job_id)
-        rq_jobs = self._delete_rq_jobs(job_id)
-        with self.redis.pipeline() as pipe:
-            pipe.unlink(*self.keys.job_keys(job_id))
-            pipe.zrem(self.keys.jobs_index(), job_id)
-            pipe.srem(self.keys.paused_jobs(), job_id)
-            pipe.srem(self.keys.aborting_jobs(), job_id)
-            for cls in PromptClass:
-                for priority in Priority:
-                    pipe.zrem(self.keys.dispatch_jobs(cls, priority), job_id)
-            pipe.execute()
+        incarnation = self.jobs.incarnation(job_id)
+        if not files and incarnation is not None and self.storage.job_exists(job_id):
+            # Before the keys go: a Redis that loses its data later must not rebuild the job.
+            self.storage.write_ending(job_id, ENDING_DELETED, incarnation)
+        rq_jobs = self.forget(job_id)
         removed_files = self.storage.delete_job(job_id) if files else False
         log.info(
             "job %s deleted: %d RQ jobs, files %s", job_id, rq_jobs, "removed" if removed_files else "kept"
@@ -249,6 +264,31 @@ class JobControls:
             "files_deleted": removed_files,
             "files": None if removed_files else self.storage.url(job_id),
         }
+
+    def _delete_files_only(self, job_id: str) -> dict[str, Any]:
+        removed = self.storage.delete_job(job_id)
+        log.info("job %s: only its files were left; %s", job_id, "removed" if removed else "none found")
+        return {"id": job_id, "deleted": True, "rq_jobs": 0, "files_deleted": removed, "files": None}
+
+    def forget(self, job_id: str, *, keep_hash: bool = False) -> int:
+        """Remove everything Redis holds of the job (its keys, RQ jobs, places in dispatch); its
+        stored data stays. Returns how many RQ jobs went. Used by delete and by a rebuild, which
+        keeps the hash (``keep_hash``) and replaces it in one step, so the job is never missing."""
+        rq_jobs = self._delete_rq_jobs(job_id)
+        keys = self.keys.job_keys(job_id)
+        if keep_hash:
+            keys.remove(self.keys.job(job_id))
+        with self.redis.pipeline() as pipe:
+            pipe.unlink(*keys)
+            if not keep_hash:
+                pipe.zrem(self.keys.jobs_index(), job_id)
+            pipe.srem(self.keys.paused_jobs(), job_id)
+            pipe.srem(self.keys.aborting_jobs(), job_id)
+            for cls in PromptClass:
+                for priority in Priority:
+                    pipe.zrem(self.keys.dispatch_jobs(cls, priority), job_id)
+            pipe.execute()
+        return rq_jobs
 
     def _delete_rq_jobs(self, job_id: str) -> int:
         prefix = self._rq_prefix(job_id)

@@ -3,7 +3,8 @@
 Queue depths, pause flags and job progress are read from Redis when Prometheus scrapes, so they
 are never stale and cost nothing between scrapes. A job's series carry a ``job`` label only while
 the job is ingesting or running; they disappear when it ends (bounded label sets). Partitions
-beyond the first 20 of a job are counted as ``other``.
+beyond the first 20 of a job are counted as ``other``. Redis's memory against its ``maxmemory`` is
+read the same way (``INFO memory``), and every write Redis refused at that limit is counted.
 """
 
 from __future__ import annotations
@@ -15,11 +16,12 @@ from dataclasses import dataclass, field
 from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
-from redis import RedisError
+from redis import Redis, RedisError
 
 from datagen.dispatch import Dispatch
 from datagen.jobs import JobProgress, JobStore
-from datagen.states import JobState
+from datagen.redismemory import read_memory
+from datagen.states import JobState, RebuildReason
 from service.fleetview import FleetView
 
 __all__ = ["CoordinatorMetrics"]
@@ -54,6 +56,27 @@ class _FleetCollector(Collector):
         for server in servers:
             server_paused.add_metric([server["name"]], 1 if server["paused"] else 0)
         yield from (depth, started, queue_paused, server_paused)
+
+
+class _RedisCollector(Collector):
+    def __init__(self, redis: Redis) -> None:
+        self.redis = redis
+
+    def collect(self) -> Iterator[Metric]:
+        memory = read_memory(self.redis)
+        if memory is None:
+            return  # a gap, as for the queues
+        yield GaugeMetricFamily(
+            "datagen_redis_used_memory_bytes", "Redis memory that counts against maxmemory", memory.used_bytes
+        )
+        yield GaugeMetricFamily(
+            "datagen_redis_maxmemory_bytes", "Redis's maxmemory (0: no limit)", memory.max_bytes
+        )
+        yield GaugeMetricFamily(
+            "datagen_redis_out_of_memory",
+            "1 while Redis is over its maxmemory and refuses writes",
+            1 if memory.out_of_memory else 0,
+        )
 
 
 class _JobsCollector(Collector):
@@ -168,5 +191,21 @@ class CoordinatorMetrics:
         self.ingested_prompts = Counter(
             "datagen_ingested_prompts", "Prompts enqueued by class", ["class"], registry=r
         )
+        self.jobs_rebuilt = Counter(
+            "datagen_jobs_rebuilt",
+            "Jobs rebuilt from storage, by why: Redis lost its data (lost), went back to an older "
+            "snapshot (rolled_back), counted fewer done prompts than storage holds at coordinator "
+            "start (behind), or an operator asked (recover)",
+            ["reason"],
+            registry=r,
+        )
+        for reason in RebuildReason:
+            self.jobs_rebuilt.labels(reason.value)
+        self.redis_oom_refusals = Counter(
+            "datagen_redis_oom_refusals",
+            "Coordinator writes Redis refused at maxmemory (requests answered 503, ingestion waits)",
+            registry=r,
+        )
         r.register(_FleetCollector(self.fleet))
+        r.register(_RedisCollector(self.jobs.redis))
         r.register(_JobsCollector(self.jobs))

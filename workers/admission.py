@@ -1,6 +1,8 @@
 """Admission: one claim loop per class takes prompts from RQ while that class has free slots,
 as many per claim as are free, and runs each as an asyncio task. With nothing to claim it waits
-for a wake-up (`workers.wake`) instead of polling Redis. On a fleet of mixed speeds the slots of
+for a wake-up (`workers.wake`) instead of polling Redis; after a wake-up whose claim found nothing,
+the next wake-driven claim comes no sooner than ``WAKE_COALESCE_S`` later, however many wake-ups
+arrive, while a claim that found work is followed at once. On a fleet of mixed speeds the slots of
 servers held back at the end of the backlog (`Fleet.held_back`) are not claimed for.
 
 :class:`Slots` is the account of what runs: the tasks of each class, how many of them are still
@@ -21,12 +23,13 @@ from typing import Any
 import redis
 
 from datagen.dispatch import Dispatch
+from datagen.redismemory import is_out_of_memory
 from datagen.states import PromptClass
 from workers.control import FleetSync
 from workers.fleet import Fleet
 from workers.redisretry import REDIS_RETRY_MAX_S, REDIS_RETRY_MIN_S
 from workers.rqbridge import InFlight, QueueIdentity, payload_of
-from workers.wake import Wakeups
+from workers.wake import WAKE_COALESCE_S, Wakeups
 
 __all__ = ["Admission", "RunPrompt", "Slots"]
 
@@ -46,6 +49,11 @@ BACKLOG_REFRESH_S = 0.5
 
 # The life of one claimed prompt (``workers.prompt.PromptRunner.run``).
 RunPrompt = Callable[[QueueIdentity, InFlight, PromptClass], Coroutine[Any, Any, None]]
+
+
+def _claim_failed(cls: PromptClass, exc: redis.RedisError) -> None:
+    why = "Redis is out of memory: raise its maxmemory" if is_out_of_memory(exc) else "Redis unreachable?"
+    log.warning("cannot claim %s prompts (%s): %s", cls.value, why, exc)
 
 
 class Slots:
@@ -139,6 +147,7 @@ class Admission:
         poll_s = self.poll_interval_s
         idle_s = 0.0
         outage_s = 0.0
+        woken = False  # the next claim was asked for by a wake-up
         while not slots.stopping.is_set():
             if self.burst and self._burst_done():
                 return
@@ -159,7 +168,7 @@ class Admission:
                 outage_s = 0.0
             except redis.RedisError as exc:
                 if not outage_s:
-                    log.warning("cannot claim %s prompts (Redis unreachable?): %s", cls.value, exc)
+                    _claim_failed(cls, exc)
                 outage_s = min(REDIS_RETRY_MAX_S, max(REDIS_RETRY_MIN_S, outage_s * 2))
                 await asyncio.sleep(outage_s)
                 continue
@@ -168,9 +177,11 @@ class Admission:
                     self.on_claim_empty(cls)
                 # Nothing to claim: wait for a wake-up (`workers.wake`), polling ever more slowly.
                 idle_s = min(IDLE_POLL_MAX_S, max(poll_s, idle_s * 2))
-                await self._wait_for_work(cls, idle_s if self.wakeups is not None else poll_s)
+                timeout_s = idle_s if self.wakeups is not None else poll_s
+                woken = await self._wait_for_work(cls, timeout_s, held=woken)
                 continue
             idle_s = 0.0
+            woken = False
             self._claimed(cls, len(items))
             for item in items:
                 slots.generating[cls] += 1
@@ -226,19 +237,23 @@ class Admission:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self.slots.freed.wait(), timeout=timeout_s)
 
-    async def _wait_for_work(self, cls: PromptClass, timeout_s: float) -> None:
+    async def _wait_for_work(self, cls: PromptClass, timeout_s: float, *, held: bool) -> bool:
+        """Wait for a wake-up, a poll's timeout or a stop; True if woken. ``held``: the claim that
+        found nothing was asked for by a wake-up, so the wake-ups of the next ``WAKE_COALESCE_S``
+        count as one (a flood of them must not become a claim each); after an idle poll a wake-up
+        is answered at once, so a new job's first prompts start within a round trip."""
         if self.wakeups is None:
             await asyncio.sleep(timeout_s)
-            return
+            return False
+        hold_until = asyncio.get_running_loop().time() + WAKE_COALESCE_S if held else 0.0
+        wake = asyncio.ensure_future(self.wakeups.wait(cls, timeout_s, hold_until=hold_until))
         # A stop must not wait out a long idle poll, nor burst mode the end of its last prompt.
-        waiters = {
-            asyncio.ensure_future(self.wakeups.wait(cls, timeout_s)),
-            asyncio.ensure_future(self.slots.stopping.wait()),
-        }
+        waiters = {wake, asyncio.ensure_future(self.slots.stopping.wait())}
         if self.burst and not self.slots.empty.is_set():
             waiters.add(asyncio.ensure_future(self.slots.empty.wait()))
         try:
-            await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+            return wake in done and wake.result()
         finally:
             for waiter in waiters:
                 waiter.cancel()

@@ -30,6 +30,7 @@ from typing import cast
 
 from redis import Redis, RedisError
 
+from datagen.epoch import EpochChange, EpochWatch
 from datagen.errors import (
     ConfigError,
     DatagenError,
@@ -84,6 +85,7 @@ class FleetSync:
         interval_s: float,
         shared_factor: bool,
         metrics_address: str | None = None,
+        epoch: EpochWatch | None = None,
     ) -> None:
         self.redis = redis
         self.keys = keys
@@ -101,6 +103,9 @@ class FleetSync:
         self._published: dict[str, dict[str, object]] = {}
         self._published_at = 0.0
         self._read_at = 0.0
+        # Shared with the claim script's caller (`datagen.dispatch.Dispatch`), which reads its floor.
+        self.epoch = epoch or EpochWatch(redis, keys)
+        self._rolled_back = False
 
     async def run(self) -> None:
         while True:
@@ -123,13 +128,28 @@ class FleetSync:
             pipe.smembers(self.keys.paused_queues())
             pipe.smembers(self.keys.paused_servers())
             pipe.smembers(self.keys.aborting_jobs())
+            pipe.hmget(self.keys.epoch(), ["id", "seq"])
             if full:
                 for server in servers:
                     pipe.hget(self.keys.server_control(server.name), "factor")
                     pipe.hgetall(self.keys.server_workers(server.name))
             replies = pipe.execute()
+        epoch_id, epoch_seq = replies.pop(3)
         paused_queues, paused_servers = set(as_texts(replies[0])), set(as_texts(replies[1]))
         self.aborting_jobs = set(as_texts(replies[2]))
+        change = self.epoch.saw(epoch_id, epoch_seq)
+        if change is EpochChange.LOST:
+            # Redis lost its data (or is another one): what this worker published is gone with it,
+            # and the coordinator refuses submits until some worker publishes its servers again.
+            log.warning("Redis lost its data (its epoch changed); publishing this worker's servers again")
+            self.publish_servers()
+            lazy = False
+        elif change is EpochChange.ROLLED_BACK and not self._rolled_back:
+            log.warning(
+                "Redis went back to an older snapshot; claiming nothing until the coordinator has "
+                "rebuilt its jobs from storage"
+            )
+        self._rolled_back = change is EpochChange.ROLLED_BACK
         self._set_paused_classes(paused_queues)
         if full:
             self._read_at = time.monotonic()
@@ -183,6 +203,15 @@ class FleetSync:
                 pipe.expire(key, WORKERS_HASH_TTL_S)
             pipe.execute()
         self._published, self._published_at = views, now
+
+    def publish_servers(self) -> None:
+        """What this worker learned of each server it accepted (`datagen.fleet.publish_server`,
+        as the health probe wrote it when the server came up), written again."""
+        for server in self.fleet.servers:
+            if server.context_len is None or server.refused is not None:
+                continue
+            entry = {"context_len": server.context_len, **server.model(), "seen_at_ms": now_ms()}
+            publish_server(self.redis, self.keys, server.name, entry)
 
     def _view(self, server: Server) -> dict[str, object]:
         return {

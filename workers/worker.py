@@ -28,6 +28,7 @@ import redis
 from prometheus_client import start_http_server
 
 from datagen.dispatch import Dispatch
+from datagen.epoch import EpochWatch
 from datagen.errors import ConfigError
 from datagen.jobs import JobStore
 from datagen.keys import Keys
@@ -116,7 +117,8 @@ class Worker:
         )
         await claim_storage_async(self.storage, self.settings.namespace, timeout_s)
         self.jobs = JobStore(self.redis, self.keys)
-        self.dispatch = Dispatch(self.redis, self.keys)
+        self.epoch = EpochWatch(self.redis, self.keys)
+        self.dispatch = Dispatch(self.redis, self.keys, epoch=self.epoch)
         self.identities = {
             cls: QueueIdentity(
                 self.keys.queue_name(cls),
@@ -143,6 +145,7 @@ class Worker:
             interval_s=self.settings.control_interval_s,
             shared_factor=self.settings.kv_controller,
             metrics_address=self.metrics_address,
+            epoch=self.epoch,
         )
         self.sync.sync_once()
         self._kv_controls = (

@@ -1,8 +1,9 @@
 """Commands that watch and steer the coordinator's jobs, queues and servers:
-``status``, ``pause``, ``resume``, ``cancel``, ``retry`` and ``delete``."""
+``status``, ``pause``, ``resume``, ``cancel``, ``retry``, ``recover`` and ``delete``."""
 
 from __future__ import annotations
 
+import time
 from typing import Annotated, Any
 
 import typer
@@ -25,13 +26,15 @@ def _client() -> Any:
 def status(
     coordinator: Annotated[str | None, typer.Option(help="coordinator URL (DATAGEN_COORDINATOR_URL)")] = None,
 ) -> None:
-    """Show jobs, queues and servers."""
+    """Show jobs, queues and servers, and Redis's memory (in red when an operator must act)."""
     from datagen.client import CoordinatorClient
 
     settings = load(ClientSettings, coordinator_url=coordinator)
     with CoordinatorClient(settings.coordinator_url, api_token=settings.api_token) as client:
         jobs, queues, servers = client.jobs(), client.queues(), client.servers()
+        redis_memory = client.health().get("redis")
     out = Console()
+    _print_redis(out, redis_memory)
     jobs_table = Table(
         "job",
         "state",
@@ -87,6 +90,47 @@ def status(
         )
     for table in (jobs_table, queues_table, servers_table, _workers_table(servers)):
         out.print(table)
+    for job in jobs:
+        _print_job_notes(out, job)
+
+
+def _print_job_notes(out: Console, job: dict[str, Any]) -> None:
+    """What the jobs table cannot show: a storage outage now, and a rebuild from storage (when,
+    why, what it kept)."""
+    if job.get("storage_error"):
+        out.print(f"job {job['id']}: storage error: {job['storage_error']}", style="red", markup=False)
+    rebuilt = job.get("rebuilt")
+    if rebuilt:
+        at = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(rebuilt["at_ms"] / 1000))
+        unreadable = rebuilt.get("unreadable_shards") or 0
+        out.print(
+            f"job {job['id']}: rebuilt from storage at {at} ({rebuilt['reason']}): "
+            f"{rebuilt['committed']} prompts kept their committed records, the other "
+            f"{max(0, job['total'] - rebuilt['committed'])} run again"
+            + (
+                f"; {unreadable} unreadable shards left out (datagen verify {job['id']})"
+                if unreadable
+                else ""
+            ),
+            style="yellow",
+            markup=False,
+            highlight=False,
+        )
+
+
+def _print_redis(out: Console, memory: dict[str, Any] | None) -> None:
+    """One line of Redis's memory, then each problem an operator must fix (out of memory, an
+    evicting policy) in red. Nothing from a coordinator that does not say (older, or no INFO)."""
+    if not memory:
+        return
+    used, limit = memory["used_memory_bytes"] / MIB, memory["maxmemory_bytes"] / MIB
+    share = (
+        f"{used:.1f} MiB of maxmemory {limit:.1f} MiB ({used / limit:.0%})" if limit else f"{used:.1f} MiB"
+    )
+    limits = f", maxmemory-policy {memory['maxmemory_policy']}" if limit else ", no maxmemory"
+    out.print(f"redis: {share} used{limits}", markup=False, highlight=False)
+    for problem in memory.get("problems", []):
+        out.print(problem, style="bold red", markup=False, highlight=False)
 
 
 def _workers_table(servers: list[dict[str, Any]]) -> Table:
@@ -105,6 +149,7 @@ def _workers_table(servers: list[dict[str, Any]]) -> Table:
 
 
 QUEUE_NAMES = ("short", "long")
+MIB = 1024 * 1024
 
 
 def _priority(job: dict[str, Any]) -> str:
@@ -200,6 +245,23 @@ def retry(
             f"[yellow]{state['not_retryable']} failures are no longer in RQ's failed registry "
             "(older than DATAGEN_FAILURE_TTL_S) and cannot be retried"
         )
+
+
+@app.command()
+def recover(job_id: Annotated[str, typer.Argument(help="job id")]) -> None:
+    """Rebuild a job from storage after Redis lost it: committed prompts count done, the rest run again.
+
+    The coordinator does this by itself when it sees Redis lose or roll back its data; use this for
+    a job that Redis lost while no coordinator was watching.
+    """
+    with _client() as client:
+        state = client.recover(job_id)
+    note = state["rebuilt"]
+    unreadable = f", {note['unreadable_shards']} shards unreadable" if note["unreadable_shards"] else ""
+    console.print(
+        f"job {job_id}: rebuilt from storage: {note['committed']} prompts have committed records"
+        f"{unreadable}; now {state['state']}"
+    )
 
 
 @app.command()

@@ -1,19 +1,60 @@
-"""Commands that read a job's stored records: ``export`` and ``report``."""
+"""Commands that read a job's stored records: ``export``, ``report`` and ``verify``.
+
+All three hold every shard to its commit object (size, sha256, row count) before using a row of it.
+A shard that differs stops ``export`` and ``report`` with one line naming it (exit 3);
+``export --skip-unreadable`` leaves it out instead, names it on stderr and exits 1 (see
+`EXIT_SHARDS_SKIPPED`); ``verify`` lists every bad shard and exits 1 when there is one.
+"""
 
 from __future__ import annotations
 
 import json
 import time
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.text import Text
 
 from datagen.cli._app import EXIT_CHECK_FAILED, app, console
-from datagen.errors import ConfigError
+from datagen.errors import ConfigError, CorruptShardError
 from datagen.settings import CommonSettings, load
+
+if TYPE_CHECKING:
+    from datagen.storage import Storage
+
+# `export --skip-unreadable` that left a shard out: the export is written, but not whole. The same
+# code as a failed `report` check or `submit --wait` with failed prompts: done, with something to see.
+EXIT_SHARDS_SKIPPED = EXIT_CHECK_FAILED
+# `verify` that found a bad shard.
+EXIT_BAD_SHARDS = EXIT_CHECK_FAILED
+
+
+def _job_storage(job_id: str, storage: str | None) -> Storage:
+    from datagen.storage import Storage
+
+    settings = load(CommonSettings, storage=storage)
+    store = Storage(settings.storage)
+    if not store.job_exists(job_id):
+        raise ConfigError(f"no job {job_id} under {store.root}; check --storage / DATAGEN_STORAGE")
+    return store
+
+
+def _warn(message: str) -> None:
+    """One ``warning:`` line on stderr (never wrapped, never read as markup)."""
+    console.print(Text.assemble(("warning:", "yellow"), " ", message), soft_wrap=True, highlight=False)
+
+
+def _report_skipped(job_id: str, skipped: list[CorruptShardError]) -> None:
+    for shard in skipped:
+        _warn(f"skipped shard {shard.path} ({shard.records} records): it {shard.problem}")
+    records = sum(shard.records for shard in skipped)
+    _warn(
+        f"skipped {len(skipped)} shard(s) of job {job_id} ({records} records); the rest is exported. "
+        f"`datagen verify {job_id}` lists every bad shard"
+    )
 
 
 @app.command()
@@ -47,13 +88,20 @@ def export(
         str | None,
         typer.Option(help="the job's tokenizer files at another path (speculators, conversations)"),
     ] = None,
+    skip_unreadable: Annotated[
+        bool,
+        typer.Option(
+            "--skip-unreadable",
+            help="leave out shards that differ from their commit objects or cannot be read (exit 1)",
+        ),
+    ] = False,
 ) -> None:
     """Export a job's records from storage (deduplicated on sample, turn and gen).
 
-    Prints a one-line JSON summary on stdout: rows written, duplicates, rows dropped by reason.
+    Prints a one-line JSON summary on stdout: rows written, duplicates, rows dropped by reason,
+    shards skipped. Exit 0; 1 when --skip-unreadable left a shard out; 3 on an error.
     """
     from datagen.export import ExportFormat, ExportOptions, export_job, total_records
-    from datagen.storage import Storage
 
     try:
         fmt = ExportFormat(format)
@@ -68,11 +116,9 @@ def export(
         shard_size=shard_size,
         partitions=frozenset(partition) if partition else None,
         tokenizer=tokenizer,
+        skip_unreadable=skip_unreadable,
     )
-    settings = load(CommonSettings, storage=storage)
-    store = Storage(settings.storage)
-    if not store.job_exists(job_id):
-        raise ConfigError(f"no job {job_id} under {store.root}; check --storage / DATAGEN_STORAGE")
+    store = _job_storage(job_id, storage)
     started = time.monotonic()
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=console) as bar:
@@ -91,6 +137,9 @@ def export(
     summary = {"job": job_id, "format": fmt.value, "out": str(out), **stats.summary()}
     summary["elapsed_s"] = round(time.monotonic() - started, 3)
     typer.echo(json.dumps(summary))
+    if stats.skipped:
+        _report_skipped(job_id, stats.skipped)
+        raise typer.Exit(EXIT_SHARDS_SKIPPED)
 
 
 @app.command()
@@ -104,16 +153,13 @@ def report(
 ) -> None:
     """Counts, length histograms and token-structure checks of a job's records.
 
-    Exit 0 when every check passes (warnings allowed), 1 when one fails.
+    Exit 0 when every check passes (warnings allowed), 1 when one fails, 3 on an error (such as a
+    shard that differs from its commit object).
     """
     from datagen.export import total_records
     from datagen.report import build_report, print_report, write_report
-    from datagen.storage import Storage
 
-    settings = load(CommonSettings, storage=storage)
-    store = Storage(settings.storage)
-    if not store.job_exists(job_id):
-        raise ConfigError(f"no job {job_id} under {store.root}; check --storage / DATAGEN_STORAGE")
+    store = _job_storage(job_id, storage)
     columns = (TextColumn("reading records"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=console, transient=True) as bar:
         task = bar.add_task("read", total=total_records(store, job_id))
@@ -125,3 +171,35 @@ def report(
         for path in write_report(result, out):
             console.print(f"wrote {path}", soft_wrap=True)
     raise typer.Exit(EXIT_CHECK_FAILED if result.failed else 0)
+
+
+@app.command()
+def verify(
+    job_id: Annotated[str, typer.Argument(help="job id")],
+    storage: Annotated[str | None, typer.Option(help="DATAGEN_STORAGE")] = None,
+) -> None:
+    """Check every committed shard of a job against its commit object: there, of the size, sha256
+    and row count it says, and readable Parquet. Needs only the storage (no Redis, no coordinator).
+
+    Prints one line per bad shard and a summary. Exit 0 when every shard is good, 1 when one is not.
+    """
+    from datagen.recordset import verify_job
+
+    store = _job_storage(job_id, storage)
+    columns = (TextColumn("verifying shards"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=console, transient=True) as bar:
+        task = bar.add_task("verify", total=None)
+        result = verify_job(store, job_id, lambda done, total: bar.update(task, completed=done, total=total))
+    for shard in result.bad:
+        typer.echo(f"bad shard {shard.path} ({shard.records} records): it {shard.problem}")
+    unsealed = (
+        f"; {result.unsealed} of them not verifiable (written before checksums): their row counts "
+        "match and they decode"
+        if result.unsealed
+        else ""
+    )
+    typer.echo(
+        f"job {job_id}: {result.shards - len(result.bad)} shards, {result.records} rows verified; "
+        f"{len(result.bad)} bad{unsealed}"
+    )
+    raise typer.Exit(EXIT_BAD_SHARDS if result.bad else 0)

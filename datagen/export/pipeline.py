@@ -57,6 +57,8 @@ class ExportOptions:
     shard_size: int | None = None  # rows per output file; JSONL output becomes a directory
     partitions: frozenset[str] | None = None
     tokenizer: str | None = None  # the job's tokenizer files at another path
+    # Leave out shards that differ from their commit objects (ExportStats.skipped) instead of stopping.
+    skip_unreadable: bool = False
 
     def __post_init__(self) -> None:
         if self.min_supervised_tokens < 0:
@@ -189,7 +191,9 @@ def export_job(
     progress = on_progress or _no_progress
     stats = ExportStats()
     row_filter = RowFilter(options.filter_options(fmt), stats)
-    filtered = filtered_batches(storage, job_id, row_filter, lambda n: progress("read", n))
+    filtered = filtered_batches(
+        storage, job_id, row_filter, lambda n: progress("read", n), skip_unreadable=options.skip_unreadable
+    )
     # closing(): a failed export removes the shuffle's temporary files at once, not at garbage collection.
     with closing(_ordered(filtered, storage, job_id, options, out)) as batches:
         if fmt is ExportFormat.PARQUET:

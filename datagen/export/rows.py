@@ -16,6 +16,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from datagen.errors import CorruptShardError
 from datagen.recordset import SeenKeys, iter_committed_batches
 from datagen.states import FinishType
 from datagen.storage import Storage
@@ -53,7 +54,8 @@ class DropReason(StrEnum):
 
 @dataclass
 class ExportStats:
-    """Counts of one export. ``records`` are committed records read (duplicates included)."""
+    """Counts of one export. ``records`` are committed records read (duplicates included);
+    ``skipped`` the shards left out (``skip_unreadable``), each with the records its commit counts."""
 
     records: int = 0
     duplicates: int = 0
@@ -62,6 +64,11 @@ class ExportStats:
     clipped: int = 0
     dropped: Counter[str] = field(default_factory=Counter)
     files: list[str] = field(default_factory=list)
+    skipped: list[CorruptShardError] = field(default_factory=list)
+
+    @property
+    def skipped_records(self) -> int:
+        return sum(shard.records for shard in self.skipped)
 
     def summary(self) -> dict[str, Any]:
         return {
@@ -72,6 +79,8 @@ class ExportStats:
             "clipped": self.clipped,
             "tokens": self.tokens,
             "files": len(self.files),
+            "skipped_shards": len(self.skipped),
+            "skipped_records": self.skipped_records,
         }
 
 
@@ -147,9 +156,14 @@ def filtered_batches(
     job_id: str,
     row_filter: RowFilter,
     on_read: Callable[[int], None] | None = None,
+    *,
+    skip_unreadable: bool = False,
 ) -> Iterator[pa.RecordBatch]:
-    """Committed records in commit order through ``row_filter``; ``on_read`` gets rows read so far."""
-    for batch in iter_committed_batches(storage, job_id, ROW_COLUMNS):
+    """Committed records in commit order through ``row_filter``; ``on_read`` gets rows read so far.
+    A shard that differs from its commit object stops the export, or with ``skip_unreadable`` is
+    left out whole and noted in the stats."""
+    on_corrupt = row_filter.stats.skipped.append if skip_unreadable else None
+    for batch in iter_committed_batches(storage, job_id, ROW_COLUMNS, on_corrupt=on_corrupt):
         kept = row_filter(batch)
         if on_read is not None:
             on_read(row_filter.stats.records)

@@ -51,8 +51,15 @@ def _estimated_bytes(metadata: pq.FileMetaData) -> int:
     return total
 
 
+def _estimated_or_zero(metadata: pq.FileMetaData) -> int:
+    try:
+        return _estimated_bytes(metadata)
+    except Exception:  # a damaged footer (read unchecked); reading the shard's records names it
+        return 0
+
+
 def bucket_count(storage: Storage, job_id: str, bucket_bytes: int = SHUFFLE_BUCKET_BYTES) -> int:
-    total = sum(_estimated_bytes(metadata) for metadata in storage.iter_shard_metadata(job_id))
+    total = sum(_estimated_or_zero(metadata) for metadata in storage.iter_shard_metadata(job_id))
     return max(1, min(MAX_SHUFFLE_BUCKETS, math.ceil(total / bucket_bytes)))
 
 

@@ -76,6 +76,7 @@ EXPECTED_METRICS: dict[str, tuple[str, frozenset[str]]] = {
         ("datagen_worker_commit_errors", "counter", ()),
         # service/metrics.py
         ("datagen_jobs_submitted", "counter", ()),
+        ("datagen_jobs_rebuilt", "counter", ("reason",)),
         ("datagen_upload_bytes", "counter", ()),
         ("datagen_ingested_rows", "counter", ("outcome",)),
         ("datagen_ingested_prompts", "counter", ("class",)),
@@ -95,6 +96,10 @@ EXPECTED_METRICS: dict[str, tuple[str, frozenset[str]]] = {
         ("datagen_job_paused", "gauge", ("job",)),
         ("datagen_job_first_record_seconds", "gauge", ("job",)),
         ("datagen_job_tail_seconds", "gauge", ("job",)),
+        ("datagen_redis_used_memory_bytes", "gauge", ()),
+        ("datagen_redis_maxmemory_bytes", "gauge", ()),
+        ("datagen_redis_out_of_memory", "gauge", ()),
+        ("datagen_redis_oom_refusals", "counter", ()),
     ]
 }
 
@@ -360,6 +365,10 @@ class Prometheus:
 
     def targets(self) -> list[dict[str, Any]]:
         return list(self._get("/api/v1/targets", {"state": "active"})["activeTargets"])
+
+    def rules(self) -> list[dict[str, Any]]:
+        """Every loaded rule with its ``health``, ``lastError`` and ``state``."""
+        return [rule for group in self._get("/api/v1/rules", {})["groups"] for rule in group["rules"]]
 
 
 def clean_env() -> dict[str, str]:

@@ -230,6 +230,8 @@ def test_promtool_accepts_the_config_and_the_example_targets(tmp_path: Path) -> 
     for job in config["scrape_configs"]:
         for sd in job.get("file_sd_configs", []):
             sd["files"] = [str(tmp_path / Path(f).name) for f in sd["files"]]
+    for rules in config["rule_files"]:  # relative to the config file, as compose mounts them
+        shutil.copy(DEPLOY / rules, tmp_path / rules)
     (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(config))
     result = subprocess.run(
         [promtool, "check", "config", str(tmp_path / "prometheus.yml")],

@@ -89,6 +89,7 @@ class Observed:
     targets: list[dict[str, Any]]
     job_id: str
     job_label_values: list[str]
+    rules: list[dict[str, Any]]
 
 
 def _config(coordinator: str, worker: str, sim_a: str, sim_b: str) -> dict[str, Any]:
@@ -97,6 +98,8 @@ def _config(coordinator: str, worker: str, sim_a: str, sim_b: str) -> dict[str, 
     config["global"].update(
         scrape_interval=SCRAPE_INTERVAL, scrape_timeout=SCRAPE_INTERVAL, evaluation_interval=SCRAPE_INTERVAL
     )
+    # The real alert rules, evaluated against the real series (the config lands in a tmp directory).
+    config["rule_files"] = [str(PROMETHEUS_CONFIG.parent / rules) for rules in config["rule_files"]]
     jobs = {job["job_name"]: job for job in config["scrape_configs"]}
     for job in jobs.values():
         job.pop("file_sd_configs", None)
@@ -311,6 +314,7 @@ def observed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Observed]:
                     targets=prom.targets(),
                     job_id=job_id,
                     job_label_values=prom.label_values("job", "datagen_job_prompts_total"),
+                    rules=prom.rules(),
                 )
         finally:
             stack.stop()
@@ -369,3 +373,12 @@ def test_both_sglang_name_forms_are_stored(observed: Observed) -> None:
         "sglang",
         "sglang-underscore-names",
     }
+
+
+def test_the_alert_rules_evaluate_and_stay_quiet(observed: Observed) -> None:
+    """deploy/alerts.yml over the real series: every rule evaluates; Redis has no maxmemory here,
+    so none fires."""
+    rules = {rule["name"]: rule for rule in observed.rules}
+    assert set(rules) == {"DatagenRedisOutOfMemory", "DatagenRedisMemoryHigh"}
+    for name, rule in rules.items():
+        assert (rule["health"], rule["state"]) == ("ok", "inactive"), (name, rule.get("lastError"))

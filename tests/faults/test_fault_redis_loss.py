@@ -1,0 +1,122 @@
+"""Issue 22: Redis is working state, storage is the truth.
+
+Over real processes (Redis, a simulator, a coordinator, a worker), Redis itself misbehaves as it
+does when run without persistence, restored from a snapshot, or failed over to a lagging replica:
+
+1. SIGKILLed and restarted **empty** mid-job, nothing else restarted. The worker publishes its
+   servers again within seconds (submits are refused until some worker has), the coordinator
+   sees the epoch gone and rebuilds the job from storage, and it completes with every prompt's
+   record exactly once in the export, token-exact; only prompts in flight at the loss may have
+   been generated twice.
+2. SIGKILLed and restarted from an **older snapshot** (an RDB saved part way). The coordinator
+   sees the epoch's sequence go back, rebuilds the job; no prompt whose record was committed
+   before the loss is generated again, and the job completes without any restart.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Callable
+
+import httpx
+import pytest
+
+from tests.faults.fault_helpers import (
+    HTTP_TIMEOUT_S,
+    FaultStack,
+    all_records,
+    check_final_state,
+    rows_for,
+    wait_for,
+)
+
+pytestmark = pytest.mark.faults
+
+PROMPTS = 600
+MAX_NEW_TOKENS = 200
+CONCURRENCY = 16
+# What the issue asks: the servers are published again within 15 s of Redis coming back.
+REPUBLISH_BUDGET_S = 15.0
+COMPLETE_TIMEOUT_S = 240.0
+
+
+def _servers(stack: FaultStack) -> list[str]:
+    try:
+        body = httpx.get(f"{stack.coordinator_url}/servers", timeout=HTTP_TIMEOUT_S).json()
+    except httpx.HTTPError:
+        return []
+    return [s["name"] for s in body.get("servers", [])]
+
+
+def _job_or_none(stack: FaultStack, job_id: str) -> dict[str, object] | None:
+    try:
+        response = httpx.get(f"{stack.coordinator_url}/jobs/{job_id}", timeout=HTTP_TIMEOUT_S)
+    except httpx.HTTPError:
+        return None
+    return response.json() if response.status_code == 200 else None  # type: ignore[no-any-return]
+
+
+def _start(make_stack: Callable[..., FaultStack], namespace: str) -> tuple[FaultStack, str, list]:
+    stack = make_stack(namespace)
+    stack.add_sim("a", time_scale=0.02)
+    stack.start_coordinator()
+    stack.start_worker("worker", ["a"], concurrency=CONCURRENCY)
+    wait_for(lambda: _servers(stack) == ["a"], 30, "the worker to publish its server")
+    rows = rows_for(PROMPTS)
+    job_id = stack.submit(rows, max_new_tokens=MAX_NEW_TOKENS)
+    return stack, job_id, rows
+
+
+def test_redis_restarted_empty_mid_job(make_stack: Callable[..., FaultStack]) -> None:
+    stack, job_id, rows = _start(make_stack, "lost")
+    wait_for(lambda: stack.job(job_id)["done"] >= PROMPTS // 4, 120, "a quarter of the job to be done")
+
+    stack.kill_redis()
+    lost_at = time.monotonic()
+    stack.restart_redis()  # no AOF, no snapshot: empty
+    back = wait_for(
+        lambda: _servers(stack) == ["a"], REPUBLISH_BUDGET_S + 5, "the server to be published again"
+    )
+    republished_s = time.monotonic() - lost_at
+    wait_for(lambda: _job_or_none(stack, job_id) is not None, 30, "the job to be rebuilt")
+    stack.wait_completed(job_id, COMPLETE_TIMEOUT_S)
+    whole_s = time.monotonic() - lost_at
+
+    final = check_final_state(stack, job_id, rows, max_new_tokens=MAX_NEW_TOKENS, label="redis lost")
+    rebuilt = final.job["rebuilt"]
+    print(
+        f"  servers published again {republished_s:.1f} s after the loss (waited {back:.1f} s); "
+        f"job rebuilt ({rebuilt['reason']}: {rebuilt['committed']} committed), completed "
+        f"{whole_s:.1f} s after the loss; generated twice: {final.wasted}"
+    )
+    assert republished_s <= REPUBLISH_BUDGET_S
+    assert rebuilt is not None and rebuilt["reason"] == "Redis lost its data"
+    # Only what was in flight when Redis died can have run twice.
+    assert final.wasted <= CONCURRENCY
+
+
+def test_redis_restored_from_an_older_snapshot_mid_job(make_stack: Callable[..., FaultStack]) -> None:
+    stack, job_id, rows = _start(make_stack, "back")
+    wait_for(lambda: stack.job(job_id)["done"] >= PROMPTS // 6, 120, "a sixth of the job to be done")
+    stack.redis.save()  # the snapshot Redis will come back with
+    wait_for(lambda: stack.job(job_id)["done"] >= PROMPTS // 2, 120, "half of the job to be done")
+
+    stack.kill_redis()
+    committed_before = Counter(
+        (r["sample_id"], r["turn"], r["gen"]) for r in all_records(stack.storage, job_id)
+    )
+    stack.restart_redis()  # loads the older snapshot (dump.rdb)
+    stack.wait_completed(job_id, COMPLETE_TIMEOUT_S)
+
+    final = check_final_state(stack, job_id, rows, max_new_tokens=MAX_NEW_TOKENS, label="redis rolled back")
+    rebuilt = final.job["rebuilt"]
+    print(
+        f"  done before the loss ~{len(committed_before)}; rebuilt ({rebuilt and rebuilt['reason']}); "
+        f"generated twice: {final.wasted}"
+    )
+    assert rebuilt is not None and rebuilt["reason"] == "Redis went back to an older snapshot"
+    after = Counter((r["sample_id"], r["turn"], r["gen"]) for r in final.records)
+    again = [key for key in committed_before if after[key] > committed_before[key]]
+    assert again == [], f"{len(again)} prompts with a committed record were generated again"
+    assert final.wasted <= CONCURRENCY + sum(n - 1 for n in committed_before.values())
