@@ -14,7 +14,8 @@ __all__ = ["CLAIM_MANY"]
 # time format, 10 the worker's RQ name, 11 the execution id, 12 the running set suffix, 13 the
 # worker's epoch floor (`datagen.epoch`): an epoch ``seq`` below it is a Redis restored from an
 # older snapshot, whose backlogs hold prompts already done; nothing is handed out until the
-# coordinator has rebuilt the jobs from storage and stamped a new ``seq``.
+# coordinator has rebuilt the jobs from storage and stamped a new ``seq``; from 14, job ids this
+# worker passes over as if paused (too many of their records wait for a commit here).
 #
 # Order: RQ's own list first (prompts handed back by a stopping worker or requeued by the reaper;
 # a paused job's go to the front of its backlog instead), then the backlogs by priority and, within
@@ -34,6 +35,7 @@ if tonumber(redis.call('HGET', KEYS[8], 'seq') or '0') < tonumber(ARGV[13]) then
 local want = tonumber(ARGV[7])
 local paused = {}
 for _, job in ipairs(redis.call('SMEMBERS', KEYS[2])) do paused[job] = true end
+for i = 14, #ARGV do paused[ARGV[i]] = true end
 local sets = {high = 3, normal = 4, low = 5}
 local function job_of(id)
   local rest = string.sub(id, #ARGV[5] + 1)

@@ -14,6 +14,8 @@ __all__ = ["CoordinatorClient"]
 
 DEFAULT_TIMEOUT_S = 30.0
 UPLOAD_TIMEOUT_S = 3600.0
+# Jobs per GET /jobs page when reading them all.
+JOBS_PAGE = 500
 
 
 class CoordinatorClient:
@@ -51,7 +53,23 @@ class CoordinatorClient:
         return self._request("GET", f"/jobs/{job_id}")
 
     def jobs(self) -> list[dict[str, Any]]:
-        return self._request("GET", "/jobs")["jobs"]
+        """Every job, newest first, read a page at a time."""
+        jobs: list[dict[str, Any]] = []
+        cursor: str | None = None
+        while True:
+            body = self.jobs_page(JOBS_PAGE, cursor)
+            jobs += body["jobs"]
+            cursor = body.get("next")
+            if cursor is None:
+                return jobs
+
+    def jobs_page(self, limit: int, cursor: str | None = None) -> dict[str, Any]:
+        """One page of ``GET /jobs``: ``jobs``, ``next`` (the following page's cursor, or None) and
+        ``count`` (all jobs)."""
+        params: dict[str, Any] = {"limit": limit}
+        if cursor is not None:
+            params["cursor"] = cursor
+        return self._request("GET", "/jobs", params=params)
 
     def errors(self, job_id: str, kind: str, limit: int = 100) -> list[dict[str, Any]]:
         body = self._request("GET", f"/jobs/{job_id}/errors", params={"kind": kind, "limit": limit})

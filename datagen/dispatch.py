@@ -23,7 +23,7 @@ The scripts derive per-job keys from the prefixes in :mod:`datagen.keys` (no Red
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, cast
@@ -154,9 +154,12 @@ class Dispatch:
         self._drop = redis.register_script(_DROP)
 
     # Workers -------------------------------------------------------------------------------------
-    def claim_many(self, cls: PromptClass, n: int, claimant: Claimant) -> list[Claimed]:
+    def claim_many(
+        self, cls: PromptClass, n: int, claimant: Claimant, *, skip: Collection[str] = ()
+    ) -> list[Claimed]:
         """Start up to ``n`` prompts of ``cls`` for ``claimant`` (see `datagen._dispatch_scripts`):
-        each is in RQ's started registry and its job's running set when this returns."""
+        each is in RQ's started registry and its job's running set when this returns. Jobs in
+        ``skip`` are passed over as paused ones are (this worker cannot take more of them now)."""
         keys = self.keys
         bucket = int(time.time() // WINDOW_BUCKET_S)
         now = rq_now()
@@ -183,6 +186,7 @@ class Dispatch:
                 claimant.execution_id,
                 keys.running_suffix(),
                 self.epoch.floor if self.epoch is not None else 0,
+                *sorted(skip),
             ],
         )
         claimed = []

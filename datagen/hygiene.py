@@ -17,7 +17,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from datagen.decontam import BenchmarkIndex, Contamination, load_benchmarks
+from datagen.decontam import (
+    BenchmarkIndex,
+    BenchmarkSet,
+    Contamination,
+    check_sets,
+    index_of,
+    sets_sha256,
+)
 from datagen.dedup import (
     DedupMode,
     NearParams,
@@ -27,12 +34,23 @@ from datagen.dedup import (
     near_params,
     pack_records,
 )
+from datagen.errors import InvalidSpecError
 from datagen.spec import JobSpec
 
-__all__ = ["Hygiene", "HygieneRow", "Verdicts", "upload_tag"]
+__all__ = ["Hygiene", "HygieneRow", "Verdicts", "check_benchmarks", "upload_tag"]
 
 # Text of each side of an example shown in the dry run.
 EXAMPLE_CHARS = 200
+
+
+def check_benchmarks(spec: JobSpec) -> list[BenchmarkSet]:
+    """The spec's decontamination sets, checked (limits, sha256) and parsed now, so that a bad set
+    is refused before a submit is accepted; the index stays cached for the ingestion and dry runs
+    (`datagen.decontam.index_of`)."""
+    sets = check_sets(spec.decontaminate)
+    if sets:
+        index_of(sets, spec.decontaminate_n)
+    return sets
 
 
 def upload_tag(upload: str) -> int:
@@ -77,10 +95,21 @@ class Hygiene:
         self.benchmarks = benchmarks
 
     @classmethod
-    def for_spec(cls, spec: JobSpec) -> Hygiene:
-        """From a job spec's ``dedup``, ``dedup_threshold``, ``decontaminate`` and ``decontaminate_n``."""
-        benchmarks = load_benchmarks(spec.decontaminate, spec.decontaminate_n) if spec.decontaminate else None
-        return cls(spec.dedup, spec.dedup_threshold, benchmarks)
+    def for_spec(cls, spec: JobSpec, *, pinned_sha256: str | None = None) -> Hygiene:
+        """From a job spec's ``dedup``, ``dedup_threshold``, ``decontaminate`` and ``decontaminate_n``
+        (the sets are hashed again, and parsed only if their content is not cached).
+        ``pinned_sha256``: the sets' digest in the job's manifest; other content now is refused
+        (`InvalidSpecError`), since it would judge the job's later rows by other sets."""
+        if not spec.decontaminate:
+            return cls(spec.dedup, spec.dedup_threshold, None)
+        sets = check_sets(spec.decontaminate)
+        if pinned_sha256 is not None and (now := sets_sha256(sets)) != pinned_sha256:
+            raise InvalidSpecError(
+                f"the decontamination sets changed since the job was submitted (sha256 "
+                f"{pinned_sha256[:16]}… in its manifest, {now[:16]}… now): restore them, or submit "
+                "the rest under a new job id"
+            )
+        return cls(spec.dedup, spec.dedup_threshold, index_of(sets, spec.decontaminate_n))
 
     @property
     def active(self) -> bool:

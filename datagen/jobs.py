@@ -27,7 +27,7 @@ from datagen._job_outcomes import (
     JobOutcomes,
     RequeueItem,
 )
-from datagen.errors import JobNotFoundError, JobStateError
+from datagen.errors import InvalidRequestError, JobNotFoundError, JobStateError
 from datagen.job_progress import INT_FIELDS, JobProgress, now_ms
 from datagen.keys import SEEN_SEGMENTS, Keys
 from datagen.redistext import as_text, as_texts
@@ -53,6 +53,9 @@ OTHER_PARTITION = "other"
 
 # The dispatch scripts count cancelled prompts by this shared rule too.
 LUA_COUNT_CANCELLED_QUEUED = scripts.COUNT_CANCELLED_QUEUED
+
+# A page of job ids reads this many more, for jobs made in the same millisecond as the cursor's.
+PAGE_TIES = 64
 
 # Seen records are read back in pieces of this size (a Redis reply stays small).
 SEEN_READ_BYTES = 8 * 1024 * 1024
@@ -213,7 +216,47 @@ class JobStore(JobOutcomes):
         )
 
     def list_ids(self, limit: int = 1000) -> list[str]:
+        """The newest ``limit`` job ids (see :meth:`iter_ids` and :meth:`page` for all of them)."""
         return as_texts(self.redis.zrevrange(self.keys.jobs_index(), 0, limit - 1))
+
+    def count(self) -> int:
+        return int(self.redis.zcard(self.keys.jobs_index()))
+
+    def iter_ids(self, page: int = 1000) -> Iterator[str]:
+        """Every job id, newest first, read ``page`` at a time (however many jobs there are)."""
+        for ids, _ in self._pages(page):
+            yield from ids
+
+    def _pages(self, page: int) -> Iterator[tuple[list[str], str | None]]:
+        cursor: str | None = None
+        while True:
+            ids, cursor = self.page(page, cursor)
+            yield ids, cursor
+            if cursor is None:
+                return
+
+    def page(self, limit: int, cursor: str | None = None) -> tuple[list[str], str | None]:
+        """Up to ``limit`` job ids, newest first, after ``cursor`` (None: from the newest); and the
+        cursor of the next page (None: this was the last). A cursor is ``<created ms>:<job id>``:
+        jobs made or deleted between pages neither repeat nor hide others. A malformed cursor
+        raises InvalidRequestError."""
+        cursor_ms, after = _parse_cursor(cursor) if cursor is not None else (0, "")
+        key = self.keys.jobs_index()
+        if cursor is None:
+            raw = self.redis.zrevrange(key, 0, limit - 1, withscores=True)
+        else:
+            # Ties in the score come in reverse id order; at most a few share one millisecond.
+            raw = self.redis.zrevrangebyscore(
+                key, cursor_ms, "-inf", start=0, num=limit + PAGE_TIES, withscores=True
+            )
+        rows = [(as_text(member), int(score)) for member, score in cast(list[tuple[bytes, float]], raw)]
+        if cursor is not None:
+            rows = [(m, sc) for m, sc in rows if not (sc == cursor_ms and m >= after)][:limit]
+        ids = [member for member, _ in rows]
+        if len(rows) < limit:
+            return ids, None
+        last_member, last_score = rows[-1]
+        return ids, f"{last_score}:{last_member}"
 
     # Ingestion ----------------------------------------------------------------------------------
     def ingest_line(self, job_id: str) -> int:
@@ -271,12 +314,27 @@ class JobStore(JobOutcomes):
         # a job with nothing left to run is never seen running before it is seen completed.
         with self.redis.pipeline(transaction=True) as pipe:
             self.transition(job_id, (JobState.INGESTING,), JobState.RUNNING, pipe=pipe, fence="drop")
-            self._count_script(
-                keys=self._count_keys(job_id),
-                args=["done", 0, 0, now_ms(), "", "", 0, "", "", "", "", *COUNT_STATES],
-                client=pipe,
-            )
+            self._complete_if_ended(job_id, pipe)
             pipe.execute()
+
+    def reopen(self, job_id: str) -> bool:
+        """A completed job runs again (a retry is about to put prompts back): from now on a cancel
+        can stop it. Returns whether it moved."""
+        return self.transition(job_id, (JobState.COMPLETED,), JobState.RUNNING, {"finished_at_ms": 0})
+
+    def complete_if_ended(self, job_id: str) -> None:
+        """A running job whose prompts have all ended completes (a retry that put none back)."""
+        with self.redis.pipeline(transaction=True) as pipe:
+            self._complete_if_ended(job_id, pipe)
+            pipe.execute()
+
+    def _complete_if_ended(self, job_id: str, pipe: Pipeline) -> None:
+        # The count script with nothing to count: it only applies the completion rule.
+        self._count_script(
+            keys=self._count_keys(job_id),
+            args=["done", 0, 0, now_ms(), "", "", 0, "", "", "", "", *COUNT_STATES],
+            client=pipe,
+        )
 
     def transition(
         self,
@@ -364,3 +422,12 @@ class JobStore(JobOutcomes):
             counter, label, cls = as_text(field).split("|", 2)
             out[(counter, label, cls)] = int(value)
         return out
+
+
+def _parse_cursor(cursor: str) -> tuple[int, str]:
+    score, _, after = cursor.partition(":")
+    if not score.isdigit() or not after:
+        raise InvalidRequestError(
+            f"bad cursor {cursor[:80]!r}: pass the `next` of the previous page of GET /jobs unchanged"
+        )
+    return int(score), after

@@ -58,6 +58,9 @@ DEFAULT_RETRY_BASE_S = 1.0
 DEFAULT_RETRY_MAX_S = 30.0
 DEFAULT_COMMIT_INTERVAL_S = 2.0
 DEFAULT_SHARD_MAX_RECORDS = 1000
+# A worker claims nothing while this many of its records wait for their shard commit (storage that
+# cannot be written): memory and the claim stay bounded. Far above what a commit interval gathers.
+DEFAULT_MAX_UNCOMMITTED_RECORDS = 2048
 DEFAULT_POLL_INTERVAL_S = 0.2
 DEFAULT_HEALTH_INTERVAL_S = 5.0
 DEFAULT_HEALTH_TIMEOUT_S = 20.0
@@ -141,6 +144,11 @@ class WorkerSettings(CommonSettings):
     retry_max_s: float = Field(default=DEFAULT_RETRY_MAX_S, ge=0)
     commit_interval_s: float = Field(default=DEFAULT_COMMIT_INTERVAL_S, gt=0)
     shard_max_records: int = Field(default=DEFAULT_SHARD_MAX_RECORDS, ge=1)
+    max_uncommitted_records: int = Field(
+        default=DEFAULT_MAX_UNCOMMITTED_RECORDS,
+        ge=1,
+        description="records waiting for their shard commit at which the worker stops claiming",
+    )
     poll_interval_s: float = Field(default=DEFAULT_POLL_INTERVAL_S, gt=0)
     # Fault tests only: how long a committed shard's acknowledgement waits (kill -9 in between).
     test_ack_delay_s: float = Field(default=0.0, ge=0, le=60)

@@ -46,6 +46,9 @@ DEFAULT_ERRORS_LIMIT = 1000
 REDIS_SOCKET_TIMEOUT_S = 10.0
 # A validation answer names at most this many problems.
 MAX_REPORTED_PROBLEMS = 10
+# GET /jobs pages: the default and the largest page.
+JOBS_PAGE = 100
+MAX_JOBS_PAGE = 1000
 OPENAPI_URL = "/openapi.json"
 # Redis errors that mean "not reachable now" (a failover makes a replica read-only for a while);
 # a refusal at maxmemory is said as such (`datagen.redismemory`); any other Redis error is a bug of
@@ -169,15 +172,24 @@ def _install_routes(app: FastAPI) -> None:
         return coord.dry_run(parse_spec_json(spec), dataset.file)
 
     @app.get("/jobs", dependencies=guarded)
-    def list_jobs(coord: Coord) -> dict[str, Any]:
+    def list_jobs(
+        coord: Coord,
+        limit: Annotated[int, Query(ge=1, le=MAX_JOBS_PAGE, description="jobs per page")] = JOBS_PAGE,
+        cursor: Annotated[
+            str | None, Query(max_length=200, description="the `next` of the previous page")
+        ] = None,
+    ) -> dict[str, Any]:
+        """Jobs with progress, newest first, a page at a time: ``next`` is the cursor of the next
+        page (null on the last), ``count`` how many jobs there are in all."""
+        ids, following = coord.jobs.page(limit, cursor)
         jobs = []
         shares = coord.controls.dispatch.shares()
-        for job in coord.jobs.list_ids():
+        for job in ids:
             try:
                 jobs.append(coord.job_json(job, shares))
             except JobNotFoundError:
                 continue
-        return {"jobs": jobs}
+        return {"jobs": jobs, "next": following, "count": coord.jobs.count()}
 
     @app.get("/jobs/{job_id}", dependencies=guarded)
     def get_job(coord: Coord, job_id: JobId) -> dict[str, Any]:

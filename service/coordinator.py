@@ -13,6 +13,7 @@ from typing import IO, Any
 
 from redis import Redis, RedisError
 
+from datagen.decontam import BenchmarkSet, sets_sha256
 from datagen.dispatch import JobShare
 from datagen.enqueue import EnqueueOptions
 from datagen.epoch import EpochChange, EpochWatch
@@ -25,6 +26,7 @@ from datagen.errors import (
     UploadTooLargeError,
 )
 from datagen.fleet import live_servers
+from datagen.hygiene import check_benchmarks
 from datagen.jobs import JobStore
 from datagen.keys import Keys
 from datagen.preflight import PreflightResult, preflight_submit
@@ -48,11 +50,13 @@ __all__ = ["Coordinator"]
 log = logging.getLogger(__name__)
 
 COPY_CHUNK_BYTES = 1024 * 1024
-# What a job's manifest pins about how prompts are rendered (identity field -> what it is).
+# What a job's manifest pins about how prompts are rendered and judged (identity field -> what it
+# is); the decontamination sets' digest is `datagen.decontam.sets_sha256`, under "decontaminate".
 PINNED_IDENTITY = {
     "tokenizer_sha256": "tokenizer (files)",
     "chat_template_sha256": "chat template",
     "chat_template_kwargs": "chat_template_kwargs",
+    "decontaminate_sha256": "decontamination set content",
 }
 JOIN_TIMEOUT_S = 10.0
 # How often the coordinator checks Redis's epoch (`datagen.epoch`): two round trips, five commands.
@@ -140,7 +144,7 @@ class Coordinator:
     def _resume_ingesting(self) -> None:
         """Resume every job Redis says is ingesting that no thread here ingests (left half done by
         a previous coordinator, or put back to ingesting by a Redis restored from a snapshot)."""
-        for job_id in self.jobs.list_ids():
+        for job_id in self.jobs.iter_ids():
             try:
                 progress = self.jobs.progress(job_id)
             except JobNotFoundError:
@@ -206,6 +210,7 @@ class Coordinator:
         check_allowed(spec, self.settings)
         spec = _pinned(spec)
         renderer = renderer_for(spec)  # fails fast with a 400 on a bad tokenizer or template
+        sets = check_benchmarks(spec)  # 400 on a set over the limits or unreadable; parsed once
         servers = live_servers(self.redis, self.keys)
         preflight = preflight_submit(spec, renderer, servers)  # 409 with what to fix
         for warning in preflight.warnings:
@@ -227,7 +232,8 @@ class Coordinator:
                 )
             identity = renderer.identity()
             if existing is not None:
-                self._check_provenance(job_id, identity, servers)
+                pinned = {**identity, "decontaminate_sha256": sets_sha256(sets)}
+                self._check_provenance(job_id, pinned, servers)
             else:
                 self._check_no_leftovers(job_id)
             input_name = self._store_upload(job_id, dataset)
@@ -245,7 +251,7 @@ class Coordinator:
                 # This incarnation's manifest (also when the first submit's answer was lost after
                 # its create); records of an earlier one (committed late, after its delete) stay
                 # out of every export. Storage rebuilds the job from it if Redis loses it.
-                manifest = self._manifest(job_id, spec, identity, servers, preflight)
+                manifest = self._manifest(job_id, spec, identity, sets, servers, preflight)
                 manifest["incarnation"] = incarnation
                 manifest["created_at_ms"] = self.jobs.progress(job_id).created_at_ms
                 self.storage.write_manifest(job_id, manifest)
@@ -284,11 +290,14 @@ class Coordinator:
     def _check_provenance(
         self, job_id: str, identity: dict[str, str], servers: dict[str, dict[str, Any]]
     ) -> None:
-        """Refuse to add prompts to a job made with another tokenizer, template or model."""
+        """Refuse to add prompts to a job made with another tokenizer, template, model or
+        decontamination set content."""
         manifest = self.storage.read_manifest(job_id)
         if manifest is None:
             return
-        pinned = manifest.get("tokenizer", {})
+        pinned = dict(manifest.get("tokenizer", {}))
+        if "sha256" in manifest.get("decontaminate", {}):  # manifests before issue 28 pin no sets
+            pinned["decontaminate_sha256"] = manifest["decontaminate"]["sha256"]
         for field, what in PINNED_IDENTITY.items():
             if field in pinned and pinned[field] != identity.get(field):
                 raise InvalidSpecError(
@@ -348,6 +357,7 @@ class Coordinator:
         job_id: str,
         spec: JobSpec,
         identity: dict[str, str],
+        sets: list[BenchmarkSet],
         servers: dict[str, dict[str, Any]],
         preflight: PreflightResult,
     ) -> dict[str, Any]:
@@ -355,6 +365,7 @@ class Coordinator:
             "job_id": job_id,
             "spec": json.loads(spec.model_dump_json()),
             "tokenizer": identity,
+            "decontaminate": {"sha256": sets_sha256(sets), "sets": [s.to_json() for s in sets]},
             "servers": servers,
             "preflight": {
                 "context_len": preflight.context_len,

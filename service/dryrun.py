@@ -35,8 +35,8 @@ DRY_RUN_UPLOAD = "dry-run"
 def dry_run(
     spec: JobSpec, renderer: PromptRenderer, dataset: IO[bytes], context_len: int | None
 ) -> dict[str, Any]:
+    hygiene = Hygiene.for_spec(spec)  # a set over the limits is refused before the upload is read
     sample, sampled_bytes, total_bytes = _split(dataset)
-    hygiene = Hygiene.for_spec(spec)
     rejected: list[dict[str, Any]] = []
     accepted: list[tuple[Prompt, list[int], str]] = []
     rows: set[int] = set()

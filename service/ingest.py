@@ -241,8 +241,13 @@ class Ingestor:
         return True
 
     def _hygiene(self, job_id: str, spec: JobSpec) -> Hygiene:
-        """The job's decontamination index, and the rows it kept so far (from Redis)."""
-        hygiene = Hygiene.for_spec(spec)
+        """The job's decontamination index (held to the sets' digest in its manifest), and the rows
+        it kept so far (from Redis)."""
+        pinned = None
+        if spec.decontaminate:
+            manifest = self.storage.read_manifest(job_id) or {}
+            pinned = (manifest.get("decontaminate") or {}).get("sha256")
+        hygiene = Hygiene.for_spec(spec, pinned_sha256=pinned)
         if hygiene.dedup is not DedupMode.OFF:
             for records in self.jobs.seen_records(job_id):
                 hygiene.seen.load(records)

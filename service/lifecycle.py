@@ -154,19 +154,28 @@ class JobControls:
         # failed registry (`JobStore.requeue_failed`), so even a retry on another coordinator cannot
         # double it.
         token = self.jobs.acquire_retry(job_id)
+        # Running again from the start, not once the failed prompts are read (seconds for many):
+        # meanwhile a cancel stops the job, and the retry ends at its next slice (cancel wins).
+        reopened = self.jobs.reopen(job_id)
+        moved: list[str] = []
         try:
             failed = self._failed(job_id)
             missing = max(0, progress.failed - len(failed))  # their failure TTL ran out
             reasons = Counter(f.reason for f in failed)
             chosen = [f for f in failed if reason is None or f.reason == reason]
-            moved: list[str] = []
             for start in range(0, len(chosen), RETRY_CHUNK):
                 moved += self._requeue(
                     job_id, chosen[start : start + RETRY_CHUNK], Priority(progress.priority)
                 )
+        except JobStateError:
+            if self.jobs.state(job_id) is not JobState.CANCELLED:
+                raise
+            log.info("job %s: cancelled during its retry, which stops here", job_id)
+        finally:
             if moved:
                 self.jobs.forget_failure_reports(job_id, moved)
-        finally:
+            if reopened and not moved:
+                self.jobs.complete_if_ended(job_id)  # nothing went back: completed again
             self.jobs.release_retry(job_id, token)
         log.info("job %s: %d failed prompts re-enqueued (reason filter %s)", job_id, len(moved), reason)
         body = self.jobs.progress(job_id).to_json()

@@ -3,7 +3,9 @@ as many per claim as are free, and runs each as an asyncio task. With nothing to
 for a wake-up (`workers.wake`) instead of polling Redis; after a wake-up whose claim found nothing,
 the next wake-driven claim comes no sooner than ``WAKE_COALESCE_S`` later, however many wake-ups
 arrive, while a claim that found work is followed at once. On a fleet of mixed speeds the slots of
-servers held back at the end of the backlog (`Fleet.held_back`) are not claimed for.
+servers held back at the end of the backlog (`Fleet.held_back`) are not claimed for. While the
+records waiting for their shard commit (`RecordWriter.pending`) reach ``max_uncommitted_records``
+(storage that cannot be written), nothing is claimed: what runs is bounded by that plus the slots.
 
 :class:`Slots` is the account of what runs: the tasks of each class, how many of them are still
 generating (a slot is held from the claim until the server has answered, not while the record
@@ -16,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import sys
 import time
 from collections.abc import Callable, Collection, Coroutine, Mapping
 from typing import Any
@@ -123,6 +126,9 @@ class Admission:
         wakeups: Wakeups | None = None,
         on_claim_empty: Callable[[PromptClass], None] | None = None,
         on_claimed: Callable[[PromptClass], None] | None = None,
+        uncommitted: Callable[[], int] | None = None,
+        max_uncommitted_records: int = 0,
+        crowded_jobs: Callable[[int], set[str]] | None = None,
     ) -> None:
         self.slots = slots
         self.identities = identities
@@ -135,6 +141,12 @@ class Admission:
         self.wakeups = wakeups
         self.on_claim_empty = on_claim_empty
         self.on_claimed = on_claimed
+        # Records waiting for their commit now, and how many of them stop the claims (0: no bound).
+        self.uncommitted = uncommitted
+        self.max_uncommitted_records = max_uncommitted_records
+        # The jobs with at least N records waiting for their commit (`RecordWriter.crowded_jobs`).
+        self.crowded_jobs = crowded_jobs
+        self._commits_behind = False
         # Per class: when the backlog was read (monotonic) and what is left of it since.
         self._backlogs: dict[PromptClass, list[float]] = {}
 
@@ -155,7 +167,7 @@ class Admission:
                 await self._wait_freed(poll_s)
                 continue
             backlog = self._end_of_backlog(cls)
-            if (free := self._free(cls, backlog)) <= 0:
+            if (free := min(self._free(cls, backlog), self._uncommitted_room())) <= 0:
                 await self._wait_freed(poll_s)
                 continue
             if free < self._min_batch(cls) and slots.generating[cls] and idle_s == 0.0:
@@ -164,7 +176,7 @@ class Admission:
                 if free <= 0:
                     continue
             try:
-                items = identity.claim_many(self.dispatch, cls, free)
+                items = identity.claim_many(self.dispatch, cls, free, skip=self._crowded())
                 outage_s = 0.0
             except redis.RedisError as exc:
                 if not outage_s:
@@ -196,7 +208,7 @@ class Admission:
             await self._wait_freed(left_s)
             if self.slots.stopping.is_set():
                 break
-            free = self._free(cls, backlog)
+            free = min(self._free(cls, backlog), self._uncommitted_room())
         return free
 
     def _free(self, cls: PromptClass, backlog: int | None) -> int:
@@ -206,6 +218,27 @@ class Admission:
         if free > 0 and backlog is not None:
             free -= sum(s.free(cls) for s in self.fleet.held_back(cls, backlog))
         return free
+
+    def _crowded(self) -> set[str]:
+        """Jobs whose records waiting for their commit here reach half the bound: not claimed, so
+        one job whose storage fails leaves the other half to jobs whose commits go through."""
+        if self.crowded_jobs is None or self.max_uncommitted_records <= 0:
+            return set()
+        return self.crowded_jobs(max(1, self.max_uncommitted_records // 2))
+
+    def _uncommitted_room(self) -> int:
+        """How many more records may wait for their commit here (claims stop at none)."""
+        if self.uncommitted is None or self.max_uncommitted_records <= 0:
+            return sys.maxsize
+        waiting = self.uncommitted()
+        room = self.max_uncommitted_records - waiting
+        if (room <= 0) != self._commits_behind:
+            self._commits_behind = room <= 0
+            if self._commits_behind:
+                log.warning("%d records wait for their commit: no claims until storage takes them", waiting)
+            else:
+                log.info("records are committed again (%d waiting): claims resume", waiting)
+        return room
 
     def _end_of_backlog(self, cls: PromptClass) -> int | None:
         """With servers of clearly different speeds, the prompts of ``cls`` left to dispatch

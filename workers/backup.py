@@ -18,6 +18,12 @@ backup to win at all: at most ``BACKUP_MAX_SPEED_RATIO`` of the primary server's
 and able to catch up with what the primary has generated so far within ``max_new_tokens``. A
 running backup is cancelled when its class is paused or its server stops taking requests;
 cancelling the prompt (a job cancelled with abort, a hard stop) cancels both requests.
+
+A request outstanding ``HUNG_MARGIN`` times longer than ``max_new_tokens`` at its server's seconds
+per token is overdue: its server is probably hung (SGLang's ``/generate`` is not streamed, so there
+is no progress to watch). It may be backed up at any time, even while the backlog is not empty, on
+any server with a free slot (the next one freed), however fast; the hung server's health probe
+then usually marks it down, which abandons its requests (`workers.generate`).
 ``WorkerSettings.backup_requests`` (``DATAGEN_BACKUP_REQUESTS``) turns backups off.
 
 How each backup ended is counted in ``datagen_worker_backup_requests{outcome}``: ``won`` (it
@@ -51,6 +57,11 @@ T = TypeVar("T")
 BACKUP_MAX_SPEED_RATIO = 0.8
 # How often a racing prompt checks whether its backup must stop (class paused, server left).
 STOP_CHECK_INTERVAL_S = 0.25
+# A request outstanding longer than this multiple of ``max_new_tokens`` times its server's seconds
+# per token should have answered long ago: its server is probably hung (SGLang's /generate is not
+# streamed, so no progress can be seen). Such a request may be backed up at any time, not only at
+# the end of a backlog, on any server with a free slot, however fast.
+HUNG_MARGIN = 3.0
 
 
 @dataclass(eq=False)
@@ -71,6 +82,14 @@ class Straggler:
     @property
     def backup_server(self) -> Server | None:
         return self.offer.result() if self.offer.done() and not self.offer.cancelled() else None
+
+    def overdue_in_s(self) -> float | None:
+        """Seconds until this request is overdue (``HUNG_MARGIN``), negative once it is; None
+        while its server's speed is not measured."""
+        own = self.server.s_per_token
+        if own is None:
+            return None
+        return self.started + HUNG_MARGIN * self.max_new * own - time.monotonic()
 
 
 class Backups:
@@ -119,9 +138,10 @@ class Backups:
         return straggler
 
     def freed(self, cls: PromptClass) -> None:
-        """A request of ``cls`` ended and gave its slot back: a backup may take it."""
-        if cls in self._draining:
-            self._launch(cls)
+        """A request of ``cls`` ended and gave its slot back: a backup may take it (while the
+        backlog is not empty, only a backup of an overdue request)."""
+        if self.enabled:
+            self._launch(cls, overdue_only=cls not in self._draining)
 
     async def race(
         self,
@@ -141,6 +161,14 @@ class Backups:
         run: _BackupRun[T] | None = None
         try:
             either: set[asyncio.Future[Any]] = {first, straggler.offer}
+            overdue_in_s = straggler.overdue_in_s()
+            if overdue_in_s is not None:
+                await asyncio.wait(
+                    either, timeout=max(0.0, overdue_in_s), return_when=asyncio.FIRST_COMPLETED
+                )
+                if not first.done() and not straggler.offer.done():
+                    # Overdue: a backup may take any free slot now, or the next one freed.
+                    self._launch(straggler.cls, overdue_only=straggler.cls not in self._draining)
             await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
             target = straggler.backup_server
             if first.done() or target is None:
@@ -160,10 +188,13 @@ class Backups:
             await self._end(straggler, first, run)
 
     # Choosing backups -------------------------------------------------------------------------
-    def _launch(self, cls: PromptClass) -> None:
+    def _launch(self, cls: PromptClass, *, overdue_only: bool = False) -> None:
         if self.is_paused(cls):
             return
-        waiting = sorted((s for s in self._running[cls] if not s.offer.done()), key=lambda s: s.started)
+        waiting = sorted(
+            (s for s in self._running[cls] if not s.offer.done() and (not overdue_only or _overdue(s))),
+            key=lambda s: s.started,
+        )
         for straggler in waiting:
             if self.fleet.free_slots(cls) <= 0:
                 return
@@ -200,6 +231,8 @@ class Backups:
         """
         elapsed_s = time.monotonic() - straggler.started
         own = straggler.server.s_per_token
+        if _overdue(straggler):
+            return True  # its server is probably hung: any backup wins
         if own is None:
             # Its server was never measured: back it up once it runs longer than a typical
             # request takes on the faster one.
@@ -282,6 +315,11 @@ class Backups:
             time.monotonic() - run.started,
             f": {error}" if error is not None else "",
         )
+
+
+def _overdue(straggler: Straggler) -> bool:
+    overdue_in_s = straggler.overdue_in_s()
+    return overdue_in_s is not None and overdue_in_s <= 0
 
 
 @dataclass(eq=False)

@@ -7,7 +7,9 @@
   is therefore seen within about a second.
 - :class:`HealthProbe` (per server): ``/health`` with a timeout. Refused connections and 503 mark
   the server down at once; ``health_timeouts_to_down`` timeouts in a row do too (SGLang's probe
-  runs a one-token generation and is slow under load). A probe never cancels in-flight work.
+  runs a one-token generation and is slow under load). A server marked down so (unreachable or
+  hung, e.g. SIGSTOPped) has its requests in flight abandoned: they are sent elsewhere at once,
+  without charging an attempt, instead of waiting for their read timeout. A 503 cancels nothing.
   A server that comes up is read and checked first (:mod:`datagen.preflight`): an unknown context
   length, another model than the fleet's, or a 401/403 (the API key) keeps the worker off it,
   published as ``refused`` with the reason, until a later probe passes.
@@ -268,11 +270,11 @@ class HealthProbe:
             server.health_timeouts += 1
             if server.health_timeouts >= self.timeouts_to_down:
                 await self.fleet.mark_down(
-                    server, f"{server.health_timeouts} /health probes timed out in a row"
+                    server, f"{server.health_timeouts} /health probes timed out in a row", abandon=True
                 )
             return
         except RetryableError as exc:
-            await self.fleet.mark_down(server, str(exc))
+            await self.fleet.mark_down(server, str(exc), abandon=True)
             return
         server.health_timeouts = 0
         if not healthy:

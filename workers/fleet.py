@@ -73,9 +73,24 @@ class Server:
     # the first one). Their ratio is the server's seconds per output token under its recent load.
     latency_ewma_s: float | None = None
     tokens_ewma: float | None = None
+    # Set when a health probe finds the server unreachable or hung: its requests in flight will
+    # not answer, so they are abandoned and sent elsewhere (see :meth:`Fleet.mark_down`).
+    _lost: asyncio.Event | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.limits = dict(self.max_limits)
+
+    def lost(self) -> asyncio.Event:
+        """Set once the requests in flight here now are abandoned (a probe found the server hung)."""
+        if self._lost is None:
+            self._lost = asyncio.Event()
+        return self._lost
+
+    def abandon(self) -> None:
+        """Give up the requests in flight here now; requests sent later wait on a new event."""
+        if self._lost is not None:
+            self._lost.set()
+            self._lost = None
 
     @property
     def accepting(self) -> bool:
@@ -240,11 +255,18 @@ class Fleet:
         self.metrics.in_flight.labels(server.name, cls.value).dec()
         await self._notify()
 
-    async def mark_down(self, server: Server, reason: str) -> None:
+    async def mark_down(self, server: Server, reason: str, *, abandon: bool = False) -> None:
+        """Send ``server`` nothing new; with ``abandon`` (a probe found it unreachable or hung), its
+        requests in flight are given up too, to be sent elsewhere instead of waiting for their
+        read timeout."""
         if server.up:
             log.warning("server %s marked down: %s", server.name, reason)
         server.up = False
         self.metrics.server_up.labels(server.name).set(0)
+        if abandon:
+            if in_flight := sum(server.in_flight.values()):
+                log.warning("abandoning %d requests in flight on server %s", in_flight, server.name)
+            server.abandon()
 
     async def refuse(self, server: Server, reason: str) -> None:
         """Keep off ``server`` until a later probe accepts it; the reason is logged once."""

@@ -3,6 +3,9 @@
 Retryable errors are retried inside the task (attempts in ``job.meta``). A server fault (the
 server is down or unreachable) sends the prompt elsewhere without charging an attempt; any other
 retryable error charges one and keeps the prompt off that server. :class:`FatalError` ends it.
+A request in flight on a server that its health probe finds hung or unreachable is abandoned
+(cancelled, its connection closed) and counts as a server fault, instead of waiting for its read
+timeout (`workers.fleet.Fleet.mark_down`).
 
 At the end of a run a request may race a backup on a faster idle server (`workers.backup`): the
 first answer makes the record (its ``server`` and ``rid``, which ends ``b.<tag>`` for a backup),
@@ -17,7 +20,8 @@ import json
 import logging
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
+from typing import Any
 
 from rq.job import Job
 
@@ -175,9 +179,10 @@ class Generator:
         labels = (server.name, cls.value)
         started = time.perf_counter()
         try:
-            result = await server.client.generate(
+            request = server.client.generate(
                 payload.prompt_ids, params, rid=rid, read_timeout_s=read_timeout_s
             )
+            result = await _unless_lost(server, request)
         except RetryableError:
             self.metrics.requests.labels(*labels, "retryable").inc()
             raise
@@ -231,6 +236,27 @@ class Generator:
             started_at_ms=timing[1],
             finished_at_ms=now_ms(),
         )
+
+
+async def _unless_lost(server: Server, request: Coroutine[Any, Any, GenerateResult]) -> GenerateResult:
+    """``request``'s answer, unless a probe finds ``server`` hung or unreachable first: then the
+    request is cancelled (its connection closed) and the prompt goes elsewhere with no attempt
+    charged, instead of waiting for the read timeout."""
+    answer = asyncio.ensure_future(request)
+    lost = asyncio.ensure_future(server.lost().wait())
+    try:
+        await asyncio.wait({answer, lost}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        lost.cancel()
+        if not answer.done():
+            answer.cancel()
+            # Shielded: a second cancel must not leave the request open.
+            await asyncio.shield(asyncio.gather(answer, return_exceptions=True))
+    if answer.cancelled():
+        raise ServerUnavailableError(
+            f"server {server.name} stopped answering its health probes with this request in flight"
+        )
+    return answer.result()
 
 
 def _same_max_new(payload: PromptPayload, max_new: int) -> Callable[[Server], bool]:

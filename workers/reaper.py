@@ -11,6 +11,14 @@ keeps killing workers fails (reason ``WorkerLost``) instead of stopping the flee
 (``rq info``, rq-dashboard) follows the same budget, since it also requeues while RQ retries are
 left; when *it* fails a prompt at the cap, the reconciliation pass counts that failure in the job.
 
+A stalled Redis (or a stalled process) must not pass for dead workers: while nobody can write a
+heartbeat, every entry lapses. So each pass starts with a round trip, and when the time since this
+reaper's previous round trip exceeds half a heartbeat TTL, it claims nothing for one heartbeat TTL,
+by which time every live worker has beaten again. An entry is claimed only if its score is still
+lapsed when it is claimed (a heartbeat between the read and the claim wins), and a requeue spends a
+worker-loss retry only when the owning worker's own RQ heartbeat (``rq:worker:<name>``) is gone or
+no later than the prompt's: a prompt whose worker still beats is requeued uncharged.
+
 Jobs stranded in RQ's intermediate list (a worker killed between taking a job and registering
 it) are requeued once they are seen there on two passes in a row.
 """
@@ -26,11 +34,13 @@ from redis import Redis, RedisError
 from rq.exceptions import NoSuchJobError
 from rq.job import Job, JobStatus
 from rq.queue import Queue
+from rq.utils import utcparse
+from rq.worker import BaseWorker
 from rq.worker_registration import clean_worker_registry
 
 from datagen.jobs import JobStore
 from datagen.keys import Keys
-from datagen.redistext import as_texts
+from datagen.redistext import as_text, as_texts
 from datagen.states import PromptClass
 from workers.failures import failure_report, prompt_labels
 from workers.metrics import WorkerMetrics
@@ -44,12 +54,31 @@ log = logging.getLogger(__name__)
 RECONCILE_SCAN = 200
 # The failure reason of a prompt that was running in too many workers that died.
 WORKER_LOST = "WorkerLost"
+# A gap between two of the reaper's Redis round trips longer than this share of the heartbeat TTL
+# is a stall (entries lapse only after a whole TTL without heartbeats).
+STALL_SHARE_OF_TTL = 0.5
+
+# How much later than a prompt's last heartbeat its worker's own must be to be a later heartbeat
+# (one heartbeat writes both, the worker's first, microseconds apart).
+LATER_BEAT_S = 0.001
+
+# KEYS: a started registry. ARGV: a member, the cutoff (epoch seconds). Removes the member only if
+# its heartbeat is still lapsed at the cutoff: its score (the expiry) if removed, else false
+# (renewed, finished, or taken by another reaper).
+_CLAIM_LAPSED = """
+local score = redis.call('ZSCORE', KEYS[1], ARGV[1])
+if not score or tonumber(score) > tonumber(ARGV[2]) then return false end
+redis.call('ZREM', KEYS[1], ARGV[1])
+return score
+"""
 
 
 @dataclass
 class ReapResult:
     requeued: int = 0
     failed: int = 0
+    # Of ``requeued``: prompts whose worker still beats, requeued without spending a retry.
+    uncharged: int = 0
 
 
 class Reaper:
@@ -62,6 +91,7 @@ class Reaper:
         *,
         owner: str,
         interval_s: float,
+        heartbeat_ttl_s: float,
         metrics: WorkerMetrics,
     ) -> None:
         self.redis = redis
@@ -70,7 +100,12 @@ class Reaper:
         self.queues = queues
         self.owner = owner
         self.interval_s = interval_s
+        self.heartbeat_ttl_s = heartbeat_ttl_s
         self.metrics = metrics
+        self._claim_lapsed = redis.register_script(_CLAIM_LAPSED)
+        # Monotonic times: this reaper's last Redis round trip, and the end of a hold after a stall.
+        self._last_round_trip = time.monotonic()
+        self._hold_until = 0.0
 
     async def run(self) -> None:
         while True:
@@ -83,32 +118,58 @@ class Reaper:
             except Exception:  # a failed pass is retried on the next one
                 log.exception("reaper pass failed")
                 continue
-            self.metrics.reaped.labels("requeued").inc(result.requeued)
+            self.metrics.reaped.labels("requeued").inc(result.requeued - result.uncharged)
+            self.metrics.reaped.labels("uncharged").inc(result.uncharged)
             self.metrics.reaped.labels("failed").inc(result.failed)
             if result.requeued or result.failed:
                 log.warning(
-                    "reaper: %d prompts of dead workers requeued, %d failed", result.requeued, result.failed
+                    "reaper: %d prompts of dead workers requeued (%d of them uncharged), %d failed",
+                    result.requeued,
+                    result.uncharged,
+                    result.failed,
                 )
 
     def reap_once(self) -> ReapResult:
         result = ReapResult()
+        holding = self._holding()
         lock_ms = max(1, int(self.interval_s * 1000))
         for queue in self.queues:
             if not self.redis.set(self.keys.reaper_lock(queue.name), self.owner, nx=True, px=lock_ms):
                 continue
-            self._reap_started(queue, result)
+            if not holding:
+                self._reap_started(queue, result)
             self._reap_intermediate(queue, result)
             self._reconcile_failed(queue, result)
             clean_worker_registry(queue)
+        self._last_round_trip = time.monotonic()
         return result
+
+    def _holding(self) -> bool:
+        """One round trip; True while lapsed heartbeats are not to be trusted: for a heartbeat TTL
+        after a gap between round trips (Redis or this process stalled) long enough to fake them."""
+        self.redis.ping()
+        at = time.monotonic()
+        gap_s = at - self._last_round_trip
+        self._last_round_trip = at
+        if gap_s > self.heartbeat_ttl_s * STALL_SHARE_OF_TTL:
+            self._hold_until = at + self.heartbeat_ttl_s
+            log.warning(
+                "reaper: no Redis round trip for %.1f s; lapsed heartbeats are not reaped for %.0f s, "
+                "until live workers have beaten again",
+                gap_s,
+                self.heartbeat_ttl_s,
+            )
+        return at < self._hold_until
 
     def _reap_started(self, queue: Queue, result: ReapResult) -> None:
         registry = queue.started_job_registry
-        for member in as_texts(self.redis.zrangebyscore(registry.key, 0, time.time())):
-            if self.redis.zrem(registry.key, member) != 1:
-                continue  # finished meanwhile, or another reaper took it
+        cutoff = time.time()
+        for member in as_texts(self.redis.zrangebyscore(registry.key, 0, cutoff)):
+            expiry = self._claim_lapsed(keys=[registry.key], args=[member, cutoff])
+            if expiry is None:
+                continue  # beaten, finished meanwhile, or another reaper took it
             rq_id = member.split(":", 1)[0]
-            self._recover(queue, rq_id, result)
+            self._recover(queue, rq_id, float(expiry) - self.heartbeat_ttl_s, result)
 
     def _reap_intermediate(self, queue: Queue, result: ReapResult) -> None:
         listed = set(as_texts(self.redis.lrange(queue.intermediate_queue_key, 0, -1)))
@@ -134,7 +195,8 @@ class Reaper:
     def _class_of(self, queue: Queue) -> str:
         return next((cls.value for cls in PromptClass if self.keys.queue_name(cls) == queue.name), "")
 
-    def _recover(self, queue: Queue, rq_id: str, result: ReapResult) -> None:
+    def _recover(self, queue: Queue, rq_id: str, last_beat_s: float, result: ReapResult) -> None:
+        """Requeue (or fail) a prompt whose heartbeat lapsed, last renewed at ``last_beat_s``."""
         try:
             job = Job.fetch(rq_id, connection=self.redis, serializer=queue.serializer)
         except NoSuchJobError:
@@ -142,8 +204,9 @@ class Reaper:
         payload = payload_of(job) or {}
         job_id = payload.get("job")
         left = job.retries_left or 0
+        charged = not self._beat_since(job.worker_name, last_beat_s)
         with self.redis.pipeline() as pipe:
-            if left <= 0:
+            if charged and left <= 0:
                 message = "gave up: the prompt was running in too many workers that died (max_worker_losses)"
                 fail_job(job, message, pipe, worker_name=self.owner)
                 if job_id is not None:
@@ -151,7 +214,10 @@ class Reaper:
                     self.jobs.count_failed(pipe, job_id, rq_id, report, **prompt_labels(payload))
                 result.failed += 1
             else:
-                pipe.hset(job.key, "retries_left", left - 1)
+                if charged:
+                    pipe.hset(job.key, "retries_left", left - 1)
+                else:
+                    result.uncharged += 1
                 job.set_status(JobStatus.QUEUED, pipeline=pipe)
                 queue.push_job_id(rq_id, pipeline=pipe, at_front=True)
                 pipe.publish(self.keys.wake_channel(), self._class_of(queue))
@@ -159,12 +225,28 @@ class Reaper:
                     self.jobs.handed_back(pipe, job_id, rq_id)
                 result.requeued += 1
             pipe.execute()
+        if not charged:
+            log.warning("reaper: requeued %s uncharged: its worker %s still beats", rq_id, job.worker_name)
+            return
         log.info(
             "reaper: %s %s (%d worker losses left)",
             "failed" if left <= 0 else "requeued",
             rq_id,
             max(0, left - 1),
         )
+
+    def _beat_since(self, worker_name: str | None, last_beat_s: float) -> bool:
+        """Whether the RQ worker identity ``worker_name`` beat after ``last_beat_s`` (a prompt's
+        last heartbeat) and has not died: it lives, but no longer runs the prompt (a claim whose
+        reply it never got). A killed worker's key outlives its prompts' entries by a moment, with
+        the ``last_heartbeat`` of their last renewal."""
+        if not worker_name:
+            return False
+        key = f"{BaseWorker.redis_worker_namespace_prefix}{worker_name}"
+        last_heartbeat, death = self.redis.hmget(key, ["last_heartbeat", "death"])
+        if last_heartbeat is None or death is not None:
+            return False
+        return utcparse(as_text(last_heartbeat)).timestamp() > last_beat_s + LATER_BEAT_S
 
     def _reconcile_failed(self, queue: Queue, result: ReapResult) -> None:
         """Count prompts that RQ's own cleanup failed as abandoned; they are still 'running' for us."""

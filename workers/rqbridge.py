@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,7 +31,7 @@ from datagen.dispatch import Claimant, Dispatch
 from datagen.jobs import AckTarget
 from datagen.states import PromptClass
 
-__all__ = ["InFlight", "QueueIdentity", "fail_job", "payload_of"]
+__all__ = ["InFlight", "QueueIdentity", "fail_job", "heartbeat_ttl_s", "payload_of"]
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +40,13 @@ HEARTBEAT_GRACE_S = 10
 HEARTBEATS_PER_TTL = 3
 
 FinishHook = Callable[[Pipeline], None]
+
+
+def heartbeat_ttl_s(heartbeat_interval_s: float) -> int:
+    """How long a heartbeat (of an identity, and of the prompts it runs) holds: three intervals
+    plus the grace."""
+    return int(heartbeat_interval_s * HEARTBEATS_PER_TTL) + HEARTBEAT_GRACE_S
+
 
 # KEYS: an RQ job hash. Deletes it only if it is a remnant (no ``data``: no enqueue ever saved it).
 _DROP_REMNANT = """
@@ -68,7 +75,7 @@ class QueueIdentity(BaseWorker):
         execution_id: str | None = None,
         wake: tuple[str, str] | None = None,
     ) -> None:
-        self._ttl_s = int(heartbeat_interval_s * HEARTBEATS_PER_TTL) + HEARTBEAT_GRACE_S
+        self._ttl_s = heartbeat_ttl_s(heartbeat_interval_s)
         # Names the worker process in its started-registry members (no ``:``: RQ splits on it).
         self.execution_id = (execution_id or name).replace(":", "-")
         super().__init__(
@@ -142,11 +149,14 @@ class QueueIdentity(BaseWorker):
             execution_id=self.execution_id,
         )
 
-    def claim_many(self, dispatch: Dispatch, cls: PromptClass, n: int) -> list[InFlight]:
-        """Start up to ``n`` prompts due (:mod:`datagen.dispatch`); never blocks."""
+    def claim_many(
+        self, dispatch: Dispatch, cls: PromptClass, n: int, *, skip: Collection[str] = ()
+    ) -> list[InFlight]:
+        """Start up to ``n`` prompts due (:mod:`datagen.dispatch`), none of the jobs in ``skip``;
+        never blocks."""
         queue = self.queue
         items = []
-        for claimed in dispatch.claim_many(cls, n, self.claimant):
+        for claimed in dispatch.claim_many(cls, n, self.claimant, skip=skip):
             job = self.job_class(claimed.rq_id, connection=self.connection, serializer=self.serializer)
             job.restore(claimed.fields)
             # What the claim script wrote, as RQ's prepare_for_execution sets it on its object.

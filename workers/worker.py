@@ -49,7 +49,7 @@ from workers.jobinfo import JobInfos
 from workers.metrics import WorkerMetrics
 from workers.prompt import PromptRunner
 from workers.reaper import Reaper
-from workers.rqbridge import QueueIdentity
+from workers.rqbridge import QueueIdentity, heartbeat_ttl_s
 from workers.sglang import ClientTimeouts, SGLangClient
 from workers.wake import Wakeups
 from workers.writer import RecordWriter
@@ -259,6 +259,9 @@ class Worker:
             wakeups=self.wakeups,
             on_claim_empty=backups.on_claim_empty,
             on_claimed=backups.on_claimed,
+            uncommitted=lambda: self.writer.pending,
+            max_uncommitted_records=self.settings.max_uncommitted_records,
+            crowded_jobs=self.writer.crowded_jobs,
         )
 
     def _probe(self, server: Server) -> HealthProbe:
@@ -281,6 +284,7 @@ class Worker:
             [identity.queue for identity in self.identities.values()],
             owner=self.name,
             interval_s=self.settings.reaper_interval_s,
+            heartbeat_ttl_s=heartbeat_ttl_s(self.settings.heartbeat_interval_s),
             metrics=self.metrics,
         )
         loops = [

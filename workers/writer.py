@@ -4,7 +4,10 @@ Tasks hand a record to :meth:`RecordWriter.commit` and wait; the writer collects
 job and commits a shard when it is full or ``commit_interval_s`` has passed. Only when the shard
 and its commit file are durable do the waiting tasks resume and finish their RQ jobs, so an RQ
 job is never finished for a record that is not stored. A failed commit keeps the records and
-tries again with backoff; their RQ jobs stay started meanwhile.
+tries again with backoff; their RQ jobs stay started meanwhile. The storage is shared: while a
+commit fails, every job with records waiting here shows ``storage_error`` until a commit of its own
+goes through, and admission (`workers.admission`) claims no more once :attr:`RecordWriter.pending`
+reaches ``max_uncommitted_records``.
 """
 
 from __future__ import annotations
@@ -65,7 +68,10 @@ class RecordWriter:
         self._wake = asyncio.Event()
         self._seq = 0
         self._task: asyncio.Task[None] | None = None
-        self._failures = 0
+        # Per job: commits failed in a row, and when its next try is due (backoff per job, so a
+        # job whose storage fails never slows the commits of the others).
+        self._failures: dict[str, int] = {}
+        self._retry_at: dict[str, float] = {}
         self.on_storage_error = on_storage_error
         self._failing: set[str] = set()
 
@@ -84,49 +90,79 @@ class RecordWriter:
 
     @property
     def pending(self) -> int:
+        """Records waiting for their commit, of every job."""
         return sum(len(b) for b in self._pending.values())
+
+    def crowded_jobs(self, at_least: int) -> set[str]:
+        """The jobs with at least ``at_least`` records waiting for their commit (admission claims
+        none of their prompts: one job whose commits fail cannot take the whole budget)."""
+        waiting: dict[str, int] = defaultdict(int)
+        for (job_id, _), batch in self._pending.items():
+            waiting[job_id] += len(batch)
+        return {job_id for job_id, n in waiting.items() if n >= at_least}
 
     async def _loop(self) -> None:
         while True:
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), timeout=self._interval_s())
+                await asyncio.wait_for(self._wake.wait(), timeout=self.commit_interval_s)
             self._wake.clear()
-            await self.flush()
+            await self.flush(due_only=True)
 
-    def _interval_s(self) -> float:
-        if self._failures:
-            return min(COMMIT_RETRY_MAX_S, self.commit_interval_s * 2**self._failures)
-        return self.commit_interval_s
-
-    async def flush(self) -> bool:
-        """Commit everything pending; False if some commit failed (records are kept)."""
+    async def flush(self, *, due_only: bool = False) -> bool:
+        """Commit everything pending (``due_only``: not the jobs whose retry backoff still runs);
+        False if some commit failed (its records are kept). A job whose commit fails does not hold
+        back the others; when one fails, every job with records still waiting is told its storage
+        is failing."""
+        errors: dict[str, str] = {}
+        now = time.monotonic()
         for key in list(self._pending):
-            job_id, incarnation = key
-            while self._pending.get(key):
-                batch = self._pending[key][: self.shard_max_records]
-                try:
-                    await self._commit_batch(job_id, incarnation, batch)
-                except StorageError as exc:
-                    self._failures += 1
-                    self.metrics.commit_errors.inc()
-                    log.error("commit failed, %d records kept and retried: %s", self.pending, exc)
-                    self._report(job_id, str(exc))
-                    return False
-                except JobNotFoundError as exc:
-                    log.info("dropped %d records: %s", len(batch), exc)
-                    del self._pending[key][: len(batch)]
-                    for item in batch:
-                        if not item.done.done():
-                            item.done.set_exception(exc)
-                    continue
-                self._failures = 0
-                self._report(job_id, None)
+            job_id = key[0]
+            if due_only and self._retry_at.get(job_id, 0.0) > now:
+                continue
+            try:
+                await self._flush_batch(key)
+            except StorageError as exc:
+                self.metrics.commit_errors.inc()
+                errors[job_id] = str(exc)
+                failures = self._failures[job_id] = self._failures.get(job_id, 0) + 1
+                backoff_s = min(COMMIT_RETRY_MAX_S, self.commit_interval_s * 2**failures)
+                self._retry_at[job_id] = time.monotonic() + backoff_s
+            else:
+                self._failures.pop(job_id, None)
+                self._retry_at.pop(job_id, None)
+        if not errors:
+            return True
+        first = next(iter(errors.values()))
+        waiting = {job_id for job_id, _ in self._pending}
+        log.error(
+            "commit failed, %d records of %d jobs kept and retried: %s", self.pending, len(waiting), first
+        )
+        for job_id in sorted(waiting):
+            self._report(job_id, errors.get(job_id, first))
+        return False
+
+    async def _flush_batch(self, key: _Batch) -> None:
+        """Commit the records of one job and incarnation, a shard at a time; raises StorageError
+        (the records not committed are kept)."""
+        job_id, incarnation = key
+        while self._pending.get(key):
+            batch = self._pending[key][: self.shard_max_records]
+            try:
+                await self._commit_batch(job_id, incarnation, batch)
+            except JobNotFoundError as exc:
+                log.info("dropped %d records: %s", len(batch), exc)
                 del self._pending[key][: len(batch)]
+                self._failing.discard(job_id)
                 for item in batch:
                     if not item.done.done():
-                        item.done.set_result(None)
-            self._pending.pop(key, None)
-        return True
+                        item.done.set_exception(exc)
+                continue
+            self._report(job_id, None)
+            del self._pending[key][: len(batch)]
+            for item in batch:
+                if not item.done.done():
+                    item.done.set_result(None)
+        self._pending.pop(key, None)
 
     def _report(self, job_id: str, error: str | None) -> None:
         """Tell the job's status about a storage failure, and that it is over."""

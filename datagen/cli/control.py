@@ -14,6 +14,9 @@ from datagen.cli._app import app, console
 from datagen.errors import ConfigError
 from datagen.settings import ClientSettings, load
 
+# Jobs `datagen status` shows, newest first.
+STATUS_JOBS = 100
+
 
 def _client() -> Any:
     from datagen.client import CoordinatorClient
@@ -31,10 +34,15 @@ def status(
 
     settings = load(ClientSettings, coordinator_url=coordinator)
     with CoordinatorClient(settings.coordinator_url, api_token=settings.api_token) as client:
-        jobs, queues, servers = client.jobs(), client.queues(), client.servers()
+        listed = client.jobs_page(STATUS_JOBS)
+        jobs, queues, servers = listed["jobs"], client.queues(), client.servers()
         redis_memory = client.health().get("redis")
     out = Console()
     _print_redis(out, redis_memory)
+    if listed.get("count", len(jobs)) > len(jobs):
+        out.print(
+            f"the newest {len(jobs)} of {listed['count']} jobs (GET /jobs pages through all)", markup=False
+        )
     jobs_table = Table(
         "job",
         "state",

@@ -4,11 +4,13 @@ until their job's budget of worker losses is spent, also after RQ's own registry
 from __future__ import annotations
 
 import time
+from datetime import UTC, datetime
 
 import redis
 from rq import Queue
 from rq.registry import FailedJobRegistry
 from rq.serializers import JSONSerializer
+from rq.utils import utcformat
 
 from datagen.dispatch import Dispatch
 from datagen.jobs import JobStore
@@ -17,28 +19,47 @@ from datagen.storage import Storage
 from tests.workers.worker_helpers import KEYS, ingest
 from workers.metrics import WorkerMetrics
 from workers.reaper import Reaper
-from workers.rqbridge import QueueIdentity
+from workers.rqbridge import QueueIdentity, heartbeat_ttl_s
+
+HEARTBEAT_TTL_S = heartbeat_ttl_s(0.5)
 
 
 def _short_queue(redis_client: redis.Redis) -> Queue:
     return Queue(KEYS.queue_name(PromptClass.SHORT), connection=redis_client, serializer=JSONSerializer)
 
 
-def _claim(redis_client: redis.Redis, name: str) -> str:
+def _claim(redis_client: redis.Redis, name: str, *, dies: bool = True, beats_on: bool = False) -> str:
     identity = QueueIdentity(KEYS.queue_name(PromptClass.SHORT), name, redis_client, 0.5)
     identity.register()
     item = identity.claim(Dispatch(redis_client, KEYS), PromptClass.SHORT)
     assert item is not None  # the claim put it in the job's running set too (in_flight below)
-    # The worker dies: its heartbeat lapses (the score is the expiry time).
+    # The prompt's heartbeat lapses (the score is the expiry time), and with ``dies`` the worker's
+    # own heartbeat (its RQ key, which expires with it).
     registry = item.queue.started_job_registry
     member = next(m for m in redis_client.zrange(registry.key, 0, -1) if m.decode().startswith(item.job.id))
     redis_client.zadd(registry.key, {member: time.time() - 1})
+    if dies:
+        redis_client.delete(identity.key)
+    else:  # its key lingers, from the entry's last renewal or (``beats_on``) from a later beat
+        last_beat = time.time() - 1 - identity.get_heartbeat_ttl(item.job)
+        redis_client.hset(identity.key, "last_heartbeat", utcformat(datetime.fromtimestamp(last_beat, UTC)))
+        if beats_on:
+            identity.heartbeat()
     return item.job.id
 
 
-def _reaper(redis_client: redis.Redis, queue: Queue) -> Reaper:
+def _reaper(redis_client: redis.Redis, queue: Queue, *, heartbeat_ttl_s: float = HEARTBEAT_TTL_S) -> Reaper:
     jobs = JobStore(redis_client, KEYS)
-    return Reaper(redis_client, KEYS, jobs, [queue], owner="r", interval_s=0.01, metrics=WorkerMetrics())
+    return Reaper(
+        redis_client,
+        KEYS,
+        jobs,
+        [queue],
+        owner="r",
+        interval_s=0.01,
+        heartbeat_ttl_s=heartbeat_ttl_s,
+        metrics=WorkerMetrics(),
+    )
 
 
 def test_reaper_requeues_dead_workers_prompts_then_gives_up_on_a_killer(
@@ -91,3 +112,44 @@ def test_rqs_own_cleanup_follows_the_same_budget_and_is_reconciled(
     assert progress.failed == 1  # ... until the reaper reconciles it, once
     _reaper(redis_client, queue).reap_once()
     assert jobs.progress("reap").failed == 1
+
+
+def test_a_stall_holds_the_reaper_for_a_heartbeat_ttl(redis_client: redis.Redis, storage: Storage) -> None:
+    """Redis (or the process) stalled longer than half a TTL: every heartbeat lapsed, so nothing is
+    reaped until live workers have had a TTL to beat again."""
+    ingest(redis_client, storage, "stall", 1)
+    queue = _short_queue(redis_client)
+    reaper = _reaper(redis_client, queue, heartbeat_ttl_s=0.4)
+    victim = _claim(redis_client, "w1")
+    time.sleep(0.3)  # no round trip for more than half a TTL
+    assert reaper.reap_once().requeued == 0
+    assert reaper.reap_once().requeued == 0  # still within the TTL after the stall
+    time.sleep(0.45)  # the reaper lock expired; a gap under half a TTL would not hold again...
+    reaper._last_round_trip = time.monotonic()  # ...so pretend passes ran every interval meanwhile
+    assert reaper.reap_once().requeued == 1
+    assert queue.get_job_ids() == [victim]
+
+
+def test_a_prompt_whose_worker_still_beats_is_requeued_uncharged(
+    redis_client: redis.Redis, storage: Storage
+) -> None:
+    ingest(redis_client, storage, "alive", 1, max_worker_losses=1)
+    queue = _short_queue(redis_client)
+    reaper = _reaper(redis_client, queue)
+    victim = _claim(redis_client, "w1", dies=False, beats_on=True)
+    result = reaper.reap_once()
+    assert (result.requeued, result.uncharged, result.failed) == (1, 1, 0)
+    assert queue.get_job_ids() == [victim]
+    assert queue.fetch_job(victim).retries_left == 1  # no worker loss spent
+
+
+def test_a_killed_workers_lingering_key_does_not_spare_the_retry(
+    redis_client: redis.Redis, storage: Storage
+) -> None:
+    """Its key expires a moment after its prompts' entries, with their last heartbeat."""
+    ingest(redis_client, storage, "killed", 1, max_worker_losses=2)
+    queue = _short_queue(redis_client)
+    victim = _claim(redis_client, "w1", dies=False)
+    result = _reaper(redis_client, queue).reap_once()
+    assert (result.requeued, result.uncharged, result.failed) == (1, 0, 0)
+    assert queue.fetch_job(victim).retries_left == 1

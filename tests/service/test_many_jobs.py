@@ -1,0 +1,100 @@
+"""However many jobs there are: ``GET /jobs`` pages through all of them (never silently stops at
+1,000), and a coordinator that starts resumes every job left ingesting, not only the newest 1,000."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import redis
+from fastapi.testclient import TestClient
+
+from datagen.client import CoordinatorClient
+from datagen.jobs import JobStore
+from datagen.keys import Keys
+from datagen.settings import CoordinatorSettings
+from datagen.spec import JobSpec
+from datagen.storage import Storage
+from service.app import create_app
+from tests.helpers import make_spec, serve_coordinator, wait_until
+
+NS = "many"
+JOBS = 250
+RESUMED = 1200
+
+
+@pytest.fixture
+def settings(redis_url: str, tmp_path: Path) -> CoordinatorSettings:
+    return CoordinatorSettings(redis_url=redis_url, storage=str(tmp_path), namespace=NS)
+
+
+def _make_jobs(redis_client: redis.Redis, n: int, *, per_ms: int = 1) -> list[str]:
+    """``n`` jobs, ``per_ms`` of them made in each millisecond; newest first, as listed."""
+    jobs = JobStore(redis_client, Keys(NS))
+    spec = JobSpec.model_validate(make_spec())
+    ids = [f"j{i:04d}" for i in range(n)]
+    for i, job_id in enumerate(ids):
+        jobs.create(job_id, spec, created_at_ms=1_000_000 + i // per_ms)
+    # Newest first; jobs of one millisecond in reverse id order (Redis's order for equal scores).
+    return sorted(ids, key=lambda j: (1_000_000 + int(j[1:]) // per_ms, j), reverse=True)
+
+
+def test_get_jobs_pages_through_every_job(redis_client: redis.Redis, settings: CoordinatorSettings) -> None:
+    expected = _make_jobs(redis_client, JOBS, per_ms=3)  # ties at every cursor
+    with TestClient(create_app(settings)) as client:
+        seen: list[str] = []
+        cursor = None
+        pages = 0
+        while True:
+            params: dict[str, str | int] = {"limit": 100}
+            if cursor is not None:
+                params["cursor"] = cursor
+            body = client.get("/jobs", params=params).json()
+            assert body["count"] == JOBS
+            seen += [j["id"] for j in body["jobs"]]
+            pages += 1
+            cursor = body["next"]
+            if cursor is None:
+                break
+        assert pages == 3  # 100, 100, 50: written down, not recomputed
+        assert seen == expected
+        bad = client.get("/jobs", params={"cursor": "yesterday"})
+        assert bad.status_code == 422 and "bad cursor" in bad.json()["error"]
+        assert client.get("/jobs", params={"limit": 0}).status_code == 422
+
+
+def test_the_client_reads_every_page(redis_client: redis.Redis, settings: CoordinatorSettings) -> None:
+    expected = _make_jobs(redis_client, 1100)
+    with serve_coordinator(settings) as url, CoordinatorClient(url) as client:
+        assert [j["id"] for j in client.jobs()] == expected
+
+
+def test_a_coordinator_resumes_every_job_left_ingesting(
+    redis_client: redis.Redis, settings: CoordinatorSettings
+) -> None:
+    storage = Storage(settings.storage)
+    jobs = JobStore(redis_client, Keys(NS))
+    row = json.dumps({"id": "only", "messages": [{"role": "user", "content": "hello"}]}) + "\n"
+    ids = _make_jobs(redis_client, RESUMED)
+    with redis_client.pipeline(transaction=False) as pipe:
+        for job_id in ids:
+            name = storage.write_input(job_id, [row.encode()])
+            pipe.hset(Keys(NS).job(job_id), mapping={"ingest_input": name, "ingest_line": 0})
+        pipe.execute()
+    oldest = ids[-1]
+    with TestClient(create_app(settings)):
+        wait_until(
+            lambda: all(s == b"running" for s in _states(redis_client, ids)),
+            300,
+            f"all {RESUMED} jobs to be resumed and ingested",
+            interval_s=0.5,
+        )
+    assert jobs.progress(oldest).accepted == 1  # the oldest, beyond the newest 1,000, too
+
+
+def _states(redis_client: redis.Redis, ids: list[str]) -> list[bytes]:
+    with redis_client.pipeline(transaction=False) as pipe:
+        for job_id in ids:
+            pipe.hget(Keys(NS).job(job_id), "state")
+        return pipe.execute()  # type: ignore[no-any-return]
