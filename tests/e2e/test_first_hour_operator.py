@@ -25,6 +25,7 @@ from typing import Any
 import httpx
 import pytest
 
+from datagen.errors import ConfigError
 from datagen.processes import child_env
 from datagen.redis_server import LocalRedis, free_port
 from datagen.tokenization import bundled_tokenizer_path, default_chat_template_path
@@ -167,7 +168,7 @@ def test_worker_and_coordinator_started_before_redis_wait_for_it(tmp_path: Path)
             return all(log.count("waiting for Redis at") >= 2 for log in logs)
 
         wait_until(both_waiting, UP_TIMEOUT_S, "both to wait for Redis", on_timeout=stack.logs)
-        redis_server.start()
+        _start_on_its_port(redis_server)
         stack.wait_http(f"http://127.0.0.1:{coordinator_port}/healthz")
         stack.wait_server_up(stack.env["DATAGEN_COORDINATOR_URL"], "sim", UP_TIMEOUT_S)
         result = stack.cli(*_submit_args(_dataset(tmp_path, "late"), "--wait"))
@@ -333,3 +334,17 @@ def test_ctrl_c_is_quiet(tmp_path: Path) -> None:
                 proc.wait()
         assert proc.returncode == 130, (args, rest)
         assert "Traceback" not in rest and "error:" not in rest, (args, rest)
+
+
+def _start_on_its_port(redis_server: LocalRedis, tries: int = 5) -> None:
+    """Start Redis on the port the processes already dial. Their dialing can hold that very port for
+    a moment (a loopback connect given the port it dials as its own source port), so a failed start
+    is tried again."""
+    for attempt in range(tries):
+        try:
+            redis_server.start()
+            return
+        except ConfigError:
+            if attempt == tries - 1:
+                raise
+            time.sleep(0.5)
