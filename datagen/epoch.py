@@ -52,6 +52,8 @@ class EpochWatch:
         self.found_none = False
         self._seen = False
         self._read_seq = 0
+        # The last look found the epoch gone or replaced: the next stamp writes a new ``id``.
+        self._renew = False
 
     # The coordinator ------------------------------------------------------------------------------
     def look(self) -> EpochChange:
@@ -64,6 +66,8 @@ class EpochWatch:
             self._seen, self.found_none, self.id = True, current is None, current
             return EpochChange.FIRST
         if current is None or current != self.id:
+            # ``id`` stays the old one until the stamp: a rebuild that fails is tried again.
+            self._renew = True
             return EpochChange.LOST
         if seq < self.floor:
             return EpochChange.ROLLED_BACK
@@ -76,14 +80,19 @@ class EpochWatch:
 
     def stamp(self) -> None:
         """Write a new ``seq`` (and an ``id`` if Redis has none): call after :meth:`look`, once
-        whatever it found is dealt with."""
+        whatever it found is dealt with.
+
+        After a loss the ``id`` is a new one, never the old one written back: a worker that did
+        not look while Redis was empty must still see the loss, or it never publishes its
+        servers again."""
         seq = max(int(time.time() * 1000), self._read_seq + 1, self.floor + 1)
+        new_id = uuid.uuid4().hex[:16] if self._renew or self.id is None else self.id
         with self.redis.pipeline(transaction=True) as pipe:
-            pipe.hsetnx(self.key, "id", self.id or uuid.uuid4().hex[:16])
+            pipe.hsetnx(self.key, "id", new_id)
             pipe.hset(self.key, "seq", seq)
             pipe.hget(self.key, "id")
             _, _, raw_id = pipe.execute()
-        self.id, self.floor = as_text(raw_id), seq
+        self.id, self.floor, self._renew = as_text(raw_id), seq, False
 
     # Workers ---------------------------------------------------------------------------------------
     def saw(self, raw_id: bytes | str | None, raw_seq: bytes | str | None) -> EpochChange:

@@ -76,7 +76,10 @@ def test_redis_restarted_empty_mid_job(make_stack: Callable[..., FaultStack]) ->
     lost_at = time.monotonic()
     stack.restart_redis()  # no AOF, no snapshot: empty
     back = wait_for(
-        lambda: _servers(stack) == ["a"], REPUBLISH_BUDGET_S + 5, "the server to be published again"
+        lambda: _servers(stack) == ["a"],
+        REPUBLISH_BUDGET_S + 5,
+        "the server to be published again",
+        on_timeout=stack.logs,
     )
     republished_s = time.monotonic() - lost_at
     wait_for(lambda: _job_or_none(stack, job_id) is not None, 30, "the job to be rebuilt")
