@@ -221,6 +221,7 @@ class JobOutcomes:
             registry_key,
             backlog_key,
             dispatch_key,
+            self.keys.paused_jobs(),
         ]
         moved = self._requeue(keys=keys, args=args)
         if isinstance(moved, int):

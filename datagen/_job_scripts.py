@@ -4,6 +4,8 @@ arguments; each script's comment says its KEYS and ARGV."""
 
 from __future__ import annotations
 
+from datagen._dispatch_scripts import REJOIN
+
 __all__ = [
     "COUNT_AND_MAYBE_COMPLETE",
     "COUNT_CANCELLED_QUEUED",
@@ -124,12 +126,15 @@ return 1
 """
 
 # KEYS: job hash, its breakdown, the class's failed registry, the job's backlog of the class, the
-# dispatch set of the class at the job's priority. ARGV: RQ job key prefix, job id, the completed,
-# cancelled and running states, then per prompt: RQ id, its new meta (serialized), retries left ("" to
-# keep), its breakdown suffix ("|label|class"). Only a prompt this script removes from the failed
-# registry is requeued and counted, so concurrent retries can never run a prompt twice or count it
-# twice; a cancelled (or deleted) job takes none. Returns the ids that moved, -1 if the job refused.
-REQUEUE_FAILED = """
+# dispatch set of the class at the job's priority, the paused jobs. ARGV: RQ job key prefix, job id,
+# the completed, cancelled and running states, then per prompt: RQ id, its new meta (serialized),
+# retries left ("" to keep), its breakdown suffix ("|label|class"). Only a prompt this script
+# removes from the failed registry is requeued and counted, so concurrent retries can never run a
+# prompt twice or count it twice; a cancelled (or deleted) job takes none. Returns the ids that
+# moved, -1 if the job refused.
+REQUEUE_FAILED = (
+    REJOIN
+    + """
 local state = redis.call('HGET', KEYS[1], 'state')
 if not state or state == ARGV[4] then return -1 end
 local moved = {}
@@ -148,14 +153,12 @@ end
 if #moved > 0 then
   redis.call('HINCRBY', KEYS[1], 'failed', -#moved)
   redis.call('HINCRBY', KEYS[1], 'retried', #moved)
-  if not redis.call('ZSCORE', KEYS[5], ARGV[2]) then
-    local first = redis.call('ZRANGE', KEYS[5], 0, 0, 'WITHSCORES')
-    redis.call('ZADD', KEYS[5], first[2] or 0, ARGV[2])
-  end
+  rejoin(KEYS[5], KEYS[6], ARGV[2])
   if state == ARGV[3] then redis.call('HSET', KEYS[1], 'state', ARGV[5], 'finished_at_ms', 0) end
 end
 return moved
 """
+)
 
 # KEYS: the job's failure reports. ARGV: RQ ids whose reports go (their prompts were retried). One
 # script, because workers append reports all the while.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -63,12 +64,23 @@ class CoordinatorClient:
             if cursor is None:
                 return jobs
 
-    def jobs_page(self, limit: int, cursor: str | None = None) -> dict[str, Any]:
+    def jobs_page(
+        self,
+        limit: int,
+        cursor: str | None = None,
+        *,
+        states: Sequence[str] = (),
+        priorities: Sequence[str] = (),
+    ) -> dict[str, Any]:
         """One page of ``GET /jobs``: ``jobs``, ``next`` (the following page's cursor, or None) and
-        ``count`` (all jobs)."""
+        ``count`` (all jobs); only jobs in ``states`` and at ``priorities`` when given."""
         params: dict[str, Any] = {"limit": limit}
         if cursor is not None:
             params["cursor"] = cursor
+        if states:
+            params["state"] = list(states)
+        if priorities:
+            params["priority"] = list(priorities)
         return self._request("GET", "/jobs", params=params)
 
     def errors(self, job_id: str, kind: str, limit: int = 100) -> list[dict[str, Any]]:

@@ -10,12 +10,14 @@ registry, job status, heartbeat expiry), so ``rq info`` and RQ's recovery keep w
 stride scheduling: over any stretch where two jobs both have work, their dispatches follow their
 weights, and a 10M-prompt job cannot hold back a small urgent one.
 
-A prompt on RQ's list whose job is paused (a dead worker's, reaped during the pause) is moved
-to the front of that job's backlog rather than run.
+A paused job leaves the sets (and rejoins on resume), so a claim never looks at it: its cost is
+O(log jobs) plus the prompts it hands out, however many jobs wait or are paused. A prompt on RQ's
+list whose job is paused (a dead worker's, reaped during the pause) is moved to the front of that
+job's backlog rather than run.
 
-A job that joins (or comes back after its backlog ran dry) starts at the lowest virtual time
-of its set, so it gets its share from then on without a catch-up burst, and a resumed job
-starts no lower than the unpaused jobs beside it.
+A job that joins (or comes back after its backlog ran dry, or is resumed) starts at the lowest
+virtual time of its set (`datagen._dispatch_scripts.REJOIN`), so it gets its share from then on
+without a catch-up burst.
 
 The scripts derive per-job keys from the prefixes in :mod:`datagen.keys` (no Redis Cluster).
 """
@@ -34,7 +36,7 @@ from rq.job import Job
 from rq.utils import now as rq_now
 from rq.utils import utcformat
 
-from datagen._dispatch_scripts import CLAIM_MANY
+from datagen._dispatch_scripts import CLAIM_MANY, PAUSE, REJOIN, RESUME
 from datagen.epoch import EpochWatch
 from datagen.jobs import LUA_COUNT_CANCELLED_QUEUED
 from datagen.keys import Keys
@@ -46,8 +48,8 @@ __all__ = ["SHARE_WINDOW_S", "Claimant", "Claimed", "Dispatch", "JobShare"]
 # The recent share counts dispatches over this window, in buckets of WINDOW_BUCKET_S.
 SHARE_WINDOW_S = 60
 WINDOW_BUCKET_S = 10
-# A claim looks at this many jobs per priority at most (paused jobs are skipped, not removed).
-SCAN_JOBS = 1000
+# A claim looks at this many prompts on RQ's list at most (a paused job's go back to its backlog).
+RQ_LIST_SCAN = 1000
 # Prompts per claim at most (the script's replies and ZADD arguments stay small).
 MAX_CLAIM = 256
 # Ids pushed per RPUSH inside a script (Lua's unpack has a stack limit).
@@ -55,12 +57,13 @@ PUSH_SLICE = 1000
 RQ_JOB_PREFIX = Job.redis_job_namespace_prefix
 
 # KEYS: job hash, backlog, the job's set for this class and priority, the job's breakdown, the wake
-# channel (idle workers learn of the prompts at once, `workers.wake`). ARGV:
+# channel (idle workers learn of the prompts at once, `workers.wake`), the paused jobs. ARGV:
 # job id, slice size, class, the cancelled state, RQ ids... A cancelled job takes no more prompts:
 # they are counted cancelled instead (a worker may enqueue a multi-turn conversation's next turn as
 # the cancel lands); a deleted job takes none and counts nothing (its keys must not come back).
 _ADD = (
     LUA_COUNT_CANCELLED_QUEUED
+    + REJOIN
     + """
 local n = #ARGV - 4
 if n <= 0 then return 0 end
@@ -74,10 +77,7 @@ local slice = tonumber(ARGV[2])
 for i = 5, #ARGV, slice do
   redis.call('RPUSH', KEYS[2], unpack(ARGV, i, math.min(i + slice - 1, #ARGV)))
 end
-if not redis.call('ZSCORE', KEYS[3], ARGV[1]) then
-  local first = redis.call('ZRANGE', KEYS[3], 0, 0, 'WITHSCORES')
-  redis.call('ZADD', KEYS[3], first[2] or 0, ARGV[1])
-end
+rejoin(KEYS[3], KEYS[6], ARGV[1])
 redis.call('PUBLISH', KEYS[5], ARGV[3])
 return n
 """
@@ -152,6 +152,8 @@ class Dispatch:
         self._claim = redis.register_script(CLAIM_MANY)
         self._add = redis.register_script(_ADD)
         self._drop = redis.register_script(_DROP)
+        self._pause = redis.register_script(PAUSE)
+        self._resume = redis.register_script(RESUME)
 
     # Workers -------------------------------------------------------------------------------------
     def claim_many(
@@ -176,7 +178,7 @@ class Dispatch:
                 keys.job_key_prefix(),
                 keys.backlog_suffix(cls),
                 SHARE_WINDOW_S + WINDOW_BUCKET_S,
-                SCAN_JOBS,
+                RQ_LIST_SCAN,
                 keys.rq_id_prefix(),
                 RQ_JOB_PREFIX,
                 max(0, min(n, MAX_CLAIM)),
@@ -208,33 +210,25 @@ class Dispatch:
             self.keys.dispatch_jobs(cls, priority),
             self.keys.job_breakdown(job_id),
             self.keys.wake_channel(),
+            self.keys.paused_jobs(),
         ]
         args = [job_id, PUSH_SLICE, cls.value, JobState.CANCELLED.value, *rq_ids]
         self._add(keys=keys, args=args, client=pipe)
 
     # Operator controls ---------------------------------------------------------------------------
     def pause(self, job_id: str) -> None:
-        self.redis.sadd(self.keys.paused_jobs(), job_id)
+        """The job leaves every dispatch set: claims pass over it at no cost until it resumes."""
+        sets = [self.keys.dispatch_jobs(cls, p) for cls in PromptClass for p in Priority]
+        self._pause(keys=[self.keys.paused_jobs(), *sets], args=[job_id])
 
     def resume(self, job_id: str) -> None:
-        """Unpause; the job restarts at the lowest virtual time of the unpaused jobs beside it."""
-        paused = set(as_texts(self.redis.smembers(self.keys.paused_jobs()))) - {job_id}
+        """Unpause; the job rejoins at the lowest virtual time of the jobs beside it."""
+        raw = self.redis.hget(self.keys.job(job_id), "priority")
+        priority = Priority(as_text(raw)) if raw else Priority.NORMAL
+        keys = [self.keys.paused_jobs()]
         for cls in PromptClass:
-            for priority in Priority:
-                key = self.keys.dispatch_jobs(cls, priority)
-                own = self.redis.zscore(key, job_id)
-                if own is None:
-                    continue
-                others = [
-                    score
-                    for member, score in cast(
-                        list[tuple[bytes, float]], self.redis.zrange(key, 0, -1, withscores=True)
-                    )
-                    if as_text(member) not in paused and as_text(member) != job_id
-                ]
-                if others and min(others) > own:
-                    self.redis.zadd(key, {job_id: min(others)}, xx=True)
-        self.redis.srem(self.keys.paused_jobs(), job_id)
+            keys += [self.keys.job_backlog(job_id, cls), self.keys.dispatch_jobs(cls, priority)]
+        self._resume(keys=keys, args=[job_id])
         self.wake()
 
     def wake(self, cls: PromptClass | None = None) -> None:
@@ -274,6 +268,7 @@ class Dispatch:
     def depth(self, cls: PromptClass) -> int:
         """Prompts of ``cls`` waiting in every job's backlog (paused jobs included)."""
         jobs = {job for priority in Priority for job in self._members(cls, priority)}
+        jobs |= self._paused()
         if not jobs:
             return 0
         with self.redis.pipeline(transaction=False) as pipe:
@@ -283,10 +278,9 @@ class Dispatch:
 
     def has_work(self, cls: PromptClass) -> bool:
         """Whether some unpaused job still has prompts of ``cls`` to dispatch."""
-        paused = set(as_texts(self.redis.smembers(self.keys.paused_jobs())))
         for priority in Priority:
             for job in self._members(cls, priority):
-                if job not in paused and self.redis.llen(self.keys.job_backlog(job, cls)):
+                if self.redis.llen(self.keys.job_backlog(job, cls)):
                     return True
         return False
 
@@ -297,7 +291,7 @@ class Dispatch:
         priority that has work (zero below it); the recent share is the job's part of the last
         minute's dispatches of the whole fleet.
         """
-        paused = set(as_texts(self.redis.smembers(self.keys.paused_jobs())))
+        paused = self._paused()
         ranks: dict[str, Priority] = {}
         for priority in Priority:
             for cls in PromptClass:
@@ -309,6 +303,7 @@ class Dispatch:
                 for job, length in zip(members, lengths, strict=True):
                     if length:  # a job whose backlog ran dry leaves its set at the next claim
                         ranks.setdefault(job, priority)
+        ranks.update(self._paused_ranks(paused))
         recent = self._recent()
         jobs = set(ranks) | set(recent)
         if not jobs:
@@ -337,7 +332,27 @@ class Dispatch:
         return out
 
     def _members(self, cls: PromptClass, priority: Priority) -> list[str]:
-        return as_texts(self.redis.zrange(self.keys.dispatch_jobs(cls, priority), 0, SCAN_JOBS - 1))
+        return as_texts(self.redis.zrange(self.keys.dispatch_jobs(cls, priority), 0, -1))
+
+    def _paused(self) -> set[str]:
+        return set(as_texts(self.redis.smembers(self.keys.paused_jobs())))
+
+    def _paused_ranks(self, paused: set[str]) -> dict[str, Priority]:
+        """The priority of each paused job with prompts left (paused jobs are in no dispatch set)."""
+        jobs = sorted(paused)
+        with self.redis.pipeline(transaction=False) as pipe:
+            for job in jobs:
+                pipe.hget(self.keys.job(job), "priority")
+                for cls in PromptClass:
+                    pipe.llen(self.keys.job_backlog(job, cls))
+            replies = pipe.execute()
+        step = 1 + len(PromptClass)
+        ranks = {}
+        for i, job in enumerate(jobs):
+            raw, *lengths = replies[i * step : (i + 1) * step]
+            if any(lengths):
+                ranks[job] = Priority(as_text(raw)) if raw else Priority.NORMAL
+        return ranks
 
     def _recent(self) -> dict[str, int]:
         now_bucket = int(time.time() // WINDOW_BUCKET_S)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator, Sequence
 from typing import Any, cast
 
 from redis import Redis
@@ -56,6 +56,10 @@ LUA_COUNT_CANCELLED_QUEUED = scripts.COUNT_CANCELLED_QUEUED
 
 # A page of job ids reads this many more, for jobs made in the same millisecond as the cursor's.
 PAGE_TIES = 64
+# A filtered listing (`JobStore.select`) reads jobs this many at a time, and at most SELECT_SCAN per
+# call, so it stays fast however few jobs match.
+SELECT_PAGE = 500
+SELECT_SCAN = 5000
 
 # Seen records are read back in pieces of this size (a Redis reply stays small).
 SEEN_READ_BYTES = 8 * 1024 * 1024
@@ -178,42 +182,67 @@ class JobStore(JobOutcomes):
         return as_text(raw)
 
     def progress(self, job_id: str) -> JobProgress:
-        with self.redis.pipeline(transaction=False) as pipe:
-            pipe.hgetall(self.keys.job(job_id))
-            pipe.scard(self.keys.job_running(job_id))
-            pipe.sismember(self.keys.paused_jobs(), job_id)
-            raw_hash, running, paused = pipe.execute()
-        raw = cast(dict[bytes, bytes], raw_hash)
-        if not raw or b"state" not in raw:
+        found = self.progress_many([job_id])[0]
+        if found is None:
             raise JobNotFoundError(f"no job {job_id!r}")
-        fields = {k.decode(): v.decode() for k, v in raw.items()}
-        ints = {name: int(fields.get(name, 0) or 0) for name in INT_FIELDS}
-        return JobProgress(
-            job_id=job_id,
-            state=JobState(fields["state"]),
-            rows=ints["rows"],
-            accepted=ints["accepted"],
-            rejected=ints["rejected"],
-            skipped=ints["skipped"],
-            done=ints["done"],
-            failed=ints["failed"],
-            in_flight=int(running),
-            prompt_tokens=ints["prompt_tokens"],
-            output_tokens=ints["output_tokens"],
-            created_at_ms=ints["created_at_ms"],
-            finished_at_ms=ints["finished_at_ms"],
-            error=fields.get("error"),
-            storage_error=fields.get("storage_error"),
-            cancelled=ints["cancelled"],
-            retried=ints["retried"],
-            paused=bool(paused),
-            flagged=ints["flagged"],
-            priority=fields.get("priority", "normal"),
-            weight=float(fields.get("weight", 1.0)),
-            first_record_at_ms=ints["first_record_at_ms"],
-            tail_from_ms=ints["tail_from_ms"],
-            rebuilt=json.loads(fields["rebuilt"]) if fields.get("rebuilt") else None,
-        )
+        return found
+
+    def progress_many(self, job_ids: Sequence[str]) -> list[JobProgress | None]:
+        """Each job's progress (None: no such job), in one round trip: a page of ``GET /jobs``
+        costs one, not one per job."""
+        with self.redis.pipeline(transaction=False) as pipe:
+            for job_id in job_ids:
+                pipe.hgetall(self.keys.job(job_id))
+                pipe.scard(self.keys.job_running(job_id))
+                pipe.sismember(self.keys.paused_jobs(), job_id)
+            replies = pipe.execute()
+        out = []
+        for i, job_id in enumerate(job_ids):
+            raw_hash, running, paused = replies[3 * i : 3 * i + 3]
+            raw = cast(dict[bytes, bytes], raw_hash)
+            out.append(_progress(job_id, raw, int(running), bool(paused)) if b"state" in raw else None)
+        return out
+
+    def select(
+        self,
+        limit: int,
+        cursor: str | None = None,
+        *,
+        states: Collection[JobState] = (),
+        priorities: Collection[str] = (),
+    ) -> tuple[list[str], str | None]:
+        """Like :meth:`page`, keeping only jobs in ``states`` and at ``priorities`` (empty: any).
+        Reads at most ``SELECT_SCAN`` jobs per call: a filter that matches few of many jobs
+        answers a short (even empty) page with a ``next`` to go on from, never a slow one."""
+        if not states and not priorities:
+            return self.page(limit, cursor)
+        wanted_states = {state.value for state in states}
+        wanted_priorities = set(priorities)
+        picked: list[str] = []
+        scanned = 0
+        while True:
+            ids, cursor = self.page(min(SELECT_PAGE, SELECT_SCAN - scanned), cursor)
+            scanned += len(ids)
+            with self.redis.pipeline(transaction=False) as pipe:
+                for job_id in ids:
+                    pipe.hmget(self.keys.job(job_id), ["state", "priority"])
+                rows = pipe.execute()
+            for job_id, (raw_state, raw_priority) in zip(ids, rows, strict=True):
+                if raw_state is None:
+                    continue
+                if wanted_states and as_text(raw_state) not in wanted_states:
+                    continue
+                if wanted_priorities and as_text(raw_priority or b"normal") not in wanted_priorities:
+                    continue
+                picked.append(job_id)
+                if len(picked) == limit:
+                    return picked, self._cursor_at(job_id) if job_id != ids[-1] or cursor else None
+            if cursor is None or scanned >= SELECT_SCAN:
+                return picked, cursor
+
+    def _cursor_at(self, job_id: str) -> str:
+        score = self.redis.zscore(self.keys.jobs_index(), job_id)
+        return f"{int(score or 0)}:{job_id}"
 
     def list_ids(self, limit: int = 1000) -> list[str]:
         """The newest ``limit`` job ids (see :meth:`iter_ids` and :meth:`page` for all of them)."""
@@ -288,8 +317,10 @@ class JobStore(JobOutcomes):
 
     def seen_records(self, job_id: str) -> Iterator[bytes]:
         """Each segment of what :meth:`add_seen` appended for the job (`datagen.dedup`)."""
-        for segment in range(SEEN_SEGMENTS):
-            key = self.keys.job_seen(job_id, segment)
+        keys = [self.keys.job_seen(job_id, segment) for segment in range(SEEN_SEGMENTS)]
+        if not self.redis.exists(*keys):
+            return  # a new job (most of them): one command, not one per segment
+        for key in keys:
             pieces: list[bytes] = []
             while piece := self.redis.getrange(
                 key, len(pieces) * SEEN_READ_BYTES, (len(pieces) + 1) * SEEN_READ_BYTES - 1
@@ -431,3 +462,34 @@ def _parse_cursor(cursor: str) -> tuple[int, str]:
             f"bad cursor {cursor[:80]!r}: pass the `next` of the previous page of GET /jobs unchanged"
         )
     return int(score), after
+
+
+def _progress(job_id: str, raw: dict[bytes, bytes], running: int, paused: bool) -> JobProgress:
+    fields = {k.decode(): v.decode() for k, v in raw.items()}
+    ints = {name: int(fields.get(name, 0) or 0) for name in INT_FIELDS}
+    return JobProgress(
+        job_id=job_id,
+        state=JobState(fields["state"]),
+        rows=ints["rows"],
+        accepted=ints["accepted"],
+        rejected=ints["rejected"],
+        skipped=ints["skipped"],
+        done=ints["done"],
+        failed=ints["failed"],
+        in_flight=running,
+        prompt_tokens=ints["prompt_tokens"],
+        output_tokens=ints["output_tokens"],
+        created_at_ms=ints["created_at_ms"],
+        finished_at_ms=ints["finished_at_ms"],
+        error=fields.get("error"),
+        storage_error=fields.get("storage_error"),
+        cancelled=ints["cancelled"],
+        retried=ints["retried"],
+        paused=paused,
+        flagged=ints["flagged"],
+        priority=fields.get("priority", "normal"),
+        weight=float(fields.get("weight", 1.0)),
+        first_record_at_ms=ints["first_record_at_ms"],
+        tail_from_ms=ints["tail_from_ms"],
+        rebuilt=json.loads(fields["rebuilt"]) if fields.get("rebuilt") else None,
+    )

@@ -23,7 +23,6 @@ from datagen.errors import (
     BackendUnavailableError,
     DatagenError,
     InvalidRequestError,
-    JobNotFoundError,
     NotFoundError,
     RedisOutOfMemoryError,
     UnknownQueueError,
@@ -33,7 +32,7 @@ from datagen.errors import (
 from datagen.redismemory import is_out_of_memory, out_of_memory_error, read_memory
 from datagen.settings import CoordinatorSettings
 from datagen.spec import parse_spec_json
-from datagen.states import PromptClass
+from datagen.states import JobState, Priority, PromptClass
 from datagen.storage import validate_job_id
 from service.coordinator import Coordinator
 
@@ -178,18 +177,19 @@ def _install_routes(app: FastAPI) -> None:
         cursor: Annotated[
             str | None, Query(max_length=200, description="the `next` of the previous page")
         ] = None,
+        state: Annotated[
+            list[JobState] | None, Query(description="only jobs in these states (repeat for more)")
+        ] = None,
+        priority: Annotated[
+            list[Priority] | None, Query(description="only jobs at these priorities (repeat for more)")
+        ] = None,
     ) -> dict[str, Any]:
         """Jobs with progress, newest first, a page at a time: ``next`` is the cursor of the next
-        page (null on the last), ``count`` how many jobs there are in all."""
-        ids, following = coord.jobs.page(limit, cursor)
-        jobs = []
-        shares = coord.controls.dispatch.shares()
-        for job in ids:
-            try:
-                jobs.append(coord.job_json(job, shares))
-            except JobNotFoundError:
-                continue
-        return {"jobs": jobs, "next": following, "count": coord.jobs.count()}
+        page (null on the last), ``count`` how many jobs there are in all. With ``state`` or
+        ``priority`` filters a page may hold fewer than ``limit`` jobs (even none) and still have a
+        ``next``: a filter that matches few of many jobs answers quickly a page at a time."""
+        ids, following = coord.jobs.select(limit, cursor, states=state or (), priorities=priority or ())
+        return {"jobs": coord.jobs_json(ids), "next": following, "count": coord.jobs.count()}
 
     @app.get("/jobs/{job_id}", dependencies=guarded)
     def get_job(coord: Coord, job_id: JobId) -> dict[str, Any]:

@@ -260,12 +260,16 @@ class Coordinator:
             self._start_ingest(job_id, [input_name])
         return job_id, created
 
-    def job_json(self, job_id: str, shares: dict[str, JobShare] | None = None) -> dict[str, Any]:
+    def job_json(self, job_id: str) -> dict[str, Any]:
         """A job's progress with its share of the fleet (None once it has nothing to dispatch)."""
-        body = self.jobs.progress(job_id).to_json()
-        share = (shares if shares is not None else self.controls.dispatch.shares()).get(job_id)
-        body["share"] = None if share is None else share.to_json()
-        return body
+        return _with_share(self.jobs.progress(job_id).to_json(), self.controls.dispatch.shares())
+
+    def jobs_json(self, job_ids: list[str]) -> list[dict[str, Any]]:
+        """Jobs' progress and shares, as :meth:`job_json`, for a page of jobs at once (a job
+        deleted meanwhile is left out)."""
+        shares = self.controls.dispatch.shares()
+        found = self.jobs.progress_many(job_ids)
+        return [_with_share(progress.to_json(), shares) for progress in found if progress is not None]
 
     def dry_run(self, spec: JobSpec, dataset: IO[bytes]) -> dict[str, Any]:
         check_allowed(spec, self.settings)
@@ -470,3 +474,9 @@ def _pinned(spec: JobSpec, *, strict: bool = True) -> JobSpec:
 class _IngestRun:
     thread: threading.Thread
     stop: threading.Event
+
+
+def _with_share(body: dict[str, Any], shares: dict[str, JobShare]) -> dict[str, Any]:
+    share = shares.get(body["id"])
+    body["share"] = None if share is None else share.to_json()
+    return body

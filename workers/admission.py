@@ -8,9 +8,9 @@ records waiting for their shard commit (`RecordWriter.pending`) reach ``max_unco
 (storage that cannot be written), nothing is claimed: what runs is bounded by that plus the slots.
 
 :class:`Slots` is the account of what runs: the tasks of each class, how many of them are still
-generating (a slot is held from the claim until the server has answered, not while the record
-waits for its shard commit), and which were cancelled because their job was cancelled with
-``--abort-in-flight``.
+generating, per class and per job (a slot is held from the claim until the server has answered,
+not while the record waits for its shard commit), and which were cancelled because their job was
+cancelled with ``--abort-in-flight``.
 """
 
 from __future__ import annotations
@@ -65,6 +65,9 @@ class Slots:
         self.freed = asyncio.Event()
         self.tasks: dict[PromptClass, set[asyncio.Task[None]]] = {cls: set() for cls in PromptClass}
         self.generating: dict[PromptClass, int] = dict.fromkeys(PromptClass, 0)
+        # Per job: its prompts still generating (the record writer commits a job's records at once
+        # when none is: they are its last for now).
+        self._generating_jobs: dict[str, int] = {}
         # Job id of each running prompt task, and the tasks cancelled because their job was
         # cancelled with abort (those finish as cancelled instead of being handed back).
         self._task_jobs: dict[asyncio.Task[None], str] = {}
@@ -85,13 +88,23 @@ class Slots:
         tasks.add(task)
         self.empty.clear()
         self._task_jobs[task] = job_id
+        self._generating_jobs[job_id] = self._generating_jobs.get(job_id, 0) + 1
         task.add_done_callback(tasks.discard)
         task.add_done_callback(self._task_done)
 
-    def release(self, cls: PromptClass) -> None:
+    def release(self, cls: PromptClass, job_id: str) -> None:
         """The prompt's request is over: its slot is free for the next claim."""
         self.generating[cls] -= 1
+        left = self._generating_jobs.get(job_id, 0) - 1
+        if left > 0:
+            self._generating_jobs[job_id] = left
+        else:
+            self._generating_jobs.pop(job_id, None)
         self.freed.set()
+
+    def generating_of(self, job_id: str) -> int:
+        """The job's prompts claimed here whose request is not over yet."""
+        return self._generating_jobs.get(job_id, 0)
 
     def aborted(self, task: asyncio.Task[None] | None) -> bool:
         return task is not None and task in self._aborted

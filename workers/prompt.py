@@ -73,7 +73,7 @@ class PromptRunner:
                 payload = PromptPayload.from_json(item.job.args[0])
                 record = await self.generator.generate(item.job, payload, cls)
             finally:
-                self.slots.release(cls)
+                self.slots.release(cls, job_id or "")
             await self.writer.commit(record, payload.incarnation)
         except JobNotFoundError:
             # Its job was deleted (or the id reused) while it ran: nothing of it is stored or counted.

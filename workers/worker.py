@@ -162,6 +162,7 @@ class Worker:
             shard_max_records=self.settings.shard_max_records,
             on_storage_error=self.jobs.set_storage_error,
             current_incarnation=self.jobs.incarnation,
+            in_flight=self.slots.generating_of,
         )
         self.writer.start()
         self.admission = self._admission()

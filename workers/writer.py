@@ -1,13 +1,27 @@
 """Group commit of records into Parquet shards.
 
-Tasks hand a record to :meth:`RecordWriter.commit` and wait; the writer collects records per
-job and commits a shard when it is full or ``commit_interval_s`` has passed. Only when the shard
-and its commit file are durable do the waiting tasks resume and finish their RQ jobs, so an RQ
-job is never finished for a record that is not stored. A failed commit keeps the records and
-tries again with backoff; their RQ jobs stay started meanwhile. The storage is shared: while a
-commit fails, every job with records waiting here shows ``storage_error`` until a commit of its own
-goes through, and admission (`workers.admission`) claims no more once :attr:`RecordWriter.pending`
-reaches ``max_uncommitted_records``.
+Tasks hand a record to :meth:`RecordWriter.commit` and wait; the writer gathers records per job and
+incarnation (a batch) and commits a batch as one shard when it is due:
+
+* early for a batch's first record in this writer (a new job's first record is counted within a
+  commit's time, however many jobs run; these go before every other batch), for a record whose job
+  has no other prompt in flight in this worker (``in_flight``: its last records, so a small job
+  completes as soon as it can), each after ``EARLY_GATHER_S`` so that the records of prompts ending
+  together share one shard, and at once for a full shard;
+* otherwise ``commit_interval_s`` after the batch began waiting, so that records gather.
+
+Up to ``max_concurrent_commits`` batches of different jobs commit at once, each in a thread; one
+job's commits go one at a time, in order. Batches due at once go first, then the others in the order
+they began waiting: a new job never queues behind hundreds of small jobs' shards. A pass of the loop
+costs the batches it starts or skips, never all that wait.
+
+Only when the shard and its commit file are durable do the waiting tasks resume and finish their RQ
+jobs, so an RQ job is never finished for a record that is not stored. A failed commit keeps the
+records and tries again with a backoff of its job's own (the other jobs commit at their pace); their
+RQ jobs stay started meanwhile. The storage is shared: while a commit fails, every job with records
+waiting here shows ``storage_error`` until a commit of its own goes through, and admission
+(`workers.admission`) claims no more once :attr:`RecordWriter.pending` reaches
+``max_uncommitted_records``.
 """
 
 from __future__ import annotations
@@ -15,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -28,11 +43,22 @@ from datagen.records import Record, records_to_table
 from datagen.storage import Storage
 from workers.metrics import WorkerMetrics
 
-__all__ = ["RecordWriter"]
+__all__ = ["MAX_CONCURRENT_COMMITS", "RecordWriter"]
 
 log = logging.getLogger(__name__)
 
 COMMIT_RETRY_MAX_S = 30.0
+# Commits of different jobs running at once, each a thread (the Arrow conversion and the write):
+# enough to overlap an object store's latency, few enough to leave the default executor to others.
+MAX_CONCURRENT_COMMITS = 8
+# Batches remembered as having had records here; beyond this the oldest is forgotten, which costs
+# at most one early commit of it.
+SEEN_BATCHES_MAX = 65_536
+# While storage fails, one log line per this interval, not one per failed commit.
+ERROR_LOG_INTERVAL_S = 5.0
+# A job's first record, or its last ones, wait this long for the records of prompts that end with
+# them (one shard, one ack, instead of several): well within the second its first count may take.
+EARLY_GATHER_S = 0.05
 
 
 @dataclass
@@ -56,15 +82,32 @@ class RecordWriter:
         shard_max_records: int,
         on_storage_error: Callable[[str, str | None], None] | None = None,
         current_incarnation: Callable[[str], str | None] | None = None,
+        in_flight: Callable[[str], int] | None = None,
+        max_concurrent_commits: int = MAX_CONCURRENT_COMMITS,
     ) -> None:
         self.storage = storage
         self.metrics = metrics
         self.worker_tag = worker_tag
         self.commit_interval_s = commit_interval_s
         self.shard_max_records = shard_max_records
-        self._pending: dict[_Batch, list[_Pending]] = defaultdict(list)
+        self.max_concurrent_commits = max_concurrent_commits
         # The job's incarnation now (None: the job is gone); read just before a shard is written.
         self.current_incarnation = current_incarnation
+        # The job's prompts in flight in this worker that have not handed their record over yet.
+        self.in_flight = in_flight
+        self._pending: dict[_Batch, list[_Pending]] = {}
+        self._waiting = 0  # records in _pending, kept so that `pending` costs nothing
+        # When each batch not being committed began waiting (monotonic s). Insertion order is time
+        # order, so a pass stops at the first batch not yet due.
+        self._since: dict[_Batch, float] = {}
+        # Batches to commit early, each with when it is due (monotonic s): a job's first record
+        # (`_first`, served before the others, so a new job never waits behind hundreds of small
+        # jobs' last shards), a full shard or a job's last records (`_urgent`).
+        self._first: dict[_Batch, float] = {}
+        self._urgent: dict[_Batch, float] = {}
+        self._seen: dict[_Batch, None] = {}
+        self._running: dict[str, asyncio.Task[str | None]] = {}  # per job: its commit now
+        self._flushing = False
         self._wake = asyncio.Event()
         self._seq = 0
         self._task: asyncio.Task[None] | None = None
@@ -74,6 +117,8 @@ class RecordWriter:
         self._retry_at: dict[str, float] = {}
         self.on_storage_error = on_storage_error
         self._failing: set[str] = set()
+        self._errors: dict[str, str] = {}  # failed commits not yet told to the waiting jobs
+        self._error_logged_at = -math.inf
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._loop(), name="record-writer")
@@ -82,16 +127,36 @@ class RecordWriter:
         """Return once ``record`` is durably committed. Raises JobNotFoundError when its job was
         deleted (or its id reused by a new job) meanwhile: the record is dropped, not stored."""
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        batch = self._pending[record.job_id, incarnation]
+        key = (record.job_id, incarnation)
+        batch = self._pending.setdefault(key, [])
         batch.append(_Pending(record, done))
+        self._waiting += 1
+        self._since.setdefault(key, time.monotonic())
+        first = key not in self._seen
+        if first:
+            self._seen[key] = None
+            if len(self._seen) > SEEN_BATCHES_MAX:
+                del self._seen[next(iter(self._seen))]
+        now = time.monotonic()
         if len(batch) >= self.shard_max_records:
+            self._urgent[key] = now
+            self._wake.set()
+        elif first:
+            # Records of prompts that end together (a small job's) join the same shard.
+            self._first.setdefault(key, now + EARLY_GATHER_S)
+            self._wake.set()
+        elif self._idle(record.job_id):
+            self._urgent.setdefault(key, now + EARLY_GATHER_S)
             self._wake.set()
         await asyncio.shield(done)
+
+    def _idle(self, job_id: str) -> bool:
+        return self.in_flight is not None and self.in_flight(job_id) <= 0
 
     @property
     def pending(self) -> int:
         """Records waiting for their commit, of every job."""
-        return sum(len(b) for b in self._pending.values())
+        return self._waiting
 
     def crowded_jobs(self, at_least: int) -> set[str]:
         """The jobs with at least ``at_least`` records waiting for their commit (admission claims
@@ -103,66 +168,177 @@ class RecordWriter:
 
     async def _loop(self) -> None:
         while True:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), timeout=self.commit_interval_s)
             self._wake.clear()
-            await self.flush(due_only=True)
+            timeout_s = self._start_due()
+            # Not wait_for: on 3.11 it swallows a cancel that meets a wake-up (a commit that just
+            # ended), and close() would wait on this loop for ever.
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(timeout_s):
+                    await self._wake.wait()
 
-    async def flush(self, *, due_only: bool = False) -> bool:
-        """Commit everything pending (``due_only``: not the jobs whose retry backoff still runs);
-        False if some commit failed (its records are kept). A job whose commit fails does not hold
-        back the others; when one fails, every job with records still waiting is told its storage
-        is failing."""
-        errors: dict[str, str] = {}
+    def _start_due(self) -> float:
+        """Start the commits due, as many as the bound allows: urgent batches first, then those
+        whose interval is over. Returns the seconds until the next may be due (a commit that ends
+        wakes the loop sooner)."""
+        self._report_errors()
         now = time.monotonic()
-        for key in list(self._pending):
-            job_id = key[0]
-            if due_only and self._retry_at.get(job_id, 0.0) > now:
-                continue
-            try:
-                await self._flush_batch(key)
-            except StorageError as exc:
-                self.metrics.commit_errors.inc()
-                errors[job_id] = str(exc)
-                failures = self._failures[job_id] = self._failures.get(job_id, 0) + 1
-                backoff_s = min(COMMIT_RETRY_MAX_S, self.commit_interval_s * 2**failures)
-                self._retry_at[job_id] = time.monotonic() + backoff_s
-            else:
-                self._failures.pop(job_id, None)
-                self._retry_at.pop(job_id, None)
-        if not errors:
-            return True
-        first = next(iter(errors.values()))
-        waiting = {job_id for job_id, _ in self._pending}
-        log.error(
-            "commit failed, %d records of %d jobs kept and retried: %s", self.pending, len(waiting), first
-        )
-        for job_id in sorted(waiting):
-            self._report(job_id, errors.get(job_id, first))
-        return False
+        next_at = now + self.commit_interval_s
+        free = 0 if self._flushing else self.max_concurrent_commits - len(self._running)
+        chosen: dict[str, _Batch] = {}
+        for early in (self._first, self._urgent):
+            for key, due_at in early.items():
+                if len(chosen) >= free:
+                    break
+                if due_at > now:
+                    next_at = min(next_at, due_at)
+                    continue
+                next_at = min(next_at, self._choose(key, now, chosen))
+        for key, since in self._since.items():
+            if len(chosen) >= free:
+                break
+            if since + self.commit_interval_s > now:
+                next_at = min(next_at, since + self.commit_interval_s)
+                break
+            next_at = min(next_at, self._choose(key, now, chosen))
+        for key in chosen.values():
+            self._start(key)
+        return max(0.0, next_at - now)
 
-    async def _flush_batch(self, key: _Batch) -> None:
-        """Commit the records of one job and incarnation, a shard at a time; raises StorageError
+    def _choose(self, key: _Batch, now: float, chosen: dict[str, _Batch]) -> float:
+        """Choose ``key`` if its job may commit now; returns when to look again if not (inf: when
+        the job's running commit ends, which wakes the loop)."""
+        job_id = key[0]
+        if job_id in self._running or job_id in chosen:
+            return math.inf
+        retry_at = self._retry_at.get(job_id, 0.0)
+        if retry_at > now:
+            return retry_at
+        chosen[job_id] = key
+        return math.inf
+
+    def _start(self, key: _Batch) -> None:
+        job_id = key[0]
+        task = asyncio.create_task(self._commit(key), name=f"commit-{job_id}")
+        self._running[job_id] = task
+        task.add_done_callback(lambda _: self._ended(job_id))
+
+    def _ended(self, job_id: str) -> None:
+        self._running.pop(job_id, None)
+        self._wake.set()  # a slot is free, and the job may have more waiting
+
+    async def flush(self) -> bool:
+        """Commit everything waiting, backoff or not (the final flush): up to the bound at once,
+        each job's batches in order. False if some commit failed (its records are kept); then every
+        job with records still waiting is told its storage is failing."""
+        self._flushing = True
+        try:
+            while self._running:
+                await asyncio.wait(list(self._running.values()))
+            by_job: dict[str, list[_Batch]] = defaultdict(list)
+            for key in self._pending:
+                by_job[key[0]].append(key)
+            bound = asyncio.Semaphore(self.max_concurrent_commits)
+
+            async def commit_job(keys: list[_Batch]) -> bool:
+                ok = True
+                for key in keys:
+                    async with bound:
+                        ok = await self._commit(key) is None and ok
+                return ok
+
+            results = await asyncio.gather(*(commit_job(keys) for keys in by_job.values()))
+        finally:
+            self._flushing = False
+            self._wake.set()
+        self._report_errors()
+        return all(results)
+
+    async def _commit(self, key: _Batch) -> str | None:
+        """Commit the records of one batch waiting now, a shard at a time (those that arrive
+        meanwhile wait for the next commit). Returns the error of a failed commit: its records are
+        kept, and its job backs off."""
+        job_id = key[0]
+        self._since.pop(key, None)
+        self._first.pop(key, None)
+        self._urgent.pop(key, None)
+        try:
+            await self._commit_shards(key, len(self._pending.get(key, ())))
+        except StorageError as exc:
+            error = str(exc)
+        except Exception as exc:  # a bug must not stop every job's commits: retried like storage
+            log.exception("commit of job %s crashed", job_id)
+            error = f"commit crashed: {exc!r}"
+        else:
+            self._failures.pop(job_id, None)
+            self._retry_at.pop(job_id, None)
+            return None
+        finally:
+            if self._pending.get(key):
+                self._since.setdefault(key, time.monotonic())
+        self.metrics.commit_errors.inc()
+        failures = self._failures[job_id] = self._failures.get(job_id, 0) + 1
+        backoff_s = min(COMMIT_RETRY_MAX_S, self.commit_interval_s * 2**failures)
+        self._retry_at[job_id] = time.monotonic() + backoff_s
+        self._errors[job_id] = error
+        return error
+
+    async def _commit_shards(self, key: _Batch, count: int) -> None:
+        """Commit the first ``count`` records of one batch, a shard at a time; raises StorageError
         (the records not committed are kept)."""
         job_id, incarnation = key
-        while self._pending.get(key):
-            batch = self._pending[key][: self.shard_max_records]
+        while count > 0 and self._pending.get(key):
+            batch = self._pending[key][: min(count, self.shard_max_records)]
+            count -= len(batch)
             try:
                 await self._commit_batch(job_id, incarnation, batch)
             except JobNotFoundError as exc:
                 log.info("dropped %d records: %s", len(batch), exc)
-                del self._pending[key][: len(batch)]
+                self._take(key, len(batch))
                 self._failing.discard(job_id)
                 for item in batch:
                     if not item.done.done():
                         item.done.set_exception(exc)
                 continue
             self._report(job_id, None)
-            del self._pending[key][: len(batch)]
+            self._take(key, len(batch))
             for item in batch:
                 if not item.done.done():
                     item.done.set_result(None)
-        self._pending.pop(key, None)
+
+    def _take(self, key: _Batch, n: int) -> None:
+        """Forget the first ``n`` records of a batch (committed or dropped)."""
+        batch = self._pending[key]
+        del batch[:n]
+        self._waiting -= n
+        if not batch:
+            del self._pending[key]
+            self._since.pop(key, None)
+            self._first.pop(key, None)
+            self._urgent.pop(key, None)
+
+    def _report_errors(self) -> None:
+        """Tell the jobs of the commits that failed since last time, and every other job with
+        records waiting (not committing right now: its own outcome comes in a moment) that is not
+        told already: the storage is shared."""
+        if not self._errors:
+            return
+        errors, self._errors = self._errors, {}
+        first = next(iter(errors.values()))
+        waiting = {job_id for job_id, _ in self._pending if job_id not in self._running}
+        now = time.monotonic()
+        if now - self._error_logged_at >= ERROR_LOG_INTERVAL_S:
+            self._error_logged_at = now
+            log.error(
+                "commit failed, %d records of %d jobs kept and retried: %s",
+                self.pending,
+                len({job_id for job_id, _ in self._pending}),
+                first,
+            )
+        for job_id in sorted(waiting):
+            if job_id in errors:
+                self._report(job_id, errors[job_id])
+            elif job_id not in self._failing:
+                self._report(job_id, first)
 
     def _report(self, job_id: str, error: str | None) -> None:
         """Tell the job's status about a storage failure, and that it is over."""

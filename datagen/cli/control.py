@@ -13,6 +13,7 @@ from rich.table import Table
 from datagen.cli._app import app, console
 from datagen.errors import ConfigError
 from datagen.settings import ClientSettings, load
+from datagen.states import JobState, Priority
 
 # Jobs `datagen status` shows, newest first.
 STATUS_JOBS = 100
@@ -28,20 +29,38 @@ def _client() -> Any:
 @app.command()
 def status(
     coordinator: Annotated[str | None, typer.Option(help="coordinator URL (DATAGEN_COORDINATOR_URL)")] = None,
+    state: Annotated[
+        list[JobState] | None, typer.Option(help="only jobs in this state (repeat for more)")
+    ] = None,
+    priority: Annotated[
+        list[Priority] | None, typer.Option(help="only jobs at this priority (repeat for more)")
+    ] = None,
+    limit: Annotated[int, typer.Option(min=1, max=1000, help="show at most this many jobs, newest first")] = (
+        STATUS_JOBS
+    ),
 ) -> None:
     """Show jobs, queues and servers, and Redis's memory (in red when an operator must act)."""
     from datagen.client import CoordinatorClient
 
     settings = load(ClientSettings, coordinator_url=coordinator)
+    states = [s.value for s in state or ()]
+    priorities = [p.value for p in priority or ()]
     with CoordinatorClient(settings.coordinator_url, api_token=settings.api_token) as client:
-        listed = client.jobs_page(STATUS_JOBS)
-        jobs, queues, servers = listed["jobs"], client.queues(), client.servers()
+        jobs, more, total = _select_jobs(client, limit, states, priorities)
+        queues, servers = client.queues(), client.servers()
         redis_memory = client.health().get("redis")
     out = Console()
     _print_redis(out, redis_memory)
-    if listed.get("count", len(jobs)) > len(jobs):
+    which = " ".join(
+        part
+        for part in ("/".join(states), "/".join(priorities) and f"at {'/'.join(priorities)} priority")
+        if part
+    )
+    if more:
         out.print(
-            f"the newest {len(jobs)} of {listed['count']} jobs (GET /jobs pages through all)", markup=False
+            f"the newest {len(jobs)} {which + ' ' if which else ''}jobs of {total} "
+            "(--limit shows more; GET /jobs pages through all)",
+            markup=False,
         )
     jobs_table = Table(
         "job",
@@ -62,11 +81,11 @@ def status(
     for job in jobs:
         eta = "" if job["eta_s"] is None else f"{job['eta_s']:.0f}"
         cells = [job[k] for k in ("total", "done", "failed", "rejected", "in_flight")]
-        state = job["state"] + (" (paused)" if job.get("paused") else "")
+        shown_state = job["state"] + (" (paused)" if job.get("paused") else "")
         timing = [_seconds(job.get("time_to_first_record_s")), _seconds(job.get("tail_s"))]
         jobs_table.add_row(
             job["id"],
-            state,
+            shown_state,
             _priority(job),
             _share(job),
             *map(str, cells),
@@ -100,6 +119,23 @@ def status(
         out.print(table)
     for job in jobs:
         _print_job_notes(out, job)
+
+
+def _select_jobs(
+    client: Any, limit: int, states: list[str], priorities: list[str]
+) -> tuple[list[dict[str, Any]], bool, int]:
+    """Up to ``limit`` jobs matching the filters, newest first, and whether there are more. A
+    filtered page may come back short with a cursor (the coordinator bounds its scan per call)."""
+    jobs: list[dict[str, Any]] = []
+    cursor: str | None = None
+    total = 0
+    while len(jobs) < limit:
+        page = client.jobs_page(limit - len(jobs), cursor, states=states, priorities=priorities)
+        jobs += page["jobs"]
+        total, cursor = page.get("count", len(jobs)), page.get("next")
+        if cursor is None:
+            return jobs, False, total
+    return jobs, True, total
 
 
 def _print_job_notes(out: Console, job: dict[str, Any]) -> None:

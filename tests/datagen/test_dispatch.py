@@ -156,3 +156,74 @@ def test_a_claim_skips_prompts_whose_rq_job_is_gone(redis_client: redis.Redis) -
     dispatch = Dispatch(redis_client, Keys(NS))
     assert [c.rq_id for c in dispatch.claim_many(SHORT, 3, CLAIMANT)] == ["a-0", "a-2"]
     assert _started(redis_client) == ["a-0", "a-2"]
+
+
+def _paused_jobs(redis_client: redis.Redis, n: int) -> None:
+    """``n`` one-prompt jobs, each paused (their ids sort before any test job's)."""
+    keys = Keys(NS)
+    jobs, dispatch = JobStore(redis_client, keys), Dispatch(redis_client, keys)
+    spec = JobSpec(tokenizer=bundled_tokenizer_path())
+    with redis_client.pipeline(transaction=False) as pipe:
+        for i in range(n):
+            ids = [f"p{i:05d}-0"]
+            jobs.create(f"p{i:05d}", spec)
+            pipe.hset(f"rq:job:{ids[0]}", mapping={"data": b"x", "status": "queued"})
+            dispatch.add(pipe, f"p{i:05d}", SHORT, Priority.NORMAL, ids)
+        pipe.execute()
+    for i in range(n):
+        dispatch.pause(f"p{i:05d}")
+
+
+def test_a_new_job_behind_two_thousand_paused_jobs_is_dispatched_on_the_next_claim(
+    redis_client: redis.Redis,
+) -> None:
+    _paused_jobs(redis_client, 2000)
+    keys = Keys(NS)
+    # Paused jobs are in no dispatch set: a claim never scans them.
+    assert redis_client.zcard(keys.dispatch_jobs(SHORT, Priority.NORMAL)) == 0
+    _job(redis_client, "zz", 50)
+    dispatch = Dispatch(redis_client, keys)
+    claimed = dispatch.claim_many(SHORT, 8, CLAIMANT)
+    assert [c.rq_id for c in claimed] == [f"zz-{i}" for i in range(8)]
+    # The paused ones still count as queued, with no share while paused.
+    assert dispatch.depth(SHORT) == 2000 + 42
+    shares = dispatch.shares()
+    assert shares["p00000"].active is False and shares["p00000"].target == 0.0
+    assert shares["zz"].target == 1.0
+    # Resumed, one rejoins at the lowest virtual time and is served next (ties to the lower id).
+    dispatch.resume("p01999")
+    assert _claim(dispatch) == "p01999-0"
+
+
+def test_prompts_added_to_a_paused_job_wait_until_it_resumes(redis_client: redis.Redis) -> None:
+    keys = Keys(NS)
+    _job(redis_client, "a", 1)
+    dispatch = Dispatch(redis_client, keys)
+    dispatch.pause("a")
+    _job(redis_client, "a", 2)  # ingestion goes on while paused (ids a-0, a-1 again: fine here)
+    assert redis_client.zcard(keys.dispatch_jobs(SHORT, Priority.NORMAL)) == 0
+    assert _claim(dispatch) is None
+    dispatch.resume("a")
+    assert _claims(dispatch, 5) == ["a", "a", "a"]
+
+
+def test_equal_jobs_get_even_shares_at_five_hundred_jobs(redis_client: redis.Redis) -> None:
+    keys = Keys(NS)
+    jobs, dispatch = JobStore(redis_client, keys), Dispatch(redis_client, keys)
+    spec = JobSpec(tokenizer=bundled_tokenizer_path())
+    with redis_client.pipeline(transaction=False) as pipe:
+        for i in range(500):
+            job_id = f"e{i:03d}"
+            jobs.create(job_id, spec)
+            ids = [f"{job_id}-{k}" for k in range(20)]
+            for rq_id in ids:
+                pipe.hset(f"rq:job:{rq_id}", mapping={"data": b"x", "status": "queued"})
+            dispatch.add(pipe, job_id, SHORT, Priority.NORMAL, ids)
+        pipe.execute()
+    taken: dict[str, int] = {}
+    for _ in range(5000 // 200):
+        for claimed in dispatch.claim_many(SHORT, 200, CLAIMANT):
+            job = claimed.rq_id.split("-")[0]
+            taken[job] = taken.get(job, 0) + 1
+    # Half of all prompts dispatched: every job got its even share, 10 (stride scheduling is exact).
+    assert len(taken) == 500 and set(taken.values()) == {10}

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ from datagen.jobs import JobStore
 from datagen.keys import Keys
 from datagen.settings import CoordinatorSettings
 from datagen.spec import JobSpec
+from datagen.states import JobState
 from datagen.storage import Storage
 from service.app import create_app
 from tests.helpers import make_spec, serve_coordinator, wait_until
@@ -98,3 +100,48 @@ def _states(redis_client: redis.Redis, ids: list[str]) -> list[bytes]:
         for job_id in ids:
             pipe.hget(Keys(NS).job(job_id), "state")
         return pipe.execute()  # type: ignore[no-any-return]
+
+
+def test_get_jobs_filters_by_state_and_priority_a_page_at_a_time(
+    redis_client: redis.Redis, settings: CoordinatorSettings
+) -> None:
+    jobs = JobStore(redis_client, Keys(NS))
+    high = JobSpec.model_validate(make_spec(priority="high"))
+    normal = JobSpec.model_validate(make_spec())
+    # 1,000 jobs, newest last made: every 100th high priority, every 7th running (the rest stay
+    # ingesting, as a coordinator that never ingests them leaves them: no dataset stored).
+    for i in range(1000):
+        job_id = f"f{i:04d}"
+        jobs.create(job_id, high if i % 100 == 0 else normal, created_at_ms=2_000_000 + i)
+        if i % 7 == 0:
+            assert jobs.transition(job_id, (JobState.INGESTING,), JobState.RUNNING)
+    with TestClient(create_app(settings)) as client:
+        body = client.get("/jobs", params={"priority": "high", "limit": 3}).json()
+        # Written by hand: the newest high-priority jobs are 900, 800, 700.
+        assert [j["id"] for j in body["jobs"]] == ["f0900", "f0800", "f0700"]
+        assert body["count"] == 1000 and body["next"] is not None
+        rest = client.get("/jobs", params={"priority": "high", "cursor": body["next"]}).json()
+        assert [j["id"] for j in rest["jobs"]] == [f"f{i:04d}" for i in range(600, -1, -100)]
+        assert rest["next"] is None
+        # Both filters: high priority and running: 0 and 700 (multiples of 100 and of 7).
+        both = client.get("/jobs", params={"priority": "high", "state": "running"}).json()
+        assert [j["id"] for j in both["jobs"]] == ["f0700", "f0000"]
+        # Repeated filters add up: every running job (143 of them) or a completed one (none).
+        running = client.get("/jobs", params=[("state", "running"), ("state", "completed"), ("limit", 1000)])
+        assert len(running.json()["jobs"]) == 143
+        bad = client.get("/jobs", params={"state": "sleeping"})
+        assert bad.status_code == 422 and "state" in bad.text
+        # A page of 100 of the 1,000 jobs answers in one round trip per page, not one per job.
+        took = []
+        for _ in range(20):
+            started = time.perf_counter()
+            assert client.get("/jobs").status_code == 200
+            took.append(time.perf_counter() - started)
+        assert sorted(took)[-2] < 0.5, took  # generous: bench/tenants.py measures the p99
+
+
+def test_the_client_filters_too(redis_client: redis.Redis, settings: CoordinatorSettings) -> None:
+    _make_jobs(redis_client, 5)
+    with serve_coordinator(settings) as url, CoordinatorClient(url) as client:
+        assert client.jobs_page(10, states=["running"])["jobs"] == []
+        assert len(client.jobs_page(10, states=["ingesting"], priorities=["normal"])["jobs"]) == 5
