@@ -170,16 +170,16 @@ class JobStore(JobOutcomes):
             raise JobNotFoundError(f"no job {job_id!r}")
         return JobSpec.model_validate_json(raw)
 
-    def stop_ids(self, job_id: str) -> list[int]:
-        """The stop ids the pre-flight checks resolved for the job (empty for older jobs)."""
-        raw = self.redis.hget(self.keys.job(job_id), "stop_ids")
-        return [int(i) for i in json.loads(raw)] if raw else []
-
-    def tokenizer_identity(self, job_id: str) -> str:
-        raw = self.redis.hget(self.keys.job(job_id), "tokenizer_identity")
-        if raw is None:
+    def run_facts(self, job_id: str) -> tuple[JobSpec, str, list[int]]:
+        """What a worker needs once per job, in one command: its spec, the tokenizer identity for
+        its records, and the stop ids the pre-flight checks resolved (empty for older jobs)."""
+        raw_spec, raw_identity, raw_stops = self.redis.hmget(
+            self.keys.job(job_id), ["spec", "tokenizer_identity", "stop_ids"]
+        )
+        if raw_spec is None or raw_identity is None:
             raise JobNotFoundError(f"no job {job_id!r}")
-        return as_text(raw)
+        stops = [int(i) for i in json.loads(raw_stops)] if raw_stops else []
+        return JobSpec.model_validate_json(raw_spec), as_text(raw_identity), stops
 
     def progress(self, job_id: str) -> JobProgress:
         found = self.progress_many([job_id])[0]

@@ -124,7 +124,9 @@ class _JobsCollector(Collector):
             labels=["job"],
         )
         try:
-            jobs = [self.jobs.progress(job_id) for job_id in self.jobs.list_ids(SCRAPE_JOBS)]
+            # One round trip for the page; a job deleted since the listing is left out.
+            listed = self.jobs.progress_many(self.jobs.list_ids(SCRAPE_JOBS))
+            jobs = [job for job in listed if job is not None]
             shares = self.dispatch.shares()
             states = {state: 0 for state in JobState}
             for job in jobs:

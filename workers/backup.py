@@ -108,6 +108,9 @@ class Backups:
         self.is_paused = is_paused
         self.stop_check_interval_s = stop_check_interval_s
         self._running: dict[PromptClass, set[Straggler]] = {cls: set() for cls in PromptClass}
+        # Those found overdue (by their race's timer): a freed slot looks at these only, not at
+        # every request in flight (hundreds per class), so a slot's turn costs nothing when none is.
+        self._overdue: dict[PromptClass, set[Straggler]] = {cls: set() for cls in PromptClass}
         # Classes whose backlog is empty here: backups are considered whenever a slot frees.
         self._draining: set[PromptClass] = set()
 
@@ -136,6 +139,10 @@ class Backups:
         straggler = Straggler(server, cls, time.monotonic(), max_new, fits, avoid)
         self._running[cls].add(straggler)
         return straggler
+
+    def mark_overdue(self, straggler: Straggler) -> None:
+        """``straggler`` ran past ``HUNG_MARGIN``: a backup may take the next free slot."""
+        self._overdue[straggler.cls].add(straggler)
 
     def freed(self, cls: PromptClass) -> None:
         """A request of ``cls`` ended and gave its slot back: a backup may take it (while the
@@ -168,6 +175,7 @@ class Backups:
                 )
                 if not first.done() and not straggler.offer.done():
                     # Overdue: a backup may take any free slot now, or the next one freed.
+                    self.mark_overdue(straggler)
                     self._launch(straggler.cls, overdue_only=straggler.cls not in self._draining)
             await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
             target = straggler.backup_server
@@ -184,6 +192,7 @@ class Backups:
             return await self._race(straggler, first, run)
         finally:
             self._running[straggler.cls].discard(straggler)
+            self._overdue[straggler.cls].discard(straggler)
             straggler.offer.cancel()  # no-op once an offer was made
             await self._end(straggler, first, run)
 
@@ -191,10 +200,10 @@ class Backups:
     def _launch(self, cls: PromptClass, *, overdue_only: bool = False) -> None:
         if self.is_paused(cls):
             return
-        waiting = sorted(
-            (s for s in self._running[cls] if not s.offer.done() and (not overdue_only or _overdue(s))),
-            key=lambda s: s.started,
-        )
+        pool = self._overdue[cls] if overdue_only else self._running[cls]
+        if not pool:
+            return
+        waiting = sorted((s for s in pool if not s.offer.done()), key=lambda s: s.started)
         for straggler in waiting:
             if self.fleet.free_slots(cls) <= 0:
                 return

@@ -28,10 +28,7 @@ class JobInfos:
         # By incarnation too: a new job of a reused id may have another spec.
         info = self._seen.get((job_id, incarnation))
         if info is None:
-            info = JobInfo(
-                self._jobs.spec(job_id),
-                self._jobs.tokenizer_identity(job_id),
-                tuple(self._jobs.stop_ids(job_id)),
-            )
+            spec, tokenizer, stop_ids = self._jobs.run_facts(job_id)
+            info = JobInfo(spec, tokenizer, tuple(stop_ids))
             self._seen[job_id, incarnation] = info
         return info

@@ -4,13 +4,16 @@
 from __future__ import annotations
 
 import json
+import re
 import time
 from pathlib import Path
 
 import pytest
 import redis
 from fastapi.testclient import TestClient
+from typer.testing import CliRunner
 
+from datagen.cli import app as cli
 from datagen.client import CoordinatorClient
 from datagen.jobs import JobStore
 from datagen.keys import Keys
@@ -145,3 +148,26 @@ def test_the_client_filters_too(redis_client: redis.Redis, settings: Coordinator
     with serve_coordinator(settings) as url, CoordinatorClient(url) as client:
         assert client.jobs_page(10, states=["running"])["jobs"] == []
         assert len(client.jobs_page(10, states=["ingesting"], priorities=["normal"])["jobs"]) == 5
+
+
+def test_datagen_status_filters_and_says_how_many_it_shows(
+    redis_client: redis.Redis, settings: CoordinatorSettings
+) -> None:
+    jobs = JobStore(redis_client, Keys(NS))
+    spec = JobSpec.model_validate(make_spec())
+    for i in range(12):
+        jobs.create(f"s{i:02d}", spec, created_at_ms=3_000_000 + i)
+        if i % 3 == 0:
+            assert jobs.transition(f"s{i:02d}", (JobState.INGESTING,), JobState.RUNNING)
+    runner = CliRunner(env={"COLUMNS": "200"})
+    with serve_coordinator(settings) as url:
+        running = runner.invoke(cli, ["status", "--coordinator", url, "--state", "running"])
+        newest = runner.invoke(cli, ["status", "--coordinator", url, "--limit", "5"])
+        bad = runner.invoke(cli, ["status", "--coordinator", url, "--state", "asleep"])
+    assert running.exit_code == 0, running.output
+    shown = set(re.findall(r"\bs\d\d\b", running.output))
+    assert shown == {"s00", "s03", "s06", "s09"}  # written by hand: every third job runs
+    assert newest.exit_code == 0, newest.output
+    assert set(re.findall(r"\bs\d\d\b", newest.output)) == {"s11", "s10", "s09", "s08", "s07"}
+    assert "the newest 5 jobs of 12" in newest.output
+    assert bad.exit_code == 2 and "asleep" in bad.output
