@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -42,12 +41,6 @@ def _spec(**overrides: Any) -> str:
 @pytest.fixture
 def settings(redis_url: str, tmp_path: Path) -> CoordinatorSettings:
     return CoordinatorSettings(redis_url=redis_url, storage=str(tmp_path), namespace=NS)
-
-
-@pytest.fixture
-def client(settings: CoordinatorSettings) -> Iterator[TestClient]:
-    with TestClient(create_app(settings)) as test_client:
-        yield test_client
 
 
 def _post(client: TestClient, rows: list[str], spec: str | None = None, job_id: str | None = None) -> Any:

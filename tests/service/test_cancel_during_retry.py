@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +20,6 @@ from datagen.settings import CoordinatorSettings
 from datagen.spec import JobSpec
 from datagen.states import JobState, Priority, PromptClass
 from datagen.storage import Storage
-from service.app import create_app
 from tests.helpers import ingest_rows, make_spec, wait_until
 
 NS = "cr"
@@ -34,12 +32,6 @@ CANCEL_BUDGET_S = 1.0
 @pytest.fixture
 def settings(redis_url: str, tmp_path: Path) -> CoordinatorSettings:
     return CoordinatorSettings(redis_url=redis_url, storage=str(tmp_path), namespace=NS)
-
-
-@pytest.fixture
-def client(settings: CoordinatorSettings) -> Iterator[TestClient]:
-    with TestClient(create_app(settings)) as test_client:
-        yield test_client
 
 
 def _plant_failures(redis_client: redis.Redis, settings: CoordinatorSettings) -> None:

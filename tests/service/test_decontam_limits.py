@@ -5,7 +5,6 @@ from __future__ import annotations
 import gzip
 import hashlib
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +14,6 @@ from fastapi.testclient import TestClient
 from datagen.decontam import INDEX_CACHE, MAX_SET_EXPANSION
 from datagen.settings import CoordinatorSettings
 from datagen.storage import Storage
-from service.app import create_app
 from tests.helpers import make_spec, wait_ingested
 
 NS = "t"
@@ -33,12 +31,6 @@ def settings(redis_url: str, tmp_path: Path) -> CoordinatorSettings:
         namespace=NS,
         tokenizer_allowlist=str(tmp_path / "benchmarks"),
     )
-
-
-@pytest.fixture
-def client(settings: CoordinatorSettings) -> Iterator[TestClient]:
-    with TestClient(create_app(settings)) as test_client:
-        yield test_client
 
 
 @pytest.fixture

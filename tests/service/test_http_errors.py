@@ -53,12 +53,6 @@ def settings(redis_url: str, tmp_path: Path) -> CoordinatorSettings:
     return CoordinatorSettings(redis_url=redis_url, storage=str(tmp_path / "store"), namespace=NS)
 
 
-@pytest.fixture
-def client(settings: CoordinatorSettings) -> Iterator[TestClient]:
-    with TestClient(create_app(settings)) as test_client:
-        yield test_client
-
-
 def _post(
     client: TestClient, body: bytes, spec: str | None = None, job_id: str | None = None, path: str = "/jobs"
 ) -> Any:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -29,12 +28,6 @@ def settings(redis_url: str, tmp_path: Path) -> CoordinatorSettings:
         namespace=NS,
         tokenizer_allowlist=str(tmp_path / "benchmarks"),
     )
-
-
-@pytest.fixture
-def client(settings: CoordinatorSettings) -> Iterator[TestClient]:
-    with TestClient(create_app(settings)) as test_client:
-        yield test_client
 
 
 def _body(rows: list[dict[str, Any]]) -> bytes:

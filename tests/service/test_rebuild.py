@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -41,12 +40,6 @@ REBUILD_TIMEOUT_S = 30.0
 @pytest.fixture
 def settings(redis_url: str, tmp_path: Path) -> CoordinatorSettings:
     return CoordinatorSettings(redis_url=redis_url, storage=str(tmp_path), namespace=NS)
-
-
-@pytest.fixture
-def client(settings: CoordinatorSettings) -> Iterator[TestClient]:
-    with TestClient(create_app(settings)) as test_client:
-        yield test_client
 
 
 def _rows(n: int = ROWS) -> bytes:
