@@ -19,10 +19,10 @@ from typing import Any
 
 import httpx
 
-from datagen.redis_server import free_port
+from datagen.local.redis_server import free_port
+from datagen.prompts.tokenization import bundled_tokenizer_path, default_chat_template_path
 from datagen.settings import ENV_PREFIX
 from datagen.spec import JobSpec
-from datagen.tokenization import bundled_tokenizer_path, default_chat_template_path
 
 __all__ = [
     "BENCH_JOB_ID",

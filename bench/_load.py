@@ -35,10 +35,12 @@ import redis
 from _common import BENCH_JOB_ID, BENCH_NAMESPACE, write_jsonl
 from prometheus_client.parser import text_string_to_metric_families
 
-from datagen.dataset import Prompt, iter_prompts
-from datagen.enqueue import EnqueueOptions
-from datagen.jobs import JobStore
-from datagen.keys import Keys
+from datagen.control.enqueue import EnqueueOptions
+from datagen.control.jobs import JobStore
+from datagen.control.keys import Keys
+from datagen.prompts.dataset import Prompt, iter_prompts
+from datagen.prompts.tokenization import renderer_for
+from datagen.records.storage import Storage
 from datagen.settings import (
     DEFAULT_ENQUEUE_CHUNK,
     DEFAULT_FAILURE_TTL_S,
@@ -47,8 +49,6 @@ from datagen.settings import (
 )
 from datagen.spec import JobSpec
 from datagen.states import JobState
-from datagen.storage import Storage
-from datagen.tokenization import renderer_for
 from service.ingest import IngestOptions, Ingestor
 from workers.fleet import ServerSpec
 from workers.worker import Worker

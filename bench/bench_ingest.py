@@ -44,18 +44,18 @@ from _common import BENCH_JOB_ID, BENCH_NAMESPACE, job_spec, offline_hub, short_
 from rq import Queue
 from rq.serializers import JSONSerializer
 
-from datagen.dataset import Prompt, iter_prompts
-from datagen.dispatch import Dispatch
-from datagen.enqueue import JOB_TIMEOUT_S, RQ_JOB_FUNC, EnqueueOptions
-from datagen.jobs import JobStore
-from datagen.keys import Keys
-from datagen.payload import PromptPayload
-from datagen.redis_server import LocalRedis
+from datagen.control.dispatch import Dispatch
+from datagen.control.enqueue import JOB_TIMEOUT_S, RQ_JOB_FUNC, EnqueueOptions
+from datagen.control.jobs import JobStore
+from datagen.control.keys import Keys
+from datagen.control.payload import PromptPayload
+from datagen.local.redis_server import LocalRedis
+from datagen.prompts.dataset import Prompt, iter_prompts
+from datagen.prompts.tokenization import PromptRenderer, renderer_for
+from datagen.records.storage import Storage
 from datagen.settings import DEFAULT_ENQUEUE_CHUNK, DEFAULT_FAILURE_TTL_S, DEFAULT_RESULT_TTL_S
 from datagen.spec import JobSpec
 from datagen.states import JobState, PromptClass
-from datagen.storage import Storage
-from datagen.tokenization import PromptRenderer, renderer_for
 from service.ingest import IngestOptions, Ingestor
 
 DEFAULT_N = 5000
@@ -83,7 +83,7 @@ class Setup:
 
     def _count(self, cls: PromptClass) -> int:
         # The baseline pushes onto RQ's queue; ours leaves prompts in the job's backlog until a
-        # worker's claim dispatches them (datagen/dispatch.py).
+        # worker's claim dispatches them (datagen/control/dispatch.py).
         queue = Queue(self.keys.queue_name(cls), connection=self.redis, serializer=JSONSerializer)
         return queue.count + Dispatch(self.redis, self.keys).depth(cls)
 
@@ -114,7 +114,7 @@ def render_all(renderer: PromptRenderer, prompts: list[Prompt]) -> tuple[float, 
 
 
 def baseline_enqueue(setup: Setup, payloads: list[PromptPayload]) -> float:
-    """Queue.enqueue once per prompt, with the job data datagen.enqueue builds."""
+    """Queue.enqueue once per prompt, with the job data datagen.control.enqueue builds."""
     queue = setup.queue()
     options = setup.options.enqueue
     started = time.perf_counter()

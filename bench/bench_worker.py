@@ -58,11 +58,13 @@ from _common import (
     write_jsonl,
 )
 
-from datagen.dataset import Prompt, iter_prompts
-from datagen.enqueue import EnqueueOptions
-from datagen.jobs import JobStore
-from datagen.keys import Keys
-from datagen.redis_server import LocalRedis
+from datagen.control.enqueue import EnqueueOptions
+from datagen.control.jobs import JobStore
+from datagen.control.keys import Keys
+from datagen.local.redis_server import LocalRedis
+from datagen.prompts.dataset import Prompt, iter_prompts
+from datagen.prompts.tokenization import renderer_for
+from datagen.records.storage import Storage
 from datagen.settings import (
     DEFAULT_COMMIT_INTERVAL_S,
     DEFAULT_ENQUEUE_CHUNK,
@@ -72,8 +74,6 @@ from datagen.settings import (
 )
 from datagen.spec import JobSpec
 from datagen.states import JobState, PromptClass
-from datagen.storage import Storage
-from datagen.tokenization import renderer_for
 from service.ingest import IngestOptions, Ingestor
 from workers.fleet import ServerSpec
 from workers.sglang import ClientTimeouts, SGLangClient

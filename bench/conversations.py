@@ -32,13 +32,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository r
 from _common import job_spec, offline_hub, simulator_process
 from transformers import AutoTokenizer
 
-from datagen.enqueue import EnqueueOptions
-from datagen.jobs import JobStore
-from datagen.keys import Keys
-from datagen.redis_server import LocalRedis
+from datagen.control.enqueue import EnqueueOptions
+from datagen.control.jobs import JobStore
+from datagen.control.keys import Keys
+from datagen.local.redis_server import LocalRedis
+from datagen.prompts.tokenization import bundled_tokenizer_path, default_chat_template_path
+from datagen.records.storage import Storage
 from datagen.settings import ENV_PREFIX
-from datagen.storage import Storage
-from datagen.tokenization import bundled_tokenizer_path, default_chat_template_path
 from service.ingest import IngestOptions, Ingestor
 from tests.conversation_reference import expected_conversation, tool_rows
 

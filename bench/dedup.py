@@ -25,10 +25,11 @@ import redis
 from _common import job_spec, offline_hub, write_jsonl
 from _load import ingest
 
-from datagen.dedup import DEFAULT_NEAR_THRESHOLD, SeenIndex, near_params, pack_records
-from datagen.keys import SEEN_SEGMENTS
-from datagen.redis_server import LocalRedis
-from datagen.storage import Storage
+from datagen.control.keys import SEEN_SEGMENTS
+from datagen.hygiene.dedup import SeenIndex, near_params, pack_records
+from datagen.local.redis_server import LocalRedis
+from datagen.records.storage import Storage
+from datagen.spec import DEFAULT_NEAR_THRESHOLD
 
 DEFAULT_N = 5000
 DEFAULT_REPEAT = 3

@@ -44,10 +44,10 @@ from typing import Any
 
 import numpy as np
 
-from datagen.records import Record, records_to_table
+from datagen.prompts.tokenization import bundled_tokenizer_path, default_chat_template_path, get_renderer
+from datagen.records.schema import Record, records_to_table
+from datagen.records.storage import Storage
 from datagen.spec import JobSpec
-from datagen.storage import Storage
-from datagen.tokenization import bundled_tokenizer_path, default_chat_template_path, get_renderer
 
 DEFAULT_N = 100_000
 SHARD_RECORDS = 1000
@@ -159,7 +159,7 @@ def child(name: str, root: Path, out: Path, shuffle_seed: int | None) -> None:
     started = time.perf_counter()
     if name == "baseline":
         from datagen.export.rows import ROW_COLUMNS
-        from datagen.recordset import iter_committed_batches
+        from datagen.records.reader import iter_committed_batches
 
         nbytes = sum(b.nbytes for b in iter_committed_batches(storage, JOB_ID, ROW_COLUMNS))
         written, out_bytes = 0, 0
@@ -195,7 +195,7 @@ def run_child(name: str, root: Path, out: Path, shuffle_seed: int | None) -> dic
 
 def memory_per_entry(root: Path) -> dict[str, float]:
     from datagen.export.conversations import InputIndex
-    from datagen.recordset import SeenKeys
+    from datagen.records.reader import SeenKeys
     from datagen.states import MultiTurnMode
 
     storage = Storage(root)

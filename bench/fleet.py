@@ -83,10 +83,10 @@ from _load import (
     worker_settings,
 )
 
-from datagen.redis_server import LocalRedis
+from datagen.local.redis_server import LocalRedis
+from datagen.records.storage import Storage
 from datagen.settings import DEFAULT_SHORT_CONCURRENCY
 from datagen.spec import JobSpec
-from datagen.storage import Storage
 from workers.fleet import SAME_SPEED_FACTOR
 
 DEFAULT_N = 1200

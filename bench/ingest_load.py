@@ -56,15 +56,15 @@ import httpx
 import redis
 from _common import job_spec, offline_hub, simulator_process
 
-from datagen.dataset import Prompt, iter_prompts
-from datagen.dispatch import Dispatch
+from datagen.control.dispatch import Dispatch
+from datagen.control.keys import Keys
 from datagen.errors import ConfigError
-from datagen.keys import Keys
-from datagen.processes import ChildProcesses, child_env
-from datagen.redis_server import LocalRedis, free_port
+from datagen.local.processes import ChildProcesses, child_env
+from datagen.local.redis_server import LocalRedis, free_port
+from datagen.prompts.dataset import Prompt, iter_prompts
+from datagen.prompts.tokenization import renderer_for
 from datagen.settings import DEFAULT_ENQUEUE_CHUNK
 from datagen.states import Priority, PromptClass
-from datagen.tokenization import renderer_for
 from simulator.config import DEFAULT_CONTEXT_LEN as SIM_CONTEXT_LEN
 
 DEFAULT_N = 1_000_000

@@ -56,10 +56,10 @@ import redis
 from _common import SimProcess, job_spec, offline_hub, short_rows
 from _load import ServerSampler, Stats, ingest, plain_run, read_records, render, run_worker, worker_settings
 
-from datagen.redis_server import LocalRedis
+from datagen.local.redis_server import LocalRedis
+from datagen.records.storage import Storage
 from datagen.settings import DEFAULT_POLL_INTERVAL_S, WorkerSettings
 from datagen.spec import JobSpec
-from datagen.storage import Storage
 
 DEFAULT_N = 2000
 DEFAULT_CONCURRENCY = "8,64"

@@ -43,10 +43,10 @@ import redis
 from _common import BENCH_JOB_ID, SimProcess, job_spec, offline_hub, short_rows
 from _load import ServerSampler, ingest, render, worker_settings
 
-from datagen.redis_server import LocalRedis
+from datagen.local.redis_server import LocalRedis
+from datagen.records.storage import Storage
 from datagen.settings import DEFAULT_SHORT_CONCURRENCY, WorkerSettings
 from datagen.spec import JobSpec
-from datagen.storage import Storage
 from workers.fleet import ServerSpec
 from workers.worker import Worker
 

@@ -83,10 +83,10 @@ from _load import (
     worker_settings,
 )
 
-from datagen.redis_server import LocalRedis
+from datagen.local.redis_server import LocalRedis
+from datagen.records.storage import Storage
 from datagen.spec import JobSpec
 from datagen.states import PromptClass
-from datagen.storage import Storage
 from workers.worker import Worker
 
 DEFAULT_N = 600

@@ -52,12 +52,12 @@ import redis
 from _common import BENCH_JOB_ID, BENCH_NAMESPACE, SimProcess, job_spec, offline_hub, short_rows, write_jsonl
 from _load import ingest
 
-from datagen.jobs import JobStore
-from datagen.keys import Keys
-from datagen.redis_server import LocalRedis
+from datagen.control.jobs import JobStore
+from datagen.control.keys import Keys
+from datagen.local.redis_server import LocalRedis
+from datagen.records.storage import Storage
 from datagen.settings import ENV_PREFIX
 from datagen.states import JobState
-from datagen.storage import Storage
 
 DEFAULT_N = 2000
 DEFAULT_WORKERS = 2

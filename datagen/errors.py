@@ -114,7 +114,7 @@ class BackendUnavailableError(RetryableError):
 
 class RedisOutOfMemoryError(RetryableError):
     """Redis is over its ``maxmemory`` and refuses writes (``noeviction``); the request may be
-    repeated as it was once memory is freed or the limit raised (`datagen.redismemory`)."""
+    repeated as it was once memory is freed or the limit raised (`datagen.control.redismemory`)."""
 
 
 class FatalError(DatagenError):
@@ -130,7 +130,7 @@ class InvalidSpecError(FatalError):
 
 
 class PreflightError(InvalidSpecError):
-    """A pre-flight check refused a job, or kept a worker off a server (:mod:`datagen.preflight`).
+    """A pre-flight check refused a job, or kept a worker off a server (:mod:`datagen.prompts.preflight`).
 
     The message names what disagrees and what to fix; the coordinator answers 409 Conflict.
     """

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import hashlib
 from enum import StrEnum
 
 __all__ = [
+    "DedupMode",
     "FinishType",
     "JobState",
     "MultiTurnMode",
@@ -14,7 +16,14 @@ __all__ = [
     "SpecialTextPolicy",
     "StopReason",
     "ToolMismatch",
+    "sample_digest",
 ]
+
+
+class DedupMode(StrEnum):
+    OFF = "off"
+    EXACT = "exact"
+    NEAR = "near"
 
 
 class JobState(StrEnum):
@@ -110,3 +119,9 @@ class SpecialTextPolicy(StrEnum):
     ALLOW = "allow"
     WARN = "warn"
     REJECT = "reject"
+
+
+def sample_digest(sample_id: str) -> str:
+    """A sample id as 16 hex characters: safe in RQ ids, Redis members and stored names, whatever
+    the id holds."""
+    return hashlib.sha1(sample_id.encode("utf-8")).hexdigest()[:16]

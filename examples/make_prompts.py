@@ -19,7 +19,7 @@ import random
 from pathlib import Path
 from typing import Any
 
-from datagen.dataset import Prompt, iter_prompts
+from datagen.prompts.dataset import Prompt, iter_prompts
 
 SEED = 20251130
 # The packaged copy; examples/prompts.jsonl links to it.

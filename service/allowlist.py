@@ -6,7 +6,7 @@ used (``DATAGEN_TOKENIZER_ALLOWLIST``: absolute path prefixes and hub ids, or ``
 ``trust_remote_code`` needs ``DATAGEN_ALLOW_TRUST_REMOTE_CODE=1``. The bundled DeepSeek tokenizer
 and the shipped templates are always allowed, so the demo and the tests need no configuration.
 
-Names are resolved by `datagen.sources.resolve_source`, the function the loaders use, so a name
+Names are resolved by `datagen.prompts.sources.resolve_source`, the function the loaders use, so a name
 cannot pass the check as one file and be loaded as another. A hub id passes only when listed
 verbatim: a prefix of paths says nothing about what the hub may serve.
 """
@@ -16,12 +16,11 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from datagen.decontam import BUILTIN_SETS
 from datagen.errors import InvalidSpecError
+from datagen.prompts.sources import ResolvedSource, SourceKind, local_path, resolve_source
+from datagen.prompts.tokenization import bundled_tokenizer_path, default_chat_template_path
 from datagen.settings import CoordinatorSettings
-from datagen.sources import ResolvedSource, SourceKind, local_path, resolve_source
-from datagen.spec import JobSpec
-from datagen.tokenization import bundled_tokenizer_path, default_chat_template_path
+from datagen.spec import BUILTIN_SETS, JobSpec
 
 __all__ = ["check_allowed"]
 

@@ -18,6 +18,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from datagen.control.redismemory import is_out_of_memory, out_of_memory_error, read_memory
 from datagen.errors import (
     AuthError,
     BackendUnavailableError,
@@ -29,11 +30,10 @@ from datagen.errors import (
     http_status,
     status_error_class,
 )
-from datagen.redismemory import is_out_of_memory, out_of_memory_error, read_memory
+from datagen.records.storage import validate_job_id
 from datagen.settings import CoordinatorSettings
 from datagen.spec import parse_spec_json
 from datagen.states import JobState, Priority, PromptClass
-from datagen.storage import validate_job_id
 from service.coordinator import Coordinator
 
 __all__ = ["create_app"]
@@ -50,7 +50,7 @@ JOBS_PAGE = 100
 MAX_JOBS_PAGE = 1000
 OPENAPI_URL = "/openapi.json"
 # Redis errors that mean "not reachable now" (a failover makes a replica read-only for a while);
-# a refusal at maxmemory is said as such (`datagen.redismemory`); any other Redis error is a bug of
+# a refusal at maxmemory is said as such (`datagen.control.redismemory`); any other Redis error is a bug of
 # ours and answers 500.
 _REDIS_UNAVAILABLE = (
     redis.exceptions.ConnectionError,

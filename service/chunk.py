@@ -9,8 +9,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO
 
-from datagen.dataset import Prompt, RowError, iter_prompts
-from datagen.payload import PromptPayload
+from datagen.control.payload import PromptPayload
+from datagen.prompts.dataset import Prompt, RowError, iter_prompts
 from datagen.spec import JobSpec
 from datagen.states import MultiTurnMode
 from service.rowids import RowId

@@ -9,11 +9,11 @@ from dataclasses import dataclass, field
 
 import pyarrow.compute as pc
 
+from datagen.control.keys import prompt_key
+from datagen.control.payload import PromptPayload
 from datagen.errors import CorruptShardError
-from datagen.keys import prompt_key
-from datagen.payload import PromptPayload
+from datagen.records.storage import Storage
 from datagen.states import StopReason
-from datagen.storage import Storage
 
 __all__ = ["Committed", "Settled", "read_committed", "settle_committed"]
 
@@ -24,7 +24,7 @@ KEY_COLUMNS = ["sample_id", "turn", "gen", "output_len"]
 
 @dataclass
 class Committed:
-    """Prompt key (`datagen.keys.prompt_key`) -> output tokens of its first committed record; and
+    """Prompt key (`datagen.control.keys.prompt_key`) -> output tokens of its first committed record; and
     the conversations (sample id, gen) whose stop is stored."""
 
     output_tokens: dict[str, int] = field(default_factory=dict)

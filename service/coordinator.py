@@ -13,10 +13,12 @@ from typing import IO, Any
 
 from redis import Redis, RedisError
 
-from datagen.decontam import BenchmarkSet, sets_sha256
-from datagen.dispatch import JobShare
-from datagen.enqueue import EnqueueOptions
-from datagen.epoch import EpochChange, EpochWatch
+from datagen.control.dispatch import JobShare
+from datagen.control.enqueue import EnqueueOptions
+from datagen.control.epoch import EpochChange, EpochWatch
+from datagen.control.jobs import JobStore
+from datagen.control.keys import Keys
+from datagen.control.servers import live_servers
 from datagen.errors import (
     DatagenError,
     InvalidSpecError,
@@ -25,17 +27,15 @@ from datagen.errors import (
     PreflightError,
     UploadTooLargeError,
 )
-from datagen.fleet import live_servers
-from datagen.hygiene import check_benchmarks
-from datagen.jobs import JobStore
-from datagen.keys import Keys
-from datagen.preflight import PreflightResult, preflight_submit
+from datagen.hygiene.decontam import BenchmarkSet, sets_sha256
+from datagen.hygiene.screen import check_benchmarks
+from datagen.prompts.preflight import PreflightResult, preflight_submit
+from datagen.prompts.sources import SourceKind, resolve_source
+from datagen.prompts.tokenization import preload_libraries, renderer_for
+from datagen.records.storage import Storage, validate_job_id
 from datagen.settings import CoordinatorSettings
-from datagen.sources import SourceKind, resolve_source
 from datagen.spec import JobSpec
 from datagen.states import JobState, RebuildReason
-from datagen.storage import Storage, validate_job_id
-from datagen.tokenization import preload_libraries, renderer_for
 from service.allowlist import check_allowed
 from service.committed import Committed, read_committed
 from service.dryrun import dry_run
@@ -51,7 +51,7 @@ log = logging.getLogger(__name__)
 
 COPY_CHUNK_BYTES = 1024 * 1024
 # What a job's manifest pins about how prompts are rendered and judged (identity field -> what it
-# is); the decontamination sets' digest is `datagen.decontam.sets_sha256`, under "decontaminate".
+# is); the decontamination sets' digest is `datagen.hygiene.decontam.sets_sha256`, under "decontaminate".
 PINNED_IDENTITY = {
     "tokenizer_sha256": "tokenizer (files)",
     "chat_template_sha256": "chat template",
@@ -59,7 +59,7 @@ PINNED_IDENTITY = {
     "decontaminate_sha256": "decontamination set content",
 }
 JOIN_TIMEOUT_S = 10.0
-# How often the coordinator checks Redis's epoch (`datagen.epoch`): two round trips, five commands.
+# How often the coordinator checks Redis's epoch (`datagen.control.epoch`): two round trips, five commands.
 EPOCH_CHECK_S = 1.0
 
 
@@ -110,7 +110,7 @@ class Coordinator:
         """Claim the storage for this namespace, rebuild the jobs Redis lost or holds behind its
         storage (`service.rebuild`), resume ingestions a previous coordinator left half done, and
         start watching Redis's epoch."""
-        preload_libraries()  # before ingestion threads load tokenizers (`datagen._loaders`)
+        preload_libraries()  # before ingestion threads load tokenizers (`datagen.prompts.loaders`)
         self.storage.claim_namespace(self.settings.namespace)
         self.epoch.look()
         # No epoch and no job: a new Redis, or one that lost its data while nothing watched it.
@@ -161,7 +161,7 @@ class Coordinator:
                 self._start_ingest(job_id, inputs, committed=committed)
 
     def _watch(self) -> None:
-        """Check Redis's epoch every second (`datagen.epoch`): rebuild from storage what a Redis
+        """Check Redis's epoch every second (`datagen.control.epoch`): rebuild from storage what a Redis
         that lost or rolled back its data no longer holds, then resume what it left ingesting."""
         while not self._closing.wait(EPOCH_CHECK_S):
             try:

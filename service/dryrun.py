@@ -15,12 +15,12 @@ from __future__ import annotations
 import io
 from typing import IO, Any
 
-from datagen.dataset import Prompt, RowError, iter_prompts
 from datagen.errors import InvalidRowError
-from datagen.hygiene import Hygiene, HygieneRow
+from datagen.hygiene.screen import Hygiene, HygieneRow
+from datagen.prompts.dataset import Prompt, RowError, iter_prompts
+from datagen.prompts.tokenization import PromptRenderer, special_text_reason
 from datagen.spec import JobSpec
 from datagen.states import SpecialTextPolicy
-from datagen.tokenization import PromptRenderer, special_text_reason
 from service.rowids import RowId, repeated_lines, row_id
 
 __all__ = ["DRY_RUN_EXAMPLES", "DRY_RUN_ROWS", "dry_run"]

@@ -15,12 +15,12 @@ from typing import Any, cast
 from redis import Redis
 from rq import Queue
 
-from datagen.dispatch import Dispatch
+from datagen.control.dispatch import Dispatch
+from datagen.control.jobs import now_ms
+from datagen.control.keys import Keys
+from datagen.control.redistext import as_text, as_texts
+from datagen.control.servers import read_servers, seen_recently
 from datagen.errors import UnknownServerError
-from datagen.fleet import read_servers, seen_recently
-from datagen.jobs import now_ms
-from datagen.keys import Keys
-from datagen.redistext import as_text, as_texts
 from datagen.states import PromptClass, ServerState
 
 __all__ = ["FleetView"]
@@ -107,7 +107,7 @@ class FleetView:
         for worker, entry in sorted(raw.items()):
             view = json.loads(entry)
             view["worker"] = as_text(worker)
-            # A stale view is shown but does not count towards totals (datagen.fleet.LIVE_WINDOW_S).
+            # A stale view is shown but does not count towards totals (datagen.control.servers.LIVE_WINDOW_S).
             view["stale"] = not seen_recently(view, now)
             views.append(view)
         return views

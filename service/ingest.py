@@ -9,7 +9,7 @@ itself accepts a second enqueue of the same job id. Chunks start small and doubl
 configured size (`service.chunk.chunk_sizes`), and the first one also goes out after a deadline, so
 warm workers start on a new job within a fraction of a second of its submit.
 
-Evaluation hygiene (`datagen.hygiene`) judges each chunk's rows last: contaminated rows and
+Evaluation hygiene (`datagen.hygiene.screen`) judges each chunk's rows last: contaminated rows and
 duplicates become rejected rows, and the kept rows' packed records are appended to the job's
 ``seen`` keys in the same transaction (read back into memory whenever ingestion starts).
 """
@@ -28,22 +28,21 @@ from redis import Redis, RedisError, WatchError
 from rq import Queue
 from rq.serializers import JSONSerializer
 
-from datagen.dataset import Prompt, RowError
-from datagen.dedup import DedupMode
-from datagen.dispatch import Dispatch
-from datagen.enqueue import EnqueueOptions, enqueue_prompts
+from datagen.control.dispatch import Dispatch
+from datagen.control.enqueue import EnqueueOptions, enqueue_prompts
+from datagen.control.jobs import JobStore
+from datagen.control.keys import Keys, prompt_key
+from datagen.control.payload import PromptPayload
+from datagen.control.redismemory import is_out_of_memory, out_of_memory_error
+from datagen.control.redistext import as_text
+from datagen.control.servers import fleet_context_len
 from datagen.errors import DatagenError, InvalidRowError, JobNotFoundError, StorageError
-from datagen.fleet import fleet_context_len
-from datagen.hygiene import Hygiene, HygieneRow, Verdicts
-from datagen.jobs import JobStore
-from datagen.keys import Keys, prompt_key
-from datagen.payload import PromptPayload
-from datagen.redismemory import is_out_of_memory, out_of_memory_error
-from datagen.redistext import as_text
+from datagen.hygiene.screen import Hygiene, HygieneRow, Verdicts
+from datagen.prompts.dataset import Prompt, RowError
+from datagen.prompts.tokenization import PromptRenderer, renderer_for, special_text_reason
+from datagen.records.storage import Storage
 from datagen.spec import JobSpec
-from datagen.states import JobState, PromptClass, SpecialTextPolicy
-from datagen.storage import Storage
-from datagen.tokenization import PromptRenderer, renderer_for, special_text_reason
+from datagen.states import DedupMode, JobState, PromptClass, SpecialTextPolicy
 from service.chunk import Chunk, breakdown, chunk_items, chunk_sizes
 from service.committed import Committed, Settled, settle_committed
 from service.metrics import CoordinatorMetrics
@@ -463,7 +462,7 @@ class Ingestor:
 
     @staticmethod
     def _judge(hygiene: Hygiene, chunk: Chunk, repeats: set[int]) -> Verdicts | None:
-        """Decontaminate and deduplicate the chunk's rows (`datagen.hygiene`), after every other
+        """Decontaminate and deduplicate the chunk's rows (`datagen.hygiene.screen`), after every other
         check; rejected ones leave the chunk's prompts and flagged rows."""
         if not hygiene.active:
             return None

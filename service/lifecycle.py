@@ -19,13 +19,13 @@ from rq import Queue
 from rq.job import Job
 from rq.serializers import JSONSerializer
 
-from datagen.dispatch import RQ_JOB_PREFIX, Dispatch
+from datagen.control.dispatch import RQ_JOB_PREFIX, Dispatch
+from datagen.control.jobs import OTHER_PARTITION, JobStore, RequeueItem
+from datagen.control.keys import Keys
+from datagen.control.redistext import as_text, as_texts
 from datagen.errors import JobNotFoundError, JobStateError, StorageError
-from datagen.jobs import OTHER_PARTITION, JobStore, RequeueItem
-from datagen.keys import Keys
-from datagen.redistext import as_text, as_texts
+from datagen.records.storage import Storage
 from datagen.states import JobState, Priority, PromptClass
-from datagen.storage import Storage
 
 __all__ = ["ENDING_CANCELLED", "ENDING_DELETED", "JobControls"]
 

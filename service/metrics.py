@@ -18,9 +18,9 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 from redis import Redis, RedisError
 
-from datagen.dispatch import Dispatch
-from datagen.jobs import JobProgress, JobStore
-from datagen.redismemory import read_memory
+from datagen.control.dispatch import Dispatch
+from datagen.control.jobs import JobProgress, JobStore
+from datagen.control.redismemory import read_memory
 from datagen.states import JobState, RebuildReason
 from service.fleetview import FleetView
 

@@ -3,7 +3,7 @@
 Redis holds the working state (queues, counters, the rows guard); storage holds what a job *is*
 (its manifest with the spec and incarnation, its uploads) and what it *did* (commit objects and
 their shards), plus how it ended when that must outlive Redis (``deleted.json``,
-``cancelled.json``, `Storage.write_ending`). When Redis lost its data (`datagen.epoch`), went back
+``cancelled.json``, `Storage.write_ending`). When Redis lost its data (`datagen.control.epoch`), went back
 to an older snapshot, or holds fewer done prompts than storage has records, the coordinator
 rebuilds each such job: its Redis state is dropped, its hash made again with the *same*
 incarnation (so records of prompts in flight still count), and its uploads ingested again from
@@ -20,12 +20,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from datagen.control.jobs import JobStore
+from datagen.control.progress import now_ms
 from datagen.errors import JobNotFoundError
-from datagen.job_progress import now_ms
-from datagen.jobs import JobStore
+from datagen.records.storage import Storage
 from datagen.spec import JobSpec
 from datagen.states import JobState, RebuildReason
-from datagen.storage import Storage
 from service.committed import Committed, read_committed
 from service.lifecycle import ENDING_CANCELLED, ENDING_DELETED, JobControls
 

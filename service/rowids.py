@@ -4,7 +4,7 @@ are skipped as already enqueued.
 
 A row with the id and content of an earlier row is a *repeat* (`repeated_lines`; within an upload
 or a resubmission): its prompts are skipped as already enqueued, and content deduplication
-(`datagen.hygiene`) leaves it alone. Only the same content under another id is a duplicate.
+(`datagen.hygiene.screen`) leaves it alone. Only the same content under another id is a duplicate.
 
 Each job remembers, per sample id, ``<content digest>:<line>:<upload>`` of the row that used it first
 (`JobStore.first_rows` / `remember_rows`), across every upload to the job.
@@ -17,8 +17,8 @@ import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from datagen.dataset import Prompt
-from datagen.keys import prompt_key
+from datagen.control.keys import prompt_key
+from datagen.prompts.dataset import Prompt
 
 __all__ = ["RowId", "check_row_ids", "repeated_lines", "row_id"]
 

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import redis
 
-from datagen.redis_server import LocalRedis
-from datagen.storage import Storage
-from datagen.tokenization import bundled_tokenizer_path
+from datagen.local.redis_server import LocalRedis
+from datagen.prompts.tokenization import bundled_tokenizer_path
+from datagen.records.storage import Storage
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -18,18 +18,18 @@ import redis
 import uvicorn
 from fastapi.testclient import TestClient
 
-from datagen.enqueue import EnqueueOptions
+from datagen.control.enqueue import EnqueueOptions
+from datagen.control.jobs import JobStore
+from datagen.control.keys import Keys
 from datagen.errors import ConfigError
-from datagen.jobs import JobStore
-from datagen.keys import Keys
-from datagen.processes import ChildProcesses, child_env
-from datagen.records import Record
-from datagen.redis_server import LocalRedis, free_port
+from datagen.local.processes import ChildProcesses, child_env
+from datagen.local.redis_server import LocalRedis, free_port
+from datagen.prompts.tokenization import bundled_tokenizer_path, default_chat_template_path
+from datagen.records.schema import Record
+from datagen.records.storage import Storage
 from datagen.settings import CoordinatorSettings, WorkerSettings
 from datagen.spec import JobSpec
 from datagen.states import JobState, ServerState
-from datagen.storage import Storage
-from datagen.tokenization import bundled_tokenizer_path, default_chat_template_path
 from service.app import create_app
 from service.ingest import IngestOptions, Ingestor
 from simulator.config import SimConfig

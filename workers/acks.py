@@ -1,6 +1,6 @@
 """Finishing committed prompts in batches: the tasks of a shard resume together once the shard is
 durable, and their acknowledgements (RQ finished, job counted done) go to Redis in one script call
-per class (`datagen.jobs.JobStore.ack_done`) instead of one transaction each.
+per class (`datagen.control.jobs.JobStore.ack_done`) instead of one transaction each.
 
 A task waits until its ack is in Redis, so its heartbeat and burst mode's "nothing in flight" keep
 their meaning. A Redis outage holds the batch and retries it: the script is safe to
@@ -16,7 +16,7 @@ import functools
 import logging
 from dataclasses import dataclass
 
-from datagen.jobs import AckItem, JobStore
+from datagen.control.jobs import AckItem, JobStore
 from datagen.settings import DEFAULT_RESULT_TTL_S
 from workers.redisretry import while_redis_down
 from workers.rqbridge import InFlight, QueueIdentity

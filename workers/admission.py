@@ -25,8 +25,8 @@ from typing import Any
 
 import redis
 
-from datagen.dispatch import Dispatch
-from datagen.redismemory import is_out_of_memory
+from datagen.control.dispatch import Dispatch
+from datagen.control.redismemory import is_out_of_memory
 from datagen.states import PromptClass
 from workers.control import FleetSync
 from workers.fleet import Fleet

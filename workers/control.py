@@ -10,7 +10,7 @@
   runs a one-token generation and is slow under load). A server marked down so (unreachable or
   hung, e.g. SIGSTOPped) has its requests in flight abandoned: they are sent elsewhere at once,
   without charging an attempt, instead of waiting for their read timeout. A 503 cancels nothing.
-  A server that comes up is read and checked first (:mod:`datagen.preflight`): an unknown context
+  A server that comes up is read and checked first (:mod:`datagen.prompts.preflight`): an unknown context
   length, another model than the fleet's, or a 401/403 (the API key) keeps the worker off it,
   published as ``refused`` with the reason, until a later probe passes.
 - :class:`KvControl` (per server, in the one worker holding the server's controller lease):
@@ -32,7 +32,11 @@ from typing import cast
 
 from redis import Redis, RedisError
 
-from datagen.epoch import EpochChange, EpochWatch
+from datagen.control.epoch import EpochChange, EpochWatch
+from datagen.control.jobs import now_ms
+from datagen.control.keys import Keys
+from datagen.control.redistext import as_text, as_texts
+from datagen.control.servers import live_servers, publish_server, shares_server
 from datagen.errors import (
     ConfigError,
     DatagenError,
@@ -40,11 +44,7 @@ from datagen.errors import (
     RequestTimeoutError,
     RetryableError,
 )
-from datagen.fleet import live_servers, publish_server, shares_server
-from datagen.jobs import now_ms
-from datagen.keys import Keys
-from datagen.preflight import check_server_joins
-from datagen.redistext import as_text, as_texts
+from datagen.prompts.preflight import check_server_joins
 from datagen.settings import DEFAULT_CONTROLLER_INITIAL_TARGET, DEFAULT_CONTROLLER_SLOW_START_INTERVAL_S
 from datagen.states import PromptClass, ServerState
 from workers.controller import KvSignals, decide, parse_kv_signals, restarted
@@ -105,7 +105,7 @@ class FleetSync:
         self._published: dict[str, dict[str, object]] = {}
         self._published_at = 0.0
         self._read_at = 0.0
-        # Shared with the claim script's caller (`datagen.dispatch.Dispatch`), which reads its floor.
+        # Shared with the claim script's caller (`datagen.control.dispatch.Dispatch`), which reads its floor.
         self.epoch = epoch or EpochWatch(redis, keys)
         self._rolled_back = False
 
@@ -207,7 +207,7 @@ class FleetSync:
         self._published, self._published_at = views, now
 
     def publish_servers(self) -> None:
-        """What this worker learned of each server it accepted (`datagen.fleet.publish_server`,
+        """What this worker learned of each server it accepted (`datagen.control.servers.publish_server`,
         as the health probe wrote it when the server came up), written again."""
         for server in self.fleet.servers:
             if server.context_len is None or server.refused is not None:

@@ -24,13 +24,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from datagen.control.payload import PromptPayload
 from datagen.errors import DatagenError, FatalError, InvalidRowError, JobNotFoundError
-from datagen.payload import PromptPayload
-from datagen.records import Record
+from datagen.prompts.tokenization import PromptRenderer, renderer_for
+from datagen.records.schema import Record
+from datagen.records.storage import Storage
 from datagen.spec import JobSpec
 from datagen.states import FinishType, StopReason, ToolMismatch
-from datagen.storage import Storage
-from datagen.tokenization import PromptRenderer, renderer_for
 from workers.fleet import Server
 from workers.jobinfo import JobInfo, JobInfos
 from workers.metrics import WorkerMetrics

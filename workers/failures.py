@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from datagen.jobs import now_ms
+from datagen.control.jobs import now_ms
 
 __all__ = ["UNKNOWN_LABEL", "failure_report", "prompt_labels"]
 

@@ -14,13 +14,13 @@ import redis
 from redis.client import Pipeline
 from rq.job import Job, JobStatus
 
-from datagen.dispatch import Dispatch
-from datagen.enqueue import EnqueueOptions, enqueue_prompts
+from datagen.control.dispatch import Dispatch
+from datagen.control.enqueue import EnqueueOptions, enqueue_prompts
+from datagen.control.jobs import AckItem, JobStore, now_ms
+from datagen.control.keys import Keys, prompt_key
+from datagen.control.payload import PromptPayload
 from datagen.errors import RetryableError
-from datagen.jobs import AckItem, JobStore, now_ms
-from datagen.keys import Keys, prompt_key
-from datagen.payload import PromptPayload
-from datagen.records import Record
+from datagen.records.schema import Record
 from datagen.settings import DEFAULT_FAILURE_TTL_S, DEFAULT_MAX_WORKER_LOSSES, DEFAULT_RESULT_TTL_S
 from datagen.states import PromptClass
 from workers.acks import Acks, ack_item

@@ -25,10 +25,10 @@ from typing import Any
 
 from rq.job import Job
 
+from datagen.control.jobs import now_ms
+from datagen.control.payload import PromptPayload
 from datagen.errors import ConfigError, FatalError, RetryableError, ServerUnavailableError
-from datagen.jobs import now_ms
-from datagen.payload import PromptPayload
-from datagen.records import Record
+from datagen.records.schema import Record
 from datagen.settings import WorkerSettings
 from datagen.states import PromptClass
 from workers.backup import Backups, Straggler

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from datagen.jobs import JobStore
+from datagen.control.jobs import JobStore
 from datagen.spec import JobSpec
 
 __all__ = ["JobInfo", "JobInfos"]

@@ -15,9 +15,9 @@ import logging
 from collections.abc import Callable, Coroutine
 from typing import Any
 
+from datagen.control.jobs import JobStore
+from datagen.control.payload import PromptPayload
 from datagen.errors import FatalError, JobNotFoundError
-from datagen.jobs import JobStore
-from datagen.payload import PromptPayload
 from datagen.states import PromptClass
 from workers.admission import Slots
 from workers.finish import Finisher, is_final

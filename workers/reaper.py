@@ -38,9 +38,9 @@ from rq.utils import utcparse
 from rq.worker import BaseWorker
 from rq.worker_registration import clean_worker_registry
 
-from datagen.jobs import JobStore
-from datagen.keys import Keys
-from datagen.redistext import as_text, as_texts
+from datagen.control.jobs import JobStore
+from datagen.control.keys import Keys
+from datagen.control.redistext import as_text, as_texts
 from datagen.states import PromptClass
 from workers.failures import failure_report, prompt_labels
 from workers.metrics import WorkerMetrics

@@ -3,7 +3,7 @@
 RQ 2.x runs one job per worker process. We keep RQ's queues, registries and job hashes (so
 ``rq info`` and rq-dashboard stay true) from a subclass of ``BaseWorker`` that never calls
 ``work()``, one identity per queue. The common path is batched in our own scripts, which write
-what RQ's worker would: a claim starts up to N prompts at once (`datagen.dispatch`), and the
+what RQ's worker would: a claim starts up to N prompts at once (`datagen.control.dispatch`), and the
 prompts of a committed shard finish at once (`workers.acks`); one heartbeat per identity renews
 all of its started-registry entries. The rare paths (failure, cancel, hand back) use RQ's own
 transitions. RQ's execution hashes are not written: a started-registry member is
@@ -27,8 +27,8 @@ from rq.utils import now
 from rq.worker import BaseWorker, WorkerStatus
 from rq.worker_registration import clean_worker_registry
 
-from datagen.dispatch import Claimant, Dispatch
-from datagen.jobs import AckTarget
+from datagen.control.dispatch import Claimant, Dispatch
+from datagen.control.jobs import AckTarget
 from datagen.states import PromptClass
 
 __all__ = ["InFlight", "QueueIdentity", "fail_job", "heartbeat_ttl_s", "payload_of"]
@@ -152,7 +152,7 @@ class QueueIdentity(BaseWorker):
     def claim_many(
         self, dispatch: Dispatch, cls: PromptClass, n: int, *, skip: Collection[str] = ()
     ) -> list[InFlight]:
-        """Start up to ``n`` prompts due (:mod:`datagen.dispatch`), none of the jobs in ``skip``;
+        """Start up to ``n`` prompts due (:mod:`datagen.control.dispatch`), none of the jobs in ``skip``;
         never blocks."""
         queue = self.queue
         items = []

@@ -21,10 +21,10 @@ from __future__ import annotations
 from collections.abc import Collection, Sequence
 from typing import Any
 
-from datagen.payload import PromptPayload
+from datagen.control.payload import PromptPayload
+from datagen.prompts.tokenization import PromptRenderer
 from datagen.spec import JobSpec
 from datagen.states import PromptClass
-from datagen.tokenization import PromptRenderer
 from workers.sglang_replies import ToolCall
 
 __all__ = ["assistant_turn", "dataset_call_names", "history", "history_text", "next_turn"]

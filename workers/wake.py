@@ -2,7 +2,7 @@
 
 Whatever puts prompts where a claim finds them (a job's backlog, RQ's queue: ingestion, next turns,
 resume, retry, the reaper, a hand-back) publishes the class on the namespace's wake channel
-(`datagen.keys.Keys.wake_channel`). A worker subscribes on its own connection and sets the class's
+(`datagen.control.keys.Keys.wake_channel`). A worker subscribes on its own connection and sets the class's
 event; an idle claim loop waits on it, with a slow poll as the safety net for a message missed
 while Redis was away. An idle worker therefore costs Redis a few commands per second, and a warm
 one starts a new job's first prompts within a round trip of their enqueue.
@@ -33,7 +33,7 @@ import redis
 from redis import RedisError
 from redis.client import PubSub
 
-from datagen.redistext import as_text
+from datagen.control.redistext import as_text
 from datagen.states import PromptClass
 from workers.redisretry import REDIS_RETRY_MAX_S, REDIS_RETRY_MIN_S
 

@@ -27,16 +27,16 @@ from typing import Any
 import redis
 from prometheus_client import start_http_server
 
-from datagen.dispatch import Dispatch
-from datagen.epoch import EpochWatch
+from datagen.control.dispatch import Dispatch
+from datagen.control.epoch import EpochWatch
+from datagen.control.jobs import JobStore
+from datagen.control.keys import Keys
+from datagen.control.startup import claim_storage_async, connect_redis_async
 from datagen.errors import ConfigError
-from datagen.jobs import JobStore
-from datagen.keys import Keys
+from datagen.prompts.tokenization import preload_libraries
+from datagen.records.storage import Storage
 from datagen.settings import DEFAULT_METRICS_PORT, WorkerSettings
-from datagen.startup import claim_storage_async, connect_redis_async
 from datagen.states import PromptClass
-from datagen.storage import Storage
-from datagen.tokenization import preload_libraries
 from workers.acks import Acks
 from workers.admission import Admission, Slots
 from workers.backup import Backups
@@ -107,7 +107,7 @@ class Worker:
     async def _start(self) -> None:
         timeout_s = self.settings.startup_timeout_s
         # Before any thread renders a next turn: imported lazily by many threads at once, the
-        # tokenizer libraries fail (`datagen._loaders`).
+        # tokenizer libraries fail (`datagen.prompts.loaders`).
         preload_libraries()
         self.redis = await connect_redis_async(
             self.settings.require_redis_url(),

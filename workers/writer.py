@@ -37,10 +37,10 @@ from dataclasses import dataclass
 
 import redis
 
+from datagen.control.jobs import now_ms
 from datagen.errors import JobNotFoundError, StorageError
-from datagen.jobs import now_ms
-from datagen.records import Record, records_to_table
-from datagen.storage import Storage
+from datagen.records.schema import Record, records_to_table
+from datagen.records.storage import Storage
 from workers.metrics import WorkerMetrics
 
 __all__ = ["MAX_CONCURRENT_COMMITS", "RecordWriter"]

@@ -19,7 +19,7 @@ from typing import Any
 from rich.console import Console
 from rich.status import Status
 
-from datagen.client import CoordinatorClient
+from datagen.cli.client import CoordinatorClient
 from datagen.errors import (
     BackendUnavailableError,
     CoordinatorUnreachableError,
@@ -32,7 +32,8 @@ from datagen.states import ServerState
 __all__ = ["submit_when_ready"]
 
 POLL_INTERVAL_S = 1.0
-# A server in one of these states has a live worker that has not refused it (datagen.fleet.live_servers).
+# A server in one of these states has a live worker that has not refused it
+# (datagen.control.servers.live_servers).
 _LIVE_STATES = {ServerState.UP, ServerState.DOWN, ServerState.PAUSED, ServerState.DRAINING}
 
 

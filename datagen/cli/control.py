@@ -20,7 +20,7 @@ STATUS_JOBS = 100
 
 
 def _client() -> Any:
-    from datagen.client import CoordinatorClient
+    from datagen.cli.client import CoordinatorClient
 
     settings = load(ClientSettings)
     return CoordinatorClient(settings.coordinator_url, api_token=settings.api_token)
@@ -40,7 +40,7 @@ def status(
     ),
 ) -> None:
     """Show jobs, queues and servers, and Redis's memory (in red when an operator must act)."""
-    from datagen.client import CoordinatorClient
+    from datagen.cli.client import CoordinatorClient
 
     settings = load(ClientSettings, coordinator_url=coordinator)
     states = [s.value for s in state or ()]

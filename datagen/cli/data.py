@@ -23,7 +23,7 @@ from datagen.errors import ConfigError, CorruptShardError
 from datagen.settings import CommonSettings, load
 
 if TYPE_CHECKING:
-    from datagen.storage import Storage
+    from datagen.records.storage import Storage
 
 # `export --skip-unreadable` that left a shard out: the export is written, but not whole. The same
 # code as a failed `report` check or `submit --wait` with failed prompts: done, with something to see.
@@ -33,7 +33,7 @@ EXIT_BAD_SHARDS = EXIT_CHECK_FAILED
 
 
 def _job_storage(job_id: str, storage: str | None) -> Storage:
-    from datagen.storage import Storage
+    from datagen.records.storage import Storage
 
     settings = load(CommonSettings, storage=storage)
     store = Storage(settings.storage)
@@ -183,7 +183,7 @@ def verify(
 
     Prints one line per bad shard and a summary. Exit 0 when every shard is good, 1 when one is not.
     """
-    from datagen.recordset import verify_job
+    from datagen.records.reader import verify_job
 
     store = _job_storage(job_id, storage)
     columns = (TextColumn("verifying shards"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())

@@ -19,6 +19,6 @@ def demo(
     ] = None,
 ) -> None:
     """Run everything locally: private Redis, simulated SGLang, coordinator and worker."""
-    from datagen.demo import run_demo
+    from datagen.cli.demo_run import run_demo
 
     raise typer.Exit(run_demo(data_dir, dataset, console))

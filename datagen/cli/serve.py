@@ -51,8 +51,8 @@ def coordinator(
     """Run the coordinator HTTP API (waits for Redis and storage at startup)."""
     import uvicorn
 
-    from datagen.startup import claim_storage, connect_redis
-    from datagen.storage import Storage
+    from datagen.control.startup import claim_storage, connect_redis
+    from datagen.records.storage import Storage
     from service.app import create_app
 
     settings = load(CoordinatorSettings, host=host, port=port, redis_url=redis_url, storage=storage)

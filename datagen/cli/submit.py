@@ -9,8 +9,8 @@ import typer
 from rich.console import Console
 
 from datagen.cli._app import app, console
+from datagen.cli.progress import EXIT_ALL_DONE, EXIT_SOME_FAILED, wait_for_job
 from datagen.errors import ConfigError
-from datagen.progress import EXIT_ALL_DONE, EXIT_SOME_FAILED, wait_for_job
 from datagen.settings import ClientSettings, load
 
 
@@ -23,7 +23,7 @@ def _spec_from_options(
     sampling: dict[str, float | int | None],
 ) -> dict[str, Any]:
     """The job spec: the spec file (if any) with the flags that were given on top."""
-    from datagen.specfile import load_spec_file, merge_spec
+    from datagen.cli.specfile import load_spec_file, merge_spec
 
     flags: dict[str, Any] = {k: v for k, v in limits.items() if v is not None}
     if tokenizer is not None:
@@ -42,7 +42,7 @@ def _spec_from_options(
 @app.command()
 def spec(example: Annotated[bool, typer.Option(help="print a commented example job spec")] = True) -> None:
     """Print a commented example job spec (YAML) for `datagen submit --spec`."""
-    from datagen.specfile import EXAMPLE_SPEC
+    from datagen.cli.specfile import EXAMPLE_SPEC
 
     typer.echo(EXAMPLE_SPEC, nl=False)
 
@@ -97,7 +97,7 @@ def submit(
     all prompts are done, 1 if some failed, 2 if the job failed.
     """
     from datagen.cli._fleet_wait import submit_when_ready
-    from datagen.client import CoordinatorClient
+    from datagen.cli.client import CoordinatorClient
 
     settings = load(ClientSettings, coordinator_url=coordinator, wait_for_servers_s=wait_for_servers_s)
     spec = _spec_from_options(

@@ -6,7 +6,7 @@ Records are deduplicated on (sample id, turn, gen): processing is at-least-once,
 ran twice (a worker died after committing but before acknowledging) has two records, and the first
 one read wins. Shards are read in commit order (each commit's ``committed_at_ms``, then its shard
 name), so of a key committed twice the earlier commit is kept, on every export and report (both
-read through :mod:`datagen.recordset`), each held to its commit object first: a shard that differs
+read through :mod:`datagen.records.reader`), each held to its commit object first: a shard that differs
 stops the export (`CorruptShardError`), or with ``skip_unreadable`` is left out whole and counted in
 `ExportStats.skipped`. Then, in this order, rows are dropped by ``partitions``, by
 truncation (``finish_type == "length"``; in ``conversations`` also a row cut by ``max_length``), and
@@ -36,7 +36,7 @@ from datagen.export.pipeline import (
     iter_unique_rows,
 )
 from datagen.export.rows import DropReason, ExportStats
-from datagen.recordset import export_id, total_records
+from datagen.records.reader import export_id, total_records
 
 __all__ = [
     "DEFAULT_MIN_SUPERVISED_TOKENS",

@@ -5,7 +5,7 @@ Records do not hold the messages, so they are read back from the job's uploaded 
 (``jobs/<job>/input/*.jsonl``). `InputIndex` makes one pass over the input and keeps, per prompt,
 a 16-byte digest of ``(sample_id, turn)`` and the line's file and byte offset (about 120 bytes a
 prompt); each record's line is then read again with a seek and parsed with
-`datagen.dataset.iter_prompts`, so no record or message list is held. Where two uploads hold the
+`datagen.prompts.dataset.iter_prompts`, so no record or message list is held. Where two uploads hold the
 same prompt, the first (oldest file) wins, as at ingestion.
 
 The assistant turn is the output decoded with special tokens skipped (EOS dropped), split at the
@@ -33,13 +33,13 @@ from typing import Any, BinaryIO
 import orjson
 import pyarrow as pa
 
-from datagen.dataset import DEFAULT_MAX_LINE_BYTES, Prompt, iter_prompts
 from datagen.errors import StorageError
 from datagen.export.rows import DropReason, ExportStats
 from datagen.export.tokens import JobTokens
-from datagen.recordset import RowViews
+from datagen.prompts.dataset import DEFAULT_MAX_LINE_BYTES, Prompt, iter_prompts
+from datagen.records.reader import RowViews
+from datagen.records.storage import Storage
 from datagen.states import MultiTurnMode
-from datagen.storage import Storage
 
 __all__ = ["ConversationFormatter", "InputIndex"]
 

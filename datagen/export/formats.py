@@ -7,7 +7,7 @@
 
 Ids are the same in every format: ``{sample_id}`` for turn 0 / gen 0, else
 ``{sample_id}_t{turn}_g{gen}``; ``primary_id`` is the sample id. The loss mask is 0 over the prompt
-and 1 over the output, after clipping. Both come from `datagen.recordset` (`RowViews`), as the
+and 1 over the output, after clipping. Both come from `datagen.records.reader` (`RowViews`), as the
 report reads them.
 """
 
@@ -21,8 +21,8 @@ import orjson
 import pyarrow as pa
 
 from datagen.export.tokens import JobTokens
-from datagen.records import loss_mask_values
-from datagen.recordset import RowViews, export_ids, list_parts
+from datagen.records.reader import RowViews, export_ids, list_parts
+from datagen.records.schema import loss_mask_values
 
 __all__ = [
     "PARQUET_SCHEMA",

@@ -22,8 +22,8 @@ from datagen.export.rows import ROW_COLUMNS, ExportStats, RowFilter, RowFilterOp
 from datagen.export.shuffle import bucket_count, shuffled_batches
 from datagen.export.sinks import JsonlSink, ParquetSink
 from datagen.export.tokens import load_job_tokens
+from datagen.records.storage import Storage
 from datagen.states import MultiTurnMode
-from datagen.storage import Storage
 
 __all__ = [
     "DEFAULT_MIN_SUPERVISED_TOKENS",

@@ -1,7 +1,7 @@
 """The streaming front half of every export: committed record batches → deduplicated, filtered and
-clipped batches, one storage batch (`datagen.recordset.BATCH_ROWS` records) in memory at a time.
+clipped batches, one storage batch (`datagen.records.reader.BATCH_ROWS` records) in memory at a time.
 
-The one memory cost that grows with the job is the dedupe set (`datagen.recordset.SeenKeys`: about
+The one memory cost that grows with the job is the dedupe set (`datagen.records.reader.SeenKeys`: about
 90 bytes a key).
 """
 
@@ -17,9 +17,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from datagen.errors import CorruptShardError
-from datagen.recordset import SeenKeys, iter_committed_batches
+from datagen.records.reader import SeenKeys, iter_committed_batches
+from datagen.records.storage import Storage
 from datagen.states import FinishType
-from datagen.storage import Storage
 
 __all__ = [
     "ROW_COLUMNS",

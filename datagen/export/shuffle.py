@@ -24,8 +24,8 @@ import pyarrow as pa
 import pyarrow.ipc as ipc
 import pyarrow.parquet as pq
 
-from datagen.recordset import BATCH_ROWS
-from datagen.storage import Storage
+from datagen.records.reader import BATCH_ROWS
+from datagen.records.storage import Storage
 
 __all__ = ["MAX_SHUFFLE_BUCKETS", "SHUFFLE_BUCKET_BYTES", "bucket_count", "shuffled_batches"]
 

@@ -1,7 +1,7 @@
 """``datagen report``: what a job produced, and whether its records are token-exact training data.
 
 Modules: ``build`` (`build_report`: one streaming pass over the committed records, read through
-:mod:`datagen.recordset` as the exports read them, and the checks), ``stats`` (fixed-bin length
+:mod:`datagen.records.reader` as the exports read them, and the checks), ``stats`` (fixed-bin length
 histograms), ``conversations`` (how the conversations of a multi-turn ``all`` job went: the report's
 ``conversations`` section), ``render`` (the terminal view, report.json, PNG histograms and report.html).
 """

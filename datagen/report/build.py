@@ -49,11 +49,11 @@ import numpy as np
 import pyarrow as pa
 
 from datagen.export.tokens import JobTokens, load_job_tokens
-from datagen.recordset import RowViews, SeenKeys, iter_committed_batches
+from datagen.records.reader import RowViews, SeenKeys, iter_committed_batches
+from datagen.records.storage import Storage
 from datagen.report.conversations import ConversationTally
 from datagen.report.stats import LengthHistogram
 from datagen.states import FinishType, MultiTurnMode
-from datagen.storage import Storage
 
 __all__ = ["Check", "CheckStatus", "JobReport", "build_report"]
 
@@ -61,7 +61,7 @@ MAX_EXAMPLES = 5
 _COLUMNS = ["sample_id", "turn", "gen", "partition", "class", "input_ids", "prompt_len", "finish_type"]
 _DIGEST_BYTES = 16
 _HYGIENE_CLASSES = ("duplicate", "contaminated")
-# Where rows the checks count are stored (datagen.storage's layout), as the checks name them.
+# Where rows the checks count are stored (datagen.records.storage's layout), as the checks name them.
 _REJECTED_AT = "jobs/<job>/rejected/"
 _FLAGGED_AT = "jobs/<job>/flagged/"
 
@@ -293,7 +293,7 @@ def _read_rejected(storage: Storage, job_id: str, report: JobReport) -> None:
     check = report.checks["rejected_rows"]
     for row in storage.iter_rejected(job_id):
         reason = str(row.get("reason", ""))
-        # Duplicates and contaminated rows (datagen.hygiene) are one class each; other reasons
+        # Duplicates and contaminated rows (datagen.hygiene.screen) are one class each; other reasons
         # group by their kind: the text before details such as a column number.
         hygiene = row.get("hygiene")
         kind = hygiene if hygiene in _HYGIENE_CLASSES else "other"

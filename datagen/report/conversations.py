@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from datagen.recordset import key_digest
+from datagen.records.reader import key_digest
 
 __all__ = ["ConversationTally"]
 

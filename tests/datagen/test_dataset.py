@@ -14,9 +14,9 @@ from typing import Any
 import huggingface_hub.constants
 import pytest
 
-from datagen.dataset import DEFAULT_PARTITION, Prompt, RowError, iter_prompts, sample_id_for
+from datagen.prompts.dataset import DEFAULT_PARTITION, Prompt, RowError, iter_prompts, sample_id_for
+from datagen.prompts.tokenization import PromptRenderer, bundled_tokenizer_path, default_chat_template_path
 from datagen.states import MultiTurnMode, PromptClass
-from datagen.tokenization import PromptRenderer, bundled_tokenizer_path, default_chat_template_path
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 GENERATION_PROMPT = [128804, 128821, 201]  # <｜Assistant｜><think>\n

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from datagen.decontam import INDEX_CACHE, MAX_SET_LINE_BYTES, check_sets, load_benchmarks, sets_sha256
 from datagen.errors import InvalidSpecError
-from datagen.hygiene import Hygiene
+from datagen.hygiene.decontam import INDEX_CACHE, MAX_SET_LINE_BYTES, check_sets, load_benchmarks, sets_sha256
+from datagen.hygiene.screen import Hygiene
 from datagen.spec import JobSpec, validate_spec
 from tests.helpers import make_spec
 

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from datagen.dedup import DedupMode, NearParams, SeenIndex, exact_digest, near_params, normalize_words
-from datagen.hygiene import Hygiene, HygieneRow
+from datagen.hygiene.dedup import NearParams, SeenIndex, exact_digest, near_params, normalize_words
+from datagen.hygiene.screen import Hygiene, HygieneRow
+from datagen.states import DedupMode
 from tests.datagen.planted import CONTAMINATED, NEAR_COPIES, ROWS, planted_rows
 
 

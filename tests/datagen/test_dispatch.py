@@ -6,12 +6,12 @@ import time
 
 import redis
 
-from datagen.dispatch import Claimant, Dispatch
-from datagen.jobs import JobStore
-from datagen.keys import Keys
+from datagen.control.dispatch import Claimant, Dispatch
+from datagen.control.jobs import JobStore
+from datagen.control.keys import Keys
+from datagen.prompts.tokenization import bundled_tokenizer_path
 from datagen.spec import JobSpec
 from datagen.states import JobState, Priority, PromptClass
-from datagen.tokenization import bundled_tokenizer_path
 
 NS = "disp"
 SHORT = PromptClass.SHORT

@@ -1,12 +1,12 @@
-"""The epoch (`datagen.epoch`) against a real Redis: what the coordinator and a worker each see
+"""The epoch (`datagen.control.epoch`) against a real Redis: what the coordinator and a worker each see
 when Redis loses its data or goes back to an older snapshot."""
 
 from __future__ import annotations
 
 import redis
 
-from datagen.epoch import EpochChange, EpochWatch
-from datagen.keys import Keys
+from datagen.control.epoch import EpochChange, EpochWatch
+from datagen.control.keys import Keys
 
 NS = "epoch"
 

@@ -20,15 +20,15 @@ from datagen.errors import ConfigError
 from datagen.export import ExportFormat, ExportOptions, export_job
 from datagen.export.shuffle import shuffled_batches
 from datagen.export.tokens import load_job_tokens, read_stop_ids
-from datagen.records import Record, records_to_table
-from datagen.spec import JobSpec
-from datagen.storage import Storage
-from datagen.tokenization import (
+from datagen.prompts.tokenization import (
     bundled_tokenizer_path,
     canonical_kwargs_json,
     default_chat_template_path,
     get_renderer,
 )
+from datagen.records.schema import Record, records_to_table
+from datagen.records.storage import Storage
+from datagen.spec import JobSpec
 from tests.helpers import make_record
 
 # Ids read once off the DeepSeek tokenizer (tokenizer.encode(text, add_special_tokens=False)).

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import redis
 
-from datagen._job_outcomes import COUNT_STATES
-from datagen._job_scripts import COUNT_AND_MAYBE_COMPLETE
-from datagen.job_progress import JobProgress
-from datagen.keys import Keys
+from datagen.control._job_scripts import COUNT_AND_MAYBE_COMPLETE
+from datagen.control.job_outcomes import COUNT_STATES
+from datagen.control.keys import Keys
+from datagen.control.progress import JobProgress
 from datagen.states import JobState
 
 NS = "timing"

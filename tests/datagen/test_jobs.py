@@ -3,9 +3,9 @@ from __future__ import annotations
 import pytest
 import redis
 
+from datagen.control.jobs import AckItem, AckTarget, JobStore
+from datagen.control.keys import Keys
 from datagen.errors import JobNotFoundError
-from datagen.jobs import AckItem, AckTarget, JobStore
-from datagen.keys import Keys
 from datagen.spec import JobSpec
 from datagen.states import JobState
 

@@ -4,9 +4,9 @@ import re
 
 import pytest
 
+from datagen.control.keys import Keys, prompt_key
+from datagen.control.payload import PromptPayload, pack_ids, unpack_ids
 from datagen.errors import FatalError
-from datagen.keys import Keys, prompt_key
-from datagen.payload import PromptPayload, pack_ids, unpack_ids
 from datagen.states import PromptClass
 
 

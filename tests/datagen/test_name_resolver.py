@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 
 from datagen.errors import InvalidSpecError
+from datagen.prompts.sources import ResolvedSource, SourceKind, resolve_source
+from datagen.prompts.tokenization import PromptRenderer, bundled_tokenizer_path, default_chat_template_path
 from datagen.settings import CoordinatorSettings
-from datagen.sources import ResolvedSource, SourceKind, resolve_source
 from datagen.spec import JobSpec
-from datagen.tokenization import PromptRenderer, bundled_tokenizer_path, default_chat_template_path
 from service.allowlist import check_allowed
 from tests.helpers import make_spec
 

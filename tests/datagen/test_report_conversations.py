@@ -12,8 +12,8 @@ import pyarrow as pa
 from typer.testing import CliRunner
 
 from datagen.cli import app
+from datagen.records.storage import Storage
 from datagen.report import build_report
-from datagen.storage import Storage
 from tests.datagen.test_export_formats import JOB, REASONED, Sample, build_job
 from tests.datagen.test_report import CLEAN
 

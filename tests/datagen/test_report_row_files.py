@@ -9,8 +9,8 @@ from pathlib import Path
 from typer.testing import CliRunner
 
 from datagen.cli import app
+from datagen.records.storage import Storage
 from datagen.report import build_report
-from datagen.storage import Storage
 from tests.datagen.test_export_formats import JOB, REASONED, Sample, build_job
 
 HI_MESSAGES = [{"role": "user", "content": "Hi"}]

@@ -8,9 +8,9 @@ from typing import Any
 
 import pytest
 
+from datagen.cli.specfile import load_spec_file, merge_spec
 from datagen.errors import InvalidSpecError
 from datagen.spec import MAX_KWARGS_DEPTH, JobSpec, parse_spec_json, validate_spec
-from datagen.specfile import load_spec_file, merge_spec
 
 
 def _nested(depth: int) -> dict[str, Any]:

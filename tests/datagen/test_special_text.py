@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from datagen.report import build_report
-from datagen.storage import Storage
-from datagen.tokenization import (
+from datagen.prompts.tokenization import (
     PromptRenderer,
     bundled_tokenizer_path,
     default_chat_template_path,
     special_text_reason,
 )
+from datagen.records.storage import Storage
+from datagen.report import build_report
 from tests.datagen.test_export_formats import JOB, REASONED, Sample, build_job
 
 # Ids read once off the DeepSeek tokenizer with convert_tokens_to_ids and written here by hand.

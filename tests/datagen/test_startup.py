@@ -1,4 +1,4 @@
-"""Waiting for Redis and storage at startup (datagen/startup.py), against a real Redis and real
+"""Waiting for Redis and storage at startup (datagen/control/startup.py), against a real Redis and real
 directories: retried failures log one line per try and end in one `ConfigError`; failures that
 retrying cannot fix end the wait at once."""
 
@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
+from datagen.control.startup import claim_storage, connect_redis, redacted_url
 from datagen.errors import ConfigError
-from datagen.redis_server import free_port
-from datagen.startup import claim_storage, connect_redis, redacted_url
-from datagen.storage import Storage
+from datagen.local.redis_server import free_port
+from datagen.records.storage import Storage
 
 
 @pytest.mark.parametrize(
@@ -31,7 +31,7 @@ def test_urls_are_shown_without_their_password(url: str, shown: str) -> None:
 def test_a_redis_that_answers_is_connected_without_a_log_line(
     redis_url: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    with caplog.at_level(logging.INFO, logger="datagen.startup"):
+    with caplog.at_level(logging.INFO, logger="datagen.control.startup"):
         client = connect_redis(redis_url, timeout_s=5)
     try:
         assert client.ping()
@@ -45,7 +45,10 @@ def test_a_redis_that_never_comes_is_one_line_per_try_then_one_error(
 ) -> None:
     url = f"redis://user:secret@127.0.0.1:{free_port()}/0"
     started = time.monotonic()
-    with caplog.at_level(logging.INFO, logger="datagen.startup"), pytest.raises(ConfigError) as refused:
+    with (
+        caplog.at_level(logging.INFO, logger="datagen.control.startup"),
+        pytest.raises(ConfigError) as refused,
+    ):
         connect_redis(url, timeout_s=1.2)
     assert time.monotonic() - started < 5
     message = str(refused.value)

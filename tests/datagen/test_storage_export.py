@@ -9,8 +9,8 @@ import pytest
 
 from datagen.errors import InvalidSpecError, StorageError
 from datagen.export import export_id, export_specforge
-from datagen.records import RECORD_SCHEMA, SCHEMA_VERSION, Record, loss_mask, records_to_table
-from datagen.storage import Storage
+from datagen.records.schema import RECORD_SCHEMA, SCHEMA_VERSION, Record, loss_mask, records_to_table
+from datagen.records.storage import Storage
 from tests.helpers import make_record
 
 

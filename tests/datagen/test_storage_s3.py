@@ -18,19 +18,19 @@ import redis
 from fastapi.testclient import TestClient
 from moto.server import ThreadedMotoServer
 
-from datagen.enqueue import EnqueueOptions
+from datagen.control.enqueue import EnqueueOptions
+from datagen.control.jobs import JobStore
+from datagen.control.keys import Keys
 from datagen.errors import ConfigError, InvalidSpecError, StorageError
 from datagen.export import ExportFormat, export_job
-from datagen.jobs import JobStore
-from datagen.keys import Keys
-from datagen.records import Record, records_to_table
-from datagen.redis_server import free_port
+from datagen.local.redis_server import free_port
+from datagen.prompts.tokenization import get_renderer
+from datagen.records.schema import Record, records_to_table
+from datagen.records.storage import Storage
 from datagen.report import build_report
 from datagen.settings import CoordinatorSettings
 from datagen.spec import JobSpec
 from datagen.states import JobState
-from datagen.storage import Storage
-from datagen.tokenization import get_renderer
 from service.app import create_app
 from service.coordinator import Coordinator
 from service.ingest import IngestOptions, Ingestor

@@ -19,10 +19,10 @@ from datagen.cli import app
 from datagen.errors import CorruptShardError
 from datagen.export import ExportFormat, ExportOptions, export_job
 from datagen.export.shuffle import bucket_count
-from datagen.records import Record, records_to_table
-from datagen.recordset import verify_job
+from datagen.records.reader import verify_job
+from datagen.records.schema import Record, records_to_table
+from datagen.records.storage import Storage
 from datagen.report import build_report
-from datagen.storage import Storage
 from tests.datagen.test_export_formats import REASONED, Sample, build_job, read_jsonl
 from tests.helpers import make_record
 

@@ -17,7 +17,7 @@ import huggingface_hub.constants
 import pytest
 
 from datagen.errors import InvalidRowError, InvalidSpecError
-from datagen.tokenization import (
+from datagen.prompts.tokenization import (
     PromptRenderer,
     SpecialIds,
     bundled_tokenizer_path,
@@ -321,7 +321,7 @@ def test_empty_conversation_is_a_row_error(renderer: PromptRenderer) -> None:
 def test_renderers_load_once_per_key_however_many_threads_ask(tokenizer_path: str) -> None:
     from concurrent.futures import ThreadPoolExecutor
 
-    from datagen.tokenization import _RendererCache
+    from datagen.prompts.tokenization import _RendererCache
 
     loads: list[str] = []
     cache = _RendererCache(2)

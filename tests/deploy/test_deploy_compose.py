@@ -24,7 +24,7 @@ import typer
 import yaml
 
 from datagen.cli import app
-from datagen.redis_server import LocalRedis, free_port
+from datagen.local.redis_server import LocalRedis, free_port
 from datagen.settings import (
     DEFAULT_COORDINATOR_PORT,
     DEFAULT_METRICS_PORT,

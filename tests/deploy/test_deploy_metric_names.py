@@ -10,8 +10,8 @@ import redis
 from prometheus_client import CollectorRegistry
 from prometheus_client.metrics import MetricWrapperBase
 
-from datagen.jobs import JobStore
-from datagen.keys import Keys
+from datagen.control.jobs import JobStore
+from datagen.control.keys import Keys
 from datagen.spec import JobSpec
 from service.fleetview import FleetView
 from service.metrics import CoordinatorMetrics

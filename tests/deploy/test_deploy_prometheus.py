@@ -27,8 +27,8 @@ import httpx
 import pytest
 import yaml
 
-from datagen.redis_server import LocalRedis, free_port
-from datagen.tokenization import bundled_tokenizer_path, default_chat_template_path
+from datagen.local.redis_server import LocalRedis, free_port
+from datagen.prompts.tokenization import bundled_tokenizer_path, default_chat_template_path
 from tests.deploy.deploy_helpers import (
     PROMETHEUS_CONFIG,
     PanelQuery,

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from datagen.storage import Storage
+from datagen.records.storage import Storage
 from tests.helpers import wait_until
 
 pytestmark = pytest.mark.e2e

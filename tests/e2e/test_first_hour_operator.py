@@ -26,9 +26,9 @@ import httpx
 import pytest
 
 from datagen.errors import ConfigError
-from datagen.processes import child_env
-from datagen.redis_server import LocalRedis, free_port
-from datagen.tokenization import bundled_tokenizer_path, default_chat_template_path
+from datagen.local.processes import child_env
+from datagen.local.redis_server import LocalRedis, free_port
+from datagen.prompts.tokenization import bundled_tokenizer_path, default_chat_template_path
 from tests.helpers import ProcessStack, coordinator_stack, wait_until
 
 pytestmark = pytest.mark.e2e

@@ -1,7 +1,7 @@
 """A fresh coordinator process answers 1,001 concurrent first submits with 0 errors: the first
 tokenizer and template loads race on `transformers`' lazy imports unless they are loaded once, under
-a lock (`datagen.tokenization`, `datagen._loaders.preload_libraries` at start). Before that fix,
-5 of 1,001 got a plain-text 500."""
+a lock (`datagen.prompts.tokenization`, `datagen.prompts.loaders.preload_libraries` at start).
+Before that fix, 5 of 1,001 got a plain-text 500."""
 
 from __future__ import annotations
 

@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 import pytest
 
-from datagen.tokenization import bundled_tokenizer_path, default_chat_template_path, get_renderer
+from datagen.prompts.tokenization import bundled_tokenizer_path, default_chat_template_path, get_renderer
 from simulator.model import SpecialIds, expected_output
 from tests.e2e.e2e_helpers import (
     FAST_STACK_ENV,

@@ -15,7 +15,7 @@ import pytest
 from rq import Queue
 from rq.registry import FailedJobRegistry, StartedJobRegistry
 
-from datagen.tokenization import bundled_tokenizer_path, default_chat_template_path
+from datagen.prompts.tokenization import bundled_tokenizer_path, default_chat_template_path
 from tests.e2e.e2e_helpers import get_job, job_records
 from tests.helpers import ProcessStack, coordinator_stack, wait_until
 

@@ -20,10 +20,10 @@ import redis
 from rq import Queue
 from rq.registry import FailedJobRegistry, FinishedJobRegistry, StartedJobRegistry
 
-from datagen.keys import Keys
-from datagen.redis_server import LocalRedis, free_port
-from datagen.storage import Storage
-from datagen.tokenization import bundled_tokenizer_path, default_chat_template_path, get_renderer
+from datagen.control.keys import Keys
+from datagen.local.redis_server import LocalRedis, free_port
+from datagen.prompts.tokenization import bundled_tokenizer_path, default_chat_template_path, get_renderer
+from datagen.records.storage import Storage
 from simulator.model import SpecialIds, expected_output
 from tests.helpers import ProcessStack
 
@@ -208,7 +208,7 @@ def test_every_record_is_exact(stack: dict[str, Any]) -> None:
     renderer = get_renderer(stack["tokenizer"], str(default_chat_template_path()), False, "{}")
     special = SpecialIds.from_tokenizer(renderer.tokenizer)
     records = {r["sample_id"]: r for r in _records(stack)}
-    from datagen.dataset import sample_id_for  # the id of the row without one
+    from datagen.prompts.dataset import sample_id_for  # the id of the row without one
 
     finishes: dict[str, int] = {}
     for row in stack["valid"]:

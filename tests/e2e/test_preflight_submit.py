@@ -14,7 +14,7 @@ import httpx
 import pytest
 import yaml
 
-from datagen.tokenization import bundled_tokenizer_path
+from datagen.prompts.tokenization import bundled_tokenizer_path
 from tests.helpers import ProcessStack, coordinator_stack, make_spec
 
 pytestmark = pytest.mark.e2e

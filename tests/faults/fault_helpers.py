@@ -31,12 +31,12 @@ import redis
 from rq import Queue
 from rq.registry import FailedJobRegistry, StartedJobRegistry
 
+from datagen.control.keys import Keys
 from datagen.export import ExportStats, iter_unique_rows
-from datagen.keys import Keys
-from datagen.redis_server import LocalRedis, free_port
+from datagen.local.redis_server import LocalRedis, free_port
+from datagen.prompts.tokenization import bundled_tokenizer_path, default_chat_template_path, get_renderer
+from datagen.records.storage import Storage
 from datagen.states import PromptClass
-from datagen.storage import Storage
-from datagen.tokenization import bundled_tokenizer_path, default_chat_template_path, get_renderer
 from simulator.model import SpecialIds, expected_output
 from tests.helpers import ProcessStack, make_spec, wait_until
 

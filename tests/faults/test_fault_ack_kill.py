@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from datagen.keys import Keys
+from datagen.control.keys import Keys
 from tests.faults.fault_helpers import (
     REAP_BUDGET_S,
     FaultStack,

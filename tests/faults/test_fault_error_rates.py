@@ -20,7 +20,7 @@ from collections.abc import Callable
 import httpx
 import pytest
 
-from datagen.redis_server import free_port
+from datagen.local.redis_server import free_port
 from tests.faults.fault_helpers import FaultStack, check_final_state, metric_value, rows_for
 
 pytestmark = pytest.mark.faults

@@ -56,7 +56,7 @@ def _counter(stack: FaultStack, job_id: str, name: str) -> int:
 def _check_consistent(stack: FaultStack, job_id: str) -> dict[str, Any]:
     """Backlog, counters and the rows guard agree (read in one transaction); returns what was read.
 
-    Enqueued prompts wait in the job's backlog (datagen/dispatch.py) until a worker claims them.
+    Enqueued prompts wait in the job's backlog (datagen/control/dispatch.py) until a worker claims them.
     """
     short, long = (stack.keys.job_backlog(job_id, cls) for cls in PromptClass)
     with stack.redis.pipeline(transaction=True) as pipe:

@@ -24,7 +24,7 @@ from collections.abc import Callable
 import httpx
 import pytest
 
-from datagen.redis_server import free_port
+from datagen.local.redis_server import free_port
 from tests.faults.fault_helpers import (
     HTTP_TIMEOUT_S,
     FaultStack,

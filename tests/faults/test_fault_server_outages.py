@@ -23,7 +23,7 @@ from typing import Any
 import httpx
 import pytest
 
-from datagen.redis_server import free_port
+from datagen.local.redis_server import free_port
 from tests.faults.fault_helpers import (
     FaultStack,
     Sampler,

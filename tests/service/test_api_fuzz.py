@@ -14,8 +14,8 @@ import pytest
 import schemathesis
 from hypothesis import HealthCheck, settings
 
+from datagen.prompts.tokenization import bundled_tokenizer_path
 from datagen.settings import CoordinatorSettings
-from datagen.tokenization import bundled_tokenizer_path
 from tests.helpers import make_spec, serve_coordinator
 
 EXAMPLES_PER_OPERATION = 25

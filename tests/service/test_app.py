@@ -13,12 +13,12 @@ from fastapi.testclient import TestClient
 from rq.job import Job
 from rq.serializers import JSONSerializer
 
-from datagen.dispatch import Dispatch
-from datagen.keys import Keys
-from datagen.payload import unpack_ids
+from datagen.control.dispatch import Dispatch
+from datagen.control.keys import Keys
+from datagen.control.payload import unpack_ids
+from datagen.prompts.tokenization import bundled_tokenizer_path, default_chat_template_path
 from datagen.settings import CoordinatorSettings
 from datagen.states import PromptClass
-from datagen.tokenization import bundled_tokenizer_path, default_chat_template_path
 from service.app import create_app
 from tests.helpers import make_spec, wait_ingested
 
@@ -243,7 +243,7 @@ def _refused_after_template_change(client: TestClient, tmp_path: Path) -> None:
     assert _post(client, rows, spec=spec, job_id="pinned2").status_code == 202
     wait_ingested(client, "pinned2")
     template.write_text(default_chat_template_path().read_text().replace("## Tools", "## Functions"))
-    from datagen.tokenization import clear_renderer_cache
+    from datagen.prompts.tokenization import clear_renderer_cache
 
     clear_renderer_cache()  # a coordinator restart would load the changed file
     response = _post(client, rows, spec=spec, job_id="pinned2")

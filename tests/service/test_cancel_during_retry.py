@@ -14,12 +14,12 @@ import redis
 from fastapi.testclient import TestClient
 from rq import Queue
 
-from datagen.jobs import JobStore
-from datagen.keys import Keys
+from datagen.control.jobs import JobStore
+from datagen.control.keys import Keys
+from datagen.records.storage import Storage
 from datagen.settings import CoordinatorSettings
 from datagen.spec import JobSpec
 from datagen.states import JobState, Priority, PromptClass
-from datagen.storage import Storage
 from tests.helpers import ingest_rows, make_spec, wait_until
 
 NS = "cr"

@@ -11,9 +11,9 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
-from datagen.decontam import INDEX_CACHE, MAX_SET_EXPANSION
+from datagen.hygiene.decontam import INDEX_CACHE, MAX_SET_EXPANSION
+from datagen.records.storage import Storage
 from datagen.settings import CoordinatorSettings
-from datagen.storage import Storage
 from tests.helpers import make_spec, wait_ingested
 
 NS = "t"

@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
+from datagen.prompts.tokenization import bundled_tokenizer_path, default_chat_template_path
 from datagen.settings import CoordinatorSettings
-from datagen.tokenization import bundled_tokenizer_path, default_chat_template_path
 from service.app import create_app
 from tests.service.test_app import _spec
 

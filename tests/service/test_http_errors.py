@@ -15,7 +15,9 @@ import pytest
 import redis
 from fastapi.testclient import TestClient
 
-from datagen.client import CoordinatorClient
+from datagen.cli.client import CoordinatorClient
+from datagen.control.jobs import JobStore
+from datagen.control.keys import Keys
 from datagen.errors import (
     BackendUnavailableError,
     InvalidRequestError,
@@ -27,12 +29,10 @@ from datagen.errors import (
     UnknownServerError,
     UploadTooLargeError,
 )
-from datagen.jobs import JobStore
-from datagen.keys import Keys
-from datagen.redis_server import LocalRedis
+from datagen.local.redis_server import LocalRedis
+from datagen.prompts.tokenization import bundled_tokenizer_path, default_chat_template_path
+from datagen.records.storage import Storage
 from datagen.settings import CoordinatorSettings
-from datagen.storage import Storage
-from datagen.tokenization import bundled_tokenizer_path, default_chat_template_path
 from service.app import create_app
 from tests.helpers import INGEST_TIMEOUT_S, make_spec, serve_coordinator, wait_ingested, wait_until
 

@@ -9,9 +9,9 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
+from datagen.records.storage import Storage
 from datagen.report import build_report
 from datagen.settings import CoordinatorSettings
-from datagen.storage import Storage
 from service.app import create_app
 from tests.datagen.planted import CONTAMINATED, NEAR_COPIES, ROWS, planted_rows, write_benchmark
 from tests.helpers import make_spec, wait_ingested

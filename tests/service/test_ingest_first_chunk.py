@@ -10,12 +10,12 @@ from pathlib import Path
 
 import redis
 
-from datagen.enqueue import EnqueueOptions
-from datagen.jobs import JobStore
-from datagen.keys import Keys
+from datagen.control.enqueue import EnqueueOptions
+from datagen.control.jobs import JobStore
+from datagen.control.keys import Keys
+from datagen.records.storage import Storage
 from datagen.spec import JobSpec
 from datagen.states import JobState, PromptClass
-from datagen.storage import Storage
 from service.chunk import chunk_sizes
 from service.ingest import IngestOptions, Ingestor
 from tests.helpers import StopAfter, make_spec

@@ -9,11 +9,11 @@ from pathlib import Path
 import redis
 from fastapi.testclient import TestClient
 
-from datagen.jobs import JobStore
-from datagen.keys import Keys
+from datagen.control.jobs import JobStore
+from datagen.control.keys import Keys
+from datagen.records.storage import Storage
 from datagen.settings import CoordinatorSettings
 from datagen.spec import JobSpec
-from datagen.storage import Storage
 from service.app import create_app
 from service.fleetview import FleetView
 from service.metrics import CoordinatorMetrics

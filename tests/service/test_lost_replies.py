@@ -16,15 +16,15 @@ from fastapi.testclient import TestClient
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from datagen import _job_scripts as scripts
-from datagen.enqueue import EnqueueOptions
-from datagen.jobs import JobStore
-from datagen.keys import Keys
-from datagen.redis_server import LocalRedis
+from datagen.control import _job_scripts as scripts
+from datagen.control.enqueue import EnqueueOptions
+from datagen.control.jobs import JobStore
+from datagen.control.keys import Keys
+from datagen.local.redis_server import LocalRedis
+from datagen.records.storage import Storage
 from datagen.settings import CoordinatorSettings
 from datagen.spec import JobSpec
 from datagen.states import JobState, PromptClass
-from datagen.storage import Storage
 from service.app import create_app
 from service.ingest import IngestOptions, Ingestor
 from tests.helpers import make_spec, wait_ingested

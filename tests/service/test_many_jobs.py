@@ -14,13 +14,13 @@ from fastapi.testclient import TestClient
 from typer.testing import CliRunner
 
 from datagen.cli import app as cli
-from datagen.client import CoordinatorClient
-from datagen.jobs import JobStore
-from datagen.keys import Keys
+from datagen.cli.client import CoordinatorClient
+from datagen.control.jobs import JobStore
+from datagen.control.keys import Keys
+from datagen.records.storage import Storage
 from datagen.settings import CoordinatorSettings
 from datagen.spec import JobSpec
 from datagen.states import JobState
-from datagen.storage import Storage
 from service.app import create_app
 from tests.helpers import make_spec, serve_coordinator, wait_until
 

@@ -17,16 +17,16 @@ import redis
 from fastapi.testclient import TestClient
 from typer.testing import CliRunner
 
-from datagen._storage_files import ObjectFiles
 from datagen.cli import app as cli
-from datagen.client import CoordinatorClient
-from datagen.jobs import JobStore
-from datagen.keys import Keys
-from datagen.records import records_to_table
-from datagen.redistext import as_texts
+from datagen.cli.client import CoordinatorClient
+from datagen.control.jobs import JobStore
+from datagen.control.keys import Keys
+from datagen.control.redistext import as_texts
+from datagen.records.files import ObjectFiles
+from datagen.records.schema import records_to_table
+from datagen.records.storage import Storage
 from datagen.settings import CoordinatorSettings
 from datagen.states import PromptClass
-from datagen.storage import Storage
 from service.app import create_app
 from service.lifecycle import JobControls
 from tests.helpers import make_record, make_spec, serve_coordinator, wait_ingested, wait_until

@@ -1,4 +1,4 @@
-"""Redis out of memory is said as such (`datagen.redismemory`): a real Redis with
+"""Redis out of memory is said as such (`datagen.control.redismemory`): a real Redis with
 ``maxmemory-policy noeviction`` pushed over its ``maxmemory``. No route answers 500: every write Redis
 refuses is a 503 ``RedisOutOfMemoryError`` that names the limit and what to change, with a
 Retry-After; reads still answer; ``/healthz``, ``/metrics`` and ``datagen status`` show it; an
@@ -19,7 +19,7 @@ from fastapi.testclient import TestClient
 from typer.testing import CliRunner
 
 from datagen.cli import app as cli
-from datagen.redis_server import LocalRedis
+from datagen.local.redis_server import LocalRedis
 from datagen.settings import CoordinatorSettings
 from service.app import create_app
 from tests.helpers import INGEST_TIMEOUT_S, make_spec, serve_coordinator, wait_ingested, wait_until

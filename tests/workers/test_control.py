@@ -12,8 +12,8 @@ import httpx
 import pytest
 import redis
 
+from datagen.records.storage import Storage
 from datagen.states import PromptClass
-from datagen.storage import Storage
 from service.fleetview import FleetView
 from tests.helpers import running_simulator
 from tests.workers.worker_helpers import KEYS, eventually, ingest, settings, start, stop

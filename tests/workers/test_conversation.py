@@ -14,14 +14,14 @@ import httpx
 import pytest
 import redis
 
-from datagen.jobs import JobStore
-from datagen.keys import Keys
-from datagen.payload import PromptPayload
-from datagen.records import Record
+from datagen.control.jobs import JobStore
+from datagen.control.keys import Keys
+from datagen.control.payload import PromptPayload
+from datagen.prompts.tokenization import PromptRenderer, default_chat_template_path
+from datagen.records.schema import Record
+from datagen.records.storage import Storage
 from datagen.spec import JobSpec
 from datagen.states import JobState, PromptClass, StopReason
-from datagen.storage import Storage
-from datagen.tokenization import PromptRenderer, default_chat_template_path
 from service.lifecycle import JobControls
 from tests.helpers import fast_worker_settings, ingest_rows, make_record, running_simulator
 from workers.conversation import NEXT_TURN_ATTEMPTS, Conversations, ConversationStop

@@ -15,13 +15,13 @@ from pathlib import Path
 import pytest
 import redis
 
-from datagen.jobs import JobStore
-from datagen.keys import Keys
-from datagen.processes import child_env
+from datagen.control.jobs import JobStore
+from datagen.control.keys import Keys
+from datagen.local.processes import child_env
+from datagen.prompts.tokenization import default_chat_template_path
+from datagen.records.storage import Storage
 from datagen.spec import JobSpec
 from datagen.states import JobState
-from datagen.storage import Storage
-from datagen.tokenization import default_chat_template_path
 from tests.helpers import ingest_rows, running_simulator
 
 NS = "cload"

@@ -12,13 +12,13 @@ import pytest
 import redis
 from transformers import AutoTokenizer
 
-from datagen.jobs import JobStore
-from datagen.keys import Keys
+from datagen.control.jobs import JobStore
+from datagen.control.keys import Keys
+from datagen.prompts.tokenization import default_chat_template_path
+from datagen.records.storage import Storage
 from datagen.report import build_report
 from datagen.spec import JobSpec
 from datagen.states import JobState
-from datagen.storage import Storage
-from datagen.tokenization import default_chat_template_path
 from tests.conversation_reference import ExpectedConversation, expected_conversation, tool_rows
 from tests.helpers import fast_worker_settings, ingest_rows, running_simulator
 from workers.fleet import ServerSpec

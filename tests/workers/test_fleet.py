@@ -8,8 +8,8 @@ from collections.abc import Iterator
 import pytest
 import redis
 
+from datagen.records.storage import Storage
 from datagen.states import PromptClass
-from datagen.storage import Storage
 from service.fleetview import FleetView
 from tests.helpers import running_simulator
 from tests.workers.worker_helpers import KEYS, ingest, records, settings, start, stop

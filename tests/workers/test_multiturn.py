@@ -9,12 +9,12 @@ from typing import Any
 import pytest
 import redis
 
-from datagen.jobs import JobStore
-from datagen.keys import Keys
+from datagen.control.jobs import JobStore
+from datagen.control.keys import Keys
+from datagen.prompts.tokenization import default_chat_template_path, get_renderer
+from datagen.records.storage import Storage
 from datagen.spec import JobSpec
 from datagen.states import JobState
-from datagen.storage import Storage
-from datagen.tokenization import default_chat_template_path, get_renderer
 from simulator.model import SpecialIds, expected_output
 from tests.helpers import fast_worker_settings, ingest_rows, running_simulator
 from workers.fleet import ServerSpec

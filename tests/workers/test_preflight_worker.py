@@ -11,9 +11,9 @@ from contextlib import asynccontextmanager
 import httpx
 import pytest
 
-from datagen.fleet import live_servers
-from datagen.keys import Keys
-from datagen.storage import Storage
+from datagen.control.keys import Keys
+from datagen.control.servers import live_servers
+from datagen.records.storage import Storage
 from service.fleetview import FleetView
 from tests.helpers import fast_worker_settings, running_simulator
 from workers.fleet import ServerSpec

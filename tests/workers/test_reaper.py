@@ -12,10 +12,10 @@ from rq.registry import FailedJobRegistry
 from rq.serializers import JSONSerializer
 from rq.utils import utcformat
 
-from datagen.dispatch import Dispatch
-from datagen.jobs import JobStore
+from datagen.control.dispatch import Dispatch
+from datagen.control.jobs import JobStore
+from datagen.records.storage import Storage
 from datagen.states import PromptClass
-from datagen.storage import Storage
 from tests.workers.worker_helpers import KEYS, ingest
 from workers.metrics import WorkerMetrics
 from workers.reaper import Reaper

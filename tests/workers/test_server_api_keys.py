@@ -10,12 +10,12 @@ from typing import Any
 import pytest
 import redis
 
+from datagen.control.keys import Keys
 from datagen.errors import ConfigError
-from datagen.keys import Keys
+from datagen.prompts.tokenization import default_chat_template_path
+from datagen.records.storage import Storage
 from datagen.settings import WorkerSettings, load
 from datagen.spec import JobSpec
-from datagen.storage import Storage
-from datagen.tokenization import default_chat_template_path
 from tests.helpers import fast_worker_settings, ingest_rows, running_simulator
 from workers.fleet import ServerSpec, with_api_keys
 from workers.worker import Worker

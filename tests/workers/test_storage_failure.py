@@ -11,12 +11,12 @@ import redis
 from rq import Queue
 from rq.registry import FinishedJobRegistry, StartedJobRegistry
 
-from datagen.jobs import JobStore
-from datagen.keys import Keys
+from datagen.control.jobs import JobStore
+from datagen.control.keys import Keys
+from datagen.prompts.tokenization import default_chat_template_path
+from datagen.records.storage import Storage
 from datagen.spec import JobSpec
 from datagen.states import JobState, PromptClass
-from datagen.storage import Storage
-from datagen.tokenization import default_chat_template_path
 from tests.helpers import fast_worker_settings, ingest_rows, running_simulator
 from workers.fleet import ServerSpec
 from workers.worker import Worker

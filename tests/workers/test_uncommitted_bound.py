@@ -13,10 +13,10 @@ from typing import Any
 import pytest
 import redis
 
-from datagen._storage_files import ObjectFiles
-from datagen.jobs import JobStore
+from datagen.control.jobs import JobStore
+from datagen.records.files import ObjectFiles
+from datagen.records.storage import Storage
 from datagen.states import JobState
-from datagen.storage import Storage
 from tests.helpers import make_record, running_simulator
 from tests.workers.worker_helpers import KEYS, eventually, ingest, records, settings, start, stop
 from workers.metrics import WorkerMetrics

@@ -17,9 +17,9 @@ from contextlib import asynccontextmanager, contextmanager
 
 import redis
 
-from datagen.jobs import JobStore
+from datagen.control.jobs import JobStore
+from datagen.records.storage import Storage
 from datagen.states import JobState
-from datagen.storage import Storage
 from tests.helpers import running_simulator
 from tests.workers.worker_helpers import KEYS, eventually, ingest, settings, start, stop
 from workers.wake import WAKE_COALESCE_S

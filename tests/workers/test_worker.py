@@ -12,14 +12,14 @@ from rq import Queue
 from rq.registry import FailedJobRegistry, FinishedJobRegistry, StartedJobRegistry
 from rq.serializers import JSONSerializer
 
-from datagen.dispatch import Dispatch
-from datagen.jobs import JobStore
-from datagen.keys import Keys
+from datagen.control.dispatch import Dispatch
+from datagen.control.jobs import JobStore
+from datagen.control.keys import Keys
+from datagen.prompts.tokenization import default_chat_template_path, get_renderer
+from datagen.records.storage import Storage
 from datagen.settings import WorkerSettings
 from datagen.spec import JobSpec
 from datagen.states import JobState, PromptClass
-from datagen.storage import Storage
-from datagen.tokenization import default_chat_template_path, get_renderer
 from simulator.model import SpecialIds, expected_output
 from tests.helpers import fast_worker_settings, ingest_rows, running_simulator
 from workers.fleet import ServerSpec

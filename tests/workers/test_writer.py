@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from datagen.errors import JobNotFoundError, StorageError
-from datagen.storage import Storage
+from datagen.records.storage import Storage
 from tests.helpers import make_record
 from tests.workers.worker_helpers import eventually
 from workers.metrics import WorkerMetrics

@@ -9,11 +9,11 @@ from typing import Any
 
 import redis
 
-from datagen.keys import Keys
+from datagen.control.keys import Keys
+from datagen.prompts.tokenization import bundled_tokenizer_path, default_chat_template_path
+from datagen.records.storage import Storage
 from datagen.settings import WorkerSettings
 from datagen.spec import JobSpec
-from datagen.storage import Storage
-from datagen.tokenization import bundled_tokenizer_path, default_chat_template_path
 from tests.helpers import fast_worker_settings, ingest_rows
 from workers.fleet import ServerSpec
 from workers.worker import Worker

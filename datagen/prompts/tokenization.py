@@ -10,8 +10,8 @@ takes over a second, so `get_renderer` keeps a few of them, loaded once each eve
 ask at the same moment. Spec problems (tokenizer, template,
 kwargs) raise `InvalidSpecError`; a row the template refuses raises `InvalidRowError`.
 
-Names are resolved by `datagen.sources.resolve_source`, the function the coordinator's allowlist
-check uses. Each row is first rendered in a budgeted sandbox (`datagen._template_budget`: output
+Names are resolved by `datagen.prompts.sources.resolve_source`, the function the coordinator's allowlist
+check uses. Each row is first rendered in a budgeted sandbox (`datagen.prompts.template_budget`: output
 size and render time) and only then by transformers, which stays the one source of the ids.
 """
 
@@ -30,11 +30,11 @@ from typing import TYPE_CHECKING, Any
 import jinja2
 import jinja2.ext
 
-from datagen._loaders import check_template_syntax, load_tokenizer, preload_libraries, read_template
-from datagen._template_budget import BudgetedTemplate
 from datagen.errors import InvalidRowError, InvalidSpecError
-from datagen.sources import SourceKind, resolve_source
-from datagen.special_text import SpecialTextFinder, special_text_reason
+from datagen.prompts.loaders import check_template_syntax, load_tokenizer, preload_libraries, read_template
+from datagen.prompts.sources import SourceKind, resolve_source
+from datagen.prompts.special_text import SpecialTextFinder, special_text_reason
+from datagen.prompts.template_budget import BudgetedTemplate
 
 if TYPE_CHECKING:
     from datagen.spec import JobSpec
@@ -314,7 +314,7 @@ class PromptRenderer:
         tools: Sequence[Mapping[str, object]] | None = None,
     ) -> list[str]:
         """The distinct added-token texts (``<｜Assistant｜>``, ``<think>``, ...) spelled anywhere in a
-        row's messages or tool definitions, sorted (`datagen.special_text`)."""
+        row's messages or tool definitions, sorted (`datagen.prompts.special_text`)."""
         with self._lazy_lock:
             if self._special_finder is None:
                 self._special_finder = SpecialTextFinder(self._tokenizer.get_added_vocab())

@@ -2,7 +2,7 @@
 
 Pure functions over what is already known, no HTTP: the servers' info as workers publish it
 (``{name: {"model_path", "weight_version", "context_len", ...}}``, see
-:func:`datagen.fleet.live_servers`), the job spec, and its tokenizer. Each check raises
+:func:`datagen.control.servers.live_servers`), the job spec, and its tokenizer. Each check raises
 :class:`~datagen.errors.PreflightError` with a message that says what to fix.
 
 - Every server runs the same model: the same ``model_path`` and ``weight_version`` of
@@ -27,8 +27,8 @@ from typing import TYPE_CHECKING, Any
 from datagen.errors import ConfigError, DatagenError, NoServersYetError, PreflightError
 
 if TYPE_CHECKING:
+    from datagen.prompts.tokenization import PromptRenderer
     from datagen.spec import JobSpec
-    from datagen.tokenization import PromptRenderer
 
 __all__ = [
     "GENERATION_CONFIG_NAME",

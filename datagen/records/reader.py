@@ -6,7 +6,7 @@
   twice; the first record read wins. `SeenKeys` holds a 16-byte digest per key (`key_digest`), about
   90 bytes a key with the set's own overhead (measured by ``bench/export.py``).
 - Rows: `RowViews` gives a batch's export ids (`export_id`), token slices and loss masks
-  (`datagen.records.loss_mask_values`: 0 over the prompt, 1 over the output, after any clipping) as
+  (`datagen.records.schema.loss_mask_values`: 0 over the prompt, 1 over the output, after any clipping) as
   numpy views, without a Python list per row.
 - Integrity: every shard is held to its commit object (size, sha256, row count) before a row of it
   is used (`Storage.read_shard`); `verify_job` checks and decodes every shard, for `datagen verify`.
@@ -23,10 +23,10 @@ from functools import cached_property
 import numpy as np
 import pyarrow as pa
 
-from datagen._shards import is_sealed
 from datagen.errors import CorruptShardError
-from datagen.records import loss_mask_values
-from datagen.storage import Storage
+from datagen.records.schema import loss_mask_values
+from datagen.records.shards import is_sealed
+from datagen.records.storage import Storage
 
 __all__ = [
     "BATCH_ROWS",

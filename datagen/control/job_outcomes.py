@@ -1,4 +1,4 @@
-"""How prompts end, as `datagen.jobs.JobStore` records it: a worker counts a committed shard's
+"""How prompts end, as `datagen.control.jobs.JobStore` records it: a worker counts a committed shard's
 prompts done in one script with their RQ bookkeeping (`ack_done`), and a prompt failed or cancelled
 inside that prompt's RQ transaction (the count script); either way a prompt finished twice counts
 once and a prompt of another incarnation of the job is not counted. A retry puts failed prompts
@@ -20,10 +20,10 @@ from rq.job import Job
 from rq.utils import now as rq_now
 from rq.utils import utcformat
 
+from datagen.control.keys import Keys
+from datagen.control.progress import now_ms
+from datagen.control.redistext import as_texts
 from datagen.errors import JobStateError
-from datagen.job_progress import now_ms
-from datagen.keys import Keys
-from datagen.redistext import as_texts
 from datagen.states import JobState, PromptClass
 
 __all__ = ["COUNT_STATES", "FAILED_REPORTS_CAP", "AckItem", "AckTarget", "JobOutcomes", "RequeueItem"]
@@ -108,7 +108,7 @@ class JobOutcomes:
         self, target: AckTarget, items: Sequence[AckItem], *, client: Redis | Pipeline | None = None
     ) -> int:
         """Finish committed prompts in RQ and count them done in their jobs, in one script
-        (`datagen._ack_script`); returns how many counted (0 inside a pipeline). Safe to repeat:
+        (`datagen.control._ack_script`); returns how many counted (0 inside a pipeline). Safe to repeat:
         a prompt already counted is not counted again."""
         if not items:
             return 0

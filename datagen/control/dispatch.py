@@ -16,10 +16,10 @@ list whose job is paused (a dead worker's, reaped during the pause) is moved to 
 job's backlog rather than run.
 
 A job that joins (or comes back after its backlog ran dry, or is resumed) starts at the lowest
-virtual time of its set (`datagen._dispatch_scripts.REJOIN`), so it gets its share from then on
+virtual time of its set (`datagen.control._dispatch_scripts.REJOIN`), so it gets its share from then on
 without a catch-up burst.
 
-The scripts derive per-job keys from the prefixes in :mod:`datagen.keys` (no Redis Cluster).
+The scripts derive per-job keys from the prefixes in :mod:`datagen.control.keys` (no Redis Cluster).
 """
 
 from __future__ import annotations
@@ -36,11 +36,11 @@ from rq.job import Job
 from rq.utils import now as rq_now
 from rq.utils import utcformat
 
-from datagen._dispatch_scripts import CLAIM_MANY, PAUSE, REJOIN, RESUME
-from datagen.epoch import EpochWatch
-from datagen.jobs import LUA_COUNT_CANCELLED_QUEUED
-from datagen.keys import Keys
-from datagen.redistext import as_text, as_texts
+from datagen.control._dispatch_scripts import CLAIM_MANY, PAUSE, REJOIN, RESUME
+from datagen.control.epoch import EpochWatch
+from datagen.control.jobs import LUA_COUNT_CANCELLED_QUEUED
+from datagen.control.keys import Keys
+from datagen.control.redistext import as_text, as_texts
 from datagen.states import JobState, Priority, PromptClass
 
 __all__ = ["SHARE_WINDOW_S", "Claimant", "Claimed", "Dispatch", "JobShare"]
@@ -159,7 +159,7 @@ class Dispatch:
     def claim_many(
         self, cls: PromptClass, n: int, claimant: Claimant, *, skip: Collection[str] = ()
     ) -> list[Claimed]:
-        """Start up to ``n`` prompts of ``cls`` for ``claimant`` (see `datagen._dispatch_scripts`):
+        """Start up to ``n`` prompts of ``cls`` for ``claimant`` (see `datagen.control._dispatch_scripts`):
         each is in RQ's started registry and its job's running set when this returns. Jobs in
         ``skip`` are passed over as paused ones are (this worker cannot take more of them now)."""
         keys = self.keys

@@ -17,7 +17,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from datagen.decontam import (
+from datagen.errors import InvalidSpecError
+from datagen.hygiene.decontam import (
     BenchmarkIndex,
     BenchmarkSet,
     Contamination,
@@ -25,8 +26,7 @@ from datagen.decontam import (
     index_of,
     sets_sha256,
 )
-from datagen.dedup import (
-    DedupMode,
+from datagen.hygiene.dedup import (
     NearParams,
     SeenIndex,
     exact_digest,
@@ -34,8 +34,8 @@ from datagen.dedup import (
     near_params,
     pack_records,
 )
-from datagen.errors import InvalidSpecError
 from datagen.spec import JobSpec
+from datagen.states import DedupMode
 
 __all__ = ["Hygiene", "HygieneRow", "Verdicts", "check_benchmarks", "upload_tag"]
 
@@ -46,7 +46,7 @@ EXAMPLE_CHARS = 200
 def check_benchmarks(spec: JobSpec) -> list[BenchmarkSet]:
     """The spec's decontamination sets, checked (limits, sha256) and parsed now, so that a bad set
     is refused before a submit is accepted; the index stays cached for the ingestion and dry runs
-    (`datagen.decontam.index_of`)."""
+    (`datagen.hygiene.decontam.index_of`)."""
     sets = check_sets(spec.decontaminate)
     if sets:
         index_of(sets, spec.decontaminate_n)

@@ -6,12 +6,11 @@ names and job ids here.
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
 
-from datagen.states import Priority, PromptClass
+from datagen.states import Priority, PromptClass, sample_digest
 
-__all__ = ["SEEN_SEGMENTS", "Keys", "prompt_key", "sample_digest"]
+__all__ = ["SEEN_SEGMENTS", "Keys", "prompt_key"]
 
 # Keys the seen rows of one job are spread over (`Keys.job_seen`): 16 x 512 MB of records.
 SEEN_SEGMENTS = 16
@@ -66,7 +65,7 @@ class Keys:
         return f"{self.namespace}:job:{job_id}:rows"
 
     def job_seen(self, job_id: str, segment: int) -> str:
-        """String of packed records of the rows ingestion kept (`datagen.dedup.pack_records`),
+        """String of packed records of the rows ingestion kept (`datagen.hygiene.dedup.pack_records`),
         split over ``SEEN_SEGMENTS`` keys by chunk so none nears Redis's 512 MB string limit."""
         return f"{self.namespace}:job:{job_id}:seen:{segment}"
 
@@ -111,7 +110,7 @@ class Keys:
         return f"{self.namespace}:job:{job_id}:failed"
 
     def job_backlog(self, job_id: str, cls: PromptClass) -> str:
-        """List of the RQ ids of the job's undispatched prompts of one class (datagen/dispatch.py)."""
+        """List of the RQ ids of the job's undispatched prompts of one class (datagen/control/dispatch.py)."""
         return f"{self.job_key_prefix()}{job_id}{self.backlog_suffix(cls)}"
 
     def job_key_prefix(self) -> str:
@@ -199,12 +198,6 @@ class Keys:
     def reaper_seen(self, queue_name: str) -> str:
         """Ids seen in the queue's intermediate list on the previous reaper pass."""
         return f"{self.namespace}:reaper-seen:{queue_name}"
-
-
-def sample_digest(sample_id: str) -> str:
-    """A sample id as 16 hex characters: safe in RQ ids, Redis members and stored names, whatever
-    the id holds."""
-    return hashlib.sha1(sample_id.encode("utf-8")).hexdigest()[:16]
 
 
 def prompt_key(sample_id: str, turn: int, gen: int) -> str:

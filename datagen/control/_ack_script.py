@@ -1,6 +1,6 @@
-"""The Lua behind `datagen.jobs.JobStore.ack_done`: the prompts of a committed shard finish in RQ
+"""The Lua behind `datagen.control.jobs.JobStore.ack_done`: the prompts of a committed shard finish in RQ
 and count in their jobs in one script call, instead of one RQ transaction and one count script per
-prompt. The counting rules are COUNT_AND_MAYBE_COMPLETE's (`datagen._job_scripts`), per job."""
+prompt. The counting rules are COUNT_AND_MAYBE_COMPLETE's (`datagen.control._job_scripts`), per job."""
 
 from __future__ import annotations
 

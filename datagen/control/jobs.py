@@ -17,9 +17,9 @@ from typing import Any, cast
 from redis import Redis
 from redis.client import Pipeline
 
-from datagen import _job_scripts as scripts
-from datagen._ack_script import ACK_DONE
-from datagen._job_outcomes import (
+from datagen.control import _job_scripts as scripts
+from datagen.control._ack_script import ACK_DONE
+from datagen.control.job_outcomes import (
     COUNT_STATES,
     FAILED_REPORTS_CAP,
     AckItem,
@@ -27,10 +27,10 @@ from datagen._job_outcomes import (
     JobOutcomes,
     RequeueItem,
 )
+from datagen.control.keys import SEEN_SEGMENTS, Keys
+from datagen.control.progress import INT_FIELDS, JobProgress, now_ms
+from datagen.control.redistext import as_text, as_texts
 from datagen.errors import InvalidRequestError, JobNotFoundError, JobStateError
-from datagen.job_progress import INT_FIELDS, JobProgress, now_ms
-from datagen.keys import SEEN_SEGMENTS, Keys
-from datagen.redistext import as_text, as_texts
 from datagen.spec import JobSpec
 from datagen.states import JobState
 
@@ -107,7 +107,7 @@ class JobStore(JobOutcomes):
             "state": state.value,
             "spec": spec.model_dump_json(),
             "tokenizer_identity": tokenizer_identity or spec.tokenizer,
-            # Read by the dispatch script (datagen/dispatch.py) on every claim.
+            # Read by the dispatch script (datagen/control/dispatch.py) on every claim.
             "priority": spec.priority.value,
             "weight": repr(spec.weight),
             "stop_ids": json.dumps(sorted(set(stop_ids or []))),
@@ -316,7 +316,7 @@ class JobStore(JobOutcomes):
             pipe.hset(self.keys.job_rows(job_id), mapping=cast(dict[Any, Any], rows))
 
     def seen_records(self, job_id: str) -> Iterator[bytes]:
-        """Each segment of what :meth:`add_seen` appended for the job (`datagen.dedup`)."""
+        """Each segment of what :meth:`add_seen` appended for the job (`datagen.hygiene.dedup`)."""
         keys = [self.keys.job_seen(job_id, segment) for segment in range(SEEN_SEGMENTS)]
         if not self.redis.exists(*keys):
             return  # a new job (most of them): one command, not one per segment

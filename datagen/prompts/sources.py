@@ -1,6 +1,6 @@
 """What a tokenizer or chat template name in a job spec refers to: the one resolver.
 
-The allowlist check (`service.allowlist`) and the loaders (`datagen.tokenization`) both call
+The allowlist check (`service.allowlist`) and the loaders (`datagen.prompts.tokenization`) both call
 `resolve_source`, so the file that is checked is the file that is loaded. A name is resolved as:
 
 - a chat template or a decontamination set's file: always a local file;

@@ -1,6 +1,6 @@
 """Loading what a job spec names: the tokenizer (transformers' ``AutoTokenizer``) and a chat template
 file, checked for Jinja syntax, with one-line errors that say what to pass instead. Names arrive
-resolved (`datagen.sources`).
+resolved (`datagen.prompts.sources`).
 
 transformers and huggingface_hub are imported lazily (the CLI starts fast without them), but their
 lazy modules are not safe to resolve from several threads at once: long-lived processes call
@@ -19,7 +19,7 @@ import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from datagen.errors import InvalidSpecError
-from datagen.sources import ResolvedSource
+from datagen.prompts.sources import ResolvedSource
 
 __all__ = ["check_template_syntax", "load_tokenizer", "preload_libraries", "read_template"]
 

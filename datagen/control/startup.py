@@ -24,7 +24,7 @@ from urllib.parse import urlsplit, urlunsplit
 import redis
 
 from datagen.errors import BackendUnavailableError, ConfigError, RetryableError, StorageError
-from datagen.storage import Storage
+from datagen.records.storage import Storage
 
 __all__ = [
     "RETRY_FIRST_S",

@@ -1,10 +1,10 @@
-"""The Lua scripts behind `datagen.jobs.JobStore` (and the dispatch scripts' shared rule): every job
+"""The Lua scripts behind `datagen.control.jobs.JobStore` (and the dispatch scripts' shared rule): every job
 state transition and counter update that must be atomic. States and field names that vary come in as
 arguments; each script's comment says its KEYS and ARGV."""
 
 from __future__ import annotations
 
-from datagen._dispatch_scripts import REJOIN
+from datagen.control._dispatch_scripts import REJOIN
 
 __all__ = [
     "COUNT_AND_MAYBE_COMPLETE",

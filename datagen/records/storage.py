@@ -19,9 +19,9 @@ Objects are written whole, never appended to or renamed, so the same code serves
 A shard is committed by writing its Parquet object, then its commit object; readers trust commit
 objects only. Records are therefore never half-visible, and a crash between the two steps leaves
 an orphan shard that readers ignore. On a local directory each object is written to a temporary
-file, fsynced and renamed into place (`datagen._storage_files`).
+file, fsynced and renamed into place (`datagen.records.files`).
 
-A commit object seals its shard (`datagen._shards`): readers hold the bytes they read to its size
+A commit object seals its shard (`datagen.records.shards`): readers hold the bytes they read to its size
 and sha256, and the footer to its row count, before decoding a row, and name a shard that differs
 (`CorruptShardError`): storage is not trusted blindly, since a changed byte that still decodes would
 export other tokens. Commit objects written before seals existed stay readable, row count checked.
@@ -51,10 +51,18 @@ from typing import IO, Any, BinaryIO
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from datagen._shards import RECORDS, byte_mismatch, is_sealed, open_parquet, parquet_bytes, row_mismatch, seal
-from datagen._storage_files import ObjectFiles
 from datagen.errors import ConfigError, CorruptShardError, DatagenError, InvalidSpecError, StorageError
-from datagen.keys import sample_digest
+from datagen.records.files import ObjectFiles
+from datagen.records.shards import (
+    RECORDS,
+    byte_mismatch,
+    is_sealed,
+    open_parquet,
+    parquet_bytes,
+    row_mismatch,
+    seal,
+)
+from datagen.states import sample_digest
 
 __all__ = ["JOB_ID_PATTERN", "Storage", "validate_job_id"]
 

@@ -23,7 +23,7 @@ from typing import Any, cast
 
 from redis import Redis
 
-from datagen.keys import Keys
+from datagen.control.keys import Keys
 from datagen.states import ServerState
 
 __all__ = [

@@ -2,7 +2,7 @@
 
 Many people run Redis without persistence (a container restarted without its volume), or fail over
 to a replica that lags, or restore a snapshot. Redis then answers as if nothing happened, with less
-than it had. The epoch (`datagen.keys.Keys.epoch`) makes that visible: a hash with an ``id``, made
+than it had. The epoch (`datagen.control.keys.Keys.epoch`) makes that visible: a hash with an ``id``, made
 by the coordinator when it finds none, and a ``seq``, a time in ms that the coordinator stamps
 every check (never lower than before):
 
@@ -13,7 +13,7 @@ every check (never lower than before):
 The coordinator then rebuilds jobs from storage (`service.rebuild`), and stamps again only after
 that. Workers read both: a new ``id`` makes them publish their servers again, and a ``seq`` lower
 than the highest they saw (their ``floor``) makes the claim script hand out nothing
-(`datagen.dispatch`), so that no worker runs the prompts a restored snapshot put back in the
+(`datagen.control.dispatch`), so that no worker runs the prompts a restored snapshot put back in the
 backlogs before the coordinator has rebuilt their jobs; its next stamp lets them go on.
 """
 
@@ -25,8 +25,8 @@ import uuid
 
 from redis import Redis
 
-from datagen.keys import Keys
-from datagen.redistext import as_text
+from datagen.control.keys import Keys
+from datagen.control.redistext import as_text
 
 __all__ = ["EpochChange", "EpochWatch"]
 

@@ -57,7 +57,7 @@ class JobProgress:
     flagged: int = 0
     priority: str = "normal"
     weight: float = 1.0
-    # Set once by the count script (datagen/_job_scripts.py, COUNT_AND_MAYBE_COMPLETE); 0 until then.
+    # Set once by the count script (datagen/control/_job_scripts.py, COUNT_AND_MAYBE_COMPLETE); 0 until then.
     first_record_at_ms: int = 0
     tail_from_ms: int = 0
     # Set when the job was rebuilt from storage after Redis lost or rolled back its data

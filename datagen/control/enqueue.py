@@ -18,9 +18,9 @@ from rq import Queue, Retry
 from rq.job import JobStatus
 from rq.utils import now
 
-from datagen.dispatch import Dispatch
-from datagen.keys import Keys, prompt_key
-from datagen.payload import PromptPayload
+from datagen.control.dispatch import Dispatch
+from datagen.control.keys import Keys, prompt_key
+from datagen.control.payload import PromptPayload
 from datagen.states import Priority, PromptClass
 
 __all__ = ["JOB_TIMEOUT_S", "RQ_JOB_FUNC", "EnqueueOptions", "enqueue_prompts"]
@@ -56,7 +56,7 @@ def enqueue_prompts(
     """Add RQ jobs for ``payloads`` (not yet enqueued: the caller checked) to ``pipe``.
 
     The RQ jobs are saved as queued on their class's queue, but their ids wait in the job's
-    backlog until a worker's claim dispatches them (:mod:`datagen.dispatch`). ``guard=False`` leaves
+    backlog until a worker's claim dispatches them (:mod:`datagen.control.dispatch`). ``guard=False`` leaves
     the prompts out of the ``enqueued`` set: ingestion guards its rows by the job's rows hash
     instead (one entry per row, written in the same transaction; `service.rowids`), which costs
     Redis one entry per row rather than one more per prompt.

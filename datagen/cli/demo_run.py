@@ -16,15 +16,15 @@ from typing import Any
 
 from rich.console import Console
 
-from datagen.client import CoordinatorClient
+from datagen.cli.client import CoordinatorClient
+from datagen.cli.progress import wait_for_job
 from datagen.errors import ConfigError
 from datagen.export import ExportStats, iter_unique_rows
-from datagen.processes import ChildProcesses, child_env
-from datagen.progress import wait_for_job
-from datagen.redis_server import LocalRedis, free_port
+from datagen.local.processes import ChildProcesses, child_env
+from datagen.local.redis_server import LocalRedis, free_port
+from datagen.prompts.tokenization import bundled_tokenizer_path, default_chat_template_path
+from datagen.records.storage import Storage
 from datagen.states import ServerState
-from datagen.storage import Storage
-from datagen.tokenization import bundled_tokenizer_path, default_chat_template_path
 
 __all__ = ["DEMO_DATASET", "run_demo"]
 

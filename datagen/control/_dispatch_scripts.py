@@ -1,4 +1,4 @@
-"""The Lua behind `datagen.dispatch.Dispatch.claim_many`: one call hands a worker up to N prompts of
+"""The Lua behind `datagen.control.dispatch.Dispatch.claim_many`: one call hands a worker up to N prompts of
 one class and starts them in RQ's own terms, so the per-prompt control-plane cost is two commands
 (read the RQ job, mark it started) plus a few per call (see docs/architecture.md, "Control plane")."""
 
@@ -45,7 +45,7 @@ return 1
 # looks at, at most, 5 RQ id prefix (``{ns}-``; the job id follows it up to the next ``-``), 6 RQ
 # job key prefix (``rq:job:``), 7 how many prompts at most, 8 started-registry score (the
 # heartbeat's expiry), 9 now in RQ's time format, 10 the worker's RQ name, 11 the execution id,
-# 12 the running set suffix, 13 the worker's epoch floor (`datagen.epoch`): an epoch ``seq`` below
+# 12 the running set suffix, 13 the worker's epoch floor (`datagen.control.epoch`): an epoch ``seq`` below
 # it is a Redis restored from an older snapshot, whose backlogs hold prompts already done; nothing
 # is handed out until the coordinator has rebuilt the jobs from storage and stamped a new ``seq``;
 # from 14, job ids this worker passes over (too many of their records wait for a commit here).

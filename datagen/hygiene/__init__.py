@@ -1,0 +1,1 @@
+"""Evaluation hygiene at ingestion: benchmark decontamination, then content deduplication."""
