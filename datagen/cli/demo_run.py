@@ -29,7 +29,7 @@ from datagen.states import ServerState
 __all__ = ["DEMO_DATASET", "run_demo"]
 
 # Package data, so the demo runs from a wheel too (not only from a checkout).
-DEMO_DATASET = Path(__file__).resolve().parent / "data" / "prompts.jsonl"
+DEMO_DATASET = Path(__file__).resolve().parent.parent / "data" / "prompts.jsonl"
 STARTUP_TIMEOUT_S = 60.0
 STOP_TIMEOUT_S = 15.0
 # The simulated GPU runs at this fraction of real time: the demo takes seconds, not hours.

@@ -122,7 +122,7 @@ def bundled_tokenizer_path() -> str:
 
 def default_chat_template_path() -> Path:
     """The DeepSeek-R1-style template shipped with this package."""
-    return Path(__file__).resolve().parent / "templates" / DEFAULT_TEMPLATE_NAME
+    return Path(__file__).resolve().parent.parent / "templates" / DEFAULT_TEMPLATE_NAME
 
 
 def canonical_kwargs_json(chat_template_kwargs: Mapping[str, object] | None) -> str:
