@@ -6,6 +6,7 @@ script's directory first on ``sys.path``), so the scripts run as ``python bench/
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -27,11 +28,13 @@ from datagen.spec import JobSpec
 __all__ = [
     "BENCH_JOB_ID",
     "BENCH_NAMESPACE",
+    "SAMPLING_SEED",
     "SimProcess",
     "job_spec",
     "offline_hub",
     "short_rows",
     "simulator_process",
+    "sweep_spec",
     "write_jsonl",
 ]
 
@@ -40,6 +43,8 @@ BENCH_JOB_ID = "bench"
 SIM_STARTUP_TIMEOUT_S = 60.0
 SIM_STOP_TIMEOUT_S = 10.0
 SIM_POLL_INTERVAL_S = 0.1
+# The simulator's outputs are reproducible: every run of a benchmark generates the same tokens.
+SAMPLING_SEED = 1234
 # Rows become prompts of 15-25 tokens with the bundled tokenizer and the R1 template.
 _TOPICS = ("sorting", "recursion", "photosynthesis", "inflation", "entropy", "plate tectonics", "jazz")
 
@@ -76,6 +81,11 @@ def job_spec(**overrides: Any) -> JobSpec:
     }
     values.update(overrides)
     return JobSpec.model_validate(values)
+
+
+def sweep_spec(args: argparse.Namespace) -> JobSpec:
+    """The spec of a benchmark with a ``--max-new-tokens`` option: short prompts, the fixed seed."""
+    return job_spec(short_max_new_tokens=args.max_new_tokens, sampling={"sampling_seed": SAMPLING_SEED})
 
 
 @contextmanager

@@ -51,10 +51,10 @@ import redis
 from _common import (
     BENCH_JOB_ID,
     BENCH_NAMESPACE,
-    job_spec,
     offline_hub,
     short_rows,
     simulator_process,
+    sweep_spec,
     write_jsonl,
 )
 
@@ -83,7 +83,6 @@ DEFAULT_N = 300
 DEFAULT_CONCURRENCY = 32
 DEFAULT_TIME_SCALE = 0.02
 DEFAULT_MAX_NEW_TOKENS = 2048
-SAMPLING_SEED = 1234
 SERVER_NAME = "sim"
 # Floor for the worker's scaled poll and commit intervals: below this the loop only spins.
 MIN_INTERVAL_S = 0.01
@@ -256,7 +255,7 @@ def main() -> None:
     args = parser.parse_args()
     offline_hub()
 
-    spec = job_spec(short_max_new_tokens=args.max_new_tokens, sampling={"sampling_seed": SAMPLING_SEED})
+    spec = sweep_spec(args)
     renderer = renderer_for(spec)
     with (
         tempfile.TemporaryDirectory(prefix="bench-worker-") as tmp,

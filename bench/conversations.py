@@ -5,7 +5,7 @@ Each run ingests N tool-calling conversations (system prompts, a ``tools`` schem
 between assistant turns, trailing assistant turns, rows without tools) as the coordinator does,
 then starts a **new** ``datagen worker --burst`` process at concurrency N against a simulator
 process that writes DeepSeek-V3 tool calls, and checks the job against an independent oracle
-(`tests.conversation_reference`: transformers' own rendering, the simulator's pure model and
+(`tests.support.conversations`: transformers' own rendering, the simulator's pure model and
 parser): the same (sample, turn) set, each once, the same prompt and output ids, the same stops.
 
 Not a speed benchmark: it prints wall time per run beside the counts, and the run's baseline is
@@ -40,7 +40,7 @@ from datagen.prompts.tokenization import bundled_tokenizer_path, default_chat_te
 from datagen.records.storage import Storage
 from datagen.settings import ENV_PREFIX
 from service.ingest import IngestOptions, Ingestor
-from tests.conversation_reference import expected_conversation, tool_rows
+from tests.support.conversations import expected_conversation, tool_rows
 
 NAMESPACE = "convbench"
 SEED = 21

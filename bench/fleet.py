@@ -69,7 +69,7 @@ from pathlib import Path
 from typing import Any
 
 import redis
-from _common import SimProcess, job_spec, offline_hub, short_rows
+from _common import SimProcess, offline_hub, short_rows, sweep_spec
 from _load import (
     STATS_HEADER,
     ServerSampler,
@@ -86,7 +86,6 @@ from _load import (
 from datagen.local.redis_server import LocalRedis
 from datagen.records.storage import Storage
 from datagen.settings import DEFAULT_SHORT_CONCURRENCY
-from datagen.spec import JobSpec
 from workers.fleet import SAME_SPEED_FACTOR
 
 DEFAULT_N = 1200
@@ -104,7 +103,6 @@ DEFAULT_LIMIT = DEFAULT_SHORT_CONCURRENCY  # the production default, 64
 DEFAULT_CONTROLLER_INTERVAL_S = 0.5
 FIXED_LIMIT = 512
 SPEEDS = {"x1": 1.0, "x1.5": 1.5, "x3": 3.0}  # server name: decode step cost multiplier
-SAMPLING_SEED = 1234
 TARGET_RATIO = 0.9  # issue 12: whole run >= 0.9 x the sum of the solo capacities
 # The steady state: records completed between these percentiles of the completion times.
 STEADY_PERCENTILES = (5, 95)
@@ -185,7 +183,7 @@ def datagen(
 ) -> Line:
     urls, redis_url, tmp = where
     storage = Storage(tempfile.mkdtemp(prefix="storage-", dir=tmp))
-    ingest(client, storage, _spec(args), tmp / PROMPTS_FILE, args.n)
+    ingest(client, storage, sweep_spec(args), tmp / PROMPTS_FILE, args.n)
     settings = worker_settings(redis_url, storage, args.time_scale, **opts)
     with ServerSampler(urls) as sampler:
         wall_started_ms = time.time() * 1000
@@ -284,10 +282,6 @@ def steady_state(records: list[dict[str, Any]], ended_at_s: float) -> tuple[floa
     return inside / (high - low), ended_at_s - high
 
 
-def _spec(args: argparse.Namespace) -> JobSpec:
-    return job_spec(short_max_new_tokens=args.max_new_tokens, sampling={"sampling_seed": SAMPLING_SEED})
-
-
 def report(solos: list[Line], lines: list[Line], args: argparse.Namespace) -> None:
     capacity = sum(line.fed.gen_tps_mean for line in solos)
     print(
@@ -380,7 +374,7 @@ def main() -> None:
     parser.add_argument("--round-robin", action="store_true", help="also run the plain round-robin script")
     args = parser.parse_args()
     offline_hub()
-    spec = _spec(args)
+    spec = sweep_spec(args)
     params = spec.sampling.to_sglang(args.max_new_tokens)
     sims = {
         name: SimProcess(

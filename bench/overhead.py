@@ -53,20 +53,18 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import redis
-from _common import SimProcess, job_spec, offline_hub, short_rows
+from _common import SimProcess, offline_hub, short_rows, sweep_spec
 from _load import ServerSampler, Stats, ingest, plain_run, read_records, render, run_worker, worker_settings
 
 from datagen.local.redis_server import LocalRedis
 from datagen.records.storage import Storage
 from datagen.settings import DEFAULT_POLL_INTERVAL_S, WorkerSettings
-from datagen.spec import JobSpec
 
 DEFAULT_N = 2000
 DEFAULT_CONCURRENCY = "8,64"
 DEFAULT_COMMIT_INTERVAL_S = 0.5
 DEFAULT_MAX_NEW_TOKENS = 2048
 AIM_PROMPTS_PER_S = 400
-SAMPLING_SEED = 1234
 SERVER = "sim"
 PROMPTS_FILE = "prompts.jsonl"
 TOP_COMMANDS = 8
@@ -125,7 +123,7 @@ def command_calls(client: redis.Redis) -> Counter[str]:
 
 
 def bare(url: str, prompts: list[list[int]], c: int, args: argparse.Namespace, pids: tuple[int, int]) -> Line:
-    params = _spec(args).sampling.to_sglang(args.max_new_tokens)
+    params = sweep_spec(args).sampling.to_sglang(args.max_new_tokens)
     with ChildCpu(*pids) as children, ServerSampler({SERVER: url}) as sampler:
         run = asyncio.run(plain_run([url], prompts, params, c, label="bare"))
     cpu_s = run.cpu_s - sampler.cpu_s
@@ -139,7 +137,7 @@ def ours(
 ) -> tuple[Line, Counter[str]]:
     url, redis_url, tmp = where
     storage = Storage(tempfile.mkdtemp(prefix="storage-", dir=tmp))
-    ingest(client, storage, _spec(args), tmp / PROMPTS_FILE, args.n)
+    ingest(client, storage, sweep_spec(args), tmp / PROMPTS_FILE, args.n)
     settings = _settings(redis_url, storage, c, args)
     before = command_calls(client)
     with ChildCpu(*pids) as children, ServerSampler({SERVER: url}) as sampler:
@@ -157,7 +155,7 @@ def ours(
 def profile(client: redis.Redis, where: tuple[str, str, Path], c: int, args: argparse.Namespace) -> str:
     url, redis_url, tmp = where
     storage = Storage(tempfile.mkdtemp(prefix="storage-", dir=tmp))
-    ingest(client, storage, _spec(args), tmp / PROMPTS_FILE, args.n)
+    ingest(client, storage, sweep_spec(args), tmp / PROMPTS_FILE, args.n)
     profiler = cProfile.Profile()
     profiler.enable()
     asyncio.run(run_worker(_settings(redis_url, storage, c, args), {SERVER: url}))
@@ -204,10 +202,6 @@ def _settings(redis_url: str, storage: Storage, c: int, args: argparse.Namespace
         commit_interval_s=args.commit_interval_s,
         poll_interval_s=DEFAULT_POLL_INTERVAL_S,
     )
-
-
-def _spec(args: argparse.Namespace) -> JobSpec:
-    return job_spec(short_max_new_tokens=args.max_new_tokens, sampling={"sampling_seed": SAMPLING_SEED})
 
 
 def report(lines: list[Line], commands: dict[int, Counter[str]], args: argparse.Namespace) -> None:
@@ -269,7 +263,7 @@ def main() -> None:
             assert sim.proc is not None and server.process is not None
             pids = (sim.proc.pid, server.process.pid)
             tmp = Path(tmp_name)
-            prompts = render(_spec(args), short_rows(args.n), tmp / PROMPTS_FILE)
+            prompts = render(sweep_spec(args), short_rows(args.n), tmp / PROMPTS_FILE)
             client = redis.Redis.from_url(server.url)
             where = (sim.url, server.url, tmp)
             lines: list[Line] = []

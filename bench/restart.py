@@ -40,13 +40,12 @@ from typing import Any
 
 import httpx
 import redis
-from _common import BENCH_JOB_ID, SimProcess, job_spec, offline_hub, short_rows
+from _common import BENCH_JOB_ID, SimProcess, offline_hub, short_rows, sweep_spec
 from _load import ServerSampler, ingest, render, worker_settings
 
 from datagen.local.redis_server import LocalRedis
 from datagen.records.storage import Storage
 from datagen.settings import DEFAULT_SHORT_CONCURRENCY, WorkerSettings
-from datagen.spec import JobSpec
 from workers.fleet import ServerSpec
 from workers.worker import Worker
 
@@ -62,7 +61,6 @@ STARTING_S = 2.0
 SERVERS = ("a", "b", "c")
 VICTIM = "b"
 WORKERS = 2
-SAMPLING_SEED = 1234
 PROMPTS_FILE = "prompts.jsonl"
 SAMPLE_INTERVAL_S = 0.2
 HEALTH_POLL_S = 0.1
@@ -167,10 +165,6 @@ def retries(workers: list[Worker]) -> dict[str, float]:
                 if sample.name.endswith("_total"):
                     totals[sample.labels["reason"]] += sample.value
     return dict(totals)
-
-
-def _spec(args: argparse.Namespace) -> JobSpec:
-    return job_spec(short_max_new_tokens=args.max_new_tokens, sampling={"sampling_seed": SAMPLING_SEED})
 
 
 def _mean(values: list[float]) -> float:
@@ -281,10 +275,10 @@ def main() -> None:
             for sim in sims.values():
                 sim.wait_healthy()
             tmp = Path(tmp_name)
-            render(_spec(args), short_rows(args.n), tmp / PROMPTS_FILE)
+            render(sweep_spec(args), short_rows(args.n), tmp / PROMPTS_FILE)
             client = redis.Redis.from_url(server.url)
             storage = Storage(tmp / "storage")
-            ingest(client, storage, _spec(args), tmp / PROMPTS_FILE, args.n)
+            ingest(client, storage, sweep_spec(args), tmp / PROMPTS_FILE, args.n)
             client.close()
             specs = [ServerSpec(name, sim.url) for name, sim in sims.items()]
             workers = [

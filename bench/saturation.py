@@ -69,7 +69,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import redis
-from _common import job_spec, offline_hub, short_rows, simulator_process
+from _common import offline_hub, short_rows, simulator_process, sweep_spec
 from _load import (
     STATS_HEADER,
     ServerSampler,
@@ -85,7 +85,6 @@ from _load import (
 
 from datagen.local.redis_server import LocalRedis
 from datagen.records.storage import Storage
-from datagen.spec import JobSpec
 from datagen.states import PromptClass
 from workers.worker import Worker
 
@@ -97,7 +96,6 @@ DEFAULT_MAX_NEW_TOKENS = 2048
 DEFAULT_SWEEP = "16,32,64,128,256"
 DEFAULT_START_LIMIT = 512
 DEFAULT_CONTROLLER_INTERVAL_S = 0.5
-SAMPLING_SEED = 1234
 SERVER = "sim"
 # Issue #12's targets for (c): whole-run tok/s against best(a), server-queue p95 against running.
 TARGET_RATIO = 0.95
@@ -178,7 +176,7 @@ def run_datagen(
     """
     url, redis_url, tmp = urls
     storage = Storage(tempfile.mkdtemp(prefix="storage-", dir=tmp))
-    ingest(client, storage, _spec(args), tmp / PROMPTS_FILE, args.n)
+    ingest(client, storage, sweep_spec(args), tmp / PROMPTS_FILE, args.n)
     settings = worker_settings(redis_url, storage, args.time_scale, **opts)
     trace: list[tuple[float, int, int]] = []
     with ServerSampler({SERVER: url}) as sampler:
@@ -190,10 +188,6 @@ def run_datagen(
     completions = [((r["finished_at_ms"] - started_ms) / 1000, r["output_len"]) for r in records]
     line = Line(label, run.wall_s, tokens, sampler.stats(SERVER), run.cpu_s - sampler.cpu_s, completions)
     return DatagenRun(line, trace, run.started_at, sampler)
-
-
-def _spec(args: argparse.Namespace) -> JobSpec:
-    return job_spec(short_max_new_tokens=args.max_new_tokens, sampling={"sampling_seed": SAMPLING_SEED})
 
 
 def report(sweep: list[Line], ours: list[Line], args: argparse.Namespace) -> None:
@@ -283,7 +277,7 @@ def main() -> None:
     parser.add_argument("--controller-interval-s", type=float, default=DEFAULT_CONTROLLER_INTERVAL_S)
     args = parser.parse_args()
     offline_hub()
-    spec = _spec(args)
+    spec = sweep_spec(args)
     params = spec.sampling.to_sglang(args.max_new_tokens)
     sim = {"kv_tokens": args.kv_tokens, "reserve_fraction": args.reserve_fraction}
     with (

@@ -7,6 +7,7 @@ from enum import StrEnum
 
 __all__ = [
     "DedupMode",
+    "ExportFormat",
     "FinishType",
     "JobState",
     "MultiTurnMode",
@@ -24,6 +25,17 @@ class DedupMode(StrEnum):
     OFF = "off"
     EXACT = "exact"
     NEAR = "near"
+
+
+class ExportFormat(StrEnum):
+    SPECFORGE = "specforge"
+    SPECULATORS = "speculators"
+    CONVERSATIONS = "conversations"
+    PARQUET = "parquet"
+
+    @property
+    def drops_truncated_by_default(self) -> bool:
+        return self is ExportFormat.CONVERSATIONS
 
 
 class JobState(StrEnum):

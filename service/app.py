@@ -188,8 +188,8 @@ def _install_routes(app: FastAPI) -> None:
         page (null on the last), ``count`` how many jobs there are in all. With ``state`` or
         ``priority`` filters a page may hold fewer than ``limit`` jobs (even none) and still have a
         ``next``: a filter that matches few of many jobs answers quickly a page at a time."""
-        ids, following = coord.jobs.select(limit, cursor, states=state or (), priorities=priority or ())
-        return {"jobs": coord.jobs_json(ids), "next": following, "count": coord.jobs.count()}
+        ids, following = coord.jobs.index.select(limit, cursor, states=state or (), priorities=priority or ())
+        return {"jobs": coord.jobs_json(ids), "next": following, "count": coord.jobs.index.count()}
 
     @app.get("/jobs/{job_id}", dependencies=guarded)
     def get_job(coord: Coord, job_id: JobId) -> dict[str, Any]:
@@ -268,7 +268,7 @@ def _install_job_reads(app: FastAPI, guarded: list[Any]) -> None:
         if kind == "stopped":
             return {"kind": kind, "errors": coord.stopped(job_id, limit)}
         coord.jobs.progress(job_id)
-        return {"kind": kind, "errors": coord.jobs.failed_reports(job_id, limit)}
+        return {"kind": kind, "errors": coord.jobs.outcomes.failed_reports(job_id, limit)}
 
 
 def _install_fleet_routes(app: FastAPI, guarded: list[Any]) -> None:

@@ -105,7 +105,7 @@ def settle_committed(
         conversation = payload.conversation
         if conversation is not None:
             turns = max(1, committed.turns(payload.sample_id, payload.gen) - payload.turn)
-            total = len(conversation["cuts"])
+            total = len(conversation.cuts)
             if payload.turn + turns < total and (payload.sample_id, payload.gen) not in committed.stopped:
                 storage.write_stopped(
                     job_id, payload.sample_id, payload.gen, _lost_row(payload, turns, total)

@@ -114,7 +114,7 @@ class Coordinator:
         self.storage.claim_namespace(self.settings.namespace)
         self.epoch.look()
         # No epoch and no job: a new Redis, or one that lost its data while nothing watched it.
-        lost = self.epoch.found_none and not self.jobs.list_ids(1)
+        lost = self.epoch.found_none and not self.jobs.index.list_ids(1)
         why = "Redis had no data at coordinator start" if lost else "coordinator start"
         try:
             self.rebuilder.reconcile(Suspicion(why, lost=lost, epoch_ms=self.epoch.read_seq))
@@ -144,7 +144,7 @@ class Coordinator:
     def _resume_ingesting(self) -> None:
         """Resume every job Redis says is ingesting that no thread here ingests (left half done by
         a previous coordinator, or put back to ingesting by a Redis restored from a snapshot)."""
-        for job_id in self.jobs.iter_ids():
+        for job_id in self.jobs.index.iter_ids():
             try:
                 progress = self.jobs.progress(job_id)
             except JobNotFoundError:
@@ -431,11 +431,6 @@ class Coordinator:
         current = self._current_input(job_id)
         queued = [n for n in self.jobs.ingest_queue(job_id) if self.storage.input_exists(job_id, n)]
         return ([current] if current is not None else []) + queued
-
-    def wait_ingested(self, job_id: str, timeout_s: float) -> None:
-        run = self._ingests.get(job_id)
-        if run is not None:
-            run.thread.join(timeout=timeout_s)
 
     def rejected(self, job_id: str, limit: int) -> list[dict[str, Any]]:
         self.jobs.progress(job_id)  # 404 for an unknown job

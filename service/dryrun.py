@@ -1,7 +1,8 @@
 """``POST /jobs/dry-run``: what a dataset would become, without enqueueing anything.
 
-The first ``DRY_RUN_ROWS`` rows are parsed and rendered exactly as ingestion would; the rest of
-the upload is only counted, and totals are extrapolated from the sample by bytes.
+The first ``DRY_RUN_ROWS`` rows are parsed and admitted by ingestion's own rule (`service.admit`:
+partitions, special text, rendering, context length, class), then their ids checked (`service.rowids`);
+the rest of the upload is only counted, and totals are extrapolated from the sample by bytes.
 
 Contaminated and duplicate rows (``hygiene``: counts and examples, each beside the benchmark prompt
 or the row it repeats) are judged as ingestion judges a new job's rows: after every other check.
@@ -15,13 +16,12 @@ from __future__ import annotations
 import io
 from typing import IO, Any
 
-from datagen.errors import InvalidRowError
 from datagen.hygiene.screen import Hygiene, HygieneRow
-from datagen.prompts.dataset import Prompt, RowError, iter_prompts
-from datagen.prompts.tokenization import PromptRenderer, special_text_reason
+from datagen.prompts.dataset import Prompt, iter_prompts
+from datagen.prompts.tokenization import PromptRenderer
 from datagen.spec import JobSpec
-from datagen.states import SpecialTextPolicy
-from service.rowids import RowId, repeated_lines, row_id
+from service.admit import Refused, admit
+from service.rowids import RowId, check_row_ids, repeated_lines, row_id
 
 __all__ = ["DRY_RUN_EXAMPLES", "DRY_RUN_ROWS", "dry_run"]
 
@@ -37,25 +37,22 @@ def dry_run(
 ) -> dict[str, Any]:
     hygiene = Hygiene.for_spec(spec)  # a set over the limits is refused before the upload is read
     sample, sampled_bytes, total_bytes = _split(dataset)
-    rejected: list[dict[str, Any]] = []
+    rejected: dict[int, dict[str, Any]] = {}  # line → why; one entry per row, as ingestion writes
     accepted: list[tuple[Prompt, list[int], str]] = []
     rows: set[int] = set()
     special: dict[int, list[str]] = {}  # line → the special tokens its content spells
     for item in iter_prompts(io.BytesIO(sample), multi_turn=spec.multi_turn):
         rows.add(item.line)
-        if isinstance(item, Prompt) and (found := renderer.special_text(item.messages, item.tools)):
-            first = item.line not in special  # multi-turn rows give one item per turn
-            special.setdefault(item.line, found)
-            if spec.special_text is SpecialTextPolicy.REJECT:
-                if first:
-                    rejected.append({"line": item.line, "reason": special_text_reason(found)})
-                continue
-        result = _render(item, spec, renderer, context_len)
-        if isinstance(result, dict):
-            rejected.append(result)
+        verdict = admit(item, spec, renderer, context_len, scan_special_text=True)
+        if verdict is None:
             continue
-        assert isinstance(item, Prompt)
-        accepted.append((item, *result))
+        if verdict.special_text:  # multi-turn rows give one item per turn
+            special.setdefault(item.line, verdict.special_text)
+        if isinstance(verdict, Refused):
+            rejected.setdefault(item.line, {"line": item.line, "reason": verdict.reason})
+            continue
+        assert isinstance(item, Prompt)  # a RowError is always refused
+        accepted.append((item, verdict.prompt_ids, verdict.cls.value))
     accepted, report = _judge(hygiene, accepted, rejected)
     classes = {"short": 0, "long": 0}
     for _, _, cls in accepted:
@@ -69,7 +66,7 @@ def dry_run(
         "bytes_total": total_bytes,
         "prompts": prompts * spec.samples,
         "classes": {k: v * spec.samples for k, v in classes.items()},
-        "rejected": sorted(rejected, key=lambda r: r["line"]),
+        "rejected": [rejected[line] for line in sorted(rejected)],
         "prompt_tokens_sampled": prompt_tokens * spec.samples,
         "estimated_rows": round(len(rows) * scale),
         "estimated_prompts": round(prompts * spec.samples * scale),
@@ -87,19 +84,25 @@ def dry_run(
 
 
 def _judge(
-    hygiene: Hygiene, accepted: list[tuple[Prompt, list[int], str]], rejected: list[dict[str, Any]]
+    hygiene: Hygiene, accepted: list[tuple[Prompt, list[int], str]], rejected: dict[int, dict[str, Any]]
 ) -> tuple[list[tuple[Prompt, list[int], str]], dict[str, Any]]:
-    """Decontaminate and deduplicate the accepted rows as ingestion would (one row per line: its
-    last item holds the whole conversation); returns the rows kept and the dry run's summary."""
+    """Check ids, then decontaminate and deduplicate the accepted rows as ingestion would (one row
+    per line: its last item holds the whole conversation); returns the prompts ingestion would
+    enqueue (an exact repeat of an earlier row is skipped) and the dry run's hygiene summary."""
     rows: dict[int, HygieneRow] = {}
     ids: dict[int, RowId] = {}
     for item, _, _ in accepted:
         rows[item.line] = HygieneRow(item.line, item.messages, item.tools)
         ids.setdefault(item.line, row_id(item))
+    _, refused = check_row_ids(ids, {}, upload=DRY_RUN_UPLOAD)
+    for line, reason in refused.items():
+        rejected.setdefault(line, {"line": line, "reason": reason})
     repeats = frozenset(repeated_lines(ids, {}))  # the same id and content again: skipped
-    verdicts = hygiene.judge(list(rows.values()), DRY_RUN_UPLOAD, repeats=repeats) if hygiene.active else None
+    judging = [row for line, row in rows.items() if line not in refused]
+    verdicts = hygiene.judge(judging, DRY_RUN_UPLOAD, repeats=repeats) if hygiene.active else None
     judged = verdicts.rejected if verdicts is not None else {}
-    rejected += [{"line": line, **fields} for line, fields in judged.items()]
+    for line, fields in judged.items():
+        rejected.setdefault(line, {"line": line, **fields})
     report: dict[str, Any] = {
         "dedup": hygiene.dedup.value,
         "benchmark_prompts": len(hygiene.benchmarks) if hygiene.benchmarks is not None else 0,
@@ -116,7 +119,8 @@ def _judge(
         if fields["hygiene"] == "duplicate":
             example["kept_text"] = rows[fields["duplicate_of"]].preview()
         report["examples"].append(example)
-    return [a for a in accepted if a[0].line not in judged], report
+    dropped = refused.keys() | judged.keys() | repeats
+    return [a for a in accepted if a[0].line not in dropped], report
 
 
 def _example(item: Prompt, ids: list[int], cls: str, renderer: PromptRenderer) -> dict[str, Any]:
@@ -143,20 +147,3 @@ def _split(dataset: IO[bytes]) -> tuple[bytes, int, int]:
     while block := dataset.read(COUNT_CHUNK_BYTES):
         total += len(block)
     return sample, len(sample), total
-
-
-def _render(
-    item: Prompt | RowError, spec: JobSpec, renderer: PromptRenderer, context_len: int | None
-) -> tuple[list[int], str] | dict[str, Any]:
-    if isinstance(item, RowError):
-        return {"line": item.line, "reason": item.reason}
-    try:
-        ids = renderer.render(item.messages, item.tools)
-    except InvalidRowError as exc:
-        return {"line": item.line, "reason": str(exc)}
-    if context_len is not None and len(ids) + 1 >= context_len:
-        return {
-            "line": item.line,
-            "reason": f"prompt has {len(ids)} tokens; the context length is {context_len}",
-        }
-    return ids, spec.classify(len(ids), item.cls).value

@@ -9,8 +9,8 @@ live worker keeps off after a failed pre-flight check is ``refused``, with each 
 
 from __future__ import annotations
 
-import json
-from typing import Any, cast
+from dataclasses import dataclass
+from typing import Any
 
 from redis import Redis
 from rq import Queue
@@ -18,12 +18,25 @@ from rq import Queue
 from datagen.control.dispatch import Dispatch
 from datagen.control.jobs import now_ms
 from datagen.control.keys import Keys
-from datagen.control.redistext import as_text, as_texts
-from datagen.control.servers import read_servers, seen_recently
+from datagen.control.redistext import as_texts
+from datagen.control.servers import ServerView, read_control, read_servers, read_views, seen_recently
 from datagen.errors import UnknownServerError
 from datagen.states import PromptClass, ServerState
 
 __all__ = ["FleetView"]
+
+
+@dataclass(frozen=True)
+class _WorkerView:
+    """One worker's view of a server as ``GET /servers`` shows it: what the worker published, with
+    its name and whether the view is stale."""
+
+    worker: str
+    view: ServerView
+    stale: bool
+
+    def to_json(self) -> dict[str, Any]:
+        return {**self.view.to_json(), "worker": self.worker, "stale": self.stale}
 
 
 class FleetView:
@@ -78,39 +91,32 @@ class FleetView:
             known = ", ".join(self.server_names()) or "none"
             raise UnknownServerError(f"no worker has reported a server named {name!r}; known: {known}")
         workers = self._workers(name)
-        live = [w for w in workers if not w["stale"]]
-        control = {
-            as_text(k): as_text(v)
-            for k, v in cast(dict[bytes, bytes], self.redis.hgetall(self.keys.server_control(name))).items()
-        }
+        live = [w.view for w in workers if not w.stale]
+        control = read_control(self.redis, self.keys, name)
         return {
             "name": name,
             "state": _state(paused, live),
             "paused": paused,
-            "in_flight": {c.value: sum(w["in_flight"].get(c.value, 0) for w in live) for c in PromptClass},
-            "limits": {c.value: sum(w["limits"].get(c.value, 0) for w in live) for c in PromptClass},
-            "target": int(control["target"]) if "target" in control else None,
-            "target_reason": control.get("reason"),
-            "kv": json.loads(control["signals"]) if "signals" in control else None,
-            "context_len": (info or {}).get("context_len"),
-            "model_path": (info or {}).get("model_path"),
-            "weight_version": (info or {}).get("weight_version"),
+            "in_flight": {c.value: sum(v.in_flight.get(c.value, 0) for v in live) for c in PromptClass},
+            "limits": {c.value: sum(v.limits.get(c.value, 0) for v in live) for c in PromptClass},
+            "target": control.target,
+            "target_reason": control.reason,
+            "kv": control.signals,
+            "context_len": info.context_len if info else None,
+            "model_path": info.model_path if info else None,
+            "weight_version": info.weight_version if info else None,
             # Why live workers keep off the server (pre-flight checks), by worker.
-            "refused": {w["worker"]: w["refused"] for w in live if w.get("refused")},
-            "workers": workers,
+            "refused": {w.worker: w.view.refused for w in workers if not w.stale and w.view.refused},
+            "workers": [w.to_json() for w in workers],
         }
 
-    def _workers(self, name: str) -> list[dict[str, Any]]:
-        raw = cast(dict[bytes, bytes], self.redis.hgetall(self.keys.server_workers(name)))
+    def _workers(self, name: str) -> list[_WorkerView]:
         now = now_ms()
-        views = []
-        for worker, entry in sorted(raw.items()):
-            view = json.loads(entry)
-            view["worker"] = as_text(worker)
+        return [
             # A stale view is shown but does not count towards totals (datagen.control.servers.LIVE_WINDOW_S).
-            view["stale"] = not seen_recently(view, now)
-            views.append(view)
-        return views
+            _WorkerView(worker, view, stale=not seen_recently(view, now))
+            for worker, view in sorted(read_views(self.redis, self.keys, name).items())
+        ]
 
     def set_server_paused(self, name: str, paused: bool) -> dict[str, Any]:
         if paused:
@@ -125,8 +131,8 @@ class FleetView:
 _STATE_PRECEDENCE = (ServerState.UP, ServerState.DRAINING, ServerState.DOWN, ServerState.REFUSED)
 
 
-def _state(paused: bool, live: list[dict[str, Any]]) -> ServerState:
+def _state(paused: bool, live: list[ServerView]) -> ServerState:
     if paused:
         return ServerState.PAUSED
-    states = {w["state"] for w in live}
+    states = {view.state for view in live}
     return next((state for state in _STATE_PRECEDENCE if state in states), ServerState.UNKNOWN)

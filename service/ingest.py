@@ -6,7 +6,7 @@ for a cancelled, failed or deleted job) together with (a) its rows added to the 
 either the whole chunk or none of it; a resumed ingestion starts after the checkpoint, and the
 rows guard (read before each chunk) keeps a resubmitted row from being enqueued twice, since RQ
 itself accepts a second enqueue of the same job id. Chunks start small and double up to the
-configured size (`service.chunk.chunk_sizes`), and the first one also goes out after a deadline, so
+configured size (`service.admit.chunk_sizes`), and the first one also goes out after a deadline, so
 warm workers start on a new job within a fraction of a second of its submit.
 
 Evaluation hygiene (`datagen.hygiene.screen`) judges each chunk's rows last: contaminated rows and
@@ -22,28 +22,29 @@ import time
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import BinaryIO
 
 from redis import Redis, RedisError, WatchError
 from rq import Queue
 from rq.serializers import JSONSerializer
 
+from datagen.backoff import Backoff
 from datagen.control.dispatch import Dispatch
 from datagen.control.enqueue import EnqueueOptions, enqueue_prompts
 from datagen.control.jobs import JobStore
 from datagen.control.keys import Keys, prompt_key
-from datagen.control.payload import PromptPayload
+from datagen.control.payload import Conversation, PromptPayload
 from datagen.control.redismemory import is_out_of_memory, out_of_memory_error
 from datagen.control.redistext import as_text
 from datagen.control.servers import fleet_context_len
-from datagen.errors import DatagenError, InvalidRowError, JobNotFoundError, StorageError
+from datagen.errors import DatagenError, JobNotFoundError, StorageError
 from datagen.hygiene.screen import Hygiene, HygieneRow, Verdicts
 from datagen.prompts.dataset import Prompt, RowError
 from datagen.prompts.tokenization import PromptRenderer, renderer_for, special_text_reason
 from datagen.records.storage import Storage
 from datagen.spec import JobSpec
-from datagen.states import DedupMode, JobState, PromptClass, SpecialTextPolicy
-from service.chunk import Chunk, breakdown, chunk_items, chunk_sizes
+from datagen.states import DedupMode, JobState, PromptClass
+from service.admit import Admitted, Chunk, Refused, admit, breakdown, chunk_items, chunk_sizes
 from service.committed import Committed, Settled, settle_committed
 from service.metrics import CoordinatorMetrics
 from service.rowids import check_row_ids, repeated_lines, row_id
@@ -52,8 +53,10 @@ __all__ = ["IngestOptions", "Ingestor"]
 
 log = logging.getLogger(__name__)
 
-REDIS_RETRY_MIN_S = 1.0
-REDIS_RETRY_MAX_S = 30.0
+# The ingestion thread's backoff through a Redis or storage outage: it holds no prompt in flight,
+# so it waits longer between tries than a worker does (`datagen.settings.OUTAGE_RETRY_MAX_S`).
+INGEST_RETRY_FIRST_S = 1.0
+INGEST_RETRY_MAX_S = 30.0
 # The first chunk of an ingestion is small, and goes out after this long even if it is not full
 # (slow rendering, long prompts): warm workers start on a job within a fraction of a second.
 FIRST_CHUNK = 32
@@ -69,7 +72,7 @@ class IngestOptions:
     # file), and one huge job's window never holds back another job's ingestion.
     max_queued_per_class: int = 200_000
     backpressure_poll_s: float = 1.0
-    # Chunks grow from this size to ``chunk`` (`service.chunk.chunk_sizes`); the first one is
+    # Chunks grow from this size to ``chunk`` (`service.admit.chunk_sizes`); the first one is
     # flushed after ``first_chunk_s`` with whatever prompts it holds. Neither applies when ``chunk``
     # is already this small.
     first_chunk: int = FIRST_CHUNK
@@ -132,7 +135,7 @@ class Ingestor:
         record are counted done, not enqueued. ``finish`` False leaves the job ingesting at the end
         (more uploads follow). Returns whether the upload was ingested to its end.
         """
-        delay_s = REDIS_RETRY_MIN_S
+        backoff = Backoff(INGEST_RETRY_FIRST_S, INGEST_RETRY_MAX_S)
         storage_failed = False
         while not stop.is_set():
             try:
@@ -153,19 +156,19 @@ class Ingestor:
                     problem = str(out_of_memory_error(self.redis, exc))
                 else:
                     problem = f"Redis unreachable during ingestion ({exc})"
+                delay_s = backoff.next_s()
                 log.warning("job %s: %s; ingestion resumes in %.0f s", job_id, problem, delay_s)
                 stop.wait(delay_s)
-                delay_s = min(REDIS_RETRY_MAX_S, delay_s * 2)
             except (StorageError, OSError) as exc:
                 # As a worker does: a storage outage (read-only, full, unreachable) is waited out and
                 # shown on the job; the ingestion resumes from its checkpoint, the job never fails.
+                delay_s = backoff.next_s()
                 log.warning(
                     "job %s: storage error during ingestion, resuming in %.0f s: %s", job_id, delay_s, exc
                 )
                 self._set_storage_error(job_id, f"ingestion: {exc}")
                 storage_failed = True
                 stop.wait(delay_s)
-                delay_s = min(REDIS_RETRY_MAX_S, delay_s * 2)
             except DatagenError as exc:
                 log.error("job %s: ingestion failed: %s", job_id, exc)
                 self._fail(job_id, str(exc))
@@ -261,7 +264,7 @@ class Ingestor:
         self,
         chunk: Chunk,
         item: Prompt | RowError,
-        conversation: dict[str, Any] | None,
+        conversation: Conversation | None,
         job_id: str,
         spec: JobSpec,
         renderer: PromptRenderer,
@@ -271,39 +274,22 @@ class Ingestor:
         if item.line != chunk.last_line:
             chunk.rows += 1
         chunk.last_line = item.line
-        if isinstance(item, RowError):
-            chunk.rejected.append({"line": item.line, "reason": item.reason, "sample_id": item.sample_id})
+        verdict = admit(item, spec, renderer, context_len)
+        if verdict is None:
             return
-        if spec.partitions is not None and item.partition not in spec.partitions:
-            return
-        if spec.special_text is not SpecialTextPolicy.ALLOW:
-            found = renderer.special_text(item.messages, item.tools)
-            if found and spec.special_text is SpecialTextPolicy.REJECT:
-                reason = special_text_reason(found)
-                chunk.rejected.append({"line": item.line, "reason": reason, "sample_id": item.sample_id})
-                return
-        else:
-            found = []
-        try:
-            prompt_ids = renderer.render(item.messages, item.tools)
-        except InvalidRowError as exc:
-            chunk.rejected.append({"line": item.line, "reason": str(exc), "sample_id": item.sample_id})
-            return
-        if item.line not in chunk.ids:
+        rendered = isinstance(verdict, Admitted) or verdict.rendered
+        if rendered and isinstance(item, Prompt) and item.line not in chunk.ids:
             chunk.ids[item.line] = row_id(item)
-            if found:
+            if found := verdict.special_text:
                 reason = special_text_reason(found)
                 chunk.flagged.append(
                     {"line": item.line, "sample_id": item.sample_id, "tokens": found, "reason": reason}
                 )
-        if context_len is not None and len(prompt_ids) + 1 >= context_len:
-            reason = (
-                f"prompt has {len(prompt_ids)} tokens, which does not fit the context length of "
-                f"{context_len} tokens (no room to generate)"
-            )
-            chunk.rejected.append({"line": item.line, "reason": reason, "sample_id": item.sample_id})
+        if isinstance(verdict, Refused):
+            chunk.rejected.append({"line": item.line, "reason": verdict.reason, "sample_id": item.sample_id})
             return
-        cls = spec.classify(len(prompt_ids), item.cls)
+        assert isinstance(item, Prompt)  # a RowError is always refused
+        prompt_ids, cls = verdict.prompt_ids, verdict.cls
         for gen in range(spec.samples):
             payload = PromptPayload(
                 job=job_id,
@@ -470,8 +456,8 @@ class Ingestor:
         for item, payload in chunk.prompts:
             if item.line not in rows:
                 whole = payload.conversation  # multi-turn `all`: the whole conversation counts
-                messages = whole["messages"] if whole else item.messages
-                tools = whole["tools"] if whole else item.tools
+                messages = whole.messages if whole else item.messages
+                tools = whole.tools if whole else item.tools
                 rows[item.line] = (HygieneRow(item.line, messages, tools), item)
         verdicts = hygiene.judge([r for r, _ in rows.values()], chunk.input_name, repeats=frozenset(repeats))
         if verdicts.rejected:

@@ -20,8 +20,8 @@ from rq.job import Job
 from rq.serializers import JSONSerializer
 
 from datagen.control.dispatch import RQ_JOB_PREFIX, Dispatch
-from datagen.control.jobs import OTHER_PARTITION, JobStore, RequeueItem
-from datagen.control.keys import Keys
+from datagen.control.jobs import JobStore, RequeueItem
+from datagen.control.keys import Keys, partition_label
 from datagen.control.redistext import as_text, as_texts
 from datagen.errors import JobNotFoundError, JobStateError, StorageError
 from datagen.records.storage import Storage
@@ -121,7 +121,7 @@ class JobControls:
                 if rq_id.startswith(prefix) and self.redis.lrem(queue.key, 1, rq_id):
                     with self.redis.pipeline() as pipe:
                         pipe.unlink(RQ_JOB_PREFIX + rq_id)
-                        self.jobs.count_cancelled_queued(pipe, job_id, cls, 1)
+                        self.jobs.outcomes.count_cancelled_queued(pipe, job_id, cls, 1)
                         pipe.execute()
                     dropped += 1
         return dropped
@@ -153,7 +153,7 @@ class JobControls:
         # One retry per job at a time; each prompt moves only if this retry takes it out of the
         # failed registry (`JobStore.requeue_failed`), so even a retry on another coordinator cannot
         # double it.
-        token = self.jobs.acquire_retry(job_id)
+        token = self.jobs.outcomes.acquire_retry(job_id)
         # Running again from the start, not once the failed prompts are read (seconds for many):
         # meanwhile a cancel stops the job, and the retry ends at its next slice (cancel wins).
         reopened = self.jobs.reopen(job_id)
@@ -173,10 +173,10 @@ class JobControls:
             log.info("job %s: cancelled during its retry, which stops here", job_id)
         finally:
             if moved:
-                self.jobs.forget_failure_reports(job_id, moved)
+                self.jobs.outcomes.forget_failure_reports(job_id, moved)
             if reopened and not moved:
                 self.jobs.complete_if_ended(job_id)  # nothing went back: completed again
-            self.jobs.release_retry(job_id, token)
+            self.jobs.outcomes.release_retry(job_id, token)
         log.info("job %s: %d failed prompts re-enqueued (reason filter %s)", job_id, len(moved), reason)
         body = self.jobs.progress(job_id).to_json()
         body.update(
@@ -205,7 +205,7 @@ class JobControls:
                 payload = rq_job.args[0] if rq_job.args else {}
                 partition = str(payload.get("partition", "")) if isinstance(payload, dict) else ""
                 reason = str(rq_job.meta.get("failure_reason") or reported.get(rq_job.id, "unknown"))
-                label = partition if partition in labelled else OTHER_PARTITION
+                label = partition_label(partition, labelled)
                 out.append(_Failed(rq_job, queue, reason, label, cls.value))
         return out
 
@@ -229,7 +229,7 @@ class JobControls:
                 )
             if not items:
                 continue
-            moved += self.jobs.requeue_failed(
+            moved += self.jobs.outcomes.requeue_failed(
                 job_id,
                 registry_key=queue.failed_job_registry.key,
                 backlog_key=self.keys.job_backlog(job_id, cls),

@@ -28,7 +28,6 @@ __all__ = ["CoordinatorMetrics"]
 
 # How many jobs a scrape looks at (newest first).
 SCRAPE_JOBS = 200
-FINISH_PREFIX = "finish:"
 
 
 class _FleetCollector(Collector):
@@ -125,7 +124,7 @@ class _JobsCollector(Collector):
         )
         try:
             # One round trip for the page; a job deleted since the listing is left out.
-            listed = self.jobs.progress_many(self.jobs.list_ids(SCRAPE_JOBS))
+            listed = self.jobs.progress_many(self.jobs.index.list_ids(SCRAPE_JOBS))
             jobs = [job for job in listed if job is not None]
             shares = self.dispatch.shares()
             states = {state: 0 for state in JobState}
@@ -154,13 +153,13 @@ class _JobsCollector(Collector):
         eta: GaugeMetricFamily,
     ) -> None:
         prompts, tokens, finishes = counters
-        for (counter, label, cls), value in self.jobs.breakdown(job.job_id).items():
-            if counter == "output_tokens":
-                tokens.add_metric([job.job_id, label, cls], value)
-            elif counter.startswith(FINISH_PREFIX):
-                finishes.add_metric([job.job_id, label, cls, counter.removeprefix(FINISH_PREFIX)], value)
+        for name, value in self.jobs.breakdown(job.job_id).items():
+            if name.counter == "output_tokens":
+                tokens.add_metric([job.job_id, name.label, name.cls], value)
+            elif name.finish is not None:
+                finishes.add_metric([job.job_id, name.label, name.cls, name.finish], value)
             else:
-                prompts.add_metric([job.job_id, label, cls, counter], value)
+                prompts.add_metric([job.job_id, name.label, name.cls, name.counter], value)
         if job.accepted:
             progress_ratio.add_metric([job.job_id], (job.done + job.failed + job.cancelled) / job.accepted)
         view = job.to_json(at_ms=int(time.time() * 1000))

@@ -25,12 +25,14 @@ from typing import Any
 
 import redis
 
+from datagen.backoff import Backoff
 from datagen.control.dispatch import Dispatch
+from datagen.control.payload import ParsedPayload, parse_payload
 from datagen.control.redismemory import is_out_of_memory
+from datagen.settings import OUTAGE_RETRY_FIRST_S, OUTAGE_RETRY_MAX_S
 from datagen.states import PromptClass
-from workers.control import FleetSync
 from workers.fleet import Fleet
-from workers.redisretry import REDIS_RETRY_MAX_S, REDIS_RETRY_MIN_S
+from workers.fleet_sync import FleetSync
 from workers.rqbridge import InFlight, QueueIdentity, payload_of
 from workers.wake import WAKE_COALESCE_S, Wakeups
 
@@ -51,7 +53,7 @@ IDLE_POLL_MAX_S = 5.0
 BACKLOG_REFRESH_S = 0.5
 
 # The life of one claimed prompt (``workers.prompt.PromptRunner.run``).
-RunPrompt = Callable[[QueueIdentity, InFlight, PromptClass], Coroutine[Any, Any, None]]
+RunPrompt = Callable[[QueueIdentity, InFlight, ParsedPayload, PromptClass], Coroutine[Any, Any, None]]
 
 
 def _claim_failed(cls: PromptClass, exc: redis.RedisError) -> None:
@@ -170,8 +172,8 @@ class Admission:
         slots = self.slots
         identity = self.identities[cls]
         poll_s = self.poll_interval_s
-        idle_s = 0.0
-        outage_s = 0.0
+        idle = Backoff(min(poll_s, IDLE_POLL_MAX_S), IDLE_POLL_MAX_S)
+        outage = Backoff(OUTAGE_RETRY_FIRST_S, OUTAGE_RETRY_MAX_S)
         woken = False  # the next claim was asked for by a wake-up
         while not slots.stopping.is_set():
             if self.burst and self._burst_done():
@@ -183,35 +185,35 @@ class Admission:
             if (free := min(self._free(cls, backlog), self._uncommitted_room())) <= 0:
                 await self._wait_freed(poll_s)
                 continue
-            if free < self._min_batch(cls) and slots.generating[cls] and idle_s == 0.0:
+            if free < self._min_batch(cls) and slots.generating[cls] and not idle.failures:
                 # Requests are ending one by one: gather a few freed slots into one claim.
                 free = await self._gather(cls, free, backlog)
                 if free <= 0:
                     continue
             try:
                 items = identity.claim_many(self.dispatch, cls, free, skip=self._crowded())
-                outage_s = 0.0
+                outage.reset()
             except redis.RedisError as exc:
-                if not outage_s:
+                if not outage.failures:
                     _claim_failed(cls, exc)
-                outage_s = min(REDIS_RETRY_MAX_S, max(REDIS_RETRY_MIN_S, outage_s * 2))
-                await asyncio.sleep(outage_s)
+                await asyncio.sleep(outage.next_s())
                 continue
             if not items:
                 if self.on_claim_empty is not None:
                     self.on_claim_empty(cls)
                 # Nothing to claim: wait for a wake-up (`workers.wake`), polling ever more slowly.
-                idle_s = min(IDLE_POLL_MAX_S, max(poll_s, idle_s * 2))
+                idle_s = idle.next_s()
                 timeout_s = idle_s if self.wakeups is not None else poll_s
                 woken = await self._wait_for_work(cls, timeout_s, held=woken)
                 continue
-            idle_s = 0.0
+            idle.reset()
             woken = False
             self._claimed(cls, len(items))
             for item in items:
                 slots.generating[cls] += 1
-                task = asyncio.create_task(self.run_prompt(identity, item, cls), name=item.job.id)
-                slots.add(cls, task, str((payload_of(item.job) or {}).get("job", "")))
+                parsed = parse_payload(payload_of(item.job))  # the one read of its payload
+                task = asyncio.create_task(self.run_prompt(identity, item, parsed, cls), name=item.job.id)
+                slots.add(cls, task, parsed.job or "")
 
     async def _gather(self, cls: PromptClass, free: int, backlog: int | None) -> int:
         """Wait up to CLAIM_GATHER_S for a batch's worth of free slots; returns how many are free."""

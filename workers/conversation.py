@@ -94,7 +94,7 @@ class Conversations:
         conversation = payload.conversation
         if conversation is None:
             return None
-        turns, turn = len(conversation["cuts"]), payload.turn
+        turns, turn = len(conversation.cuts), payload.turn
         if turn + 1 >= turns:
             return None
         if record.finish_type != FinishType.STOP.value:
@@ -142,11 +142,13 @@ class Conversations:
         )
 
     async def _build(self, payload: PromptPayload, record: Record, info: JobInfo, attempt: int) -> NextTurn:
-        conversation: dict[str, Any] = payload.conversation or {}
+        conversation = payload.conversation
+        if conversation is None:  # `after` asks only of a conversation's turns
+            return None
         spec = info.spec
         renderer, text = await asyncio.to_thread(_turn_text, spec, info, record)
         regenerated: str | dict[str, Any] = text
-        tools = conversation.get("tools")
+        tools = conversation.tools
         if spec.tool_call_parser is not None and tools:
             parsed = await self._parse(record.server, attempt, text, spec.tool_call_parser, tools)
             wanted = dataset_call_names(conversation, payload.turn)
@@ -154,7 +156,7 @@ class Conversations:
             if made != wanted and spec.tool_mismatch is ToolMismatch.STOP:
                 return ConversationStop(
                     payload.turn + 1,
-                    len(conversation["cuts"]),
+                    len(conversation.cuts),
                     StopReason.TOOL_MISMATCH,
                     f"turn {payload.turn}: the model called {made or 'no tool'}, "
                     f"the dataset {wanted or 'no tool'}",

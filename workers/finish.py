@@ -1,14 +1,26 @@
 """The RQ transitions that record how a prompt ended, each with the job's counters in the same
-transaction: succeeded (batched with its shard, `workers.acks`; in multi-turn ``all`` mode with its
+transaction: succeeded (batched with its shard, `Acks` below; in multi-turn ``all`` mode with its
 next turn enqueued, or its conversation's stop stored first, `workers.conversation`), failed,
 cancelled with its job, dropped because its job was deleted, or handed back unfinished.
+
+Succeeded prompts finish in batches: the tasks of a shard resume together once the shard is
+durable, and their acknowledgements (RQ finished, job counted done) go to Redis in one script call
+per class (`datagen.control.jobs.JobStore.ack_done`) instead of one transaction each.
+
+A task waits until its ack is in Redis, so its heartbeat and burst mode's "nothing in flight" keep
+their meaning. A Redis outage holds the batch and retries it: the script is safe to
+repeat, since a prompt already counted is not counted again. A worker killed between the shard
+commit and the ack leaves its prompts started; the reaper hands them out again and the second
+record of each is dropped by exports (first record wins), while the count happens once.
 """
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 import redis
 from redis.client import Pipeline
@@ -18,20 +30,117 @@ from datagen.control.dispatch import Dispatch
 from datagen.control.enqueue import EnqueueOptions, enqueue_prompts
 from datagen.control.jobs import AckItem, JobStore, now_ms
 from datagen.control.keys import Keys, prompt_key
-from datagen.control.payload import PromptPayload
+from datagen.control.payload import ParsedPayload, PromptPayload
 from datagen.errors import RetryableError
 from datagen.records.schema import Record
 from datagen.settings import DEFAULT_FAILURE_TTL_S, DEFAULT_MAX_WORKER_LOSSES, DEFAULT_RESULT_TTL_S
 from datagen.states import PromptClass
-from workers.acks import Acks, ack_item
 from workers.conversation import Conversations, ConversationStop, NextTurn
 from workers.failures import failure_report, prompt_labels
 from workers.jobinfo import JobInfos
 from workers.metrics import WorkerMetrics
 from workers.redisretry import while_redis_down
-from workers.rqbridge import InFlight, QueueIdentity, payload_of
+from workers.rqbridge import InFlight, QueueIdentity
 
-__all__ = ["Finisher", "is_final"]
+__all__ = ["Acks", "Finisher", "ack_item", "is_final"]
+
+log = logging.getLogger(__name__)
+
+# Prompts per script call at most (Lua's unpack, and one call's time on Redis, stay bounded).
+MAX_ACKS_PER_CALL = 1000
+
+
+@dataclass(eq=False)
+class _Waiting:
+    identity: QueueIdentity
+    item: InFlight
+    ack: AckItem
+    done: asyncio.Future[int]
+
+
+class Acks:
+    def __init__(self, jobs: JobStore, *, delay_s: float = 0.0) -> None:
+        self.jobs = jobs
+        self._waiting: list[_Waiting] = []
+        self._scheduled = False
+        # Running flushes (the event loop keeps only weak references to tasks).
+        self._flushes: set[asyncio.Task[None]] = set()
+        # Fault tests only (``test_ack_delay_s``): a window to kill the worker after the commit.
+        self.delay_s = delay_s
+
+    async def done(self, identity: QueueIdentity, item: InFlight, ack: AckItem) -> None:
+        """Return once the prompt is finished in RQ and counted in its job (or was before)."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[int] = loop.create_future()
+        self._waiting.append(_Waiting(identity, item, ack, future))
+        if not self._scheduled:
+            # The other tasks of the same shard resume in this loop iteration: flushing on the
+            # next one takes them all in one call.
+            self._scheduled = True
+            loop.call_soon(self._start_flush)
+        await asyncio.shield(future)
+
+    def _start_flush(self) -> None:
+        task = asyncio.ensure_future(self._flush())
+        self._flushes.add(task)
+        task.add_done_callback(self._flushes.discard)
+
+    async def _flush(self) -> None:
+        self._scheduled = False
+        batch, self._waiting = self._waiting, []
+        if not batch:
+            return
+        if self.delay_s:
+            await asyncio.sleep(self.delay_s)
+        by_identity: dict[QueueIdentity, list[_Waiting]] = {}
+        for waiting in batch:
+            by_identity.setdefault(waiting.identity, []).append(waiting)
+        groups = [
+            (identity, waiting[start : start + MAX_ACKS_PER_CALL])
+            for identity, waiting in by_identity.items()
+            for start in range(0, len(waiting), MAX_ACKS_PER_CALL)
+        ]
+        for identity, group in groups:
+            target = identity.ack_target
+            acks = [w.ack for w in group]
+            try:
+                counted = await while_redis_down(functools.partial(self.jobs.outcomes.ack_done, target, acks))
+            except Exception as exc:  # a bug: the prompts stay started and the reaper runs them again
+                log.exception("cannot acknowledge %d prompts", len(group))
+                for waiting in group:
+                    if not waiting.done.done():
+                        waiting.done.set_exception(exc)
+                continue
+            identity.finished([w.item for w in group])
+            log.debug("acknowledged %d prompts (%d counted)", len(group), counted)
+            for waiting in group:
+                if not waiting.done.done():
+                    waiting.done.set_result(counted)
+
+
+def ack_item(
+    item: InFlight,
+    *,
+    job_id: str,
+    incarnation: str,
+    output_tokens: int,
+    partition: str,
+    cls: str,
+    finish: str,
+) -> AckItem:
+    """What the ack script needs of one committed prompt."""
+    job = item.job
+    return AckItem(
+        rq_id=job.id,
+        job_id=job_id,
+        incarnation=incarnation,
+        output_tokens=output_tokens,
+        partition=partition,
+        cls=cls,
+        finish=finish,
+        result_ttl_s=job.get_result_ttl(DEFAULT_RESULT_TTL_S),
+    )
+
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +190,7 @@ class Finisher:
         payload: PromptPayload,
     ) -> None:
         """The record is committed: finish the prompt in RQ and count it done, batched with the
-        other prompts of its shard (`workers.acks`); a next turn is enqueued in the same
+        other prompts of its shard (`Acks`); a next turn is enqueued in the same
         transaction as its done count, so the job cannot complete in between; a conversation's
         stop is stored before the done count, so a completed job shows every stop."""
         ack = ack_item(
@@ -123,7 +232,7 @@ class Finisher:
         job_id = ack.job_id
         with self.redis.pipeline() as pipe:
             # The done count first, as alone; the next turn's enqueue and count in the same MULTI.
-            self.jobs.ack_done(identity.ack_target, [ack], client=pipe)
+            self.jobs.outcomes.ack_done(identity.ack_target, [ack], client=pipe)
             queues = {cls: each.queue for cls, each in self.identities.items()}
             enqueue_prompts(
                 pipe,
@@ -150,7 +259,9 @@ class Finisher:
                 max(0.0, (now_ms() - record.enqueued_at_ms) / 1000)
             )
 
-    def fail(self, identity: QueueIdentity, item: InFlight, job_id: str | None, exc: BaseException) -> None:
+    def fail(
+        self, identity: QueueIdentity, item: InFlight, parsed: ParsedPayload, exc: BaseException
+    ) -> None:
         reason = type(exc).__name__
         if isinstance(exc.__cause__, RetryableError):
             # Retries ran out: the cause says why (timeouts, 5xx, aborts), not the FatalError wrapper.
@@ -158,22 +269,24 @@ class Finisher:
         message = str(exc) or reason
         self.metrics.failures.labels(reason).inc()
         log.warning("failed %s: %s", item.job.id, message)
-        payload = payload_of(item.job) or {}
-        report = failure_report(item.job.id, payload, reason=reason, message=message)
+        job_id = parsed.job
+        report = failure_report(item.job.id, parsed.raw, reason=reason, message=message)
         item.job.meta["failure_reason"] = reason  # what `datagen retry --reason` filters on
 
         def hook(pipe: Pipeline) -> None:
             pipe.hset(item.job.key, "meta", item.job.serializer.dumps(item.job.meta))
             if job_id is not None:
-                self.jobs.count_failed(pipe, job_id, item.job.id, report, **prompt_labels(payload))
+                self.jobs.outcomes.count_failed(
+                    pipe, job_id, item.job.id, report, **prompt_labels(parsed.raw)
+                )
 
         identity.finish_failure(item, message, hook)
 
-    def cancelled(self, identity: QueueIdentity, item: InFlight, job_id: str) -> None:
-        labels = prompt_labels(payload_of(item.job) or {})
+    def cancelled(self, identity: QueueIdentity, item: InFlight, parsed: ParsedPayload, job_id: str) -> None:
+        labels = prompt_labels(parsed.raw)
 
         def hook(pipe: Pipeline) -> None:
-            self.jobs.count_cancelled(pipe, job_id, item.job.id, **labels)
+            self.jobs.outcomes.count_cancelled(pipe, job_id, item.job.id, **labels)
 
         identity.finish_cancelled(item, hook)
         self.metrics.aborted.inc()
@@ -187,7 +300,9 @@ class Finisher:
     def hand_back(self, identity: QueueIdentity, item: InFlight, job_id: str | None) -> None:
         """Return an unfinished prompt to the front of its queue; if Redis is down, the reaper will."""
         try:
-            hook = (lambda pipe: self.jobs.handed_back(pipe, job_id, item.job.id)) if job_id else None
+            hook = (
+                (lambda pipe: self.jobs.outcomes.handed_back(pipe, job_id, item.job.id)) if job_id else None
+            )
             identity.hand_back(item, hook)
         except redis.RedisError as exc:
             log.error("cannot hand %s back (Redis unreachable): the reaper will: %s", item.job.id, exc)

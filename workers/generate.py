@@ -32,8 +32,8 @@ from datagen.records.schema import Record
 from datagen.settings import WorkerSettings
 from datagen.states import PromptClass
 from workers.backup import Backups, Straggler
-from workers.control import API_KEY_HINT
 from workers.fleet import Fleet, Server
+from workers.health import API_KEY_HINT
 from workers.jobinfo import JobInfos
 from workers.metrics import WorkerMetrics
 from workers.redisretry import while_redis_down

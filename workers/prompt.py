@@ -16,14 +16,14 @@ from collections.abc import Callable, Coroutine
 from typing import Any
 
 from datagen.control.jobs import JobStore
-from datagen.control.payload import PromptPayload
+from datagen.control.payload import ParsedPayload
 from datagen.errors import FatalError, JobNotFoundError
 from datagen.states import PromptClass
 from workers.admission import Slots
 from workers.finish import Finisher, is_final
 from workers.generate import Generator
 from workers.redisretry import while_redis_down
-from workers.rqbridge import InFlight, QueueIdentity, payload_of
+from workers.rqbridge import InFlight, QueueIdentity
 from workers.writer import RecordWriter
 
 __all__ = ["PromptRunner"]
@@ -41,11 +41,14 @@ class PromptRunner:
         self.writer = writer
         self.finisher = finisher
 
-    async def run(self, identity: QueueIdentity, item: InFlight, cls: PromptClass) -> None:
+    async def run(
+        self, identity: QueueIdentity, item: InFlight, parsed: ParsedPayload, cls: PromptClass
+    ) -> None:
+        """``parsed``: the payload of ``item``, read once at its claim (`workers.admission`)."""
         # The claim put the prompt in its job's running set and RQ's started registry.
-        job_id = (payload_of(item.job) or {}).get("job")
+        job_id = parsed.job
         try:
-            finish = await self._outcome(identity, item, cls, job_id)
+            finish = await self._outcome(identity, item, parsed, cls)
             if asyncio.iscoroutine(finish):
                 await finish
             else:
@@ -53,7 +56,9 @@ class PromptRunner:
         except asyncio.CancelledError:
             if self.slots.aborted(asyncio.current_task()) and job_id is not None:
                 # Its job was cancelled with abort: closing the request made SGLang abort it.
-                await while_redis_down(functools.partial(self.finisher.cancelled, identity, item, job_id))
+                await while_redis_down(
+                    functools.partial(self.finisher.cancelled, identity, item, parsed, job_id)
+                )
                 return
             self.finisher.hand_back(identity, item, job_id)
             raise
@@ -63,14 +68,14 @@ class PromptRunner:
             identity.in_flight.discard(item)
 
     async def _outcome(
-        self, identity: QueueIdentity, item: InFlight, cls: PromptClass, job_id: str | None
+        self, identity: QueueIdentity, item: InFlight, parsed: ParsedPayload, cls: PromptClass
     ) -> Callable[[], None] | Coroutine[Any, Any, None]:
         """Run the prompt; return the RQ transition that records how it ended (a coroutine for a
         success, which is acknowledged with its shard)."""
-        finisher = self.finisher
+        finisher, job_id = self.finisher, parsed.job
         try:
             try:
-                payload = PromptPayload.from_json(item.job.args[0])
+                payload = parsed.require()
                 record = await self.generator.generate(item.job, payload, cls)
             finally:
                 self.slots.release(cls, job_id or "")
@@ -79,12 +84,12 @@ class PromptRunner:
             # Its job was deleted (or the id reused) while it ran: nothing of it is stored or counted.
             return functools.partial(finisher.drop_stale, identity, item)
         except FatalError as exc:
-            return functools.partial(finisher.fail, identity, item, job_id, exc)
+            return functools.partial(finisher.fail, identity, item, parsed, exc)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # a bug must fail one prompt, not the worker
             log.exception("prompt %s crashed the task", item.job.id)
-            return functools.partial(finisher.fail, identity, item, job_id, exc)
+            return functools.partial(finisher.fail, identity, item, parsed, exc)
         # Committed: the prompt is done from here on, whatever its conversation's next turn meets.
         try:
             following = await finisher.following_turn(payload, record)

@@ -28,7 +28,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from redis import Redis, RedisError
 from rq.exceptions import NoSuchJobError
@@ -40,6 +40,7 @@ from rq.worker_registration import clean_worker_registry
 
 from datagen.control.jobs import JobStore
 from datagen.control.keys import Keys
+from datagen.control.lua import KEY, LuaScript, ScriptArgs
 from datagen.control.redistext import as_text, as_texts
 from datagen.states import PromptClass
 from workers.failures import failure_report, prompt_labels
@@ -62,15 +63,14 @@ STALL_SHARE_OF_TTL = 0.5
 # (one heartbeat writes both, the worker's first, microseconds apart).
 LATER_BEAT_S = 0.001
 
-# KEYS: a started registry. ARGV: a member, the cutoff (epoch seconds). Removes the member only if
-# its heartbeat is still lapsed at the cutoff: its score (the expiry) if removed, else false
-# (renewed, finished, or taken by another reaper).
-_CLAIM_LAPSED = """
-local score = redis.call('ZSCORE', KEYS[1], ARGV[1])
-if not score or tonumber(score) > tonumber(ARGV[2]) then return false end
-redis.call('ZREM', KEYS[1], ARGV[1])
-return score
-"""
+
+@dataclass(frozen=True)
+class ClaimLapsedArgs(ScriptArgs):
+    script = "claim_lapsed"
+    package = "workers"
+    started: str = field(metadata=KEY)
+    member: str
+    cutoff: float
 
 
 @dataclass
@@ -102,7 +102,7 @@ class Reaper:
         self.interval_s = interval_s
         self.heartbeat_ttl_s = heartbeat_ttl_s
         self.metrics = metrics
-        self._claim_lapsed = redis.register_script(_CLAIM_LAPSED)
+        self._claim_lapsed = LuaScript(redis, ClaimLapsedArgs)
         # Monotonic times: this reaper's last Redis round trip, and the end of a hold after a stall.
         self._last_round_trip = time.monotonic()
         self._hold_until = 0.0
@@ -165,7 +165,7 @@ class Reaper:
         registry = queue.started_job_registry
         cutoff = time.time()
         for member in as_texts(self.redis.zrangebyscore(registry.key, 0, cutoff)):
-            expiry = self._claim_lapsed(keys=[registry.key], args=[member, cutoff])
+            expiry = self._claim_lapsed(ClaimLapsedArgs(started=registry.key, member=member, cutoff=cutoff))
             if expiry is None:
                 continue  # beaten, finished meanwhile, or another reaper took it
             rq_id = member.split(":", 1)[0]
@@ -211,7 +211,7 @@ class Reaper:
                 fail_job(job, message, pipe, worker_name=self.owner)
                 if job_id is not None:
                     report = failure_report(rq_id, payload, reason=WORKER_LOST, message=message)
-                    self.jobs.count_failed(pipe, job_id, rq_id, report, **prompt_labels(payload))
+                    self.jobs.outcomes.count_failed(pipe, job_id, rq_id, report, **prompt_labels(payload))
                 result.failed += 1
             else:
                 if charged:
@@ -222,7 +222,7 @@ class Reaper:
                 queue.push_job_id(rq_id, pipeline=pipe, at_front=True)
                 pipe.publish(self.keys.wake_channel(), self._class_of(queue))
                 if job_id is not None:
-                    self.jobs.handed_back(pipe, job_id, rq_id)
+                    self.jobs.outcomes.handed_back(pipe, job_id, rq_id)
                 result.requeued += 1
             pipe.execute()
         if not charged:
@@ -257,6 +257,6 @@ class Reaper:
             message = "abandoned by a dead worker and failed by RQ's registry cleanup (max_worker_losses)"
             with self.redis.pipeline() as pipe:
                 report = failure_report(rq_id, {}, reason=WORKER_LOST, message=message)
-                self.jobs.count_failed(pipe, job_id, rq_id, report, **prompt_labels({}))
+                self.jobs.outcomes.count_failed(pipe, job_id, rq_id, report, **prompt_labels({}))
                 pipe.execute()
             result.failed += 1

@@ -10,14 +10,14 @@ from typing import TypeVar, cast
 
 import redis
 
-__all__ = ["REDIS_RETRY_MAX_S", "REDIS_RETRY_MIN_S", "while_redis_down"]
+from datagen.backoff import Backoff
+from datagen.settings import OUTAGE_RETRY_FIRST_S, OUTAGE_RETRY_MAX_S
+
+__all__ = ["while_redis_down"]
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-
-REDIS_RETRY_MIN_S = 0.5
-REDIS_RETRY_MAX_S = 5.0
 
 
 async def while_redis_down(step: Callable[[], T], *, already_done: Callable[[], bool] | None = None) -> T:
@@ -25,7 +25,7 @@ async def while_redis_down(step: Callable[[], T], *, already_done: Callable[[], 
 
     ``already_done`` tells whether an earlier try went through although its reply was lost.
     """
-    delay_s = REDIS_RETRY_MIN_S
+    backoff = Backoff(OUTAGE_RETRY_FIRST_S, OUTAGE_RETRY_MAX_S)
     tried = False
     while True:
         try:
@@ -34,6 +34,6 @@ async def while_redis_down(step: Callable[[], T], *, already_done: Callable[[], 
             tried = True
             return step()
         except redis.RedisError as exc:
+            delay_s = backoff.next_s()
             log.warning("Redis unreachable, retrying in %.1f s: %s", delay_s, exc)
             await asyncio.sleep(delay_s)
-            delay_s = min(REDIS_RETRY_MAX_S, delay_s * 2)

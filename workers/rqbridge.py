@@ -4,7 +4,7 @@ RQ 2.x runs one job per worker process. We keep RQ's queues, registries and job 
 ``rq info`` and rq-dashboard stay true) from a subclass of ``BaseWorker`` that never calls
 ``work()``, one identity per queue. The common path is batched in our own scripts, which write
 what RQ's worker would: a claim starts up to N prompts at once (`datagen.control.dispatch`), and the
-prompts of a committed shard finish at once (`workers.acks`); one heartbeat per identity renews
+prompts of a committed shard finish at once (`workers.finish.Acks`); one heartbeat per identity renews
 all of its started-registry entries. The rare paths (failure, cancel, hand back) use RQ's own
 transitions. RQ's execution hashes are not written: a started-registry member is
 ``<rq id>:<execution id>`` as RQ's, and the execution id names the worker process.
@@ -15,7 +15,7 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Callable, Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from redis import Redis
@@ -29,6 +29,7 @@ from rq.worker_registration import clean_worker_registry
 
 from datagen.control.dispatch import Claimant, Dispatch
 from datagen.control.jobs import AckTarget
+from datagen.control.lua import KEY, LuaScript, ScriptArgs
 from datagen.states import PromptClass
 
 __all__ = ["InFlight", "QueueIdentity", "fail_job", "heartbeat_ttl_s", "payload_of"]
@@ -48,11 +49,11 @@ def heartbeat_ttl_s(heartbeat_interval_s: float) -> int:
     return int(heartbeat_interval_s * HEARTBEATS_PER_TTL) + HEARTBEAT_GRACE_S
 
 
-# KEYS: an RQ job hash. Deletes it only if it is a remnant (no ``data``: no enqueue ever saved it).
-_DROP_REMNANT = """
-if redis.call('HEXISTS', KEYS[1], 'data') == 0 then return redis.call('DEL', KEYS[1]) end
-return 0
-"""
+@dataclass(frozen=True)
+class DropRemnantArgs(ScriptArgs):
+    script = "drop_remnant"
+    package = "workers"
+    rq_job_key: str = field(metadata=KEY)
 
 
 @dataclass(eq=False)
@@ -90,7 +91,7 @@ class QueueIdentity(BaseWorker):
         self._shown_state: str | None = None
         # The wake channel and this queue's class, published when a prompt is handed back.
         self.wake_channel, self.cls_value = wake or ("", "")
-        self._drop_remnant = connection.register_script(_DROP_REMNANT)
+        self._drop_remnant = LuaScript(connection, DropRemnantArgs)
 
     @property
     def queue(self) -> Queue:
@@ -214,7 +215,7 @@ class QueueIdentity(BaseWorker):
         Its RQ job hash is gone, or belongs to a new job of the same id, and is left alone; but the
         claim wrote its start into the deleted one, so a hash with no ``data`` (a remnant) goes."""
         self.connection.zrem(item.queue.started_job_registry.key, item.member)
-        self._drop_remnant(keys=[item.job.key])
+        self._drop_remnant(DropRemnantArgs(rq_job_key=item.job.key))
         self.in_flight.discard(item)
 
     def hand_back(self, item: InFlight, hook: FinishHook | None) -> None:

@@ -41,6 +41,7 @@ from datagen.errors import (
     ServerError,
     ServerUnavailableError,
 )
+from datagen.settings import DEFAULT_CONNECT_TIMEOUT_S
 from datagen.states import FinishType
 from workers.sglang_replies import (
     ERROR_TEXT_MAX_CHARS,
@@ -55,7 +56,6 @@ from workers.sglang_replies import (
 )
 
 __all__ = [
-    "DEFAULT_CONNECT_TIMEOUT_S",
     "DEFAULT_CONTROL_TIMEOUT_S",
     "DEFAULT_POOL_TIMEOUT_S",
     "DEFAULT_READ_TIMEOUT_S",
@@ -69,7 +69,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_CONNECT_TIMEOUT_S = 10.0
 # A non-streaming /generate answers only when the whole generation is done; long outputs on a busy
 # server take many minutes.
 DEFAULT_READ_TIMEOUT_S = 1800.0

@@ -138,18 +138,6 @@ class Finish:
             "err_type": self.err_type,
         }
 
-    @property
-    def matched_or_length(self) -> str:
-        """One string column for storage: the stop token id or string, the length, or the abort message.
-
-        A token id and a stop string that looks like one print the same; store ``type`` beside it.
-        """
-        if self.type is FinishType.STOP:
-            return str(self.matched)
-        if self.type is FinishType.LENGTH:
-            return str(self.length)
-        return self.message or ""
-
 
 @dataclass(frozen=True)
 class GenerateResult:

@@ -18,13 +18,13 @@ Pure functions: `workers.conversation` runs them in threads and owns retries and
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Collection, Sequence
 from typing import Any
 
-from datagen.control.payload import PromptPayload
+from datagen.control.payload import Conversation, PromptPayload
 from datagen.prompts.tokenization import PromptRenderer
 from datagen.spec import JobSpec
-from datagen.states import PromptClass
 from workers.sglang_replies import ToolCall
 
 __all__ = ["assistant_turn", "dataset_call_names", "history", "history_text", "next_turn"]
@@ -39,9 +39,9 @@ def history_text(renderer: PromptRenderer, output_ids: Sequence[int], stop_ids: 
     return renderer.decode(output_ids[:end], skip_special_tokens=False)
 
 
-def dataset_call_names(conversation: dict[str, Any], turn: int) -> list[str]:
+def dataset_call_names(conversation: Conversation, turn: int) -> list[str]:
     """The function names the dataset's assistant message of ``turn`` calls, in order."""
-    messages, cut = conversation["messages"], conversation["cuts"][turn]
+    messages, cut = conversation.messages, conversation.cuts[turn]
     if cut >= len(messages):
         return []  # the open turn at the end: the dataset has no answer to compare with
     names = []
@@ -52,11 +52,11 @@ def dataset_call_names(conversation: dict[str, Any], turn: int) -> list[str]:
 
 
 def assistant_turn(
-    conversation: dict[str, Any], turn: int, normal_text: str, calls: Sequence[ToolCall]
+    conversation: Conversation, turn: int, normal_text: str, calls: Sequence[ToolCall]
 ) -> dict[str, Any]:
     """The model's turn as a message: its text, and its calls in the OpenAI shape; a call keeps the
     ``id`` of the dataset's call at its position, so the dataset's tool results still answer it."""
-    messages, cut = conversation["messages"], conversation["cuts"][turn]
+    messages, cut = conversation.messages, conversation.cuts[turn]
     dataset_calls = (messages[cut].get("tool_calls") or []) if cut < len(messages) else []
     tool_calls = []
     for index, call in enumerate(calls):
@@ -82,15 +82,14 @@ def next_turn(
     conversation = payload.conversation
     if conversation is None:
         return None
-    cuts: list[int] = conversation["cuts"]
+    cuts = conversation.cuts
     turn = payload.turn
     if turn + 1 >= len(cuts):
         return None
-    generated = [*conversation["generated"], regenerated]
-    messages = history(conversation["messages"], cuts, generated, turn + 1)
-    prompt_ids = renderer.render(messages, conversation.get("tools"))
-    row_class = conversation.get("class")
-    cls = PromptClass(row_class) if row_class else spec.classify(len(prompt_ids), None)
+    generated = [*conversation.generated, regenerated]
+    messages = history(conversation.messages, cuts, generated, turn + 1)
+    prompt_ids = renderer.render(messages, conversation.tools)
+    cls = conversation.row_class or spec.classify(len(prompt_ids), None)
     return PromptPayload(
         job=payload.job,
         sample_id=payload.sample_id,
@@ -100,7 +99,7 @@ def next_turn(
         prompt_ids=prompt_ids,
         max_new_tokens=spec.max_new_tokens(cls),
         partition=payload.partition,
-        conversation={**conversation, "generated": generated},
+        conversation=dataclasses.replace(conversation, generated=generated),
         incarnation=payload.incarnation,
     )
 

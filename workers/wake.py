@@ -33,9 +33,10 @@ import redis
 from redis import RedisError
 from redis.client import PubSub
 
+from datagen.backoff import Backoff
 from datagen.control.redistext import as_text
+from datagen.settings import OUTAGE_RETRY_FIRST_S, OUTAGE_RETRY_MAX_S
 from datagen.states import PromptClass
-from workers.redisretry import REDIS_RETRY_MAX_S, REDIS_RETRY_MIN_S
 
 __all__ = ["WAKE_COALESCE_S", "WAKE_FLOOD_MESSAGES", "Wakeups"]
 
@@ -44,7 +45,9 @@ log = logging.getLogger(__name__)
 # The subscription's read timeout: how often the listener checks that it should still run (a
 # worker's close waits for it).
 LISTEN_TIMEOUT_S = 0.25
-CONNECT_TIMEOUT_S = 10.0
+# The subscription's own Redis connection: its connect and socket timeouts, and the longest wait for
+# Redis to confirm an UNSUBSCRIBE (a Redis timeout, not an SGLang one).
+SUBSCRIPTION_TIMEOUT_S = 10.0
 # The wake-up window: a class whose wake-up found nothing is claimed for again on a wake-up at most
 # once per window (at most 2 wake-driven claims a second per class), however many messages arrive.
 # A new job's first prompts wait at most this long on a worker woken in vain just before (during a
@@ -95,21 +98,23 @@ class Wakeups:
 
     def _listen(self, loop: asyncio.AbstractEventLoop, stop: threading.Event) -> None:
         """Resubscribe after a Redis outage, and wake every loop then: a message may be lost."""
-        delay_s = REDIS_RETRY_MIN_S
+        backoff = Backoff(OUTAGE_RETRY_FIRST_S, OUTAGE_RETRY_MAX_S)
         while not stop.is_set():
             client = redis.Redis.from_url(
-                self.redis_url, socket_connect_timeout=CONNECT_TIMEOUT_S, socket_timeout=CONNECT_TIMEOUT_S
+                self.redis_url,
+                socket_connect_timeout=SUBSCRIPTION_TIMEOUT_S,
+                socket_timeout=SUBSCRIPTION_TIMEOUT_S,
             )
             pubsub = client.pubsub(ignore_subscribe_messages=True)
             pause_s = 0.0
             try:
                 pubsub.subscribe(self.channel)
                 self._call(loop, self.wake_all)
-                delay_s = REDIS_RETRY_MIN_S
+                backoff.reset()
                 self._read(loop, stop, pubsub)
             except (RedisError, OSError) as exc:
-                log.debug("wake-up channel lost (%s); resubscribing in %.1f s", exc, delay_s)
-                pause_s, delay_s = delay_s, min(REDIS_RETRY_MAX_S, delay_s * 2)
+                pause_s = backoff.next_s()
+                log.debug("wake-up channel lost (%s); resubscribing in %.1f s", exc, pause_s)
             finally:
                 with contextlib.suppress(Exception):
                     pubsub.close()
@@ -146,7 +151,7 @@ class Wakeups:
         before are read up to its confirmation and dropped (this window's wake-up covers them)."""
         log.debug("wake-up flood: not listening for %.2f s", WAKE_COALESCE_S)
         pubsub.unsubscribe(self.channel)
-        deadline = time.monotonic() + CONNECT_TIMEOUT_S
+        deadline = time.monotonic() + SUBSCRIPTION_TIMEOUT_S
         while pubsub.subscribed:
             if time.monotonic() > deadline:
                 raise redis.TimeoutError("no confirmation of UNSUBSCRIBE from the wake-up channel")

@@ -37,15 +37,16 @@ from datagen.prompts.tokenization import preload_libraries
 from datagen.records.storage import Storage
 from datagen.settings import DEFAULT_METRICS_PORT, WorkerSettings
 from datagen.states import PromptClass
-from workers.acks import Acks
 from workers.admission import Admission, Slots
 from workers.backup import Backups
-from workers.control import FleetSync, HealthProbe, KvControl
 from workers.conversation import Conversations
-from workers.finish import Finisher
+from workers.finish import Acks, Finisher
 from workers.fleet import Fleet, Server, ServerSpec
+from workers.fleet_sync import FleetSync
 from workers.generate import Generator
+from workers.health import HealthProbe
 from workers.jobinfo import JobInfos
+from workers.kv_control import KvControl
 from workers.metrics import WorkerMetrics
 from workers.prompt import PromptRunner
 from workers.reaper import Reaper

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 
 import redis
 
+from datagen.backoff import Backoff
 from datagen.control.jobs import now_ms
 from datagen.errors import JobNotFoundError, StorageError
 from datagen.records.schema import Record, records_to_table
@@ -111,9 +112,9 @@ class RecordWriter:
         self._wake = asyncio.Event()
         self._seq = 0
         self._task: asyncio.Task[None] | None = None
-        # Per job: commits failed in a row, and when its next try is due (backoff per job, so a
+        # Per job: the backoff of its failed commits, and when its next try is due (per job, so a
         # job whose storage fails never slows the commits of the others).
-        self._failures: dict[str, int] = {}
+        self._backoffs: dict[str, Backoff] = {}
         self._retry_at: dict[str, float] = {}
         self.on_storage_error = on_storage_error
         self._failing: set[str] = set()
@@ -269,15 +270,15 @@ class RecordWriter:
             log.exception("commit of job %s crashed", job_id)
             error = f"commit crashed: {exc!r}"
         else:
-            self._failures.pop(job_id, None)
+            self._backoffs.pop(job_id, None)
             self._retry_at.pop(job_id, None)
             return None
         finally:
             if self._pending.get(key):
                 self._since.setdefault(key, time.monotonic())
         self.metrics.commit_errors.inc()
-        failures = self._failures[job_id] = self._failures.get(job_id, 0) + 1
-        backoff_s = min(COMMIT_RETRY_MAX_S, self.commit_interval_s * 2**failures)
+        first_s = min(COMMIT_RETRY_MAX_S, self.commit_interval_s * 2)
+        backoff_s = self._backoffs.setdefault(job_id, Backoff(first_s, COMMIT_RETRY_MAX_S)).next_s()
         self._retry_at[job_id] = time.monotonic() + backoff_s
         self._errors[job_id] = error
         return error

@@ -21,6 +21,7 @@ from rich.text import Text
 from datagen.cli._app import EXIT_CHECK_FAILED, app, console
 from datagen.errors import ConfigError, CorruptShardError
 from datagen.settings import CommonSettings, load
+from datagen.states import ExportFormat
 
 if TYPE_CHECKING:
     from datagen.records.storage import Storage
@@ -62,8 +63,8 @@ def export(
     job_id: Annotated[str, typer.Argument(help="job id")],
     out: Annotated[Path, typer.Option(help="output file; a directory for parquet and with --shard-size")],
     format: Annotated[
-        str, typer.Option("--format", help="specforge, speculators, conversations or parquet")
-    ] = "specforge",
+        ExportFormat, typer.Option("--format", help="the output format")
+    ] = ExportFormat.SPECFORGE,
     storage: Annotated[str | None, typer.Option(help="DATAGEN_STORAGE")] = None,
     drop_truncated: Annotated[
         bool | None,
@@ -101,13 +102,9 @@ def export(
     Prints a one-line JSON summary on stdout: rows written, duplicates, rows dropped by reason,
     shards skipped. Exit 0; 1 when --skip-unreadable left a shard out; 3 on an error.
     """
-    from datagen.export import ExportFormat, ExportOptions, export_job, total_records
+    from datagen.export import ExportOptions, export_job, total_records
 
-    try:
-        fmt = ExportFormat(format)
-    except ValueError as exc:
-        choices = ", ".join(f.value for f in ExportFormat)
-        raise ConfigError(f"unknown export format {format!r}; available: {choices}") from exc
+    fmt = format
     options = ExportOptions(
         drop_truncated=drop_truncated,
         min_supervised_tokens=min_supervised_tokens,

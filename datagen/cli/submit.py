@@ -12,6 +12,7 @@ from datagen.cli._app import app, console
 from datagen.cli.progress import EXIT_ALL_DONE, EXIT_SOME_FAILED, wait_for_job
 from datagen.errors import ConfigError
 from datagen.settings import ClientSettings, load
+from datagen.states import Priority
 
 
 def _spec_from_options(
@@ -72,9 +73,7 @@ def submit(
     temperature: Annotated[float | None, typer.Option()] = None,
     top_p: Annotated[float | None, typer.Option()] = None,
     seed: Annotated[int | None, typer.Option(help="sampling_seed sent to SGLang")] = None,
-    priority: Annotated[
-        str | None, typer.Option(help="high, normal or low: higher work is always dispatched first")
-    ] = None,
+    priority: Annotated[Priority | None, typer.Option(help="higher work is always dispatched first")] = None,
     weight: Annotated[
         float | None, typer.Option(help="share of the fleet among jobs of the same priority (default 1)")
     ] = None,

@@ -16,8 +16,9 @@ list whose job is paused (a dead worker's, reaped during the pause) is moved to 
 job's backlog rather than run.
 
 A job that joins (or comes back after its backlog ran dry, or is resumed) starts at the lowest
-virtual time of its set (`datagen.control._dispatch_scripts.REJOIN`), so it gets its share from then on
-without a catch-up burst.
+virtual time of its set (``rejoin`` in ``datagen/control/lua/lib.lua``), so it gets its share from then
+on without a catch-up burst. The scripts are in ``datagen/control/lua/``: ``claim_many``,
+``backlog_add``, ``backlog_drop``, ``pause`` and ``resume``.
 
 The scripts derive per-job keys from the prefixes in :mod:`datagen.control.keys` (no Redis Cluster).
 """
@@ -26,7 +27,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Collection, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, cast
 
@@ -36,10 +37,10 @@ from rq.job import Job
 from rq.utils import now as rq_now
 from rq.utils import utcformat
 
-from datagen.control._dispatch_scripts import CLAIM_MANY, PAUSE, REJOIN, RESUME
 from datagen.control.epoch import EpochWatch
-from datagen.control.jobs import LUA_COUNT_CANCELLED_QUEUED
+from datagen.control.jobs import JobStore
 from datagen.control.keys import Keys
+from datagen.control.lua import KEY, LuaScript, ScriptArgs
 from datagen.control.redistext import as_text, as_texts
 from datagen.states import JobState, Priority, PromptClass
 
@@ -56,48 +57,80 @@ MAX_CLAIM = 256
 PUSH_SLICE = 1000
 RQ_JOB_PREFIX = Job.redis_job_namespace_prefix
 
-# KEYS: job hash, backlog, the job's set for this class and priority, the job's breakdown, the wake
-# channel (idle workers learn of the prompts at once, `workers.wake`), the paused jobs. ARGV:
-# job id, slice size, class, the cancelled state, RQ ids... A cancelled job takes no more prompts:
-# they are counted cancelled instead (a worker may enqueue a multi-turn conversation's next turn as
-# the cancel lands); a deleted job takes none and counts nothing (its keys must not come back).
-_ADD = (
-    LUA_COUNT_CANCELLED_QUEUED
-    + REJOIN
-    + """
-local n = #ARGV - 4
-if n <= 0 then return 0 end
-local state = redis.call('HGET', KEYS[1], 'state')
-if not state then return 0 end
-if state == ARGV[4] then
-  count_cancelled_queued(KEYS[1], KEYS[4], ARGV[3], n)
-  return 0
-end
-local slice = tonumber(ARGV[2])
-for i = 5, #ARGV, slice do
-  redis.call('RPUSH', KEYS[2], unpack(ARGV, i, math.min(i + slice - 1, #ARGV)))
-end
-rejoin(KEYS[3], KEYS[6], ARGV[1])
-redis.call('PUBLISH', KEYS[5], ARGV[3])
-return n
-"""
-)
-
-# KEYS: backlog, job hash, the job's breakdown. ARGV: RQ job key prefix, how many, class. Drops up
-# to that many undispatched prompts of a cancelled job (their RQ job hashes too) and counts them
-# cancelled.
-_DROP = (
-    LUA_COUNT_CANCELLED_QUEUED
-    + """
-local ids = redis.call('LPOP', KEYS[1], tonumber(ARGV[2]))
-if not ids then return 0 end
-for _, id in ipairs(ids) do redis.call('UNLINK', ARGV[1] .. id) end
-count_cancelled_queued(KEYS[2], KEYS[3], ARGV[3], #ids)
-return #ids
-"""
-)
-
+# Undispatched prompts of a cancelled job dropped per script call.
 DROP_CHUNK = 1000
+
+
+# The scripts' arguments: named and ordered as the signature of datagen/control/lua/<script>.lua.
+@dataclass(frozen=True)
+class ClaimManyArgs(ScriptArgs):
+    script = "claim_many"
+    queue: str = field(metadata=KEY)
+    paused: str = field(metadata=KEY)
+    high: str = field(metadata=KEY)
+    normal: str = field(metadata=KEY)
+    low: str = field(metadata=KEY)
+    window: str = field(metadata=KEY)
+    started: str = field(metadata=KEY)
+    epoch: str = field(metadata=KEY)
+    job_prefix: str
+    backlog_suffix: str
+    window_ttl_s: int
+    rq_list_scan: int
+    rq_id_prefix: str
+    rq_job_prefix: str
+    want: int
+    heartbeat_expiry: float
+    now_rq: str
+    worker_name: str
+    execution_id: str
+    running_suffix: str
+    epoch_floor: int
+    skip: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class BacklogAddArgs(ScriptArgs):
+    script = "backlog_add"
+    job_key: str = field(metadata=KEY)
+    backlog: str = field(metadata=KEY)
+    dispatch_set: str = field(metadata=KEY)
+    breakdown: str = field(metadata=KEY)
+    wake: str = field(metadata=KEY)
+    paused: str = field(metadata=KEY)
+    job_id: str
+    slice: int
+    cls: str
+    cancelled_state: str
+    rq_ids: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class BacklogDropArgs(ScriptArgs):
+    script = "backlog_drop"
+    backlog: str = field(metadata=KEY)
+    job_key: str = field(metadata=KEY)
+    breakdown: str = field(metadata=KEY)
+    rq_job_prefix: str
+    count: int
+    cls: str
+
+
+@dataclass(frozen=True)
+class PauseArgs(ScriptArgs):
+    script = "pause"
+    paused: str = field(metadata=KEY)
+    sets: tuple[str, ...] = field(metadata=KEY)
+    job_id: str
+
+
+@dataclass(frozen=True)
+class ResumeArgs(ScriptArgs):
+    script = "resume"
+    paused: str = field(metadata=KEY)
+    # Per class: the job's backlog of the class, the dispatch set of the class at its priority.
+    classes: tuple[tuple[str, str], ...] = field(metadata=KEY)
+    job_id: str
 
 
 @dataclass(frozen=True)
@@ -147,50 +180,51 @@ class Dispatch:
     def __init__(self, redis: Redis, keys: Keys, *, epoch: EpochWatch | None = None) -> None:
         self.redis = redis
         self.keys = keys
+        # The job hash's fields are JobStore's: dispatch asks it for priorities and weights.
+        self.jobs = JobStore(redis, keys)
         # A worker's view of Redis's epoch: claims hand out nothing while Redis is older than it.
         self.epoch = epoch
-        self._claim = redis.register_script(CLAIM_MANY)
-        self._add = redis.register_script(_ADD)
-        self._drop = redis.register_script(_DROP)
-        self._pause = redis.register_script(PAUSE)
-        self._resume = redis.register_script(RESUME)
+        self._claim = LuaScript(redis, ClaimManyArgs)
+        self._add = LuaScript(redis, BacklogAddArgs)
+        self._drop = LuaScript(redis, BacklogDropArgs)
+        self._pause = LuaScript(redis, PauseArgs)
+        self._resume = LuaScript(redis, ResumeArgs)
 
     # Workers -------------------------------------------------------------------------------------
     def claim_many(
         self, cls: PromptClass, n: int, claimant: Claimant, *, skip: Collection[str] = ()
     ) -> list[Claimed]:
-        """Start up to ``n`` prompts of ``cls`` for ``claimant`` (see `datagen.control._dispatch_scripts`):
+        """Start up to ``n`` prompts of ``cls`` for ``claimant`` (``datagen/control/lua/claim_many.lua``):
         each is in RQ's started registry and its job's running set when this returns. Jobs in
         ``skip`` are passed over as paused ones are (this worker cannot take more of them now)."""
         keys = self.keys
         bucket = int(time.time() // WINDOW_BUCKET_S)
         now = rq_now()
-        replies = self._claim(
-            keys=[
-                claimant.queue_key,
-                keys.paused_jobs(),
-                *(keys.dispatch_jobs(cls, p) for p in Priority),
-                keys.dispatch_window(bucket),
-                claimant.started_key,
-                keys.epoch(),
-            ],
-            args=[
-                keys.job_key_prefix(),
-                keys.backlog_suffix(cls),
-                SHARE_WINDOW_S + WINDOW_BUCKET_S,
-                RQ_LIST_SCAN,
-                keys.rq_id_prefix(),
-                RQ_JOB_PREFIX,
-                max(0, min(n, MAX_CLAIM)),
-                now.timestamp() + claimant.ttl_s,
-                utcformat(now),
-                claimant.worker_name,
-                claimant.execution_id,
-                keys.running_suffix(),
-                self.epoch.floor if self.epoch is not None else 0,
-                *sorted(skip),
-            ],
+        args = ClaimManyArgs(
+            queue=claimant.queue_key,
+            paused=keys.paused_jobs(),
+            high=keys.dispatch_jobs(cls, Priority.HIGH),
+            normal=keys.dispatch_jobs(cls, Priority.NORMAL),
+            low=keys.dispatch_jobs(cls, Priority.LOW),
+            window=keys.dispatch_window(bucket),
+            started=claimant.started_key,
+            epoch=keys.epoch(),
+            job_prefix=keys.job_key_prefix(),
+            backlog_suffix=keys.backlog_suffix(cls),
+            window_ttl_s=SHARE_WINDOW_S + WINDOW_BUCKET_S,
+            rq_list_scan=RQ_LIST_SCAN,
+            rq_id_prefix=keys.rq_id_prefix(),
+            rq_job_prefix=RQ_JOB_PREFIX,
+            want=max(0, min(n, MAX_CLAIM)),
+            heartbeat_expiry=now.timestamp() + claimant.ttl_s,
+            now_rq=utcformat(now),
+            worker_name=claimant.worker_name,
+            execution_id=claimant.execution_id,
+            running_suffix=keys.running_suffix(),
+            epoch_floor=self.epoch.floor if self.epoch is not None else 0,
+            skip=tuple(sorted(skip)),
         )
+        replies = self._claim(args)
         claimed = []
         for rq_id, flat in cast(list[list[Any]], replies):
             fields = dict(zip(flat[::2], flat[1::2], strict=True))
@@ -204,31 +238,35 @@ class Dispatch:
         """Append prompts to the job's backlog inside the caller's transaction."""
         if not rq_ids:
             return
-        keys = [
-            self.keys.job(job_id),
-            self.keys.job_backlog(job_id, cls),
-            self.keys.dispatch_jobs(cls, priority),
-            self.keys.job_breakdown(job_id),
-            self.keys.wake_channel(),
-            self.keys.paused_jobs(),
-        ]
-        args = [job_id, PUSH_SLICE, cls.value, JobState.CANCELLED.value, *rq_ids]
-        self._add(keys=keys, args=args, client=pipe)
+        args = BacklogAddArgs(
+            job_key=self.keys.job(job_id),
+            backlog=self.keys.job_backlog(job_id, cls),
+            dispatch_set=self.keys.dispatch_jobs(cls, priority),
+            breakdown=self.keys.job_breakdown(job_id),
+            wake=self.keys.wake_channel(),
+            paused=self.keys.paused_jobs(),
+            job_id=job_id,
+            slice=PUSH_SLICE,
+            cls=cls.value,
+            cancelled_state=JobState.CANCELLED.value,
+            rq_ids=tuple(rq_ids),
+        )
+        self._add(args, client=pipe)
 
     # Operator controls ---------------------------------------------------------------------------
     def pause(self, job_id: str) -> None:
         """The job leaves every dispatch set: claims pass over it at no cost until it resumes."""
-        sets = [self.keys.dispatch_jobs(cls, p) for cls in PromptClass for p in Priority]
-        self._pause(keys=[self.keys.paused_jobs(), *sets], args=[job_id])
+        sets = tuple(self.keys.dispatch_jobs(cls, p) for cls in PromptClass for p in Priority)
+        self._pause(PauseArgs(paused=self.keys.paused_jobs(), sets=sets, job_id=job_id))
 
     def resume(self, job_id: str) -> None:
         """Unpause; the job rejoins at the lowest virtual time of the jobs beside it."""
-        raw = self.redis.hget(self.keys.job(job_id), "priority")
-        priority = Priority(as_text(raw)) if raw else Priority.NORMAL
-        keys = [self.keys.paused_jobs()]
-        for cls in PromptClass:
-            keys += [self.keys.job_backlog(job_id, cls), self.keys.dispatch_jobs(cls, priority)]
-        self._resume(keys=keys, args=[job_id])
+        priority = self.jobs.priority(job_id)
+        classes = tuple(
+            (self.keys.job_backlog(job_id, cls), self.keys.dispatch_jobs(cls, priority))
+            for cls in PromptClass
+        )
+        self._resume(ResumeArgs(paused=self.keys.paused_jobs(), classes=classes, job_id=job_id))
         self.wake()
 
     def wake(self, cls: PromptClass | None = None) -> None:
@@ -248,16 +286,15 @@ class Dispatch:
             pipe.execute()
         dropped = 0
         for cls in PromptClass:
-            while n := int(
-                self._drop(
-                    keys=[
-                        self.keys.job_backlog(job_id, cls),
-                        self.keys.job(job_id),
-                        self.keys.job_breakdown(job_id),
-                    ],
-                    args=[RQ_JOB_PREFIX, DROP_CHUNK, cls.value],
-                )
-            ):
+            args = BacklogDropArgs(
+                backlog=self.keys.job_backlog(job_id, cls),
+                job_key=self.keys.job(job_id),
+                breakdown=self.keys.job_breakdown(job_id),
+                rq_job_prefix=RQ_JOB_PREFIX,
+                count=DROP_CHUNK,
+                cls=cls.value,
+            )
+            while n := int(self._drop(args)):
                 dropped += n
         return dropped
 
@@ -308,11 +345,9 @@ class Dispatch:
         jobs = set(ranks) | set(recent)
         if not jobs:
             return {}
-        with self.redis.pipeline(transaction=False) as pipe:
-            for job in sorted(jobs):
-                pipe.hmget(self.keys.job(job), ["weight", "priority", "dispatched"])
-            rows = dict(zip(sorted(jobs), pipe.execute(), strict=True))
-        weights = {job: _float(rows[job][0], 1.0) for job in jobs}
+        ordered = sorted(jobs)
+        facts = dict(zip(ordered, self.jobs.dispatch_facts(ordered), strict=True))
+        weights = {job: facts[job].weight for job in jobs}
         active = {job for job in ranks if job not in paused}
         top = min((ranks[job].rank for job in active), default=None)
         entitled = [job for job in active if ranks[job].rank == top]
@@ -322,12 +357,12 @@ class Dispatch:
         for job in jobs:
             weight = weights[job]
             out[job] = JobShare(
-                priority=as_text(rows[job][1]) if rows[job][1] else Priority.NORMAL.value,
+                priority=facts[job].priority.value,
                 weight=weight,
                 active=job in active,
                 target=weight / total_weight if job in entitled and total_weight else 0.0,
                 recent=recent.get(job, 0) / total_recent if total_recent else 0.0,
-                dispatched=int(rows[job][2] or 0),
+                dispatched=facts[job].dispatched,
             )
         return out
 
@@ -340,19 +375,16 @@ class Dispatch:
     def _paused_ranks(self, paused: set[str]) -> dict[str, Priority]:
         """The priority of each paused job with prompts left (paused jobs are in no dispatch set)."""
         jobs = sorted(paused)
+        if not jobs:
+            return {}
         with self.redis.pipeline(transaction=False) as pipe:
             for job in jobs:
-                pipe.hget(self.keys.job(job), "priority")
                 for cls in PromptClass:
                     pipe.llen(self.keys.job_backlog(job, cls))
-            replies = pipe.execute()
-        step = 1 + len(PromptClass)
-        ranks = {}
-        for i, job in enumerate(jobs):
-            raw, *lengths = replies[i * step : (i + 1) * step]
-            if any(lengths):
-                ranks[job] = Priority(as_text(raw)) if raw else Priority.NORMAL
-        return ranks
+            lengths = pipe.execute()
+        step = len(PromptClass)
+        left = [job for i, job in enumerate(jobs) if any(lengths[i * step : (i + 1) * step])]
+        return dict(zip(left, self.jobs.priorities(left), strict=True))
 
     def _recent(self) -> dict[str, int]:
         now_bucket = int(time.time() // WINDOW_BUCKET_S)
@@ -365,10 +397,3 @@ class Dispatch:
                 for job, n in cast(dict[bytes, bytes], raw).items():
                     counts[as_text(job)] = counts.get(as_text(job), 0) + int(n)
         return counts
-
-
-def _float(raw: bytes | None, default: float) -> float:
-    try:
-        return float(raw) if raw is not None else default
-    except ValueError:
-        return default

@@ -1,26 +1,27 @@
 """How prompts end, as `datagen.control.jobs.JobStore` records it: a worker counts a committed shard's
 prompts done in one script with their RQ bookkeeping (`ack_done`), and a prompt failed or cancelled
 inside that prompt's RQ transaction (the count script); either way a prompt finished twice counts
-once and a prompt of another incarnation of the job is not counted. A retry puts failed prompts
-back, one retry per job at a time and each prompt at most once. Part of `JobStore` (its base
-class), kept apart only for size: the job's keys and scripts are JobStore's."""
+once and a prompt of another incarnation of the job is not counted (the counting rules are written
+once, in ``datagen/control/lua/lib.lua``). A retry puts failed prompts back, one retry per job at a
+time and each prompt at most once. Part of `JobStore` (its base class), kept apart only for size:
+the job's keys and scripts are JobStore's; the scripts' arguments are here."""
 
 from __future__ import annotations
 
 import json
 import secrets
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from redis import Redis
 from redis.client import Pipeline
-from redis.commands.core import Script
 from rq.job import Job
 from rq.utils import now as rq_now
 from rq.utils import utcformat
 
 from datagen.control.keys import Keys
+from datagen.control.lua import KEY, LuaScript, ScriptArgs
 from datagen.control.progress import now_ms
 from datagen.control.redistext import as_texts
 from datagen.errors import JobStateError
@@ -31,7 +32,6 @@ __all__ = ["COUNT_STATES", "FAILED_REPORTS_CAP", "AckItem", "AckTarget", "JobOut
 FAILED_REPORTS_CAP = 10_000
 # The states the count script moves a job between (it completes a running job).
 COUNT_STATES = (JobState.RUNNING.value, JobState.COMPLETED.value)
-UNKNOWN_PARTITION = "unknown"
 # How long a retry may hold the job's retry lock; a crashed coordinator's lock expires by itself.
 RETRY_LOCK_TTL_MS = 120_000
 # RQ ids per call of the report-forgetting script (Lua's stack limits ARGV).
@@ -74,16 +74,104 @@ class AckTarget:
     execution_id: str
 
 
-class JobOutcomes:
-    """JobStore's counting and retrying half (see the module docstring)."""
+# The scripts' arguments: named and ordered as the signature of datagen/control/lua/<script>.lua.
+@dataclass(frozen=True)
+class CountAndMaybeCompleteArgs(ScriptArgs):
+    script = "count_and_maybe_complete"
+    job_key: str = field(metadata=KEY)
+    running: str = field(metadata=KEY)
+    reports: str = field(metadata=KEY)
+    breakdown: str = field(metadata=KEY)
+    partitions: str = field(metadata=KEY)
+    counter: str
+    increment: int
+    output_tokens: int
+    now_ms: int
+    rq_id: str
+    report: str
+    report_cap: int
+    partition: str
+    cls: str
+    finish: str
+    incarnation: str
+    running_state: str
+    completed_state: str
 
-    redis: Redis
-    keys: Keys
-    _count_script: Script
-    _requeue: Script
-    _release: Script
-    _forget: Script
-    _ack: Script
+
+@dataclass(frozen=True)
+class AckDoneArgs(ScriptArgs):
+    script = "ack_done"
+    started: str = field(metadata=KEY)
+    finished: str = field(metadata=KEY)
+    rq_job_prefix: str
+    job_prefix: str
+    running_suffix: str
+    breakdown_suffix: str
+    partitions_suffix: str
+    now_ms: int
+    now_rq: str
+    now_s: float
+    execution_id: str
+    running_state: str
+    completed_state: str
+    # Per prompt: RQ id, job id, incarnation, output tokens, partition, class, finish, result TTL.
+    prompts: tuple[tuple[str | int, ...], ...]
+
+
+@dataclass(frozen=True)
+class RequeueFailedArgs(ScriptArgs):
+    script = "requeue_failed"
+    job_key: str = field(metadata=KEY)
+    breakdown: str = field(metadata=KEY)
+    registry: str = field(metadata=KEY)
+    backlog: str = field(metadata=KEY)
+    dispatch_set: str = field(metadata=KEY)
+    paused: str = field(metadata=KEY)
+    rq_job_prefix: str
+    job_id: str
+    completed_state: str
+    cancelled_state: str
+    running_state: str
+    # Per prompt: RQ id, new RQ meta, retries left ("" to keep), breakdown suffix.
+    prompts: tuple[tuple[str | bytes, ...], ...]
+
+
+@dataclass(frozen=True)
+class ForgetReportsArgs(ScriptArgs):
+    script = "forget_reports"
+    reports: str = field(metadata=KEY)
+    rq_ids: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class ReleaseArgs(ScriptArgs):
+    script = "release"
+    lock: str = field(metadata=KEY)
+    token: str
+
+
+@dataclass(frozen=True)
+class CountCancelledQueuedArgs(ScriptArgs):
+    script = "count_cancelled_queued"
+    job_key: str = field(metadata=KEY)
+    breakdown: str = field(metadata=KEY)
+    cls: str
+    n: int
+
+
+class JobOutcomes:
+    """How a job's prompts end (`JobStore.outcomes`): started and handed back, counted done with
+    their shard, failed or cancelled, and failed ones retried (see the module docstring)."""
+
+    def __init__(self, redis: Redis, keys: Keys) -> None:
+        self.redis = redis
+        self.keys = keys
+        self._count_script = LuaScript(redis, CountAndMaybeCompleteArgs)
+        self._requeue = LuaScript(redis, RequeueFailedArgs)
+        self._release = LuaScript(redis, ReleaseArgs)
+        self._forget = LuaScript(redis, ForgetReportsArgs)
+        self._ack = LuaScript(redis, AckDoneArgs)
+        self._count_cancelled_queued = LuaScript(redis, CountCancelledQueuedArgs)
 
     # Workers ------------------------------------------------------------------------------------
     # A set of RQ ids rather than a counter: a prompt that is handed back or reaped and then
@@ -94,50 +182,82 @@ class JobOutcomes:
     def handed_back(self, pipe: Pipeline, job_id: str, rq_id: str) -> None:
         pipe.srem(self.keys.job_running(job_id), rq_id)
 
-    def _count_keys(self, job_id: str) -> list[str]:
+    def count(
+        self,
+        pipe: Pipeline,
+        job_id: str,
+        counter: str,
+        *,
+        increment: int = 1,
+        rq_id: str = "",
+        report: str = "",
+        partition: str = "",
+        cls: str = "",
+        incarnation: str = "",
+    ) -> None:
+        """The count script (`CountAndMaybeCompleteArgs`) inside ``pipe``."""
         k = self.keys
-        return [
-            k.job(job_id),
-            k.job_running(job_id),
-            k.job_failed(job_id),
-            k.job_breakdown(job_id),
-            k.job_partitions(job_id),
-        ]
+        args = CountAndMaybeCompleteArgs(
+            job_key=k.job(job_id),
+            running=k.job_running(job_id),
+            reports=k.job_failed(job_id),
+            breakdown=k.job_breakdown(job_id),
+            partitions=k.job_partitions(job_id),
+            counter=counter,
+            increment=increment,
+            output_tokens=0,
+            now_ms=now_ms(),
+            rq_id=rq_id,
+            report=report,
+            report_cap=FAILED_REPORTS_CAP,
+            partition=partition,
+            cls=cls,
+            finish="",
+            incarnation=incarnation,
+            running_state=JobState.RUNNING.value,
+            completed_state=JobState.COMPLETED.value,
+        )
+        self._count_script(args, client=pipe)
 
     def ack_done(
         self, target: AckTarget, items: Sequence[AckItem], *, client: Redis | Pipeline | None = None
     ) -> int:
         """Finish committed prompts in RQ and count them done in their jobs, in one script
-        (`datagen.control._ack_script`); returns how many counted (0 inside a pipeline). Safe to repeat:
-        a prompt already counted is not counted again."""
+        (``datagen/control/lua/ack_done.lua``); returns how many counted (0 inside a pipeline). Safe
+        to repeat: a prompt already counted is not counted again."""
         if not items:
             return 0
         keys = self.keys
         at = rq_now()
-        args: list[str | int | float] = [
-            RQ_JOB_KEY_PREFIX,
-            keys.job_key_prefix(),
-            keys.running_suffix(),
-            keys.breakdown_suffix(),
-            keys.partitions_suffix(),
-            now_ms(),
-            utcformat(at),
-            at.timestamp(),
-            target.execution_id,
-            *COUNT_STATES,
-        ]
-        for item in items:
-            args += [
-                item.rq_id,
-                item.job_id,
-                item.incarnation,
-                item.output_tokens,
-                item.partition,
-                item.cls,
-                item.finish,
-                item.result_ttl_s,
-            ]
-        counted = self._ack(keys=[target.started_key, target.finished_key], args=args, client=client)
+        args = AckDoneArgs(
+            started=target.started_key,
+            finished=target.finished_key,
+            rq_job_prefix=RQ_JOB_KEY_PREFIX,
+            job_prefix=keys.job_key_prefix(),
+            running_suffix=keys.running_suffix(),
+            breakdown_suffix=keys.breakdown_suffix(),
+            partitions_suffix=keys.partitions_suffix(),
+            now_ms=now_ms(),
+            now_rq=utcformat(at),
+            now_s=at.timestamp(),
+            execution_id=target.execution_id,
+            running_state=JobState.RUNNING.value,
+            completed_state=JobState.COMPLETED.value,
+            prompts=tuple(
+                (
+                    item.rq_id,
+                    item.job_id,
+                    item.incarnation,
+                    item.output_tokens,
+                    item.partition,
+                    item.cls,
+                    item.finish,
+                    item.result_ttl_s,
+                )
+                for item in items
+            ),
+        )
+        counted = self._ack(args, client=client)
         return counted if isinstance(counted, int) else 0
 
     def count_failed(
@@ -152,32 +272,32 @@ class JobOutcomes:
         incarnation: str = "",
     ) -> None:
         report_json = json.dumps(report, sort_keys=True)
-        args: list[str | int] = [
+        self.count(
+            pipe,
+            job_id,
             "failed",
-            1,
-            0,
-            now_ms(),
-            rq_id,
-            report_json,
-            FAILED_REPORTS_CAP,
-            partition,
-            cls,
-            "",
-            incarnation,
-        ]
-        self._count_script(keys=self._count_keys(job_id), args=[*args, *COUNT_STATES], client=pipe)
+            rq_id=rq_id,
+            report=report_json,
+            partition=partition,
+            cls=cls,
+            incarnation=incarnation,
+        )
 
     def count_cancelled_queued(self, pipe: Pipeline, job_id: str, cls: PromptClass, n: int) -> None:
-        """Prompts of a cancelled job dropped before they ran (see scripts.COUNT_CANCELLED_QUEUED)."""
-        pipe.hincrby(self.keys.job(job_id), "cancelled", n)
-        pipe.hincrby(self.keys.job_breakdown(job_id), f"cancelled|{UNKNOWN_PARTITION}|{cls.value}", n)
+        """Prompts of a cancelled job dropped before they ran, by the rule the dispatch scripts
+        count them with (``count_cancelled_queued`` in ``datagen/control/lua/lib.lua``)."""
+        args = CountCancelledQueuedArgs(
+            job_key=self.keys.job(job_id), breakdown=self.keys.job_breakdown(job_id), cls=cls.value, n=n
+        )
+        self._count_cancelled_queued(args, client=pipe)
 
     def count_cancelled(
         self, pipe: Pipeline, job_id: str, rq_id: str, *, partition: str, cls: str, incarnation: str = ""
     ) -> None:
         """An in-flight prompt of a cancelled job that a worker aborted."""
-        args: list[str | int] = ["cancelled", 1, 0, now_ms(), rq_id, "", 0, partition, cls, "", incarnation]
-        self._count_script(keys=self._count_keys(job_id), args=[*args, *COUNT_STATES], client=pipe)
+        self.count(
+            pipe, job_id, "cancelled", rq_id=rq_id, partition=partition, cls=cls, incarnation=incarnation
+        )
 
     # Retry ---------------------------------------------------------------------------------------
     def acquire_retry(self, job_id: str) -> str:
@@ -190,7 +310,7 @@ class JobOutcomes:
         return token
 
     def release_retry(self, job_id: str, token: str) -> None:
-        self._release(keys=[self.keys.job_retry_lock(job_id)], args=[token])
+        self._release(ReleaseArgs(lock=self.keys.job_retry_lock(job_id), token=token))
 
     def requeue_failed(
         self,
@@ -205,25 +325,29 @@ class JobOutcomes:
         """Move failed prompts of one class back to the job's backlog, atomically: each prompt only
         if it is still in the failed registry (so concurrent retries cannot run it twice), none if
         the job was cancelled or deleted. Returns the ids that moved; a refused job raises."""
-        args: list[str | int | bytes] = [
-            rq_job_prefix,
-            job_id,
-            JobState.COMPLETED.value,
-            JobState.CANCELLED.value,
-            JobState.RUNNING.value,
-        ]
-        for item in items:
-            retries = "" if item.retries_left is None else str(item.retries_left)
-            args += [item.rq_id, item.meta, retries, f"|{item.label}|{item.cls}"]
-        keys = [
-            self.keys.job(job_id),
-            self.keys.job_breakdown(job_id),
-            registry_key,
-            backlog_key,
-            dispatch_key,
-            self.keys.paused_jobs(),
-        ]
-        moved = self._requeue(keys=keys, args=args)
+        args = RequeueFailedArgs(
+            job_key=self.keys.job(job_id),
+            breakdown=self.keys.job_breakdown(job_id),
+            registry=registry_key,
+            backlog=backlog_key,
+            dispatch_set=dispatch_key,
+            paused=self.keys.paused_jobs(),
+            rq_job_prefix=rq_job_prefix,
+            job_id=job_id,
+            completed_state=JobState.COMPLETED.value,
+            cancelled_state=JobState.CANCELLED.value,
+            running_state=JobState.RUNNING.value,
+            prompts=tuple(
+                (
+                    item.rq_id,
+                    item.meta,
+                    "" if item.retries_left is None else str(item.retries_left),
+                    f"|{item.label}|{item.cls}",
+                )
+                for item in items
+            ),
+        )
+        moved = self._requeue(args)
         if isinstance(moved, int):
             raise JobStateError(
                 f"job {job_id} was cancelled or deleted; submit its dataset again under a new job id"
@@ -235,9 +359,8 @@ class JobOutcomes:
     def forget_failure_reports(self, job_id: str, rq_ids: Sequence[str]) -> None:
         """Drop the failure reports of prompts that were put back to run again."""
         for start in range(0, len(rq_ids), RETRY_FORGET_SLICE):
-            self._forget(
-                keys=[self.keys.job_failed(job_id)], args=list(rq_ids[start : start + RETRY_FORGET_SLICE])
-            )
+            chunk = tuple(rq_ids[start : start + RETRY_FORGET_SLICE])
+            self._forget(ForgetReportsArgs(reports=self.keys.job_failed(job_id), rq_ids=chunk))
 
     def failed_reports(self, job_id: str, limit: int) -> list[dict[str, Any]]:
         raw = self.redis.lrange(self.keys.job_failed(job_id), 0, limit - 1)

@@ -11,32 +11,31 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
 from typing import Any, cast
 
 from redis import Redis
 from redis.client import Pipeline
 
-from datagen.control import _job_scripts as scripts
-from datagen.control._ack_script import ACK_DONE
+from datagen.control.job_index import JobIndex
 from datagen.control.job_outcomes import (
-    COUNT_STATES,
     FAILED_REPORTS_CAP,
     AckItem,
     AckTarget,
     JobOutcomes,
     RequeueItem,
 )
-from datagen.control.keys import SEEN_SEGMENTS, Keys
-from datagen.control.progress import INT_FIELDS, JobProgress, now_ms
+from datagen.control.keys import SEEN_SEGMENTS, BreakdownField, Keys, partition_label
+from datagen.control.lua import KEY, LuaScript, ScriptArgs
+from datagen.control.progress import JobProgress, now_ms, progress_from_hash
 from datagen.control.redistext import as_text, as_texts
-from datagen.errors import InvalidRequestError, JobNotFoundError, JobStateError
+from datagen.errors import JobNotFoundError, JobStateError
 from datagen.spec import JobSpec
-from datagen.states import JobState
+from datagen.states import JobState, Priority
 
 __all__ = [
     "FAILED_REPORTS_CAP",
-    "LUA_COUNT_CANCELLED_QUEUED",
     "AckItem",
     "AckTarget",
     "JobProgress",
@@ -46,37 +45,60 @@ __all__ = [
 ]
 
 
-# Partitions beyond this many per job are counted under the label "other" (bounded label sets).
+# Partitions beyond this many per job are counted under the label OTHER_LABEL (bounded label sets).
 MAX_PARTITION_LABELS = 20
-OTHER_PARTITION = "other"
 
-
-# The dispatch scripts count cancelled prompts by this shared rule too.
-LUA_COUNT_CANCELLED_QUEUED = scripts.COUNT_CANCELLED_QUEUED
-
-# A page of job ids reads this many more, for jobs made in the same millisecond as the cursor's.
-PAGE_TIES = 64
-# A filtered listing (`JobStore.select`) reads jobs this many at a time, and at most SELECT_SCAN per
-# call, so it stays fast however few jobs match.
-SELECT_PAGE = 500
-SELECT_SCAN = 5000
 
 # Seen records are read back in pieces of this size (a Redis reply stays small).
 SEEN_READ_BYTES = 8 * 1024 * 1024
 
 
-class JobStore(JobOutcomes):
+# The scripts' arguments: named and ordered as the signature of datagen/control/lua/<script>.lua.
+@dataclass(frozen=True)
+class CreateArgs(ScriptArgs):
+    script = "create"
+    job_key: str = field(metadata=KEY)
+    index: str = field(metadata=KEY)
+    fence: str = field(metadata=KEY)
+    job_id: str
+    created_at_ms: int
+    incarnation: str
+    fence_value: str
+    mode: str
+    fields: tuple[tuple[str, str | int], ...]
+
+
+@dataclass(frozen=True)
+class TransitionArgs(ScriptArgs):
+    script = "transition"
+    job_key: str = field(metadata=KEY)
+    fence: str = field(metadata=KEY)
+    sources: str
+    target: str
+    fence_op: str
+    token: str
+    fields: tuple[tuple[str, str | int], ...]
+
+
+@dataclass(frozen=True)
+class SetIfExistsArgs(ScriptArgs):
+    script = "set_if_exists"
+    hash_key: str = field(metadata=KEY)
+    field_name: str
+    value: str
+
+
+class JobStore:
     def __init__(self, redis: Redis, keys: Keys) -> None:
         self.redis = redis
         self.keys = keys
-        self._count_script = redis.register_script(scripts.COUNT_AND_MAYBE_COMPLETE)
-        self._create = redis.register_script(scripts.CREATE)
-        self._transition = redis.register_script(scripts.TRANSITION)
-        self._requeue = redis.register_script(scripts.REQUEUE_FAILED)
-        self._release = redis.register_script(scripts.RELEASE)
-        self._forget = redis.register_script(scripts.FORGET_REPORTS)
-        self._set_if_exists = redis.register_script(scripts.SET_IF_EXISTS)
-        self._ack = redis.register_script(ACK_DONE)
+        self._create = LuaScript(redis, CreateArgs)
+        self._transition = LuaScript(redis, TransitionArgs)
+        self._set_if_exists = LuaScript(redis, SetIfExistsArgs)
+        # How the job's prompts end: a part of its own, on the same hash and keys.
+        self.outcomes = JobOutcomes(redis, keys)
+        # Which jobs exist, a page at a time (the index is a key of its own; states are read here).
+        self.index = JobIndex(redis, keys, self)
 
     # Creation and lookup ------------------------------------------------------------------------
     def create(
@@ -113,18 +135,18 @@ class JobStore(JobOutcomes):
             "stop_ids": json.dumps(sorted(set(stop_ids or []))),
             **(fields or {}),
         }
-        fence = incarnation if state is JobState.INGESTING else ""
-        args: list[str | int] = [
-            job_id,
-            created_at_ms or now_ms(),
-            incarnation,
-            fence,
-            "replace" if replace else "",
-        ]
-        for name, value in mapping.items():
-            args += [name, value]
-        keys = [self.keys.job(job_id), self.keys.jobs_index(), self.keys.job_ingest_fence(job_id)]
-        return bool(self._create(keys=keys, args=args))
+        args = CreateArgs(
+            job_key=self.keys.job(job_id),
+            index=self.keys.jobs_index(),
+            fence=self.keys.job_ingest_fence(job_id),
+            job_id=job_id,
+            created_at_ms=created_at_ms or now_ms(),
+            incarnation=incarnation,
+            fence_value=incarnation if state is JobState.INGESTING else "",
+            mode="replace" if replace else "",
+            fields=tuple(mapping.items()),
+        )
+        return bool(self._create(args))
 
     def incarnation(self, job_id: str) -> str | None:
         """The job's current incarnation ("" for a job made before incarnations); None if it is gone."""
@@ -164,6 +186,39 @@ class JobStore(JobOutcomes):
             raise JobNotFoundError(f"no job {job_id!r}")
         return JobState(as_text(raw))
 
+    def priority(self, job_id: str) -> Priority:
+        """The job's priority (normal for a job that is gone: nothing of it is dispatched)."""
+        return _priority(self.redis.hget(self.keys.job(job_id), "priority"))
+
+    def priorities(self, job_ids: Sequence[str]) -> list[Priority]:
+        """The priorities of ``job_ids``, in order, in one round trip."""
+        with self.redis.pipeline(transaction=False) as pipe:
+            for job_id in job_ids:
+                pipe.hget(self.keys.job(job_id), "priority")
+            return [_priority(raw) for raw in pipe.execute()]
+
+    def states(self, job_ids: Sequence[str]) -> list[tuple[str, str] | None]:
+        """Each job's state and priority (None: no such job), in order, in one round trip."""
+        with self.redis.pipeline(transaction=False) as pipe:
+            for job_id in job_ids:
+                pipe.hmget(self.keys.job(job_id), ["state", "priority"])
+            rows = pipe.execute()
+        return [
+            None if state is None else (as_text(state), _priority(priority).value) for state, priority in rows
+        ]
+
+    def dispatch_facts(self, job_ids: Sequence[str]) -> list[DispatchFacts]:
+        """What fair-share dispatch reports of each job (weight, priority, prompts handed out), in
+        order, in one round trip."""
+        with self.redis.pipeline(transaction=False) as pipe:
+            for job_id in job_ids:
+                pipe.hmget(self.keys.job(job_id), ["weight", "priority", "dispatched"])
+            rows = pipe.execute()
+        return [
+            DispatchFacts(_float(weight, 1.0), _priority(priority), int(dispatched or 0))
+            for weight, priority, dispatched in rows
+        ]
+
     def spec(self, job_id: str) -> JobSpec:
         raw = self.redis.hget(self.keys.job(job_id), "spec")
         if raw is None:
@@ -200,92 +255,10 @@ class JobStore(JobOutcomes):
         for i, job_id in enumerate(job_ids):
             raw_hash, running, paused = replies[3 * i : 3 * i + 3]
             raw = cast(dict[bytes, bytes], raw_hash)
-            out.append(_progress(job_id, raw, int(running), bool(paused)) if b"state" in raw else None)
-        return out
-
-    def select(
-        self,
-        limit: int,
-        cursor: str | None = None,
-        *,
-        states: Collection[JobState] = (),
-        priorities: Collection[str] = (),
-    ) -> tuple[list[str], str | None]:
-        """Like :meth:`page`, keeping only jobs in ``states`` and at ``priorities`` (empty: any).
-        Reads at most ``SELECT_SCAN`` jobs per call: a filter that matches few of many jobs
-        answers a short (even empty) page with a ``next`` to go on from, never a slow one."""
-        if not states and not priorities:
-            return self.page(limit, cursor)
-        wanted_states = {state.value for state in states}
-        wanted_priorities = set(priorities)
-        picked: list[str] = []
-        scanned = 0
-        while True:
-            ids, cursor = self.page(min(SELECT_PAGE, SELECT_SCAN - scanned), cursor)
-            scanned += len(ids)
-            with self.redis.pipeline(transaction=False) as pipe:
-                for job_id in ids:
-                    pipe.hmget(self.keys.job(job_id), ["state", "priority"])
-                rows = pipe.execute()
-            for job_id, (raw_state, raw_priority) in zip(ids, rows, strict=True):
-                if raw_state is None:
-                    continue
-                if wanted_states and as_text(raw_state) not in wanted_states:
-                    continue
-                if wanted_priorities and as_text(raw_priority or b"normal") not in wanted_priorities:
-                    continue
-                picked.append(job_id)
-                if len(picked) == limit:
-                    return picked, self._cursor_at(job_id) if job_id != ids[-1] or cursor else None
-            if cursor is None or scanned >= SELECT_SCAN:
-                return picked, cursor
-
-    def _cursor_at(self, job_id: str) -> str:
-        score = self.redis.zscore(self.keys.jobs_index(), job_id)
-        return f"{int(score or 0)}:{job_id}"
-
-    def list_ids(self, limit: int = 1000) -> list[str]:
-        """The newest ``limit`` job ids (see :meth:`iter_ids` and :meth:`page` for all of them)."""
-        return as_texts(self.redis.zrevrange(self.keys.jobs_index(), 0, limit - 1))
-
-    def count(self) -> int:
-        return int(self.redis.zcard(self.keys.jobs_index()))
-
-    def iter_ids(self, page: int = 1000) -> Iterator[str]:
-        """Every job id, newest first, read ``page`` at a time (however many jobs there are)."""
-        for ids, _ in self._pages(page):
-            yield from ids
-
-    def _pages(self, page: int) -> Iterator[tuple[list[str], str | None]]:
-        cursor: str | None = None
-        while True:
-            ids, cursor = self.page(page, cursor)
-            yield ids, cursor
-            if cursor is None:
-                return
-
-    def page(self, limit: int, cursor: str | None = None) -> tuple[list[str], str | None]:
-        """Up to ``limit`` job ids, newest first, after ``cursor`` (None: from the newest); and the
-        cursor of the next page (None: this was the last). A cursor is ``<created ms>:<job id>``:
-        jobs made or deleted between pages neither repeat nor hide others. A malformed cursor
-        raises InvalidRequestError."""
-        cursor_ms, after = _parse_cursor(cursor) if cursor is not None else (0, "")
-        key = self.keys.jobs_index()
-        if cursor is None:
-            raw = self.redis.zrevrange(key, 0, limit - 1, withscores=True)
-        else:
-            # Ties in the score come in reverse id order; at most a few share one millisecond.
-            raw = self.redis.zrevrangebyscore(
-                key, cursor_ms, "-inf", start=0, num=limit + PAGE_TIES, withscores=True
+            out.append(
+                progress_from_hash(job_id, raw, int(running), bool(paused)) if b"state" in raw else None
             )
-        rows = [(as_text(member), int(score)) for member, score in cast(list[tuple[bytes, float]], raw)]
-        if cursor is not None:
-            rows = [(m, sc) for m, sc in rows if not (sc == cursor_ms and m >= after)][:limit]
-        ids = [member for member, _ in rows]
-        if len(rows) < limit:
-            return ids, None
-        last_member, last_score = rows[-1]
-        return ids, f"{last_score}:{last_member}"
+        return out
 
     # Ingestion ----------------------------------------------------------------------------------
     def ingest_line(self, job_id: str) -> int:
@@ -303,7 +276,7 @@ class JobStore(JobOutcomes):
         key = self.keys.job(job_id)
         pipe.hincrby(key, "accepted", 1)
         pipe.hincrby(key, "prompt_tokens", prompt_tokens)
-        self.add_breakdown(pipe, job_id, {("accepted", label, cls): 1})
+        self.add_breakdown(pipe, job_id, {BreakdownField("accepted", label, cls): 1})
 
     def first_rows(self, job_id: str, sample_keys: list[str]) -> dict[str, str]:
         """What :meth:`remember_rows` stored for these sample keys (absent: no row used them yet)."""
@@ -338,7 +311,7 @@ class JobStore(JobOutcomes):
 
     def label_of(self, job_id: str, partition: str) -> str:
         labelled = self.redis.sismember(self.keys.job_partitions(job_id), partition)
-        return partition if labelled else OTHER_PARTITION
+        return partition_label(partition, (partition,) if labelled else ())
 
     def finish_ingest(self, job_id: str) -> None:
         # Only from ingesting: a job cancelled meanwhile stays cancelled. One transaction, so that
@@ -361,11 +334,7 @@ class JobStore(JobOutcomes):
 
     def _complete_if_ended(self, job_id: str, pipe: Pipeline) -> None:
         # The count script with nothing to count: it only applies the completion rule.
-        self._count_script(
-            keys=self._count_keys(job_id),
-            args=["done", 0, 0, now_ms(), "", "", 0, "", "", "", "", *COUNT_STATES],
-            client=pipe,
-        )
+        self.outcomes.count(pipe, job_id, "done", increment=0)
 
     def transition(
         self,
@@ -382,12 +351,16 @@ class JobStore(JobOutcomes):
 
         Returns whether it moved; inside ``pipe`` that answer comes from ``pipe.execute()`` instead.
         """
-        token = uuid.uuid4().hex[:12]
-        args: list[str | int] = [" ".join(s.value for s in sources), target.value, fence, token]
-        for name, value in (fields or {}).items():
-            args += [name, value]
-        keys = [self.keys.job(job_id), self.keys.job_ingest_fence(job_id)]
-        return bool(self._transition(keys=keys, args=args, client=pipe))
+        args = TransitionArgs(
+            job_key=self.keys.job(job_id),
+            fence=self.keys.job_ingest_fence(job_id),
+            sources=" ".join(s.value for s in sources),
+            target=target.value,
+            fence_op=fence,
+            token=uuid.uuid4().hex[:12],
+            fields=tuple((fields or {}).items()),
+        )
+        return bool(self._transition(args, client=pipe))
 
     def restart_ingest(self, job_id: str) -> None:
         """A resubmission to the job: it ingests again (not a cancelled job: that stays cancelled)."""
@@ -414,7 +387,8 @@ class JobStore(JobOutcomes):
         else:
             # Only on a job that exists: a commit that failed because the job was deleted under it
             # must not bring the job's hash back.
-            self._set_if_exists(keys=[key], args=["storage_error", f"{error} (since {now_ms()} ms)"])
+            message = f"{error} (since {now_ms()} ms)"
+            self._set_if_exists(SetIfExistsArgs(hash_key=key, field_name="storage_error", value=message))
 
     def fail(self, job_id: str, error: str) -> bool:
         """Ingestion failed: an ingesting job fails. A job cancelled or deleted meanwhile is left
@@ -434,62 +408,36 @@ class JobStore(JobOutcomes):
                 break
             new.append(partition)
             labelled.add(partition)
-        return {p: p if p in labelled else OTHER_PARTITION for p in partitions}, new
+        return {p: partition_label(p, labelled) for p in partitions}, new
 
     def add_partition_labels(self, pipe: Pipeline, job_id: str, partitions: list[str]) -> None:
         if partitions:
             pipe.sadd(self.keys.job_partitions(job_id), *partitions)
 
-    def add_breakdown(self, pipe: Pipeline, job_id: str, counts: dict[tuple[str, str, str], int]) -> None:
+    def add_breakdown(self, pipe: Pipeline, job_id: str, counts: dict[BreakdownField, int]) -> None:
         """Add ``(counter, partition label, class) -> n`` to the job's breakdown."""
         key = self.keys.job_breakdown(job_id)
-        for (counter, label, cls), n in counts.items():
-            pipe.hincrby(key, f"{counter}|{label}|{cls}", n)
+        for name, n in counts.items():
+            pipe.hincrby(key, name.encode(), n)
 
-    def breakdown(self, job_id: str) -> dict[tuple[str, str, str], int]:
+    def breakdown(self, job_id: str) -> dict[BreakdownField, int]:
         raw = cast(dict[bytes, bytes], self.redis.hgetall(self.keys.job_breakdown(job_id)))
-        out: dict[tuple[str, str, str], int] = {}
-        for field, value in raw.items():
-            counter, label, cls = as_text(field).split("|", 2)
-            out[(counter, label, cls)] = int(value)
-        return out
+        return {BreakdownField.decode(as_text(name)): int(value) for name, value in raw.items()}
 
 
-def _parse_cursor(cursor: str) -> tuple[int, str]:
-    score, _, after = cursor.partition(":")
-    if not score.isdigit() or not after:
-        raise InvalidRequestError(
-            f"bad cursor {cursor[:80]!r}: pass the `next` of the previous page of GET /jobs unchanged"
-        )
-    return int(score), after
+@dataclass(frozen=True)
+class DispatchFacts:
+    weight: float
+    priority: Priority
+    dispatched: int
 
 
-def _progress(job_id: str, raw: dict[bytes, bytes], running: int, paused: bool) -> JobProgress:
-    fields = {k.decode(): v.decode() for k, v in raw.items()}
-    ints = {name: int(fields.get(name, 0) or 0) for name in INT_FIELDS}
-    return JobProgress(
-        job_id=job_id,
-        state=JobState(fields["state"]),
-        rows=ints["rows"],
-        accepted=ints["accepted"],
-        rejected=ints["rejected"],
-        skipped=ints["skipped"],
-        done=ints["done"],
-        failed=ints["failed"],
-        in_flight=running,
-        prompt_tokens=ints["prompt_tokens"],
-        output_tokens=ints["output_tokens"],
-        created_at_ms=ints["created_at_ms"],
-        finished_at_ms=ints["finished_at_ms"],
-        error=fields.get("error"),
-        storage_error=fields.get("storage_error"),
-        cancelled=ints["cancelled"],
-        retried=ints["retried"],
-        paused=paused,
-        flagged=ints["flagged"],
-        priority=fields.get("priority", "normal"),
-        weight=float(fields.get("weight", 1.0)),
-        first_record_at_ms=ints["first_record_at_ms"],
-        tail_from_ms=ints["tail_from_ms"],
-        rebuilt=json.loads(fields["rebuilt"]) if fields.get("rebuilt") else None,
-    )
+def _priority(raw: bytes | str | None) -> Priority:
+    return Priority(as_text(raw)) if raw else Priority.NORMAL
+
+
+def _float(raw: bytes | None, default: float) -> float:
+    try:
+        return float(raw) if raw is not None else default
+    except ValueError:
+        return default

@@ -6,11 +6,22 @@ names and job ids here.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from datagen.states import Priority, PromptClass, sample_digest
 
-__all__ = ["SEEN_SEGMENTS", "Keys", "prompt_key"]
+__all__ = [
+    "FINISH_PREFIX",
+    "OTHER_LABEL",
+    "SEEN_SEGMENTS",
+    "UNKNOWN_LABEL",
+    "BreakdownField",
+    "Keys",
+    "partition_label",
+    "prompt_key",
+]
 
 # Keys the seen rows of one job are spread over (`Keys.job_seen`): 16 x 512 MB of records.
 SEEN_SEGMENTS = 16
@@ -203,3 +214,41 @@ class Keys:
 def prompt_key(sample_id: str, turn: int, gen: int) -> str:
     """Member of :meth:`Keys.job_enqueued`; short because there is one per prompt."""
     return f"{sample_digest(sample_id)}:{turn}:{gen}"
+
+
+# A job's breakdown hash (`Keys.job_breakdown`) has one field per (counter, partition label, class).
+# `tally` and `count_cancelled_queued` in datagen/control/lua/lib.lua write the same form with the
+# same literals (tests/datagen/test_lua_files.py holds them together).
+BREAKDOWN_SEPARATOR = "|"
+# The label of a partition beyond the job's labelled ones (a bounded label set).
+OTHER_LABEL = "other"
+# The label and class of a row rejected before its partition or class was known.
+UNKNOWN_LABEL = "unknown"
+# A finish reason counts as the counter ``finish:<reason>``.
+FINISH_PREFIX = "finish:"
+
+
+class BreakdownField(NamedTuple):
+    """One field of a job's breakdown: ``counter|label|class``."""
+
+    counter: str
+    label: str
+    cls: str
+
+    def encode(self) -> str:
+        return BREAKDOWN_SEPARATOR.join(self)
+
+    @classmethod
+    def decode(cls, field: str) -> BreakdownField:
+        counter, label, klass = field.split(BREAKDOWN_SEPARATOR, 2)
+        return cls(counter, label, klass)
+
+    @property
+    def finish(self) -> str | None:
+        """The finish reason this field counts, or None for another counter."""
+        return self.counter.removeprefix(FINISH_PREFIX) if self.counter.startswith(FINISH_PREFIX) else None
+
+
+def partition_label(partition: str, labelled: Collection[str]) -> str:
+    """A prompt's partition as its job's metrics label it."""
+    return partition if partition in labelled else OTHER_LABEL

@@ -5,14 +5,14 @@ from __future__ import annotations
 import base64
 import sys
 from array import array
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from datagen.errors import FatalError
 from datagen.states import PromptClass
 
-__all__ = ["PromptPayload", "pack_ids", "unpack_ids"]
+__all__ = ["Conversation", "ParsedPayload", "PromptPayload", "pack_ids", "parse_payload", "unpack_ids"]
 
 _UINT32 = "I"
 
@@ -35,6 +35,40 @@ def unpack_ids(packed: str) -> list[int]:
 
 
 @dataclass(frozen=True)
+class Conversation:
+    """Multi-turn ``all`` mode: a row's whole conversation, where each turn's history ends (``cuts``:
+    how many messages precede each turn), and the turns regenerated so far (each the model's text,
+    or its message with parsed tool calls, `workers.turns.assistant_turn`)."""
+
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None
+    cuts: list[int]
+    generated: list[str | dict[str, Any]]
+    # The row's own class, which every turn keeps; None: each turn is classed by its length.
+    row_class: PromptClass | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "messages": self.messages,
+            "tools": self.tools,
+            "cuts": self.cuts,
+            "generated": self.generated,
+            "class": self.row_class.value if self.row_class is not None else None,
+        }
+
+    @classmethod
+    def from_json(cls, raw: Mapping[str, Any]) -> Conversation:
+        row_class = raw.get("class")
+        return cls(
+            messages=list(raw["messages"]),
+            tools=raw.get("tools"),
+            cuts=[int(cut) for cut in raw["cuts"]],
+            generated=list(raw["generated"]),
+            row_class=PromptClass(row_class) if row_class else None,
+        )
+
+
+@dataclass(frozen=True)
 class PromptPayload:
     job: str
     sample_id: str
@@ -46,7 +80,7 @@ class PromptPayload:
     partition: str
     # Multi-turn ``all`` mode only: the row's conversation, where each turn's history ends, and the
     # text of the turns regenerated so far (the worker renders turn k+1 from them).
-    conversation: dict[str, Any] | None = None
+    conversation: Conversation | None = None
     # The job's incarnation (a new one each time the id is created after a delete): workers and
     # exports drop what belongs to another incarnation than the job's current one.
     incarnation: str = ""
@@ -63,7 +97,7 @@ class PromptPayload:
             "partition": self.partition,
         }
         if self.conversation is not None:
-            body["conversation"] = self.conversation
+            body["conversation"] = self.conversation.to_json()
         if self.incarnation:
             body["inc"] = self.incarnation
         return body
@@ -71,6 +105,7 @@ class PromptPayload:
     @classmethod
     def from_json(cls, raw: Any) -> PromptPayload:
         try:
+            conversation = raw.get("conversation")
             return cls(
                 job=str(raw["job"]),
                 sample_id=str(raw["sample_id"]),
@@ -80,8 +115,39 @@ class PromptPayload:
                 prompt_ids=unpack_ids(raw["prompt_ids"]),
                 max_new_tokens=int(raw["max_new_tokens"]),
                 partition=str(raw.get("partition", "default")),
-                conversation=raw.get("conversation"),
+                conversation=Conversation.from_json(conversation) if conversation is not None else None,
                 incarnation=str(raw.get("inc", "")),
             )
-        except (KeyError, TypeError, ValueError) as exc:
+        except (AttributeError, KeyError, TypeError, ValueError) as exc:
             raise FatalError(f"malformed prompt payload in RQ job: {exc!r}") from exc
+
+
+@dataclass(frozen=True)
+class ParsedPayload:
+    """A claimed RQ job's payload, read once by the worker that runs it (`parse_payload`).
+
+    ``prompt`` is None when the payload is malformed, and ``error`` says how: the worker fails such a
+    prompt. Its job is still read leniently, and ``raw`` kept for the failure and cancel counts
+    (`workers.failures`, which reads any payload as the reaper does), so that even a malformed
+    prompt is counted on the job it names."""
+
+    prompt: PromptPayload | None
+    error: FatalError | None
+    job: str | None
+    raw: Mapping[str, Any]
+
+    def require(self) -> PromptPayload:
+        """The prompt, or the FatalError that says how its payload is malformed."""
+        if self.prompt is None:
+            raise self.error or FatalError("malformed prompt payload in RQ job")
+        return self.prompt
+
+
+def parse_payload(raw: object) -> ParsedPayload:
+    """``raw``: the RQ job's first argument (`workers.rqbridge.payload_of`), None when it has none."""
+    fields: Mapping[str, Any] = raw if isinstance(raw, dict) else {}
+    job = fields.get("job")
+    try:
+        return ParsedPayload(PromptPayload.from_json(raw), None, str(job), fields)
+    except FatalError as exc:
+        return ParsedPayload(None, exc, None if job is None else str(job), fields)

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass
 from typing import Any
 
 from datagen.states import JobState
 
-__all__ = ["INT_FIELDS", "JobProgress", "now_ms"]
+__all__ = ["INT_FIELDS", "JobProgress", "now_ms", "progress_from_hash"]
 
 INT_FIELDS = (
     "rows",
@@ -57,7 +58,7 @@ class JobProgress:
     flagged: int = 0
     priority: str = "normal"
     weight: float = 1.0
-    # Set once by the count script (datagen/control/_job_scripts.py, COUNT_AND_MAYBE_COMPLETE); 0 until then.
+    # Set once by the count script (`count_in_job` in datagen/control/lua/lib.lua); 0 until then.
     first_record_at_ms: int = 0
     tail_from_ms: int = 0
     # Set when the job was rebuilt from storage after Redis lost or rolled back its data
@@ -124,3 +125,35 @@ class JobProgress:
             "error": self.error,
             "storage_error": self.storage_error,
         }
+
+
+def progress_from_hash(job_id: str, raw: dict[bytes, bytes], running: int, paused: bool) -> JobProgress:
+    """A job's progress from its hash as `datagen.control.jobs.JobStore` read it."""
+    fields = {k.decode(): v.decode() for k, v in raw.items()}
+    ints = {name: int(fields.get(name, 0) or 0) for name in INT_FIELDS}
+    return JobProgress(
+        job_id=job_id,
+        state=JobState(fields["state"]),
+        rows=ints["rows"],
+        accepted=ints["accepted"],
+        rejected=ints["rejected"],
+        skipped=ints["skipped"],
+        done=ints["done"],
+        failed=ints["failed"],
+        in_flight=running,
+        prompt_tokens=ints["prompt_tokens"],
+        output_tokens=ints["output_tokens"],
+        created_at_ms=ints["created_at_ms"],
+        finished_at_ms=ints["finished_at_ms"],
+        error=fields.get("error"),
+        storage_error=fields.get("storage_error"),
+        cancelled=ints["cancelled"],
+        retried=ints["retried"],
+        paused=paused,
+        flagged=ints["flagged"],
+        priority=fields.get("priority", "normal"),
+        weight=float(fields.get("weight", 1.0)),
+        first_record_at_ms=ints["first_record_at_ms"],
+        tail_from_ms=ints["tail_from_ms"],
+        rebuilt=json.loads(fields["rebuilt"]) if fields.get("rebuilt") else None,
+    )

@@ -2,7 +2,8 @@
 
 Compose and Kubernetes start services in any order, so a coordinator or worker whose Redis (or
 object store) is not up yet waits for it: one log line per failed try, a backoff from
-:data:`RETRY_FIRST_S` doubling up to :data:`RETRY_MAX_S`, until ``DATAGEN_STARTUP_TIMEOUT_S``
+:data:`~datagen.settings.OUTAGE_RETRY_FIRST_S` doubling up to
+:data:`~datagen.settings.OUTAGE_RETRY_MAX_S`, until ``DATAGEN_STARTUP_TIMEOUT_S``
 (0 waits forever). A failure that retrying cannot fix (a wrong password or URL, a storage root
 that belongs to another namespace or cannot be written) ends the wait at once with a
 :class:`~datagen.errors.ConfigError` that names the setting to change.
@@ -23,12 +24,12 @@ from urllib.parse import urlsplit, urlunsplit
 
 import redis
 
+from datagen.backoff import Backoff
 from datagen.errors import BackendUnavailableError, ConfigError, RetryableError, StorageError
 from datagen.records.storage import Storage
+from datagen.settings import OUTAGE_RETRY_FIRST_S, OUTAGE_RETRY_MAX_S
 
 __all__ = [
-    "RETRY_FIRST_S",
-    "RETRY_MAX_S",
     "claim_storage",
     "claim_storage_async",
     "connect_redis",
@@ -42,8 +43,6 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-RETRY_FIRST_S = 0.5
-RETRY_MAX_S = 5.0
 TIMEOUT_HINT = "DATAGEN_STARTUP_TIMEOUT_S=0 waits forever"
 _REDIS_FIX = "check that Redis is running and that DATAGEN_REDIS_URL (--redis-url) points at it"
 _STORAGE_FIX = "check DATAGEN_STORAGE (--storage) and that its file system or object store is reachable"
@@ -59,26 +58,27 @@ class _Backoff:
         self.fix = fix
         self.timeout_s = timeout_s
         self.deadline = None if timeout_s == 0 else time.monotonic() + timeout_s
-        self.delay_s = RETRY_FIRST_S
-        self.tries = 0
+        self.backoff = Backoff(OUTAGE_RETRY_FIRST_S, OUTAGE_RETRY_MAX_S)
 
     def failed(self, exc: RetryableError) -> float:
         """Seconds to wait before the next try; `ConfigError` once the time is up."""
-        self.tries += 1
+        delay_s = self.backoff.next_s()
         now = time.monotonic()
         if self.deadline is not None and now >= self.deadline:
             raise ConfigError(
                 f"{self.what} is still unavailable after {self.timeout_s:g} s ({exc}); {self.fix} "
                 f"({TIMEOUT_HINT})"
             ) from exc
-        delay_s = self.delay_s if self.deadline is None else min(self.delay_s, self.deadline - now)
-        log.warning("waiting for %s: %s (try %d; next in %.1f s)", self.what, exc, self.tries, delay_s)
-        self.delay_s = min(self.delay_s * 2, RETRY_MAX_S)
+        if self.deadline is not None:
+            delay_s = min(delay_s, self.deadline - now)
+        log.warning(
+            "waiting for %s: %s (try %d; next in %.1f s)", self.what, exc, self.backoff.failures, delay_s
+        )
         return delay_s
 
     def succeeded(self) -> None:
-        if self.tries:
-            log.info("%s is available (after %d failed tries)", self.what, self.tries)
+        if self.backoff.failures:
+            log.info("%s is available (after %d failed tries)", self.what, self.backoff.failures)
 
 
 def wait_for(what: str, attempt: Callable[[], T], *, timeout_s: float, fix: str) -> T:

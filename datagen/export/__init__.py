@@ -23,8 +23,8 @@ Memory stays flat for any job size except for the dedupe set (about 90 bytes a r
 64 MiB (see :mod:`datagen.export.shuffle`). ``bench/export.py`` measures all three.
 
 Modules, in pipeline order: ``rows`` (dedupe, filters, clipping), ``shuffle`` (the bucket shuffle),
-``formats`` (token-id formats), ``conversations`` (the text format), ``tokens`` (the job's
-tokenizer), ``sinks`` (output files), ``pipeline`` (`export_job`, the stages wired together).
+``formats`` (token-id formats and their output files), ``conversations`` (the text format),
+``tokens`` (the job's tokenizer), ``pipeline`` (`export_job`, the stages wired together).
 """
 
 from datagen.export.pipeline import (

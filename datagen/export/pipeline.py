@@ -8,7 +8,6 @@ import tempfile
 from collections.abc import Callable, Generator, Iterable, Iterator
 from contextlib import closing, contextmanager
 from dataclasses import dataclass
-from enum import StrEnum
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -17,13 +16,19 @@ import pyarrow.compute as pc
 
 from datagen.errors import ConfigError, StorageError
 from datagen.export.conversations import ConversationFormatter, InputIndex
-from datagen.export.formats import PARQUET_SCHEMA, SpeculatorsFormatter, parquet_table, specforge_lines
+from datagen.export.formats import (
+    PARQUET_SCHEMA,
+    JsonlSink,
+    ParquetSink,
+    SpeculatorsFormatter,
+    parquet_table,
+    specforge_lines,
+)
 from datagen.export.rows import ROW_COLUMNS, ExportStats, RowFilter, RowFilterOptions, filtered_batches
 from datagen.export.shuffle import bucket_count, shuffled_batches
-from datagen.export.sinks import JsonlSink, ParquetSink
 from datagen.export.tokens import load_job_tokens
 from datagen.records.storage import Storage
-from datagen.states import MultiTurnMode
+from datagen.states import ExportFormat, MultiTurnMode
 
 __all__ = [
     "DEFAULT_MIN_SUPERVISED_TOKENS",
@@ -35,17 +40,6 @@ __all__ = [
 ]
 
 DEFAULT_MIN_SUPERVISED_TOKENS = 1
-
-
-class ExportFormat(StrEnum):
-    SPECFORGE = "specforge"
-    SPECULATORS = "speculators"
-    CONVERSATIONS = "conversations"
-    PARQUET = "parquet"
-
-    @property
-    def drops_truncated_by_default(self) -> bool:
-        return self is ExportFormat.CONVERSATIONS
 
 
 @dataclass(frozen=True)

@@ -59,7 +59,6 @@ __all__ = [
     "Contamination",
     "check_sets",
     "index_of",
-    "load_benchmarks",
     "sets_sha256",
 ]
 
@@ -457,10 +456,6 @@ class _IndexCache:
                     self._entries.popitem(last=False)
             return index
 
-    def clear(self) -> None:
-        with self._entries_lock:
-            self._entries.clear()
-
 
 _IndexKey = tuple[int, tuple[tuple[str, str], ...]]
 INDEX_CACHE = _IndexCache(INDEX_CACHE_SIZE, INDEX_CACHE_BYTES)
@@ -469,8 +464,3 @@ INDEX_CACHE = _IndexCache(INDEX_CACHE_SIZE, INDEX_CACHE_BYTES)
 def index_of(sets: list[BenchmarkSet], n: int = DEFAULT_NGRAM) -> BenchmarkIndex:
     """The index of checked sets, parsed once per content (`_IndexCache`); do not change it."""
     return INDEX_CACHE.get(sets, n)
-
-
-def load_benchmarks(sources: Iterable[str], n: int = DEFAULT_NGRAM) -> BenchmarkIndex:
-    """The index of the named built-in sets and JSONL files, checked now and parsed once per content."""
-    return index_of(check_sets(sources), n)

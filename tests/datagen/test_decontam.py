@@ -11,12 +11,24 @@ from pathlib import Path
 import pytest
 
 from datagen.errors import InvalidSpecError
-from datagen.hygiene.decontam import INDEX_CACHE, MAX_SET_LINE_BYTES, check_sets, load_benchmarks, sets_sha256
+from datagen.hygiene.decontam import (
+    INDEX_CACHE,
+    MAX_SET_LINE_BYTES,
+    BenchmarkIndex,
+    check_sets,
+    index_of,
+    sets_sha256,
+)
 from datagen.hygiene.screen import Hygiene
-from datagen.spec import JobSpec, validate_spec
-from tests.helpers import make_spec
+from datagen.spec import DEFAULT_NGRAM, JobSpec, validate_spec
+from tests.support.specs import make_spec
 
 SENTENCE = "the quick brown fox jumps over the lazy dog while the cat sleeps on a warm mat"  # 17 words
+
+
+def load_benchmarks(sources: list[str], n: int = DEFAULT_NGRAM) -> BenchmarkIndex:
+    """The sets checked, then indexed as a job's hygiene indexes them (`Hygiene.for_spec`)."""
+    return index_of(check_sets(sources), n)
 
 
 def test_humaneval_ships_offline() -> None:

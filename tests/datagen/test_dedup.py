@@ -5,7 +5,7 @@ from __future__ import annotations
 from datagen.hygiene.dedup import NearParams, SeenIndex, exact_digest, near_params, normalize_words
 from datagen.hygiene.screen import Hygiene, HygieneRow
 from datagen.states import DedupMode
-from tests.datagen.planted import CONTAMINATED, NEAR_COPIES, ROWS, planted_rows
+from tests.support.planted import CONTAMINATED, NEAR_COPIES, ROWS, planted_rows
 
 
 def _user(text: str) -> list[dict[str, str]]:

@@ -5,8 +5,6 @@ ids are written by hand from the real DeepSeek tokenizer."""
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -22,121 +20,31 @@ from datagen.export.shuffle import shuffled_batches
 from datagen.export.tokens import load_job_tokens, read_stop_ids
 from datagen.prompts.tokenization import (
     bundled_tokenizer_path,
-    canonical_kwargs_json,
     default_chat_template_path,
     get_renderer,
 )
-from datagen.records.schema import Record, records_to_table
+from datagen.records.schema import records_to_table
 from datagen.records.storage import Storage
-from datagen.spec import JobSpec
-from tests.helpers import make_record
-
-# Ids read once off the DeepSeek tokenizer (tokenizer.encode(text, add_special_tokens=False)).
-BOS, EOS, USER, ASSISTANT, THINK, NEWLINE, THINK_END, TOOL_CALLS = (
-    0,
-    1,
-    128803,
-    128804,
-    128821,
-    201,
-    128822,
-    128806,
+from tests.support.export_jobs import (
+    EOS,
+    HI_PROMPT,
+    I_THINK,
+    JOB,
+    LET_ME,
+    REASONED,
+    THE_ANSWER,
+    THINK,
+    THINK_END,
+    TOOL_CALLS,
+    Sample,
+    build_job,
+    read_jsonl,
 )
-HI = [23166]  # "Hi"
-I_THINK = [43, 2118, 16]  # "I think."
-THE_ANSWER = [671, 3287, 16]  # "The answer."
-LET_ME = [5718, 678]  # "Let me"
-# "<｜begin▁of▁sentence｜><｜User｜>Hi<｜Assistant｜><think>\n"
-HI_PROMPT = [BOS, USER, *HI, ASSISTANT, THINK, NEWLINE]
-REASONED = [*I_THINK, THINK_END, *THE_ANSWER, EOS]
-JOB = "job1"
-
-
-@dataclass
-class Sample:
-    """One record to commit, and the dataset row it came from."""
-
-    sample_id: str
-    output: list[int]
-    finish: str = "stop"
-    messages: list[dict[str, Any]] | None = None
-    partition: str = "default"
-    gen: int = 0
-    tools: list[dict[str, Any]] | None = None
-    prompt: list[int] | None = None  # planted: instead of the rendered prompt
-    in_input: bool = True
-    server: str = "sim-a"
-    extra: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def conversation(self) -> list[dict[str, Any]]:
-        return self.messages or [{"role": "user", "content": f"Question {self.sample_id}?"}]
-
-    @property
-    def turn(self) -> int:
-        return sum(1 for m in self.conversation if m["role"] == "assistant")
+from tests.support.records import make_record
 
 
 def renderer() -> Any:
     return get_renderer(bundled_tokenizer_path(), str(default_chat_template_path()), False, "{}")
-
-
-def _record(job_id: str, sample: Sample, prompt: list[int]) -> Record:
-    params = {"max_new_tokens": 64, "temperature": 0.6, "top_p": 0.95, "sampling_seed": 7}
-    return make_record(
-        sample.sample_id,
-        prompt + sample.output,
-        len(prompt),
-        job_id=job_id,
-        turn=sample.turn,
-        gen=sample.gen,
-        partition=sample.partition,
-        finish_type=sample.finish,
-        finish_matched=str(sample.output[-1]) if sample.finish == "stop" else None,
-        finish_length=len(sample.output) if sample.finish == "length" else None,
-        max_new_tokens=64,
-        server=sample.server,
-        sampling_params=json.dumps(params, sort_keys=True),
-    )
-
-
-def build_job(
-    storage: Storage,
-    samples: Sequence[Sample],
-    *,
-    job_id: str = JOB,
-    shards: int = 1,
-    spec: dict[str, Any] | None = None,
-) -> None:
-    """A job as the coordinator and workers leave it: manifest, input upload, committed shards."""
-    values = {"tokenizer": bundled_tokenizer_path(), "chat_template": str(default_chat_template_path())}
-    job_spec = JobSpec.model_validate({**values, **(spec or {})})
-    kwargs = canonical_kwargs_json(job_spec.chat_template_kwargs)
-    render = get_renderer(job_spec.tokenizer, job_spec.chat_template, False, kwargs)
-    manifest = {
-        "job_id": job_id,
-        "spec": json.loads(job_spec.model_dump_json()),
-        "tokenizer": render.identity(),
-        "servers": {},
-    }
-    storage.write_manifest_once(job_id, manifest)
-    lines, seen = [], set()
-    for s in samples:
-        if s.in_input and s.sample_id not in seen:
-            seen.add(s.sample_id)
-            row = {"id": s.sample_id, "messages": s.conversation, "partition": s.partition, **s.extra}
-            lines.append(json.dumps({**row, "tools": s.tools} if s.tools else row) + "\n")
-    storage.write_input(job_id, ["".join(lines).encode("utf-8")])
-    records = [_record(job_id, s, s.prompt or render.render(s.conversation, s.tools)) for s in samples]
-    size = -(-len(records) // shards)
-    for n in range(shards):
-        chunk = records[n * size : (n + 1) * size]
-        if chunk:
-            storage.commit_shard(job_id, f"w-{n:08d}", records_to_table(chunk), {"worker": "w"})
-
-
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in path.read_text("utf-8").splitlines()]
 
 
 def check_token_rows(rows: list[dict[str, Any]], min_supervised: int = 1) -> None:
@@ -412,9 +320,13 @@ def test_cli_export_prints_a_json_summary(mixed_job: Storage, tmp_path: Path) ->
     assert summary["dropped"] == {"partition": 3, "truncated": 1, "min_supervised": 0, "no_input": 0}
     assert [r["id"] for r in read_jsonl(out)] == ["hi"]
     bad = CliRunner().invoke(
-        app, ["export", JOB, "--storage", str(mixed_job.root), "--format", "x", "--out", "o"]
+        app,
+        ["export", JOB, "--storage", str(mixed_job.root), "--format", "x", "--out", "o"],
+        env={"COLUMNS": "300"},
     )
-    assert isinstance(bad.exception, ConfigError)
+    # A format that does not exist is a usage error naming the ones that do (the option is an enum).
+    assert bad.exit_code == 2
+    assert "'x' is not one of 'specforge', 'speculators', 'conversations', 'parquet'" in bad.output
 
 
 def test_decode_many_matches_transformers_decode() -> None:

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import redis
 
-from datagen.control._job_scripts import COUNT_AND_MAYBE_COMPLETE
 from datagen.control.job_outcomes import COUNT_STATES
 from datagen.control.keys import Keys
+from datagen.control.lua import source
 from datagen.control.progress import JobProgress
 from datagen.states import JobState
 
@@ -60,7 +60,7 @@ class _Counter:
     def __init__(self, client: redis.Redis, accepted: int, state: JobState = JobState.RUNNING) -> None:
         self.client = client
         self.keys = Keys(NS)
-        self.script = client.register_script(COUNT_AND_MAYBE_COMPLETE)
+        self.script = client.register_script(source("count_and_maybe_complete"))
         key = self.keys.job(JOB)
         client.hset(key, mapping={"state": state.value, "accepted": accepted, "created_at_ms": CREATED_MS})
         client.sadd(self.keys.job_running(JOB), *(f"rq{i}" for i in range(accepted)))

@@ -20,7 +20,7 @@ def test_create_is_idempotent(store: JobStore) -> None:
     assert store.create("j1", spec) is True
     assert store.create("j1", spec) is False
     assert store.spec("j1") == spec
-    assert store.list_ids() == ["j1"]
+    assert store.index.list_ids() == ["j1"]
     assert store.progress("j1").state is JobState.INGESTING
 
 
@@ -30,10 +30,10 @@ def test_job_completes_when_the_last_prompt_is_counted(store: JobStore, redis_cl
         store.add_ingest_counts(pipe, "j1", {"rows": 3, "accepted": 2, "rejected": 1}, line=3)
         pipe.execute()
     store.finish_ingest("j1")
-    store.started("j1", "rq-a")
-    store.started("j1", "rq-b")
-    store.started("j1", "rq-b")  # started again after a hand-back: still one prompt in flight
-    store.ack_done(TARGET, [_ack("j1", "rq-a", 10)])
+    store.outcomes.started("j1", "rq-a")
+    store.outcomes.started("j1", "rq-b")
+    store.outcomes.started("j1", "rq-b")  # started again after a hand-back: still one prompt in flight
+    store.outcomes.ack_done(TARGET, [_ack("j1", "rq-a", 10)])
     progress = store.progress("j1")
     assert (progress.state, progress.done, progress.in_flight, progress.output_tokens) == (
         JobState.RUNNING,
@@ -43,13 +43,13 @@ def test_job_completes_when_the_last_prompt_is_counted(store: JobStore, redis_cl
     )
     with redis_client.pipeline() as pipe:
         report = {"reason": "BadRequestError", "message": "too long"}
-        store.count_failed(pipe, "j1", "rq-b", report, partition="chat", cls="long")
+        store.outcomes.count_failed(pipe, "j1", "rq-b", report, partition="chat", cls="long")
         pipe.execute()
     progress = store.progress("j1")
     assert progress.state is JobState.COMPLETED
     assert progress.to_json()["failed"] == 1
     assert progress.to_json()["eta_s"] is None
-    assert store.failed_reports("j1", 10) == [{"message": "too long", "reason": "BadRequestError"}]
+    assert store.outcomes.failed_reports("j1", 10) == [{"message": "too long", "reason": "BadRequestError"}]
 
 
 def test_a_job_with_no_prompts_completes_at_end_of_ingestion(store: JobStore) -> None:
@@ -73,10 +73,10 @@ def test_a_prompt_finished_twice_is_counted_once(store: JobStore, redis_client: 
         store.add_ingest_counts(pipe, "j1", {"rows": 2, "accepted": 2}, line=2)
         pipe.execute()
     store.finish_ingest("j1")
-    store.started("j1", "rq-a")
-    store.started("j1", "rq-b")
+    store.outcomes.started("j1", "rq-a")
+    store.outcomes.started("j1", "rq-b")
     for _ in range(2):
-        store.ack_done(TARGET, [_ack("j1", "rq-a", 10)])
+        store.outcomes.ack_done(TARGET, [_ack("j1", "rq-a", 10)])
     progress = store.progress("j1")
     # Counted twice, rq-a would make done 2 = accepted and complete the job with rq-b still running.
     assert (progress.state, progress.done, progress.in_flight, progress.output_tokens) == (
@@ -105,12 +105,12 @@ def test_a_batch_ack_counts_each_prompt_once_and_finishes_it_in_rq(
     store.finish_ingest("j1")
     ids = [f"rq-{i}" for i in range(40)]
     for rq_id in ids:
-        store.started("j1", rq_id)
+        store.outcomes.started("j1", rq_id)
         redis_client.hset(f"rq:job:{rq_id}", mapping={"data": "x", "status": "started"})
         redis_client.zadd("started", {f"{rq_id}:x": 1e12})
     batch = [_ack("j1", rq_id, 10) for rq_id in ids[:37]]
-    assert store.ack_done(TARGET, batch) == 37
-    assert store.ack_done(TARGET, batch) == 0  # the same batch again: counted before
+    assert store.outcomes.ack_done(TARGET, batch) == 37
+    assert store.outcomes.ack_done(TARGET, batch) == 0  # the same batch again: counted before
     progress = store.progress("j1")
     assert (progress.state, progress.done, progress.in_flight, progress.output_tokens) == (
         JobState.RUNNING,
@@ -124,12 +124,12 @@ def test_a_batch_ack_counts_each_prompt_once_and_finishes_it_in_rq(
     fields = redis_client.hgetall(Keys("t").job("j1"))
     # 37 of 40 ended: past 95 % (38 of 40)? Not yet; the first record is known.
     assert b"first_record_at_ms" in fields and b"tail_from_ms" not in fields
-    assert store.ack_done(TARGET, [_ack("j1", "rq-37", 5)]) == 1
+    assert store.outcomes.ack_done(TARGET, [_ack("j1", "rq-37", 5)]) == 1
     assert b"tail_from_ms" in redis_client.hgetall(Keys("t").job("j1"))  # 38 of 40 = 95 %
     breakdown = redis_client.hgetall(Keys("t").job_breakdown("j1"))
     assert breakdown[b"done|other|short"] == b"38"  # "math" is not a labelled partition here
     assert breakdown[b"output_tokens|other|short"] == b"375"
-    assert store.ack_done(TARGET, [_ack("j1", "rq-38", 1), _ack("j1", "rq-39", 1)]) == 2
+    assert store.outcomes.ack_done(TARGET, [_ack("j1", "rq-38", 1), _ack("j1", "rq-39", 1)]) == 2
     assert store.progress("j1").state is JobState.COMPLETED
 
 
@@ -139,9 +139,9 @@ def test_a_batch_ack_of_another_incarnation_counts_nothing_and_leaves_rq_alone(
     store.create("j1", JobSpec(tokenizer="tok"))
     current = redis_client.hget(Keys("t").job("j1"), "incarnation")
     assert current
-    store.started("j1", "rq-a")
+    store.outcomes.started("j1", "rq-a")
     redis_client.hset("rq:job:rq-a", mapping={"data": "x", "status": "queued"})
-    assert store.ack_done(TARGET, [_ack("j1", "rq-a", 10, incarnation="old")]) == 0
+    assert store.outcomes.ack_done(TARGET, [_ack("j1", "rq-a", 10, incarnation="old")]) == 0
     assert redis_client.hget("rq:job:rq-a", "status") == b"queued"  # the new job's prompt
-    assert store.ack_done(TARGET, [_ack("gone", "rq-g", 10)]) == 0
+    assert store.outcomes.ack_done(TARGET, [_ack("gone", "rq-g", 10)]) == 0
     assert not redis_client.exists(Keys("t").job("gone"), Keys("t").job_running("gone"), "rq:job:rq-g")

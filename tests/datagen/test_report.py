@@ -12,15 +12,16 @@ from datagen.cli import app
 from datagen.records.storage import Storage
 from datagen.report import CheckStatus, build_report
 from datagen.report.stats import LENGTH_EDGES, LengthHistogram
-from tests.datagen.test_export_formats import (
+from tests.support.export_jobs import (
     ASSISTANT,
     BOS,
+    CLEAN,
     EOS,
     HI,
+    HI_MESSAGES,
     HI_PROMPT,
     I_THINK,
     JOB,
-    LET_ME,
     REASONED,
     THE_ANSWER,
     THINK,
@@ -31,22 +32,6 @@ from tests.datagen.test_export_formats import (
 )
 
 DOUBLE_NEWLINE = 271  # "\n\n"
-HI_MESSAGES = [{"role": "user", "content": "Hi"}]
-MULTI = Sample(
-    "multi",
-    [*LET_ME, THINK_END, *THE_ANSWER, EOS],
-    messages=[
-        {"role": "user", "content": "Hi"},
-        {"role": "assistant", "content": "Hello"},
-        {"role": "user", "content": "Bye"},
-    ],
-    partition="chat",
-)
-CLEAN = [
-    Sample("hi", REASONED, messages=HI_MESSAGES, partition="math"),
-    MULTI,
-    Sample("trunc", [*I_THINK, *LET_ME], finish="length", messages=HI_MESSAGES, partition="math"),
-]
 
 
 def _statuses(storage: Storage) -> dict[str, tuple[str, int]]:

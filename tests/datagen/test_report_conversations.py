@@ -14,8 +14,7 @@ from typer.testing import CliRunner
 from datagen.cli import app
 from datagen.records.storage import Storage
 from datagen.report import build_report
-from tests.datagen.test_export_formats import JOB, REASONED, Sample, build_job
-from tests.datagen.test_report import CLEAN
+from tests.support.export_jobs import CLEAN, JOB, REASONED, Sample, build_job
 
 ALL_TURNS = {"multi_turn": "all"}
 INCARNATION = "inc2"

@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 from datagen.cli import app
 from datagen.records.storage import Storage
 from datagen.report import build_report
-from tests.datagen.test_export_formats import JOB, REASONED, Sample, build_job
+from tests.support.export_jobs import JOB, REASONED, Sample, build_job
 
 HI_MESSAGES = [{"role": "user", "content": "Hi"}]
 

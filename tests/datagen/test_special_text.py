@@ -12,7 +12,7 @@ from datagen.prompts.tokenization import (
 )
 from datagen.records.storage import Storage
 from datagen.report import build_report
-from tests.datagen.test_export_formats import JOB, REASONED, Sample, build_job
+from tests.support.export_jobs import JOB, REASONED, Sample, build_job
 
 # Ids read once off the DeepSeek tokenizer with convert_tokens_to_ids and written here by hand.
 USER, ASSISTANT, THINK = 128803, 128804, 128821

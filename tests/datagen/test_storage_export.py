@@ -11,7 +11,7 @@ from datagen.errors import InvalidSpecError, StorageError
 from datagen.export import export_id, export_specforge
 from datagen.records.schema import RECORD_SCHEMA, SCHEMA_VERSION, Record, loss_mask, records_to_table
 from datagen.records.storage import Storage
-from tests.helpers import make_record
+from tests.support.records import make_record
 
 
 def _record(

@@ -35,14 +35,12 @@ from service.app import create_app
 from service.coordinator import Coordinator
 from service.ingest import IngestOptions, Ingestor
 from simulator.model import SpecialIds, expected_output
-from tests.helpers import (
-    StopAfter,
-    fast_worker_settings,
-    make_record,
-    make_spec,
-    running_simulator,
-    wait_ingested,
-)
+from tests.support.ingest import StopAfter, wait_ingested
+from tests.support.records import make_record
+from tests.support.sim import running_simulator
+from tests.support.specs import make_spec
+from tests.support.wait import wait_until
+from tests.support.workers import fast_worker_settings
 from workers.fleet import ServerSpec
 from workers.worker import Worker
 
@@ -258,7 +256,7 @@ def test_uploads_over_the_limit_leave_nothing_and_ingestion_resumes_on_s3(
 
     coordinator = Coordinator(settings, redis_client)
     coordinator.start()
-    coordinator.wait_ingested("job", timeout_s=30)
+    wait_until(lambda: jobs.progress("job").state is not JobState.INGESTING, 30, "the resumed ingestion")
     coordinator.close()
     progress = jobs.progress("job")
     assert (progress.state, progress.accepted, progress.rejected) == (JobState.RUNNING, 8, 2)

@@ -23,8 +23,8 @@ from datagen.records.reader import verify_job
 from datagen.records.schema import Record, records_to_table
 from datagen.records.storage import Storage
 from datagen.report import build_report
-from tests.datagen.test_export_formats import REASONED, Sample, build_job, read_jsonl
-from tests.helpers import make_record
+from tests.support.export_jobs import REASONED, Sample, build_job, read_jsonl
+from tests.support.records import make_record
 
 JOB = "job1"
 GOOD, BAD, LAST = "w-00000001", "w-00000002", "w-00000003"

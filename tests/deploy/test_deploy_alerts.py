@@ -10,7 +10,7 @@ from typing import Any
 
 import yaml
 
-from tests.deploy.deploy_helpers import (
+from tests.support.deploy import (
     DEPLOY,
     PROMETHEUS_CONFIG,
     as_list,

@@ -33,7 +33,7 @@ from datagen.settings import (
     known_variables,
     load,
 )
-from tests.deploy.deploy_helpers import (
+from tests.support.deploy import (
     COMPOSE_FILE,
     DEPLOY,
     PROMETHEUS_CONFIG,
@@ -45,7 +45,8 @@ from tests.deploy.deploy_helpers import (
     prometheus_targets,
     require_binary,
 )
-from tests.helpers import ProcessStack, wait_until
+from tests.support.processes import ProcessStack
+from tests.support.wait import wait_until
 from workers.fleet import ServerSpec
 
 SCHEMA = DEPLOY / "compose-spec.json"

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.deploy.deploy_helpers import (
+from tests.support.deploy import (
     BUILTIN_VARIABLES,
     COMPOSE_FILE,
     GRAFANA_PROVISIONING,
@@ -22,7 +22,7 @@ from tests.deploy.deploy_helpers import (
     variable_query,
     variables,
 )
-from tests.deploy.deploy_helpers import variables as board_variables
+from tests.support.deploy import variables as board_variables
 
 DASHBOARDS = load_dashboards()
 EXPECTED_BOARDS = {"fleet.json", "kv.json", "job.json"}

@@ -1,6 +1,6 @@
 """Metric names and label sets are pinned, so the dashboards cannot drift from the code silently.
 
-The expected table (deploy_helpers.EXPECTED_METRICS) is written by hand. A change to a metric's
+The expected table (tests/support/deploy.py, EXPECTED_METRICS) is written by hand. A change to a metric's
 name or labels must change that table and, with it, the dashboards that query the metric.
 """
 
@@ -11,12 +11,12 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.metrics import MetricWrapperBase
 
 from datagen.control.jobs import JobStore
-from datagen.control.keys import Keys
+from datagen.control.keys import BreakdownField, Keys
 from datagen.spec import JobSpec
 from service.fleetview import FleetView
 from service.metrics import CoordinatorMetrics
 from simulator.metrics import SimMetrics
-from tests.deploy.deploy_helpers import EXPECTED_METRICS
+from tests.support.deploy import EXPECTED_METRICS
 from workers.metrics import WorkerMetrics
 
 Family = tuple[str, frozenset[str]]
@@ -84,10 +84,10 @@ def test_coordinator_metrics_are_pinned(redis_client: redis.Redis) -> None:
             pipe,
             "j1",
             {
-                ("accepted", "math", "short"): 4,
-                ("done", "math", "short"): 1,
-                ("output_tokens", "math", "short"): 30,
-                ("finish:stop", "math", "short"): 1,
+                BreakdownField("accepted", "math", "short"): 4,
+                BreakdownField("done", "math", "short"): 1,
+                BreakdownField("output_tokens", "math", "short"): 30,
+                BreakdownField("finish:stop", "math", "short"): 1,
             },
         )
         pipe.sadd(keys.paused_servers(), "gpu0")

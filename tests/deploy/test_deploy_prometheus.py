@@ -29,7 +29,7 @@ import yaml
 
 from datagen.local.redis_server import LocalRedis, free_port
 from datagen.prompts.tokenization import bundled_tokenizer_path, default_chat_template_path
-from tests.deploy.deploy_helpers import (
+from tests.support.deploy import (
     PROMETHEUS_CONFIG,
     PanelQuery,
     Prometheus,
@@ -41,7 +41,8 @@ from tests.deploy.deploy_helpers import (
     variable_query,
     variables,
 )
-from tests.helpers import ProcessStack, wait_until
+from tests.support.processes import ProcessStack
+from tests.support.wait import wait_until
 
 pytestmark = pytest.mark.e2e
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from datagen.records.storage import Storage
-from tests.helpers import wait_until
+from tests.support.wait import wait_until
 
 pytestmark = pytest.mark.e2e
 

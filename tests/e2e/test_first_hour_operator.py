@@ -29,7 +29,8 @@ from datagen.errors import ConfigError
 from datagen.local.processes import child_env
 from datagen.local.redis_server import LocalRedis, free_port
 from datagen.prompts.tokenization import bundled_tokenizer_path, default_chat_template_path
-from tests.helpers import ProcessStack, coordinator_stack, wait_until
+from tests.support.processes import ProcessStack, coordinator_stack
+from tests.support.wait import wait_until
 
 pytestmark = pytest.mark.e2e
 

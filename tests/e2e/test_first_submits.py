@@ -12,7 +12,8 @@ from pathlib import Path
 
 import httpx
 
-from tests.helpers import coordinator_stack, make_spec
+from tests.support.processes import coordinator_stack
+from tests.support.specs import make_spec
 
 SUBMITS = 1001
 CLIENTS = 64

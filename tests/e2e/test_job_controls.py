@@ -16,7 +16,7 @@ import pytest
 
 from datagen.prompts.tokenization import bundled_tokenizer_path, default_chat_template_path, get_renderer
 from simulator.model import SpecialIds, expected_output
-from tests.e2e.e2e_helpers import (
+from tests.support.e2e import (
     FAST_STACK_ENV,
     MAX_NEW,
     SEED,
@@ -26,7 +26,8 @@ from tests.e2e.e2e_helpers import (
     submit_job,
     submit_job_result,
 )
-from tests.helpers import ProcessStack, coordinator_stack, wait_until
+from tests.support.processes import ProcessStack, coordinator_stack
+from tests.support.wait import wait_until
 
 pytestmark = pytest.mark.e2e
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import httpx
 
-from tests.helpers import coordinator_stack
+from tests.support.processes import coordinator_stack
 
 REQUESTS = 30
 # Without TCP_NODELAY the median was 44 ms on this machine (48 ms for the coordinator's GET /jobs);

@@ -16,8 +16,9 @@ from rq import Queue
 from rq.registry import FailedJobRegistry, StartedJobRegistry
 
 from datagen.prompts.tokenization import bundled_tokenizer_path, default_chat_template_path
-from tests.e2e.e2e_helpers import get_job, job_records
-from tests.helpers import ProcessStack, coordinator_stack, wait_until
+from tests.support.e2e import get_job, job_records
+from tests.support.processes import ProcessStack, coordinator_stack
+from tests.support.wait import wait_until
 
 pytestmark = pytest.mark.e2e
 

@@ -25,7 +25,7 @@ from datagen.local.redis_server import LocalRedis, free_port
 from datagen.prompts.tokenization import bundled_tokenizer_path, default_chat_template_path, get_renderer
 from datagen.records.storage import Storage
 from simulator.model import SpecialIds, expected_output
-from tests.helpers import ProcessStack
+from tests.support.processes import ProcessStack
 
 pytestmark = pytest.mark.e2e
 

@@ -15,7 +15,8 @@ import pytest
 import yaml
 
 from datagen.prompts.tokenization import bundled_tokenizer_path
-from tests.helpers import ProcessStack, coordinator_stack, make_spec
+from tests.support.processes import ProcessStack, coordinator_stack
+from tests.support.specs import make_spec
 
 pytestmark = pytest.mark.e2e
 
@@ -38,12 +39,12 @@ def _dataset(stack: Any) -> Path:
     return path  # type: ignore[no-any-return]
 
 
-def _spec(tokenizer: str | None, **fields: Any) -> dict[str, Any]:
-    """No context length: the pre-flight checks learn it from a live worker, or refuse."""
-    return make_spec(
-        **{"context_len": None, "short_max_new_tokens": 64, "sampling": {"sampling_seed": 3}, **fields},
-        tokenizer=tokenizer or bundled_tokenizer_path(),
-    )
+# No context length: the pre-flight checks learn it from a live worker, or refuse.
+SPEC_DEFAULTS: dict[str, Any] = {
+    "context_len": None,
+    "short_max_new_tokens": 64,
+    "sampling": {"sampling_seed": 3},
+}
 
 
 def _refused_with_409(stack: Any, *, tokenizer: str | None = None, **fields: Any) -> bool:
@@ -51,7 +52,11 @@ def _refused_with_409(stack: Any, *, tokenizer: str | None = None, **fields: Any
     with open(_dataset(stack), "rb") as fh:
         response = httpx.post(
             f"{stack.coordinator}/jobs",
-            data={"spec": json.dumps(_spec(tokenizer, **fields))},
+            data={
+                "spec": json.dumps(
+                    make_spec(SPEC_DEFAULTS, tokenizer=tokenizer or bundled_tokenizer_path(), **fields)
+                )
+            },
             files={"dataset": ("d.jsonl", fh, "application/jsonl")},
             timeout=60,
         )
@@ -59,7 +64,7 @@ def _refused_with_409(stack: Any, *, tokenizer: str | None = None, **fields: Any
 
 
 def _submit(stack: Any, *, tokenizer: str | None = None, **fields: Any) -> tuple[int, str]:
-    spec = _spec(tokenizer, **fields)
+    spec = make_spec(SPEC_DEFAULTS, tokenizer=tokenizer or bundled_tokenizer_path(), **fields)
     spec_file = stack.tmp / "job.yaml"
     spec_file.write_text(yaml.safe_dump(spec))
     result = stack.cli("submit", str(_dataset(stack)), "--spec", str(spec_file), "--wait")

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from tests.faults.fault_helpers import FaultStack
+from tests.support.faults import FaultStack
 
 
 @pytest.fixture

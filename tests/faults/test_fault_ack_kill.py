@@ -15,14 +15,8 @@ from pathlib import Path
 import pytest
 
 from datagen.control.keys import Keys
-from tests.faults.fault_helpers import (
-    REAP_BUDGET_S,
-    FaultStack,
-    all_records,
-    check_final_state,
-    rows_for,
-    wait_for,
-)
+from tests.support.faults import POLL_S, REAP_BUDGET_S, FaultStack, all_records, check_final_state, rows_for
+from tests.support.wait import wait_until
 
 pytestmark = pytest.mark.faults
 
@@ -42,10 +36,11 @@ def test_kill_between_shard_commit_and_batch_ack_counts_and_exports_each_prompt_
         stack.procs.env["DATAGEN_TEST_ACK_DELAY_S"] = ACK_DELAY_S
         first = stack.start_worker("worker-1", ["a"], concurrency=CONCURRENCY)
         stack.procs.env.pop("DATAGEN_TEST_ACK_DELAY_S")
-        wait_for(
+        wait_until(
             lambda: len(all_records(stack.storage, job_id)) >= CONCURRENCY,
             60,
             "the first worker to commit shards",
+            interval_s=POLL_S,
         )
         # Stored but not acknowledged: nothing is counted, and every stored prompt is still started.
         stored = {r["sample_id"] for r in all_records(stack.storage, job_id)}

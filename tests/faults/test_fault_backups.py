@@ -16,15 +16,9 @@ from collections.abc import Callable
 
 import pytest
 
-from tests.faults.fault_helpers import (
-    REAP_BUDGET_S,
-    FaultStack,
-    Sim,
-    check_final_state,
-    metric_value,
-    rows_for,
-    wait_for,
-)
+from tests.support.faults import POLL_S, REAP_BUDGET_S, FaultStack, Sim, check_final_state, rows_for
+from tests.support.metrics import metric_value
+from tests.support.wait import wait_until
 
 pytestmark = pytest.mark.faults
 
@@ -57,7 +51,7 @@ def test_kill_9_during_backups_counts_and_exports_each_prompt_once(
     def backing_up() -> list[str]:
         return BACKUP_LINE.findall(log_path.read_text(errors="replace"))
 
-    wait_for(lambda: bool(backing_up()), 90, "a backup request", poll_s=0.01, on_timeout=stack.logs)
+    wait_until(lambda: bool(backing_up()), 90, "a backup request", interval_s=0.01, on_timeout=stack.logs)
     stack.kill(worker)
     raced = set(backing_up())
     done_at_kill = stack.job(job_id)["done"]
@@ -80,7 +74,12 @@ def test_kill_9_during_backups_counts_and_exports_each_prompt_once(
         assert len([r for r in state.records if r["rid"].startswith(f"{rq_id}.")]) == 1, rq_id
     # Nothing of the dead worker's requests, nor of the losers, still runs on either server.
     for sim in stack.sims.values():
-        wait_for(functools.partial(_idle, sim), DISCONNECT_POLL_S + 5, f"server {sim.name} to be idle")
+        wait_until(
+            functools.partial(_idle, sim),
+            DISCONNECT_POLL_S + 5,
+            f"server {sim.name} to be idle",
+            interval_s=POLL_S,
+        )
 
 
 def _idle(sim: Sim) -> bool:

@@ -21,7 +21,8 @@ import httpx
 import pytest
 
 from datagen.local.redis_server import free_port
-from tests.faults.fault_helpers import FaultStack, check_final_state, metric_value, rows_for
+from tests.support.faults import FaultStack, check_final_state, rows_for
+from tests.support.metrics import metric_value
 
 pytestmark = pytest.mark.faults
 

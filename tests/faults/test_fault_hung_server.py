@@ -23,7 +23,8 @@ from collections.abc import Callable
 
 import pytest
 
-from tests.faults.fault_helpers import FaultStack, check_final_state, rows_for, wait_for
+from tests.support.faults import POLL_S, FaultStack, check_final_state, rows_for
+from tests.support.wait import wait_until
 
 pytestmark = pytest.mark.faults
 
@@ -72,7 +73,7 @@ def test_a_sigstopped_servers_prompts_finish_elsewhere_within_twice_the_usual_ti
     sim = stack.sims["a"]
     assert sim.proc is not None
     job_id, rows, started_at = _run_job(stack, "stopped")
-    wait_for(lambda: stack.job(job_id)["done"] >= STOP_AT_DONE, 60, "a third of the job")
+    wait_until(lambda: stack.job(job_id)["done"] >= STOP_AT_DONE, 60, "a third of the job", interval_s=POLL_S)
     os.kill(sim.proc.pid, signal.SIGSTOP)
     stopped_at = time.monotonic()
     try:

@@ -30,7 +30,8 @@ import pytest
 import redis
 
 from datagen.states import PromptClass
-from tests.faults.fault_helpers import FaultStack, rows_for, wait_for
+from tests.support.faults import POLL_S, FaultStack, rows_for
+from tests.support.wait import wait_until
 
 pytestmark = pytest.mark.faults
 
@@ -89,7 +90,12 @@ def _start_ingesting(stack: FaultStack) -> tuple[str, list[dict[str, Any]]]:
     stack.start_coordinator()
     rows = rows_for(PROMPTS)
     job_id = stack.submit(rows, max_new_tokens=100)
-    wait_for(lambda: _counter(stack, job_id, "accepted") >= KILL_AFTER, 60, "ingestion to get going")
+    wait_until(
+        lambda: _counter(stack, job_id, "accepted") >= KILL_AFTER,
+        60,
+        "ingestion to get going",
+        interval_s=POLL_S,
+    )
     return job_id, rows
 
 
@@ -104,8 +110,20 @@ def test_a_coordinator_killed_mid_ingestion_resumes_from_its_checkpoint(
     assert at_kill["state"] == "ingesting" and int(at_kill["accepted"]) < PROMPTS, at_kill
     restarted = time.monotonic()
     stack.start_coordinator()
-    resume_s = wait_for(lambda: _counter(stack, job_id, "accepted") > int(at_kill["accepted"]), 60, "resume")
-    wait_for(lambda: (_job_hash(stack, job_id) or {}).get("state") == "running", 60, "ingestion to finish")
+    resuming_since = time.monotonic()
+    wait_until(
+        lambda: _counter(stack, job_id, "accepted") > int(at_kill["accepted"]),
+        60,
+        "resume",
+        interval_s=POLL_S,
+    )
+    resume_s = time.monotonic() - resuming_since
+    wait_until(
+        lambda: (_job_hash(stack, job_id) or {}).get("state") == "running",
+        60,
+        "ingestion to finish",
+        interval_s=POLL_S,
+    )
     finish_s = time.monotonic() - restarted
     _check_complete(stack, job_id, rows)
     print(
@@ -144,7 +162,12 @@ def test_redis_killed_mid_ingestion_loses_and_duplicates_nothing(
     time.sleep(REDIS_DOWN_S)
     stack.restart_redis()
     kept = _check_consistent(stack, job_id)["job"]  # what the AOF kept
-    wait_for(lambda: (_job_hash(stack, job_id) or {}).get("state") == "running", 90, "ingestion to finish")
+    wait_until(
+        lambda: (_job_hash(stack, job_id) or {}).get("state") == "running",
+        90,
+        "ingestion to finish",
+        interval_s=POLL_S,
+    )
     finish_s = time.monotonic() - killed_at
     _check_complete(stack, job_id, rows)
     print(

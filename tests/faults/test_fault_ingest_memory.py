@@ -30,7 +30,8 @@ from pathlib import Path
 import pytest
 
 from datagen.states import Priority, PromptClass
-from tests.faults.fault_helpers import FaultStack, rows_for, wait_for
+from tests.support.faults import POLL_S, FaultStack, rows_for
+from tests.support.wait import wait_until
 
 pytestmark = pytest.mark.faults
 
@@ -122,9 +123,9 @@ def _ingest(make_stack: Callable[..., FaultStack], prompts: int) -> Run:
     with Drainer(stack) as drainer:
         started = time.monotonic()
         job_id = stack.submit(rows, max_new_tokens=100)
-        wait_for(lambda: stack.job(job_id)["state"] == "running", 300, "ingestion", poll_s=0.2)
+        wait_until(lambda: stack.job(job_id)["state"] == "running", 300, "ingestion", interval_s=0.2)
         seconds = time.monotonic() - started
-        wait_for(lambda: drainer.popped == prompts, 60, "the drainer to empty the queue")
+        wait_until(lambda: drainer.popped == prompts, 60, "the drainer to empty the queue", interval_s=POLL_S)
     job = stack.job(job_id)
     assert (job["total"], job["skipped"], job["rejected"]) == (prompts, 0, 0), job
     run = Run(

@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.e2e.e2e_helpers import (
+from tests.support.e2e import (
     FAST_STACK_ENV,
     get_job,
     job_records,
@@ -25,7 +25,8 @@ from tests.e2e.e2e_helpers import (
     submit_job,
     submit_job_result,
 )
-from tests.helpers import ProcessStack, coordinator_stack, wait_until
+from tests.support.processes import ProcessStack, coordinator_stack
+from tests.support.wait import wait_until
 
 pytestmark = pytest.mark.faults
 

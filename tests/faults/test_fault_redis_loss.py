@@ -22,14 +22,8 @@ from collections.abc import Callable
 import httpx
 import pytest
 
-from tests.faults.fault_helpers import (
-    HTTP_TIMEOUT_S,
-    FaultStack,
-    all_records,
-    check_final_state,
-    rows_for,
-    wait_for,
-)
+from tests.support.faults import HTTP_TIMEOUT_S, POLL_S, FaultStack, all_records, check_final_state, rows_for
+from tests.support.wait import wait_until
 
 pytestmark = pytest.mark.faults
 
@@ -62,7 +56,7 @@ def _start(make_stack: Callable[..., FaultStack], namespace: str) -> tuple[Fault
     stack.add_sim("a", time_scale=0.02)
     stack.start_coordinator()
     stack.start_worker("worker", ["a"], concurrency=CONCURRENCY)
-    wait_for(lambda: _servers(stack) == ["a"], 30, "the worker to publish its server")
+    wait_until(lambda: _servers(stack) == ["a"], 30, "the worker to publish its server", interval_s=POLL_S)
     rows = rows_for(PROMPTS)
     job_id = stack.submit(rows, max_new_tokens=MAX_NEW_TOKENS)
     return stack, job_id, rows
@@ -70,7 +64,12 @@ def _start(make_stack: Callable[..., FaultStack], namespace: str) -> tuple[Fault
 
 def test_redis_restarted_empty_mid_job(make_stack: Callable[..., FaultStack]) -> None:
     stack, job_id, rows = _start(make_stack, "lost")
-    wait_for(lambda: stack.job(job_id)["done"] >= PROMPTS // 4, 120, "a quarter of the job to be done")
+    wait_until(
+        lambda: stack.job(job_id)["done"] >= PROMPTS // 4,
+        120,
+        "a quarter of the job to be done",
+        interval_s=POLL_S,
+    )
 
     stack.kill_redis()
     lost_at = time.monotonic()
@@ -79,14 +78,19 @@ def test_redis_restarted_empty_mid_job(make_stack: Callable[..., FaultStack]) ->
         (r["sample_id"], r["turn"], r["gen"]) for r in all_records(stack.storage, job_id)
     )
     stack.restart_redis()  # no AOF, no snapshot: empty
-    back = wait_for(
+    waiting_since = time.monotonic()
+    wait_until(
         lambda: _servers(stack) == ["a"],
         REPUBLISH_BUDGET_S + 5,
         "the server to be published again",
+        interval_s=POLL_S,
         on_timeout=stack.logs,
     )
+    back = time.monotonic() - waiting_since
     republished_s = time.monotonic() - lost_at
-    wait_for(lambda: _job_or_none(stack, job_id) is not None, 30, "the job to be rebuilt")
+    wait_until(
+        lambda: _job_or_none(stack, job_id) is not None, 30, "the job to be rebuilt", interval_s=POLL_S
+    )
     stack.wait_completed(job_id, COMPLETE_TIMEOUT_S)
     whole_s = time.monotonic() - lost_at
 
@@ -108,9 +112,19 @@ def test_redis_restarted_empty_mid_job(make_stack: Callable[..., FaultStack]) ->
 
 def test_redis_restored_from_an_older_snapshot_mid_job(make_stack: Callable[..., FaultStack]) -> None:
     stack, job_id, rows = _start(make_stack, "back")
-    wait_for(lambda: stack.job(job_id)["done"] >= PROMPTS // 6, 120, "a sixth of the job to be done")
+    wait_until(
+        lambda: stack.job(job_id)["done"] >= PROMPTS // 6,
+        120,
+        "a sixth of the job to be done",
+        interval_s=POLL_S,
+    )
     stack.redis.save()  # the snapshot Redis will come back with
-    wait_for(lambda: stack.job(job_id)["done"] >= PROMPTS // 2, 120, "half of the job to be done")
+    wait_until(
+        lambda: stack.job(job_id)["done"] >= PROMPTS // 2,
+        120,
+        "half of the job to be done",
+        interval_s=POLL_S,
+    )
 
     stack.kill_redis()
     committed_before = Counter(

@@ -25,14 +25,9 @@ import httpx
 import pytest
 
 from datagen.local.redis_server import free_port
-from tests.faults.fault_helpers import (
-    HTTP_TIMEOUT_S,
-    FaultStack,
-    check_final_state,
-    metric_value,
-    rows_for,
-    wait_for,
-)
+from tests.support.faults import HTTP_TIMEOUT_S, POLL_S, FaultStack, check_final_state, rows_for
+from tests.support.metrics import metric_value
+from tests.support.wait import wait_until
 
 pytestmark = [pytest.mark.faults, pytest.mark.timeout(150)]
 
@@ -61,10 +56,11 @@ def test_redis_stall_reaps_no_live_worker(make_stack: Callable[..., FaultStack])
         stack.start_worker(f"worker{n}", ["a"], concurrency=CONCURRENCY, metrics_port=port)
     rows = rows_for(PROMPTS)
     job_id = stack.submit(rows, max_new_tokens=MAX_NEW_TOKENS)
-    wait_for(
+    wait_until(
         lambda: stack.job(job_id)["done"] >= 50 and len(stack.started_members()) >= BUSY,
         60,
         "the workers to be busy",
+        interval_s=POLL_S,
     )
 
     in_flight = len(stack.started_members())

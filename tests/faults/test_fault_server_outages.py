@@ -24,15 +24,9 @@ import httpx
 import pytest
 
 from datagen.local.redis_server import free_port
-from tests.faults.fault_helpers import (
-    FaultStack,
-    Sampler,
-    all_records,
-    check_final_state,
-    metric_value,
-    rows_for,
-    wait_for,
-)
+from tests.support.faults import POLL_S, FaultStack, Sampler, all_records, check_final_state, rows_for
+from tests.support.metrics import metric_value
+from tests.support.wait import wait_until
 
 pytestmark = pytest.mark.faults
 
@@ -95,7 +89,7 @@ def test_a_server_down_for_10_s_costs_no_prompt_and_gets_work_again(
     job_id = stack.submit(rows, max_new_tokens=MAX_NEW_TOKENS)
     started_at = time.monotonic()
     stack.start_worker("worker", ["a", "b"], concurrency=CONCURRENCY)
-    wait_for(lambda: _both_serving(stack, job_id, done=100), 60, "both servers to serve")
+    wait_until(lambda: _both_serving(stack, job_id, done=100), 60, "both servers to serve", interval_s=POLL_S)
 
     sim = stack.sims["a"]
     with Sampler(lambda: _activity(sim.url)) as probe:
@@ -106,7 +100,12 @@ def test_a_server_down_for_10_s_costs_no_prompt_and_gets_work_again(
         restarted_at = time.monotonic()
         restart_ms = int(time.time() * 1000)
         stack.start_sim("a", "--starting-s", str(STARTING_S), wait_healthy=False)
-        wait_for(lambda: _samples_after(probe, restarted_at, lambda s: s[1] > 0), 60, "work on server a")
+        wait_until(
+            lambda: _samples_after(probe, restarted_at, lambda s: s[1] > 0),
+            60,
+            "work on server a",
+            interval_s=POLL_S,
+        )
         done_at_return = stack.job(job_id)["done"]
         stack.wait_completed(job_id, 120)
     job_s = time.monotonic() - started_at
@@ -151,7 +150,7 @@ def test_a_wedged_server_times_out_and_its_prompts_complete_elsewhere(
     metrics_port = free_port()
     started_at = time.monotonic()
     stack.start_worker("worker", ["a", "b"], concurrency=CONCURRENCY, metrics_port=metrics_port)
-    wait_for(lambda: _both_serving(stack, job_id, done=50), 60, "both servers to serve")
+    wait_until(lambda: _both_serving(stack, job_id, done=50), 60, "both servers to serve", interval_s=POLL_S)
 
     hung_ms = int(time.time() * 1000)
     response = httpx.post(f"{stack.sims['a'].url}/_sim/chaos", json={"hang_generate": True}, timeout=5)

@@ -30,14 +30,8 @@ from typing import Any
 
 import pytest
 
-from tests.faults.fault_helpers import (
-    REAP_BUDGET_S,
-    FaultStack,
-    Sampler,
-    check_final_state,
-    rows_for,
-    wait_for,
-)
+from tests.support.faults import POLL_S, REAP_BUDGET_S, FaultStack, Sampler, check_final_state, rows_for
+from tests.support.wait import wait_until
 
 pytestmark = pytest.mark.faults
 
@@ -81,24 +75,27 @@ def _rq_ids(members: set[str]) -> set[str]:
     return {m.split(":", 1)[0] for m in members}
 
 
-def _wait_for_orphans_back(stack: FaultStack, previous: Kill, pid: int) -> None:
+def _until_orphans_back(stack: FaultStack, previous: Kill, pid: int) -> None:
     """Wait until the previous kill's orphans are reaped and a third of them run in ``pid``.
 
     Reaped prompts go to the front of the queue, so the live worker claims them as its slots free
     up; killing it then loses them a second (or third) time. They finish as they are claimed: after
     ``CATCH_WINDOW_S`` one caught prompt is enough, and after twice that the kill goes ahead anyway.
     """
-    wait_for(
-        lambda: not stack.started_members() & previous.orphans, REAP_BUDGET_S + 10, "the orphans to be reaped"
+    wait_until(
+        lambda: not stack.started_members() & previous.orphans,
+        REAP_BUDGET_S + 10,
+        "the orphans to be reaped",
+        interval_s=POLL_S,
     )
     wanted = _rq_ids(previous.orphans)
     for enough in (max(1, len(wanted) // 3), 1):
         with contextlib.suppress(AssertionError):
-            wait_for(
+            wait_until(
                 lambda n=enough: len(_rq_ids(stack.started_by(pid)) & wanted) >= n,
                 CATCH_WINDOW_S,
                 "",
-                poll_s=0.01,
+                interval_s=0.01,
             )
             return
 
@@ -162,10 +159,13 @@ def test_three_kill_9s_lose_nothing_and_fail_nothing(make_stack: Callable[..., F
     ):
         for _ in range(KILLS):
             if kills:
-                _wait_for_orphans_back(stack, kills[-1], worker.pid)
+                _until_orphans_back(stack, kills[-1], worker.pid)
             else:
-                wait_for(
-                    functools.partial(_busy, stack, job_id, worker.pid), 60, "the first worker to be busy"
+                wait_until(
+                    functools.partial(_busy, stack, job_id, worker.pid),
+                    60,
+                    "the first worker to be busy",
+                    interval_s=POLL_S,
                 )
             stack.kill(worker)
             killed_at = time.monotonic()

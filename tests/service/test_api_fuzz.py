@@ -16,7 +16,8 @@ from hypothesis import HealthCheck, settings
 
 from datagen.prompts.tokenization import bundled_tokenizer_path
 from datagen.settings import CoordinatorSettings
-from tests.helpers import make_spec, serve_coordinator
+from tests.support.processes import serve_coordinator
+from tests.support.specs import make_spec
 
 EXAMPLES_PER_OPERATION = 25
 HUGE_INT = "1" + "0" * 5000

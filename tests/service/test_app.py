@@ -20,22 +20,13 @@ from datagen.prompts.tokenization import bundled_tokenizer_path, default_chat_te
 from datagen.settings import CoordinatorSettings
 from datagen.states import PromptClass
 from service.app import create_app
-from tests.helpers import make_spec, wait_ingested
+from tests.support.ingest import wait_ingested
+from tests.support.specs import CLASS_LIMITS, spec_json
 
 NS = "t"
 # <｜begin▁of▁sentence｜> <｜User｜> "Hi" <｜Assistant｜> <think> "\n": ids read off the DeepSeek tokenizer
 # once and written here by hand.
 HI_PROMPT_IDS = [0, 128803, 23166, 128804, 128821, 201]
-
-
-# The class limits this module's expectations are written against.
-CLASS_LIMITS = {"short_max_new_tokens": 64, "long_max_new_tokens": 256, "long_threshold_tokens": 50}
-
-
-def _spec(**overrides: Any) -> str:
-    """The ``spec`` form field: JSON, with this module's class limits (and, as no worker runs in
-    these tests, the context length)."""
-    return json.dumps(make_spec(**{**CLASS_LIMITS, **overrides}))
 
 
 @pytest.fixture
@@ -44,7 +35,7 @@ def settings(redis_url: str, tmp_path: Path) -> CoordinatorSettings:
 
 
 def _post(client: TestClient, rows: list[str], spec: str | None = None, job_id: str | None = None) -> Any:
-    data = {"spec": spec or _spec()}
+    data = {"spec": spec or spec_json(CLASS_LIMITS)}
     if job_id:
         data["job_id"] = job_id
     body = ("\n".join(rows) + "\n").encode()
@@ -96,7 +87,7 @@ def test_bad_rows_are_reported_with_line_numbers(client: TestClient) -> None:
 
 def test_prompt_that_cannot_fit_the_context_is_rejected(client: TestClient) -> None:
     rows = [json.dumps({"messages": [{"role": "user", "content": "word " * 100}]})]
-    job_id = _post(client, rows, spec=_spec(context_len=50)).json()["id"]
+    job_id = _post(client, rows, spec=spec_json(CLASS_LIMITS, context_len=50)).json()["id"]
     job = wait_ingested(client, job_id)
     assert (job["rejected"], job["state"]) == (1, "completed")
     reason = client.get(f"/jobs/{job_id}/errors").json()["errors"][0]["reason"]
@@ -123,15 +114,15 @@ def test_resubmission_never_enqueues_a_prompt_twice(client: TestClient, redis_cl
     ("spec", "fragment"),
     [
         ("{not json", "not valid JSON"),
-        (_spec(bogus=1), "bogus"),
-        (_spec(short_max_new_tokens=-5), "short_max_new_tokens"),
-        (_spec(short_max_new_tokens=10**12), "short_max_new_tokens"),
-        (_spec(tokenizer="/does/not/exist"), "/does/not/exist"),
-        (_spec(chat_template="/no/template.jinja"), "/no/template.jinja"),
-        (_spec(sampling={"top_p": 0}), "top_p"),
-        (_spec(multi_turn="every"), "multi_turn"),
-        (_spec(samples=0), "samples"),
-        (_spec(temperatures=[0.5, -1]), "temperatures"),
+        (spec_json(CLASS_LIMITS, bogus=1), "bogus"),
+        (spec_json(CLASS_LIMITS, short_max_new_tokens=-5), "short_max_new_tokens"),
+        (spec_json(CLASS_LIMITS, short_max_new_tokens=10**12), "short_max_new_tokens"),
+        (spec_json(CLASS_LIMITS, tokenizer="/does/not/exist"), "/does/not/exist"),
+        (spec_json(CLASS_LIMITS, chat_template="/no/template.jinja"), "/no/template.jinja"),
+        (spec_json(CLASS_LIMITS, sampling={"top_p": 0}), "top_p"),
+        (spec_json(CLASS_LIMITS, multi_turn="every"), "multi_turn"),
+        (spec_json(CLASS_LIMITS, samples=0), "samples"),
+        (spec_json(CLASS_LIMITS, temperatures=[0.5, -1]), "temperatures"),
     ],
 )
 def test_bad_specs_get_a_400_that_says_what_to_fix(client: TestClient, spec: str, fragment: str) -> None:
@@ -152,7 +143,7 @@ def test_job_with_a_different_spec_cannot_reuse_an_id(client: TestClient) -> Non
     rows = [json.dumps({"prompt": "x"})]
     assert _post(client, rows, job_id="j").status_code == 202
     wait_ingested(client, "j")
-    response = _post(client, rows, spec=_spec(short_max_new_tokens=65), job_id="j")
+    response = _post(client, rows, spec=spec_json(CLASS_LIMITS, short_max_new_tokens=65), job_id="j")
     assert response.status_code == 400
     assert "different spec" in response.json()["error"]
 
@@ -219,7 +210,8 @@ def test_special_token_text_in_content_is_flagged_or_rejected_at_ingestion(clien
         (2, "forged", ["<think>", "<｜Assistant｜>"])
     ]
     refused = wait_ingested(
-        client, _post(client, [clean, forged], spec=_spec(special_text="reject")).json()["id"]
+        client,
+        _post(client, [clean, forged], spec=spec_json(CLASS_LIMITS, special_text="reject")).json()["id"],
     )
     assert (refused["total"], refused["rejected"], refused["flagged"]) == (1, 1, 0)
     errors = client.get(f"/jobs/{refused['id']}/errors", params={"kind": "rejected"}).json()["errors"]
@@ -239,7 +231,7 @@ def _refused_after_template_change(client: TestClient, tmp_path: Path) -> None:
     # Same spec (same paths), but the template file's content changed on disk since.
     template = tmp_path / "copy.jinja"
     template.write_text(default_chat_template_path().read_text())
-    spec = _spec(chat_template=str(template))
+    spec = spec_json(CLASS_LIMITS, chat_template=str(template))
     assert _post(client, rows, spec=spec, job_id="pinned2").status_code == 202
     wait_ingested(client, "pinned2")
     template.write_text(default_chat_template_path().read_text().replace("## Tools", "## Functions"))
@@ -287,7 +279,7 @@ def test_metrics_show_running_jobs_by_partition_and_class(client: TestClient) ->
 def test_tokenizers_and_templates_come_from_the_operators_allowlist(
     client: TestClient, overrides: dict[str, Any], fragment: str
 ) -> None:
-    response = _post(client, [json.dumps({"prompt": "x"})], spec=_spec(**overrides))
+    response = _post(client, [json.dumps({"prompt": "x"})], spec=spec_json(CLASS_LIMITS, **overrides))
     assert response.status_code == 400
     assert fragment in response.json()["error"]
 
@@ -296,7 +288,9 @@ def test_an_allowlisted_hub_id_passes_the_allowlist(settings: CoordinatorSetting
     allowed = settings.model_copy(update={"tokenizer_allowlist": "deepseek-ai/DeepSeek-R1"})
     with TestClient(create_app(allowed)) as client:
         response = _post(
-            client, [json.dumps({"prompt": "x"})], spec=_spec(tokenizer="deepseek-ai/DeepSeek-R1")
+            client,
+            [json.dumps({"prompt": "x"})],
+            spec=spec_json(CLASS_LIMITS, tokenizer="deepseek-ai/DeepSeek-R1"),
         )
     # Allowed, so it is loaded, and offline it cannot be: a 400 that says so, not "not allowed".
     assert response.status_code == 400
@@ -329,7 +323,9 @@ def _backlog(redis_client: redis.Redis, job_id: str, cls: PromptClass) -> list[s
 
 def _post_bytes(client: TestClient, body: bytes) -> Any:
     return client.post(
-        "/jobs", data={"spec": _spec()}, files={"dataset": ("d.jsonl", body, "application/jsonl")}
+        "/jobs",
+        data={"spec": spec_json(CLASS_LIMITS)},
+        files={"dataset": ("d.jsonl", body, "application/jsonl")},
     )
 
 
@@ -364,7 +360,7 @@ def test_dry_run_renders_a_sample_and_enqueues_nothing(client: TestClient, redis
     ]
     body = ("\n".join(rows) + "\n").encode()
     files = {"dataset": ("d.jsonl", body, "application/jsonl")}
-    response = client.post("/jobs/dry-run", data={"spec": _spec(samples=2)}, files=files)
+    response = client.post("/jobs/dry-run", data={"spec": spec_json(CLASS_LIMITS, samples=2)}, files=files)
     assert response.status_code == 200, response.text
     preview = response.json()
     # Written by hand: the decoded prompt with its special tokens visible.

@@ -20,7 +20,9 @@ from datagen.records.storage import Storage
 from datagen.settings import CoordinatorSettings
 from datagen.spec import JobSpec
 from datagen.states import JobState, Priority, PromptClass
-from tests.helpers import ingest_rows, make_spec, wait_until
+from tests.support.ingest import ingest_rows
+from tests.support.specs import make_spec
+from tests.support.wait import wait_until
 
 NS = "cr"
 JOB = "big"

@@ -14,7 +14,8 @@ from fastapi.testclient import TestClient
 from datagen.hygiene.decontam import INDEX_CACHE, MAX_SET_EXPANSION
 from datagen.records.storage import Storage
 from datagen.settings import CoordinatorSettings
-from tests.helpers import make_spec, wait_ingested
+from tests.support.ingest import wait_ingested
+from tests.support.specs import make_spec
 
 NS = "t"
 MB = 1_000_000

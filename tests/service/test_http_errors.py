@@ -34,7 +34,10 @@ from datagen.prompts.tokenization import bundled_tokenizer_path, default_chat_te
 from datagen.records.storage import Storage
 from datagen.settings import CoordinatorSettings
 from service.app import create_app
-from tests.helpers import INGEST_TIMEOUT_S, make_spec, serve_coordinator, wait_ingested, wait_until
+from tests.support.ingest import INGEST_TIMEOUT_S, wait_ingested
+from tests.support.processes import serve_coordinator
+from tests.support.specs import make_spec
+from tests.support.wait import wait_until
 
 NS = "h"
 HUGE_INT = "1" + "0" * 5000

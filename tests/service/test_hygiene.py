@@ -13,8 +13,9 @@ from datagen.records.storage import Storage
 from datagen.report import build_report
 from datagen.settings import CoordinatorSettings
 from service.app import create_app
-from tests.datagen.planted import CONTAMINATED, NEAR_COPIES, ROWS, planted_rows, write_benchmark
-from tests.helpers import make_spec, wait_ingested
+from tests.support.ingest import wait_ingested
+from tests.support.planted import CONTAMINATED, NEAR_COPIES, ROWS, planted_rows, write_benchmark
+from tests.support.specs import make_spec
 
 NS = "t"
 

@@ -16,9 +16,10 @@ from datagen.control.keys import Keys
 from datagen.records.storage import Storage
 from datagen.spec import JobSpec
 from datagen.states import JobState, PromptClass
-from service.chunk import chunk_sizes
+from service.admit import chunk_sizes
 from service.ingest import IngestOptions, Ingestor
-from tests.helpers import StopAfter, make_spec
+from tests.support.ingest import StopAfter
+from tests.support.specs import make_spec
 
 NS = "first"
 JOB = "job"

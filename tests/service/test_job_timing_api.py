@@ -17,7 +17,10 @@ from datagen.spec import JobSpec
 from service.app import create_app
 from service.fleetview import FleetView
 from service.metrics import CoordinatorMetrics
-from tests.helpers import fast_worker_settings, make_spec, running_simulator, wait_ingested
+from tests.support.ingest import wait_ingested
+from tests.support.sim import running_simulator
+from tests.support.specs import make_spec
+from tests.support.workers import fast_worker_settings
 from workers.fleet import ServerSpec
 from workers.worker import Worker
 

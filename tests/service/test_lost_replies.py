@@ -16,19 +16,19 @@ from fastapi.testclient import TestClient
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from datagen.control import _job_scripts as scripts
 from datagen.control.enqueue import EnqueueOptions
 from datagen.control.jobs import JobStore
 from datagen.control.keys import Keys
+from datagen.control.lua import source
 from datagen.local.redis_server import LocalRedis
 from datagen.records.storage import Storage
 from datagen.settings import CoordinatorSettings
-from datagen.spec import JobSpec
 from datagen.states import JobState, PromptClass
 from service.app import create_app
 from service.ingest import IngestOptions, Ingestor
-from tests.helpers import make_spec, wait_ingested
-from tests.redisproxy import ReplyDropper, reply_dropper
+from tests.support.ingest import wait_ingested
+from tests.support.redisproxy import ReplyDropper, reply_dropper
+from tests.support.specs import job_spec, make_spec
 
 NS = "lost"
 JOB = "job1"
@@ -58,17 +58,13 @@ def resending(proxy: ReplyDropper) -> Iterator[redis.Redis]:
     client.close()
 
 
-def _spec() -> JobSpec:
-    return JobSpec.model_validate(make_spec())
-
-
 def test_a_create_whose_reply_is_lost_creates_the_job_once(
     proxy: ReplyDropper, resending: redis.Redis, redis_client: redis.Redis
 ) -> None:
     jobs = JobStore(resending, Keys(NS))
-    redis_client.script_load(scripts.CREATE)  # so that the first EVALSHA is the create itself
+    redis_client.script_load(source("create"))  # so that the first EVALSHA is the create itself
     proxy.drop_reply(b"EVALSHA")
-    assert jobs.create(JOB, _spec()) is True
+    assert jobs.create(JOB, job_spec()) is True
     assert proxy.dropped == 1
     # Sent twice, answered "created" twice: the job is whole, with one incarnation.
     progress = JobStore(redis_client, Keys(NS)).progress(JOB)
@@ -78,7 +74,7 @@ def test_a_create_whose_reply_is_lost_creates_the_job_once(
         Keys(NS).job(JOB), "incarnation"
     )
     # A second, separate create of the id is a resubmission, not a new job.
-    assert jobs.create(JOB, _spec()) is False
+    assert jobs.create(JOB, job_spec()) is False
 
 
 def test_a_half_created_job_is_made_whole_not_a_permanent_409(redis_client: redis.Redis) -> None:
@@ -86,7 +82,7 @@ def test_a_half_created_job_is_made_whole_not_a_permanent_409(redis_client: redi
     keys = Keys(NS)
     redis_client.hset(keys.job(JOB), "created_at_ms", 1)
     jobs = JobStore(redis_client, keys)
-    assert jobs.create(JOB, _spec()) is True
+    assert jobs.create(JOB, job_spec()) is True
     assert jobs.state(JOB) is JobState.INGESTING
 
 
@@ -108,9 +104,9 @@ def test_a_transition_whose_reply_is_lost_answers_as_the_first_time(
     target: JobState,
 ) -> None:
     jobs = JobStore(resending, Keys(NS))
-    assert jobs.create(JOB, _spec())
-    for script in (scripts.TRANSITION, scripts.COUNT_AND_MAYBE_COMPLETE):
-        redis_client.script_load(script)  # the first EVALSHA is then the transition itself
+    assert jobs.create(JOB, job_spec())
+    for script in ("transition", "count_and_maybe_complete"):
+        redis_client.script_load(source(script))  # the first EVALSHA is then the transition itself
     if sources[0] is JobState.RUNNING:
         redis_client.hset(Keys(NS).job(JOB), "state", JobState.RUNNING.value)
     # finish_ingest runs its scripts in one MULTI/EXEC; the others are one EVALSHA.
@@ -142,7 +138,7 @@ def _ingestor(client: redis.Redis, tmp_path: Path) -> tuple[Ingestor, str]:
 def test_an_ingestion_chunk_whose_reply_is_lost_is_applied_once(
     proxy: ReplyDropper, proxied: redis.Redis, redis_client: redis.Redis, tmp_path: Path, lost: int
 ) -> None:
-    JobStore(redis_client, Keys(NS)).create(JOB, _spec())
+    JobStore(redis_client, Keys(NS)).create(JOB, job_spec())
     ingestor, name = _ingestor(proxied, tmp_path)
     # The chunks' transactions end in EXEC; lose the reply of the first ``lost`` of them.
     proxy.drop_reply(b"EXEC", times=lost)
@@ -160,7 +156,7 @@ def test_a_submit_whose_create_lost_its_reply_can_be_sent_again(
 ) -> None:
     # The coordinator talks to Redis through the proxy; the create's reply is lost once.
     settings = CoordinatorSettings(redis_url=proxy.url, storage=str(tmp_path / "data"), namespace=NS)
-    redis_client.script_load(scripts.CREATE)
+    redis_client.script_load(source("create"))
     body = "".join(
         json.dumps({"id": f"r{i}", "messages": [{"role": "user", "content": f"q{i}"}]}) + "\n"
         for i in range(10)

@@ -22,7 +22,9 @@ from datagen.settings import CoordinatorSettings
 from datagen.spec import JobSpec
 from datagen.states import JobState
 from service.app import create_app
-from tests.helpers import make_spec, serve_coordinator, wait_until
+from tests.support.processes import serve_coordinator
+from tests.support.specs import make_spec
+from tests.support.wait import wait_until
 
 NS = "many"
 JOBS = 250

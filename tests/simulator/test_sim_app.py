@@ -7,9 +7,11 @@ from typing import Any
 
 import httpx
 import pytest
-from simtest_helpers import SimFactory, deepseek_tokenizer_dir, metric, metric_labels, wait_until
 
 from simulator import SpecialIds, expected_output
+from tests.support.metrics import metric, metric_labels
+from tests.support.sim import NOT_REACHED, WAIT_POLL_S, WAIT_S, SimFactory, deepseek_tokenizer_dir
+from tests.support.wait import wait_until_async
 
 SPECIAL = SpecialIds.deepseek_default()
 EOS = SPECIAL.eos_id
@@ -313,7 +315,9 @@ async def test_a_rid_in_flight_cannot_be_reused(sim: SimFactory) -> None:
         first = asyncio.create_task(
             generate(client, {"rid": "dup", "input_ids": [1], "sampling_params": {"max_new_tokens": 500}})
         )
-        await wait_until(lambda: app.state.sim.engine.in_flight("dup"))
+        await wait_until_async(
+            lambda: app.state.sim.engine.in_flight("dup"), WAIT_S, NOT_REACHED, interval_s=WAIT_POLL_S
+        )
         second = await generate(client, {"rid": "dup", "input_ids": [2]})
         await client.post("/abort_request", json={"rid": "dup"})
         await first
@@ -329,9 +333,9 @@ async def test_abort_request_shapes_for_running_and_waiting(sim: SimFactory) -> 
         engine = app.state.sim.engine
         body = {"input_ids": [3, 3], "sampling_params": {"max_new_tokens": 400, "ignore_eos": True}}
         running = asyncio.create_task(generate(client, {"rid": "job-1", **body}))
-        await wait_until(lambda: engine.num_running == 1)
+        await wait_until_async(lambda: engine.num_running == 1, WAIT_S, NOT_REACHED, interval_s=WAIT_POLL_S)
         waiting = asyncio.create_task(generate(client, {"rid": "job-2", **body}))
-        await wait_until(lambda: engine.num_queued == 1)
+        await wait_until_async(lambda: engine.num_queued == 1, WAIT_S, NOT_REACHED, interval_s=WAIT_POLL_S)
         await asyncio.sleep(0.1)
         resp = await client.post("/abort_request", json={"rid": "job-"})
         unknown = await client.post("/abort_request", json={"rid": "nothing-here"})
@@ -452,7 +456,9 @@ async def test_flush_cache_refuses_while_busy(sim: SimFactory) -> None:
         task = asyncio.create_task(
             generate(client, {"rid": "busy", "input_ids": [1], "sampling_params": {"max_new_tokens": 300}})
         )
-        await wait_until(lambda: app.state.sim.engine.in_flight("busy"))
+        await wait_until_async(
+            lambda: app.state.sim.engine.in_flight("busy"), WAIT_S, NOT_REACHED, interval_s=WAIT_POLL_S
+        )
         busy = await client.get("/flush_cache")
         await client.post("/abort_request", json={"rid": "busy"})
         await task
@@ -531,7 +537,9 @@ async def test_admission_blocking_queues_requests_under_load(sim: SimFactory) ->
             "sampling_params": {"max_new_tokens": 400},
         }
         task = asyncio.create_task(generate(client, body))
-        await wait_until(lambda: app.state.sim.engine.num_running > 0)
+        await wait_until_async(
+            lambda: app.state.sim.engine.num_running > 0, WAIT_S, NOT_REACHED, interval_s=WAIT_POLL_S
+        )
         text = (await client.get("/metrics")).text
         await client.post("/abort_request", json={"rid": "load"})
         await task

@@ -8,12 +8,14 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
-from simtest_helpers import metric, wait_until
 
 from simulator import SimConfig
 from simulator.engine import Engine, Outcome, SimRequest
 from simulator.metrics import SimMetrics
 from simulator.model import SpecialIds, expected_output
+from tests.support.metrics import metric
+from tests.support.sim import NOT_REACHED, WAIT_POLL_S, WAIT_S
+from tests.support.wait import wait_until_async
 
 SPECIAL = SpecialIds.deepseek_default()
 
@@ -71,7 +73,7 @@ async def test_admission_blocks_the_fifo_head_when_reservations_are_full(engine_
     reqs = [make_request(f"r{i}") for i in range(6)]
     for req in reqs:
         engine.submit(req)
-    await wait_until(lambda: engine.num_running == 3)
+    await wait_until_async(lambda: engine.num_running == 3, WAIT_S, NOT_REACHED, interval_s=WAIT_POLL_S)
     assert engine.num_queued == 3
     assert [r._running for r in reqs] == [True, True, True, False, False, False]
     text = metrics.exposition().decode()
@@ -84,7 +86,7 @@ async def test_max_running_requests_caps_the_batch(engine_factory: Any) -> None:
     engine, _ = engine_factory(max_running_requests=2, time_scale=1.0, decode_step_base_s=0.01)
     for i in range(5):
         engine.submit(make_request(f"r{i}"))
-    await wait_until(lambda: engine.num_running == 2)
+    await wait_until_async(lambda: engine.num_running == 2, WAIT_S, NOT_REACHED, interval_s=WAIT_POLL_S)
     assert engine.num_queued == 3
     engine.abort("", abort_all=True)
 
@@ -93,7 +95,7 @@ async def test_kv_usage_is_counted_in_tokens(engine_factory: Any) -> None:
     engine, metrics = engine_factory(max_total_num_tokens=1000, time_scale=1.0, decode_step_base_s=0.01)
     req = make_request("one", prompt_len=100, max_new_tokens=500, ignore_eos=True)
     engine.submit(req)
-    await wait_until(lambda: req.generated >= 3)
+    await wait_until_async(lambda: req.generated >= 3, WAIT_S, NOT_REACHED, interval_s=WAIT_POLL_S)
     assert engine.used_tokens == 100 + req.generated
     assert engine.token_usage == round((100 + req.generated) / 1000, 2)
     text = metrics.exposition().decode()
@@ -132,7 +134,7 @@ async def test_abort_matches_rid_prefixes_in_both_queues(engine_factory: Any) ->
     running, waiting, other = (make_request(rid, ignore_eos=True) for rid in ("job1_0", "job1_1", "job2_0"))
     for req in (running, waiting, other):
         engine.submit(req)
-    await wait_until(lambda: running.generated >= 2)
+    await wait_until_async(lambda: running.generated >= 2, WAIT_S, NOT_REACHED, interval_s=WAIT_POLL_S)
     assert engine.abort("job1") == 2
     assert running.outcome is Outcome.ABORTED_RUNNING
     assert running.output_ids == running.output.output_ids[: running.generated]
@@ -186,10 +188,10 @@ async def test_gen_throughput_is_reported_while_busy(engine_factory: Any) -> Non
     reqs = [make_request(f"r{i}", max_new_tokens=2000, ignore_eos=True) for i in range(4)]
     for req in reqs:
         engine.submit(req)
-    await wait_until(lambda: engine.gen_throughput > 0)
+    await wait_until_async(lambda: engine.gen_throughput > 0, WAIT_S, NOT_REACHED, interval_s=WAIT_POLL_S)
     assert metric(metrics.exposition().decode(), "sglang:gen_throughput") > 0
     engine.abort("", abort_all=True)
-    await wait_until(lambda: engine.gen_throughput == 0)
+    await wait_until_async(lambda: engine.gen_throughput == 0, WAIT_S, NOT_REACHED, interval_s=WAIT_POLL_S)
 
 
 async def test_close_releases_every_waiter(engine_factory: Any) -> None:
@@ -197,7 +199,7 @@ async def test_close_releases_every_waiter(engine_factory: Any) -> None:
     reqs = [make_request(f"r{i}") for i in range(3)]
     for req in reqs:
         engine.submit(req)
-    await wait_until(lambda: engine.num_running == 1)
+    await wait_until_async(lambda: engine.num_running == 1, WAIT_S, NOT_REACHED, interval_s=WAIT_POLL_S)
     await engine.close()
     assert all(r.done.is_set() for r in reqs)
     assert {r.outcome for r in reqs} == {Outcome.ABORTED_RUNNING, Outcome.ABORTED_WAITING}

@@ -7,16 +7,19 @@ import contextlib
 import time
 
 import httpx
-from simtest_helpers import free_port, metric, running_server
 
+from datagen.local.redis_server import free_port
 from simulator import SimConfig, SpecialIds, expected_output
 from simulator.server import serve
+from tests.support.metrics import metric
+from tests.support.sim import running_simulator
+from tests.support.wait import wait_until_async
 
 SPECIAL = SpecialIds.deepseek_default()
 
 
 async def test_generate_health_and_metrics_over_a_socket() -> None:
-    with running_server() as url:
+    with running_simulator(time_scale=0.0, startup_timeout_s=10, poll_s=0.01) as url:
         async with httpx.AsyncClient(base_url=url, timeout=10) as client:
             assert (await client.get("/health")).status_code == 200
             resp = await client.post("/generate", json={"rid": "s1", "input_ids": [1, 2, 3]})
@@ -33,15 +36,14 @@ async def test_serve_runs_on_the_current_loop_until_cancelled() -> None:
     task = asyncio.create_task(serve(config))
     url = f"http://{config.host}:{config.port}"
     async with httpx.AsyncClient(base_url=url, timeout=5) as client:
-        deadline = time.monotonic() + 10
-        while True:
+
+        async def healthy() -> bool:
             try:
-                if (await client.get("/health")).status_code == 200:
-                    break
+                return (await client.get("/health")).status_code == 200
             except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "server did not come up"
-            await asyncio.sleep(0.02)
+                return False
+
+        await wait_until_async(healthy, 10, "server did not come up", interval_s=0.02)
         assert (await client.post("/generate", json={"input_ids": [5]})).status_code == 200
     task.cancel()
     with contextlib.suppress(asyncio.CancelledError):
@@ -54,7 +56,7 @@ async def test_300_requests_at_concurrency_64_finish_in_a_few_seconds() -> None:
     prompts = [[i, i + 1, i + 2] for i in range(n_requests)]
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
     gate = asyncio.Semaphore(concurrency)
-    with running_server(time_scale=0.001) as url:
+    with running_simulator(time_scale=0.001, startup_timeout_s=10, poll_s=0.01) as url:
         async with httpx.AsyncClient(base_url=url, timeout=30, limits=limits) as client:
 
             async def one(prompt: list[int]) -> list[int]:

@@ -9,7 +9,6 @@ from typing import Any
 import httpx
 import pytest
 from pydantic import ValidationError
-from simtest_helpers import deepseek_tokenizer_dir, running_server
 
 from datagen.prompts.tokenization import (
     PromptRenderer,
@@ -30,6 +29,7 @@ from simulator.toolcalls import (
     offered_tools,
     parse_function_call,
 )
+from tests.support.sim import deepseek_tokenizer_dir, running_simulator
 
 SPECIAL = SpecialIds.deepseek_default()
 WEATHER = {
@@ -258,7 +258,7 @@ def test_tool_call_format_needs_a_tokenizer() -> None:
 
 @pytest.fixture(scope="module")
 def plain_url() -> Iterator[str]:
-    with running_server() as url:
+    with running_simulator(time_scale=0.0, startup_timeout_s=10, poll_s=0.01) as url:
         yield url
 
 
@@ -266,7 +266,14 @@ def plain_url() -> Iterator[str]:
 def tool_sim(request: pytest.FixtureRequest) -> Iterator[tuple[ToolCallFormat, str]]:
     """(format, URL) of a simulator with the DeepSeek tokenizer that makes tool calls."""
     fmt: ToolCallFormat = request.param
-    with running_server(tokenizer_path=bundled_tokenizer_path(), tool_call_format=fmt, **SHORT) as url:
+    with running_simulator(
+        tokenizer_path=bundled_tokenizer_path(),
+        tool_call_format=fmt,
+        time_scale=0.0,
+        **SHORT,
+        startup_timeout_s=10,
+        poll_s=0.01,
+    ) as url:
         yield fmt, url
 
 

@@ -1,4 +1,4 @@
-"""Batched acknowledgements (``workers.acks``) over a real Redis: the prompts of one shard finish in
+"""Batched acknowledgements (``workers.finish.Acks``) over a real Redis: the prompts of one shard finish in
 RQ and count in their job with one script call, and a repeated ack counts nothing."""
 
 from __future__ import annotations
@@ -8,13 +8,13 @@ import asyncio
 import redis
 from rq.job import JobStatus
 
-from datagen.control._ack_script import ACK_DONE
 from datagen.control.dispatch import Dispatch
 from datagen.control.jobs import JobStore
+from datagen.control.lua import source
 from datagen.records.storage import Storage
 from datagen.states import JobState, PromptClass
-from tests.workers.worker_helpers import KEYS, ingest
-from workers.acks import Acks, ack_item
+from tests.support.workers import KEYS, ingest
+from workers.finish import Acks, ack_item
 from workers.rqbridge import InFlight, QueueIdentity
 
 
@@ -40,7 +40,7 @@ async def test_a_shards_prompts_are_acknowledged_in_one_script_call(
         )
         return acks.done(identity, item, made)
 
-    redis_client.script_load(ACK_DONE)  # as after the worker's first ack: no NOSCRIPT round
+    redis_client.script_load(source("ack_done"))  # as after the worker's first ack: no NOSCRIPT round
     before = _evalsha_calls(redis_client)
     await asyncio.gather(*(ack(item) for item in items))  # as the tasks of one committed shard resume
     assert _evalsha_calls(redis_client) - before == 1

@@ -12,8 +12,9 @@ from datagen.control.jobs import JobStore
 from datagen.records.storage import Storage
 from datagen.states import JobState, PromptClass
 from service.fleetview import FleetView
-from tests.helpers import running_simulator
-from tests.workers.worker_helpers import KEYS, eventually, ingest, records, settings, start, stop
+from tests.support.sim import running_simulator
+from tests.support.wait import wait_until_async
+from tests.support.workers import KEYS, NOT_MET, WAIT_S, ingest, records, settings, start, stop
 from workers.admission import BACKLOG_REFRESH_S
 
 
@@ -29,7 +30,7 @@ async def test_pausing_a_queue_stops_dispatch_within_two_seconds(
     with running_simulator(tokenizer_path=tokenizer_path, time_scale=0.02) as url:
         worker = await start(settings(redis_url, storage), {"s": url})
         run = asyncio.create_task(worker.run())
-        await eventually(lambda: queued() <= 34)
+        await wait_until_async(lambda: queued() <= 34, WAIT_S, NOT_MET)
         fleet_view.set_queue_paused("short", True)
         await asyncio.sleep(2.0)
         left = queued()
@@ -38,8 +39,8 @@ async def test_pausing_a_queue_stops_dispatch_within_two_seconds(
         assert worker.slots.generating[PromptClass.SHORT] == 0  # in-flight requests finished
         assert fleet_view.queues()[0]["paused"] is True
         fleet_view.set_queue_paused("short", False)
-        await eventually(
-            lambda: JobStore(redis_client, KEYS).progress("pause").state is JobState.COMPLETED, 30
+        await wait_until_async(
+            lambda: JobStore(redis_client, KEYS).progress("pause").state is JobState.COMPLETED, 30, NOT_MET
         )
         await stop(worker, run)
     assert len(records(storage, "pause")) == 40

@@ -21,9 +21,10 @@ from datagen.errors import RetryableError
 from datagen.records.storage import Storage
 from datagen.states import PromptClass
 from simulator._service import REQUEST_STATE_WAIT_TIMEOUT_S
-from tests.faults.fault_helpers import metric_value
-from tests.helpers import running_simulator
-from tests.workers.worker_helpers import KEYS, eventually, ingest, records, settings, start, stop
+from tests.support.metrics import metric_value
+from tests.support.sim import running_simulator
+from tests.support.wait import wait_until_async
+from tests.support.workers import KEYS, NOT_MET, ingest, records, settings, start, stop
 from workers.backup import Backups
 from workers.fleet import Fleet, Server
 from workers.metrics import WorkerMetrics
@@ -88,19 +89,23 @@ async def _running(url: str) -> float:
 
 async def _until_both_run(race: Race) -> None:
     """Until the primary and its backup both run on their servers."""
-    deadline = asyncio.get_running_loop().time() + 2
-    while [await _running(url) for url in race.urls.values()] != [1, 1]:
-        assert asyncio.get_running_loop().time() < deadline, "the backup did not start"
-        await asyncio.sleep(0.01)
+
+    async def both_run() -> bool:
+        return [await _running(url) for url in race.urls.values()] == [1, 1]
+
+    await wait_until_async(both_run, 2, "the backup did not start", interval_s=0.01)
 
 
 async def _until_idle(*urls: str) -> None:
     """Until no request runs on these servers. A closed request is aborted when SGLang next polls
     for disconnects (``REQUEST_STATE_WAIT_TIMEOUT_S``, 4 s)."""
-    deadline = asyncio.get_running_loop().time() + REQUEST_STATE_WAIT_TIMEOUT_S + 2
-    while [await _running(url) for url in urls] != [0] * len(urls):
-        assert asyncio.get_running_loop().time() < deadline, "a closed request still runs"
-        await asyncio.sleep(0.1)
+
+    async def idle() -> bool:
+        return [await _running(url) for url in urls] == [0] * len(urls)
+
+    await wait_until_async(
+        idle, REQUEST_STATE_WAIT_TIMEOUT_S + 2, "a closed request still runs", interval_s=0.1
+    )
 
 
 async def test_a_backup_on_the_fast_server_wins_and_the_prompt_is_stored_and_counted_once(
@@ -252,7 +257,7 @@ async def test_a_paused_class_or_server_gets_no_backup_and_stops_a_running_one(
     assert straggler.backup_server is medium
     await _until_both_run(race)
     race.paused.add(SHORT)
-    await eventually(lambda: race.count("stopped") == 1 and medium.in_flight[SHORT] == 0, 2)
+    await wait_until_async(lambda: race.count("stopped") == 1 and medium.in_flight[SHORT] == 0, 2, NOT_MET)
     await _until_idle(race_servers["medium"])
     server, result = await asyncio.wait_for(task, 5)
     assert server.name == "slow" and len(result.output_ids) == RACE_TOKENS
@@ -265,7 +270,7 @@ async def test_a_server_leaving_stops_its_backup(race: Race, race_servers: dict[
     race.backups.on_claim_empty(SHORT)
     await _until_both_run(race)
     await race.fleet.mark_down(medium, "test")
-    await eventually(lambda: race.count("stopped") == 1 and medium.in_flight[SHORT] == 0, 2)
+    await wait_until_async(lambda: race.count("stopped") == 1 and medium.in_flight[SHORT] == 0, 2, NOT_MET)
     await _until_idle(race_servers["medium"])
     server, _ = await asyncio.wait_for(task, 5)
     assert server.name == "slow"

@@ -1,5 +1,6 @@
-"""The worker's background control (``workers.control``) over real Redis and simulators over real
-HTTP: health probes, targets shared by the workers listing one server, the KV controller."""
+"""The worker's background control (``workers.fleet_sync``, ``workers.health``, ``workers.kv_control``)
+over real Redis and simulators over real HTTP: health probes, targets shared by the workers listing
+one server, the KV controller."""
 
 from __future__ import annotations
 
@@ -15,10 +16,12 @@ import redis
 from datagen.records.storage import Storage
 from datagen.states import PromptClass
 from service.fleetview import FleetView
-from tests.helpers import running_simulator
-from tests.workers.worker_helpers import KEYS, eventually, ingest, settings, start, stop
-from workers.control import HealthProbe, KvControl
+from tests.support.sim import running_simulator
+from tests.support.wait import wait_until_async
+from tests.support.workers import KEYS, NOT_MET, ingest, settings, start, stop
 from workers.fleet import Fleet, Server
+from workers.health import HealthProbe
+from workers.kv_control import KvControl
 from workers.metrics import WorkerMetrics
 from workers.sglang import ClientTimeouts, SGLangClient
 
@@ -130,10 +133,10 @@ async def test_controller_lowers_the_target_when_work_waits_in_the_server(
             settings(redis_url, storage, short_concurrency=64, kv_controller=True), {"s": url}
         )
         run = asyncio.create_task(worker.run())
-        await eventually(lambda: int(redis_client.hget(control_key, "target") or 65) <= 20, 20)
+        await wait_until_async(lambda: int(redis_client.hget(control_key, "target") or 65) <= 20, 20, NOT_MET)
         reason = redis_client.hget(control_key, "reason")
         assert reason is not None and b"waiting in the server queue" in reason
-        await eventually(lambda: worker.fleet.servers[0].limits[PromptClass.SHORT] <= 20, 5)
+        await wait_until_async(lambda: worker.fleet.servers[0].limits[PromptClass.SHORT] <= 20, 5, NOT_MET)
         await stop(worker, run)
 
 
@@ -154,7 +157,7 @@ async def test_controller_starts_in_slow_start_and_ends_it_at_the_server_queue(
         assert redis_client.hget(control_key, "phase") == b"slow_start"
         assert worker.fleet.servers[0].limits[PromptClass.SHORT] == 16
         run = asyncio.create_task(worker.run())
-        await eventually(lambda: redis_client.hget(control_key, "phase") == b"steady", 20)
+        await wait_until_async(lambda: redis_client.hget(control_key, "phase") == b"steady", 20, NOT_MET)
         reason = (redis_client.hget(control_key, "reason") or b"").decode()
         assert reason.startswith("slow start ends at 24: ") and "waiting in the server queue" in reason
         # Snapped down to what runs (20) plus the tolerance of one.

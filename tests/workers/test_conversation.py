@@ -16,14 +16,17 @@ import redis
 
 from datagen.control.jobs import JobStore
 from datagen.control.keys import Keys
-from datagen.control.payload import PromptPayload
+from datagen.control.payload import Conversation, PromptPayload
 from datagen.prompts.tokenization import PromptRenderer, default_chat_template_path
 from datagen.records.schema import Record
 from datagen.records.storage import Storage
-from datagen.spec import JobSpec
 from datagen.states import JobState, PromptClass, StopReason
 from service.lifecycle import JobControls
-from tests.helpers import fast_worker_settings, ingest_rows, make_record, running_simulator
+from tests.support.ingest import ingest_rows
+from tests.support.records import make_record
+from tests.support.sim import running_simulator
+from tests.support.specs import job_spec
+from tests.support.workers import fast_worker_settings
 from workers.conversation import NEXT_TURN_ATTEMPTS, Conversations, ConversationStop
 from workers.fleet import Server, ServerSpec
 from workers.jobinfo import JobInfos
@@ -46,17 +49,15 @@ def sim(tokenizer_path: str) -> Iterator[str]:
         yield url
 
 
-def _spec(tokenizer_path: str, **overrides: Any) -> JobSpec:
-    values: dict[str, Any] = {
-        "tokenizer": tokenizer_path,
-        "chat_template": str(default_chat_template_path()),
-        "multi_turn": "all",
-        "short_max_new_tokens": 4000,
-        "long_threshold_tokens": 100_000,
-        "sampling": {"sampling_seed": 5},
-        **overrides,
-    }
-    return JobSpec.model_validate(values)
+# This module's jobs: multi-turn, every prompt short, outputs reproducible, the context length
+# left to the server.
+SPEC_DEFAULTS: dict[str, Any] = {
+    "context_len": None,
+    "multi_turn": "all",
+    "short_max_new_tokens": 4000,
+    "long_threshold_tokens": 100_000,
+    "sampling": {"sampling_seed": 5},
+}
 
 
 async def _run(redis_url: str, storage: Storage, url: str, **settings: Any) -> None:
@@ -91,7 +92,7 @@ async def test_a_next_turn_the_template_refuses_stops_the_conversation_not_the_t
             "{%- elif role == 'assistant' -%}",
         )
     )
-    spec = _spec(tokenizer_path, chat_template=str(template))
+    spec = job_spec(SPEC_DEFAULTS, tokenizer=tokenizer_path, chat_template=str(template))
     ingest_rows(redis_client, storage, Keys(NS), "render", spec, [{"id": "a", "messages": TWO_TURNS}])
     await _run(redis_url, storage, sim)
 
@@ -110,7 +111,7 @@ async def test_a_next_turn_the_template_refuses_stops_the_conversation_not_the_t
 async def test_a_turn_that_fails_before_its_commit_fails_and_a_retry_runs_each_turn_once(
     redis_client: redis.Redis, redis_url: str, storage: Storage, tokenizer_path: str, sim: str
 ) -> None:
-    spec = _spec(tokenizer_path)
+    spec = job_spec(SPEC_DEFAULTS, tokenizer=tokenizer_path)
     rows = [{"id": "a", "messages": TWO_TURNS}, {"id": "b", "messages": TWO_TURNS[:1]}]
     ingest_rows(redis_client, storage, Keys(NS), "before", spec, rows)
     with running_simulator(tokenizer_path=tokenizer_path, time_scale=0.0, fail_500_rate=1.0) as broken:
@@ -118,7 +119,7 @@ async def test_a_turn_that_fails_before_its_commit_fails_and_a_retry_runs_each_t
     assert _turns(storage, "before") == []
     assert _counts(redis_client, "before") == (JobState.COMPLETED, 2, 0, 2)
     assert list(storage.iter_stopped("before")) == []
-    failed = JobStore(redis_client, Keys(NS)).failed_reports("before", 10)
+    failed = JobStore(redis_client, Keys(NS)).outcomes.failed_reports("before", 10)
     assert sorted(f["sample_id"] for f in failed) == ["a", "b"]
 
     controls = JobControls(redis_client, Keys(NS), JobStore(redis_client, Keys(NS)), storage)
@@ -156,7 +157,7 @@ async def test_with_a_special_think_end_the_next_turn_holds_no_reasoning(
     redis_client: redis.Redis, redis_url: str, storage: Storage, tokenizer_path: str, tmp_path: Path
 ) -> None:
     special = _think_special_tokenizer(tokenizer_path, tmp_path / "tok")
-    spec = _spec(special)
+    spec = job_spec(SPEC_DEFAULTS, tokenizer=special)
     ingest_rows(redis_client, storage, Keys(NS), "think", spec, [{"id": "a", "messages": TWO_TURNS}])
     with running_simulator(tokenizer_path=special, time_scale=0.0) as url:
         await _run(redis_url, storage, url)
@@ -193,7 +194,7 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": 
 def _conversations(
     redis_client: redis.Redis, storage: Storage, tokenizer_path: str, replies: list[httpx.Response]
 ) -> tuple[Conversations, PromptPayload, Record, list[dict[str, Any]]]:
-    spec = _spec(tokenizer_path, tool_call_parser="qwen25")
+    spec = job_spec(SPEC_DEFAULTS, tokenizer=tokenizer_path, tool_call_parser="qwen25")
     jobs = JobStore(redis_client, Keys(NS))
     jobs.create("retry", spec)
     seen: list[dict[str, Any]] = []
@@ -215,7 +216,7 @@ def _conversations(
     prompt = renderer.render(TOOL_TURNS[:1], TOOLS)
     # "abc", </think>, "x", <｜end▁of▁sentence｜>
     record = make_record("t", [*prompt, 32372, 128822, 90, 1], len(prompt), job_id="retry", server="s0")
-    conversation = {"messages": TOOL_TURNS, "tools": TOOLS, "cuts": [1, 3], "generated": [], "class": None}
+    conversation = Conversation(TOOL_TURNS, TOOLS, cuts=[1, 3], generated=[])
     payload = PromptPayload(
         job="retry",
         sample_id="t",
@@ -247,7 +248,7 @@ async def test_the_next_turn_is_retried_while_the_parser_is_unavailable(
     assert (
         seen[0] == {"text": "abc</think>x", "tool_call_parser": "qwen25", "tools": TOOLS} and len(seen) == 3
     )
-    [regenerated] = following.conversation["generated"] if following.conversation else []
+    [regenerated] = following.conversation.generated if following.conversation else []
     assert regenerated == {
         "content": "abc</think>x",
         "tool_calls": [

@@ -22,7 +22,8 @@ from datagen.prompts.tokenization import default_chat_template_path
 from datagen.records.storage import Storage
 from datagen.spec import JobSpec
 from datagen.states import JobState
-from tests.helpers import ingest_rows, running_simulator
+from tests.support.ingest import ingest_rows
+from tests.support.sim import running_simulator
 
 NS = "cload"
 CONVERSATIONS = 96

@@ -1,7 +1,7 @@
 """Tool-calling conversations in multi-turn ``all`` mode, end to end over real Redis and HTTP: the
 simulator writes DeepSeek-V3 tool calls, the worker reads them through the server's own
 ``/parse_function_call``, and every record matches an independent rendering
-(`tests.conversation_reference`) token for token."""
+(`tests.support.conversations`) token for token."""
 
 from __future__ import annotations
 
@@ -19,8 +19,11 @@ from datagen.records.storage import Storage
 from datagen.report import build_report
 from datagen.spec import JobSpec
 from datagen.states import JobState
-from tests.conversation_reference import ExpectedConversation, expected_conversation, tool_rows
-from tests.helpers import fast_worker_settings, ingest_rows, running_simulator
+from tests.support.conversations import ExpectedConversation, expected_conversation, tool_rows
+from tests.support.ingest import ingest_rows
+from tests.support.sim import running_simulator
+from tests.support.specs import job_spec
+from tests.support.workers import fast_worker_settings
 from workers.fleet import ServerSpec
 from workers.worker import Worker
 
@@ -43,18 +46,14 @@ def hf_tokenizer(tokenizer_path: str) -> Any:
     return AutoTokenizer.from_pretrained(tokenizer_path)
 
 
-def _spec(tokenizer_path: str, **overrides: Any) -> JobSpec:
-    values: dict[str, Any] = {
-        "tokenizer": tokenizer_path,
-        "chat_template": str(default_chat_template_path()),
-        "multi_turn": "all",
-        "tool_call_parser": "deepseekv3",
-        "short_max_new_tokens": MAX_NEW_TOKENS,
-        "long_threshold_tokens": 100_000,
-        "sampling": {"sampling_seed": SEED},
-        **overrides,
-    }
-    return JobSpec.model_validate(values)
+SPEC_DEFAULTS: dict[str, Any] = {
+    "context_len": None,
+    "multi_turn": "all",
+    "tool_call_parser": "deepseekv3",
+    "short_max_new_tokens": MAX_NEW_TOKENS,
+    "long_threshold_tokens": 100_000,
+    "sampling": {"sampling_seed": SEED},
+}
 
 
 async def _run_job(
@@ -124,7 +123,7 @@ async def test_matched_calls_continue_and_mismatches_stop(
     ]
     assert continued_after_call, "no conversation continued after a matched tool call"
 
-    spec = _spec(tokenizer_path)
+    spec = job_spec(SPEC_DEFAULTS, tokenizer=tokenizer_path)
     records, stops = await _run_job(redis_client, redis_url, storage, sim, "stop", spec)
     _check(records, stops, expected)
     progress = JobStore(redis_client, Keys(NS)).progress("stop")
@@ -161,7 +160,7 @@ async def test_keep_goes_on_after_a_mismatch(
 ) -> None:
     expected = _expected(hf_tokenizer, "keep")
     assert all(conv.stop in (None, "truncated") for conv in expected.values())
-    spec = _spec(tokenizer_path, tool_mismatch="keep")
+    spec = job_spec(SPEC_DEFAULTS, tokenizer=tokenizer_path, tool_mismatch="keep")
     records, stops = await _run_job(redis_client, redis_url, storage, sim, "keep", spec)
     _check(records, stops, expected)
     assert JobStore(redis_client, Keys(NS)).progress("keep").failed == 0
@@ -170,7 +169,7 @@ async def test_keep_goes_on_after_a_mismatch(
 async def test_a_parser_the_server_does_not_know_stops_each_conversation_after_its_commit(
     redis_client: redis.Redis, redis_url: str, storage: Storage, tokenizer_path: str, sim: str
 ) -> None:
-    spec = _spec(tokenizer_path, tool_call_parser="nosuchparser")
+    spec = job_spec(SPEC_DEFAULTS, tokenizer=tokenizer_path, tool_call_parser="nosuchparser")
     records, stops = await _run_job(redis_client, redis_url, storage, sim, "badparser", spec)
     with_tools = {r["id"] for r in tool_rows(CONVERSATIONS) if r.get("tools")}
     # Each tool conversation has its first turn recorded and done, then stops with the server's word.

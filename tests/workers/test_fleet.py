@@ -11,8 +11,8 @@ import redis
 from datagen.records.storage import Storage
 from datagen.states import PromptClass
 from service.fleetview import FleetView
-from tests.helpers import running_simulator
-from tests.workers.worker_helpers import KEYS, ingest, records, settings, start, stop
+from tests.support.sim import running_simulator
+from tests.support.workers import KEYS, ingest, records, settings, start, stop
 from workers.fleet import Fleet, Server
 from workers.metrics import WorkerMetrics
 from workers.sglang import ClientTimeouts, SGLangClient

@@ -11,12 +11,14 @@ import redis
 
 from datagen.control.jobs import JobStore
 from datagen.control.keys import Keys
-from datagen.prompts.tokenization import default_chat_template_path, get_renderer
+from datagen.prompts.tokenization import get_renderer
 from datagen.records.storage import Storage
-from datagen.spec import JobSpec
 from datagen.states import JobState
 from simulator.model import SpecialIds, expected_output
-from tests.helpers import fast_worker_settings, ingest_rows, running_simulator
+from tests.support.ingest import ingest_rows
+from tests.support.sim import running_simulator
+from tests.support.specs import job_spec
+from tests.support.workers import fast_worker_settings
 from workers.fleet import ServerSpec
 from workers.turns import history
 from workers.worker import Worker
@@ -42,16 +44,12 @@ def sims(tokenizer_path: str) -> Iterator[list[str]]:
         yield [a, b]
 
 
-def _spec(tokenizer_path: str, **overrides: Any) -> JobSpec:
-    values: dict[str, Any] = {
-        "tokenizer": tokenizer_path,
-        "chat_template": str(default_chat_template_path()),
-        "short_max_new_tokens": 2000,
-        "long_threshold_tokens": 100_000,
-        "sampling": {"sampling_seed": SEED},
-        **overrides,
-    }
-    return JobSpec.model_validate(values)
+SPEC_DEFAULTS: dict[str, Any] = {
+    "context_len": None,
+    "short_max_new_tokens": 2000,
+    "long_threshold_tokens": 100_000,
+    "sampling": {"sampling_seed": SEED},
+}
 
 
 async def _run(redis_url: str, storage: Storage, urls: list[str]) -> None:
@@ -68,7 +66,7 @@ def _records(storage: Storage, job_id: str) -> dict[tuple[str, int, int], dict[s
 async def test_all_mode_renders_each_turn_from_the_regenerated_history(
     redis_client: redis.Redis, redis_url: str, storage: Storage, tokenizer_path: str, sims: list[str]
 ) -> None:
-    spec = _spec(tokenizer_path, multi_turn="all")
+    spec = job_spec(SPEC_DEFAULTS, tokenizer=tokenizer_path, multi_turn="all")
     rows = [{"id": "conv", "messages": CONVERSATION}, {"id": "single", "messages": CONVERSATION[:2]}]
     ingest_rows(redis_client, storage, Keys(NS), "mt1", spec, rows)
     assert JobStore(redis_client, Keys(NS)).progress("mt1").accepted == 2  # first turns only
@@ -105,7 +103,7 @@ async def test_all_mode_renders_each_turn_from_the_regenerated_history(
 async def test_a_truncated_turn_ends_its_conversation(
     redis_client: redis.Redis, redis_url: str, storage: Storage, tokenizer_path: str, sims: list[str]
 ) -> None:
-    spec = _spec(tokenizer_path, multi_turn="all", short_max_new_tokens=5)
+    spec = job_spec(SPEC_DEFAULTS, tokenizer=tokenizer_path, multi_turn="all", short_max_new_tokens=5)
     ingest_rows(redis_client, storage, Keys(NS), "mt2", spec, [{"id": "conv", "messages": CONVERSATION}])
     await _run(redis_url, storage, sims[:1])
     records = _records(storage, "mt2")
@@ -116,7 +114,7 @@ async def test_a_truncated_turn_ends_its_conversation(
 async def test_samples_have_distinct_seeds_cycled_temperatures_and_one_server(
     redis_client: redis.Redis, redis_url: str, storage: Storage, tokenizer_path: str, sims: list[str]
 ) -> None:
-    spec = _spec(tokenizer_path, samples=3, temperatures=[0.3, 0.9])
+    spec = job_spec(SPEC_DEFAULTS, tokenizer=tokenizer_path, samples=3, temperatures=[0.3, 0.9])
     rows = [{"id": f"q{i}", "messages": [{"role": "user", "content": f"question {i}"}]} for i in range(6)]
     ingest_rows(redis_client, storage, Keys(NS), "mt3", spec, rows)
     await _run(redis_url, storage, sims)

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 import httpx
@@ -15,7 +14,9 @@ from datagen.control.keys import Keys
 from datagen.control.servers import live_servers
 from datagen.records.storage import Storage
 from service.fleetview import FleetView
-from tests.helpers import fast_worker_settings, running_simulator
+from tests.support.sim import running_simulator
+from tests.support.wait import wait_until_async
+from tests.support.workers import fast_worker_settings
 from workers.fleet import ServerSpec
 from workers.worker import Worker
 
@@ -34,13 +35,6 @@ async def running_worker(redis_url: str, storage: Storage, servers: dict[str, st
     finally:
         await worker.drain()
         await worker.close()
-
-
-async def eventually(condition: Callable[[], bool], what: str) -> None:
-    deadline = time.monotonic() + WAIT_S
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting until {what}"
-        await asyncio.sleep(0.05)
 
 
 async def set_chaos(url: str, **chaos: object) -> None:
@@ -119,6 +113,8 @@ async def test_unknown_context_length_keeps_the_worker_off_until_the_server_is_f
             assert len(_refusals(caplog, "s")) == 1
 
             await set_chaos(url)  # the operator fixes the server
-            await eventually(lambda: server.state == "up", "the fixed server is accepted")
+            await wait_until_async(
+                lambda: server.state == "up", WAIT_S, "timed out waiting until the fixed server is accepted"
+            )
             assert server.refused is None and server.context_len == 32768
             assert "server s accepted: its pre-flight checks pass now" in caplog.messages

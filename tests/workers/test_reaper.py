@@ -16,7 +16,7 @@ from datagen.control.dispatch import Dispatch
 from datagen.control.jobs import JobStore
 from datagen.records.storage import Storage
 from datagen.states import PromptClass
-from tests.workers.worker_helpers import KEYS, ingest
+from tests.support.workers import KEYS, ingest
 from workers.metrics import WorkerMetrics
 from workers.reaper import Reaper
 from workers.rqbridge import QueueIdentity, heartbeat_ttl_s
@@ -87,7 +87,7 @@ def test_reaper_requeues_dead_workers_prompts_then_gives_up_on_a_killer(
     assert FailedJobRegistry(queue=queue).get_job_ids(cleanup=False) == [victim]
     progress = jobs.progress("reap")
     assert (progress.failed, progress.in_flight) == (1, 0)
-    [report] = jobs.failed_reports("reap", 10)
+    [report] = jobs.outcomes.failed_reports("reap", 10)
     assert report["reason"] == "WorkerLost" and report["sample_id"] == "p0"
 
 

@@ -12,11 +12,12 @@ import redis
 
 from datagen.control.keys import Keys
 from datagen.errors import ConfigError
-from datagen.prompts.tokenization import default_chat_template_path
 from datagen.records.storage import Storage
 from datagen.settings import WorkerSettings, load
-from datagen.spec import JobSpec
-from tests.helpers import fast_worker_settings, ingest_rows, running_simulator
+from tests.support.ingest import ingest_rows
+from tests.support.sim import running_simulator
+from tests.support.specs import job_spec
+from tests.support.workers import fast_worker_settings
 from workers.fleet import ServerSpec, with_api_keys
 from workers.worker import Worker
 
@@ -75,13 +76,7 @@ def test_an_unreadable_key_file_is_refused(tmp_path: Path) -> None:
 # -- a worker against two servers with different keys ----------------------------------------
 
 
-def _spec(tokenizer_path: str) -> JobSpec:
-    return JobSpec(
-        tokenizer=tokenizer_path,
-        chat_template=str(default_chat_template_path()),
-        short_max_new_tokens=32,
-        long_max_new_tokens=32,
-    )
+SPEC_DEFAULTS: dict[str, Any] = {"context_len": None, "short_max_new_tokens": 32, "long_max_new_tokens": 32}
 
 
 async def _run(settings: WorkerSettings, urls: dict[str, str]) -> Worker:
@@ -111,7 +106,9 @@ async def test_each_server_gets_its_key_and_a_wrong_key_keeps_the_worker_off(
 ) -> None:
     caplog.set_level(logging.DEBUG)
     rows = [{"id": f"q{i}", "messages": [{"role": "user", "content": f"Question {i}"}]} for i in range(6)]
-    ingest_rows(redis_client, storage, Keys(NS), "job1", _spec(tokenizer_path), rows)
+    ingest_rows(
+        redis_client, storage, Keys(NS), "job1", job_spec(SPEC_DEFAULTS, tokenizer=tokenizer_path), rows
+    )
     with (
         running_simulator(tokenizer_path=tokenizer_path, time_scale=0.0, api_key=KEY_S0) as url0,
         running_simulator(tokenizer_path=tokenizer_path, time_scale=0.0, api_key=KEY_S1) as url1,
@@ -131,7 +128,9 @@ async def test_each_server_gets_its_key_and_a_wrong_key_keeps_the_worker_off(
         assert len(refusals) == 1  # logged once, though probed again and again
 
         # With the right default key, s1 is used too.
-        ingest_rows(redis_client, storage, Keys(NS), "job2", _spec(tokenizer_path), rows)
+        ingest_rows(
+            redis_client, storage, Keys(NS), "job2", job_spec(SPEC_DEFAULTS, tokenizer=tokenizer_path), rows
+        )
         settings = fast_worker_settings(
             redis_url, storage, NS, server_api_keys=f"s0={KEY_S0}", api_key=KEY_S1
         )

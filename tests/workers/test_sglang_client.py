@@ -363,20 +363,6 @@ def test_finish_rejects_anything_else(raw: object) -> None:
         Finish.parse(raw)
 
 
-@pytest.mark.parametrize(
-    ("finish", "stored"),
-    [
-        (Finish(FinishType.STOP, matched=151645), "151645"),
-        (Finish(FinishType.STOP, matched="\n\n"), "\n\n"),
-        (Finish(FinishType.LENGTH, length=8), "8"),
-        (Finish(FinishType.ABORT, message="Aborted"), "Aborted"),
-        (Finish(FinishType.ABORT), ""),
-    ],
-)
-def test_matched_or_length_is_one_string_for_storage(finish: Finish, stored: str) -> None:
-    assert finish.matched_or_length == stored
-
-
 # -- parse_generate_response -----------------------------------------------------------------------
 
 

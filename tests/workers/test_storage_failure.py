@@ -17,7 +17,9 @@ from datagen.prompts.tokenization import default_chat_template_path
 from datagen.records.storage import Storage
 from datagen.spec import JobSpec
 from datagen.states import JobState, PromptClass
-from tests.helpers import fast_worker_settings, ingest_rows, running_simulator
+from tests.support.ingest import ingest_rows
+from tests.support.sim import running_simulator
+from tests.support.workers import fast_worker_settings
 from workers.fleet import ServerSpec
 from workers.worker import Worker
 

@@ -17,8 +17,10 @@ from datagen.control.jobs import JobStore
 from datagen.records.files import ObjectFiles
 from datagen.records.storage import Storage
 from datagen.states import JobState
-from tests.helpers import make_record, running_simulator
-from tests.workers.worker_helpers import KEYS, eventually, ingest, records, settings, start, stop
+from tests.support.records import make_record
+from tests.support.sim import running_simulator
+from tests.support.wait import wait_until_async
+from tests.support.workers import KEYS, NOT_MET, ingest, records, settings, start, stop
 from workers.metrics import WorkerMetrics
 from workers.writer import RecordWriter
 
@@ -57,7 +59,7 @@ async def test_one_jobs_failing_commits_hold_back_no_other_job(
     writer.start()
     bad = asyncio.ensure_future(writer.commit(make_record("s1", [1, 2, 3], 2, job_id="bad")))
     await writer.commit(make_record("s2", [1, 2, 3], 2, job_id="good"))  # committed all the same
-    await eventually(lambda: reports, 5)
+    await wait_until_async(lambda: reports, 5, NOT_MET)
     assert not bad.done() and writer.pending == 1
     assert {job_id for job_id, error in reports if error is not None} == {"bad"}
     assert not await writer.close(deadline_s=0)  # the bad job's record is still kept, not lost
@@ -93,8 +95,8 @@ async def test_a_read_only_storage_bounds_what_the_worker_claims(
         assert peak_in_flight <= BOUND + CONCURRENCY
         assert all(jobs.progress(job_id).done == 0 for job_id in JOBS)  # nothing acked without its record
         read_only = False
-        await eventually(
-            lambda: all(jobs.progress(job_id).state is JobState.COMPLETED for job_id in JOBS), 45
+        await wait_until_async(
+            lambda: all(jobs.progress(job_id).state is JobState.COMPLETED for job_id in JOBS), 45, NOT_MET
         )
         await stop(worker, run)
     for job_id in JOBS:
@@ -118,12 +120,12 @@ async def test_a_job_whose_storage_fails_takes_half_the_budget_and_the_others_go
         run = asyncio.create_task(worker.run())
         # Job b completes while a's commits fail: a holds at most half the budget (and what was
         # generating when it got there), never all of it.
-        await eventually(lambda: jobs.progress("b").state is JobState.COMPLETED, 45)
+        await wait_until_async(lambda: jobs.progress("b").state is JobState.COMPLETED, 45, NOT_MET)
         stuck = jobs.progress("a")
         assert stuck.done == 0 and stuck.storage_error is not None
         assert stuck.in_flight <= BOUND // 2 + CONCURRENCY
         broken = False
-        await eventually(lambda: jobs.progress("a").state is JobState.COMPLETED, 45)
+        await wait_until_async(lambda: jobs.progress("a").state is JobState.COMPLETED, 45, NOT_MET)
         await stop(worker, run)
     for job_id in JOBS:
         ids = Counter(row["sample_id"] for row in records(storage, job_id))

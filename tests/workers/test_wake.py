@@ -20,8 +20,9 @@ import redis
 from datagen.control.jobs import JobStore
 from datagen.records.storage import Storage
 from datagen.states import JobState
-from tests.helpers import running_simulator
-from tests.workers.worker_helpers import KEYS, eventually, ingest, settings, start, stop
+from tests.support.sim import running_simulator
+from tests.support.wait import wait_until_async
+from tests.support.workers import KEYS, NOT_MET, WAIT_S, ingest, settings, start, stop
 from workers.wake import WAKE_COALESCE_S
 from workers.worker import Worker
 
@@ -110,9 +111,11 @@ async def test_a_prompt_enqueued_during_a_flood_starts_at_once(
             await asyncio.sleep(FLOOD_S / 3)
             await asyncio.to_thread(ingest, redis_client, storage, "during_flood", 1)
             enqueued = time.monotonic()
-            await eventually(started, timeout_s=FLOOD_S)
+            await wait_until_async(started, FLOOD_S, NOT_MET)
             waited_s = time.monotonic() - enqueued
-            await eventually(lambda: jobs.progress("during_flood").state is JobState.COMPLETED)
+            await wait_until_async(
+                lambda: jobs.progress("during_flood").state is JobState.COMPLETED, WAIT_S, NOT_MET
+            )
             assert await _published(publisher) >= MIN_FLOOD_MESSAGES
     # At worst its message came as the listener stopped listening (a window), and the claim loop
     # had just claimed in vain (another window); then the claim and this test's 50 ms polling.

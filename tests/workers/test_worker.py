@@ -15,13 +15,16 @@ from rq.serializers import JSONSerializer
 from datagen.control.dispatch import Dispatch
 from datagen.control.jobs import JobStore
 from datagen.control.keys import Keys
-from datagen.prompts.tokenization import default_chat_template_path, get_renderer
+from datagen.prompts.tokenization import get_renderer
 from datagen.records.storage import Storage
 from datagen.settings import WorkerSettings
 from datagen.spec import JobSpec
 from datagen.states import JobState, PromptClass
 from simulator.model import SpecialIds, expected_output
-from tests.helpers import fast_worker_settings, ingest_rows, running_simulator
+from tests.support.ingest import ingest_rows
+from tests.support.sim import running_simulator
+from tests.support.specs import job_spec
+from tests.support.workers import fast_worker_settings
 from workers.fleet import ServerSpec
 from workers.worker import Worker
 
@@ -35,17 +38,13 @@ def simulator_url(tokenizer_path: str) -> Iterator[str]:
         yield url
 
 
-def _spec(tokenizer_path: str, **overrides: Any) -> JobSpec:
-    values: dict[str, Any] = {
-        "tokenizer": tokenizer_path,
-        "chat_template": str(default_chat_template_path()),
-        "short_max_new_tokens": 300,
-        "long_max_new_tokens": 600,
-        "long_threshold_tokens": 40,
-        "sampling": {"sampling_seed": SEED},
-    }
-    values.update(overrides)
-    return JobSpec.model_validate(values)
+SPEC_DEFAULTS: dict[str, Any] = {
+    "context_len": None,
+    "short_max_new_tokens": 300,
+    "long_max_new_tokens": 600,
+    "long_threshold_tokens": 40,
+    "sampling": {"sampling_seed": SEED},
+}
 
 
 def _ingest(
@@ -84,7 +83,7 @@ def _rows(n: int) -> list[dict[str, Any]]:
 async def test_records_are_prompt_ids_plus_exact_simulated_output(
     redis_client: redis.Redis, redis_url: str, storage: Storage, simulator_url: str, tokenizer_path: str
 ) -> None:
-    spec = _spec(tokenizer_path)
+    spec = job_spec(SPEC_DEFAULTS, tokenizer=tokenizer_path)
     rows = _rows(30)
     _ingest(redis_client, storage, "job1", spec, rows)
     await _run_burst(_settings(redis_url, storage), [simulator_url])
@@ -132,7 +131,7 @@ async def test_records_are_prompt_ids_plus_exact_simulated_output(
 async def test_faults_are_retried_and_the_job_completes(
     redis_client: redis.Redis, redis_url: str, storage: Storage, tokenizer_path: str
 ) -> None:
-    spec = _spec(tokenizer_path)
+    spec = job_spec(SPEC_DEFAULTS, tokenizer=tokenizer_path)
     _ingest(redis_client, storage, "job2", spec, _rows(40))
     with running_simulator(
         tokenizer_path=tokenizer_path, time_scale=0.0, fail_503_rate=0.1, fail_500_rate=0.1, abort_rate=0.1
@@ -156,7 +155,9 @@ async def test_a_fatal_400_fails_the_prompt_with_the_servers_message(
     redis_client: redis.Redis, redis_url: str, storage: Storage, tokenizer_path: str
 ) -> None:
     # The job spec does not know the context; the server's 400 is what stops the long prompt.
-    spec = _spec(tokenizer_path, long_threshold_tokens=10_000, short_max_new_tokens=64)
+    spec = job_spec(
+        SPEC_DEFAULTS, tokenizer=tokenizer_path, long_threshold_tokens=10_000, short_max_new_tokens=64
+    )
     rows = [
         {"id": "ok", "messages": [{"role": "user", "content": "short"}]},
         {"id": "too_long", "messages": [{"role": "user", "content": "word " * 400}]},
@@ -177,7 +178,7 @@ async def test_a_fatal_400_fails_the_prompt_with_the_servers_message(
     jobs = JobStore(redis_client, Keys(NS))
     progress = jobs.progress("job3")
     assert (progress.state, progress.done, progress.failed) == (JobState.COMPLETED, 1, 1)
-    [report] = jobs.failed_reports("job3", 10)
+    [report] = jobs.outcomes.failed_reports("job3", 10)
     assert report["sample_id"] == "too_long"
     assert "context length" in report["message"]
     failed = FailedJobRegistry(queue=Queue(Keys(NS).queue_name(PromptClass.SHORT), connection=redis_client))
@@ -187,7 +188,7 @@ async def test_a_fatal_400_fails_the_prompt_with_the_servers_message(
 async def test_an_unreachable_server_gets_nothing_and_costs_no_attempt(
     redis_client: redis.Redis, redis_url: str, storage: Storage, simulator_url: str, tokenizer_path: str
 ) -> None:
-    _ingest(redis_client, storage, "job4", _spec(tokenizer_path), _rows(12))
+    _ingest(redis_client, storage, "job4", job_spec(SPEC_DEFAULTS, tokenizer=tokenizer_path), _rows(12))
     await _run_burst(_settings(redis_url, storage, max_attempts=1), ["http://127.0.0.1:9", simulator_url])
     records = _records(storage, "job4")
     assert len(records) == 12
@@ -198,7 +199,7 @@ async def test_an_unreachable_server_gets_nothing_and_costs_no_attempt(
 async def test_hard_stop_hands_prompts_back_to_the_queue(
     redis_client: redis.Redis, redis_url: str, storage: Storage, tokenizer_path: str
 ) -> None:
-    _ingest(redis_client, storage, "job5", _spec(tokenizer_path), _rows(10))
+    _ingest(redis_client, storage, "job5", job_spec(SPEC_DEFAULTS, tokenizer=tokenizer_path), _rows(10))
     # Realistic speed: requests take seconds, so the drain deadline of 0 s catches them in flight.
     with running_simulator(tokenizer_path=tokenizer_path, time_scale=1.0) as slow:
         settings = _settings(redis_url, storage, drain_timeout_s=0)

@@ -15,8 +15,9 @@ import pytest
 
 from datagen.errors import JobNotFoundError, StorageError
 from datagen.records.storage import Storage
-from tests.helpers import make_record
-from tests.workers.worker_helpers import eventually
+from tests.support.records import make_record
+from tests.support.wait import wait_until_async
+from tests.support.workers import NOT_MET
 from workers.metrics import WorkerMetrics
 from workers.writer import RecordWriter
 
@@ -222,7 +223,7 @@ async def test_a_failing_jobs_backoff_does_not_delay_the_others(
         on_storage_error=lambda job_id, error: reports.append((job_id, error)),
     )
     bad = asyncio.ensure_future(writer.commit(_record("bad")))
-    await eventually(lambda: slow.tries["bad"] >= 2, 5)  # backing off now
+    await wait_until_async(lambda: slow.tries["bad"] >= 2, 5, NOT_MET)  # backing off now
     started = time.monotonic()
     for k in range(3):  # the first records at once, the others at the interval
         await asyncio.gather(*(writer.commit(_record(f"good{i}", f"s{k}")) for i in range(10)))

@@ -9,7 +9,7 @@ from typing import Any
 
 import httpx
 
-from tests.helpers import ProcessStack
+from tests.support.processes import ProcessStack
 
 # Every named job's limit per prompt, and its seed: the simulator's outputs can be checked exactly.
 MAX_NEW = 400

@@ -21,7 +21,7 @@ import httpx
 import yaml
 
 from datagen.local.redis_server import free_port
-from tests.helpers import wait_until
+from tests.support.wait import wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 DASHBOARDS = REPO / "dashboards"

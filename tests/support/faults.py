@@ -15,7 +15,6 @@ prompt) for the case to bound.
 from __future__ import annotations
 
 import json
-import re
 import signal
 import subprocess
 import threading
@@ -38,10 +37,13 @@ from datagen.prompts.tokenization import bundled_tokenizer_path, default_chat_te
 from datagen.records.storage import Storage
 from datagen.states import PromptClass
 from simulator.model import SpecialIds, expected_output
-from tests.helpers import ProcessStack, make_spec, wait_until
+from tests.support.processes import ProcessStack
+from tests.support.specs import make_spec
+from tests.support.wait import wait_until
 
 __all__ = [
     "FAST_ENV",
+    "POLL_S",
     "REAP_BUDGET_S",
     "FaultStack",
     "FinalState",
@@ -49,10 +51,7 @@ __all__ = [
     "Sim",
     "all_records",
     "check_final_state",
-    "job_spec",
-    "metric_value",
     "rows_for",
-    "wait_for",
 ]
 
 # Short intervals for every process (DATAGEN_* settings, read at startup). The KV controller is
@@ -83,40 +82,12 @@ POLL_S = 0.05
 HTTP_TIMEOUT_S = 10.0
 
 
-def wait_for(
-    predicate: Callable[[], bool],
-    timeout_s: float,
-    what: str,
-    *,
-    poll_s: float = POLL_S,
-    on_timeout: Callable[[], str] | None = None,
-) -> float:
-    """`wait_until`, returning the seconds it took."""
-    started = time.monotonic()
-    wait_until(predicate, timeout_s, what, interval_s=poll_s, on_timeout=on_timeout)
-    return time.monotonic() - started
-
-
 def rows_for(n: int, prefix: str = "q") -> list[dict[str, Any]]:
     """``n`` distinct one-turn rows (prompts of about 15 tokens once rendered)."""
     return [
         {"id": f"{prefix}{i}", "messages": [{"role": "user", "content": f"Question {i}: explain item {i}."}]}
         for i in range(n)
     ]
-
-
-def metric_value(text: str, name: str, **labels: str) -> float:
-    """Sum of the samples of ``name`` in Prometheus text whose labels include ``labels``."""
-    total = 0.0
-    pattern = re.compile(rf"^{re.escape(name)}(?:\{{(.*)\}})? (\S+)$")
-    for line in text.splitlines():
-        match = pattern.match(line)
-        if match is None:
-            continue
-        found = dict(re.findall(r'(\w+)="([^"]*)"', match.group(1) or ""))
-        if all(found.get(k) == v for k, v in labels.items()):
-            total += float(match.group(2))
-    return total
 
 
 @dataclass
@@ -244,7 +215,13 @@ class FaultStack:
         with open(dataset, "w", encoding="utf-8") as fh:
             for row in rows:
                 fh.write(json.dumps(row) + "\n")
-        spec = job_spec(max_new_tokens, seed)
+        # Every prompt is short; the seed makes the simulator's outputs reproducible here. Jobs are
+        # submitted before workers start, so the spec gives the simulator's context length.
+        spec = make_spec(
+            short_max_new_tokens=max_new_tokens,
+            long_threshold_tokens=100_000,
+            sampling={"sampling_seed": seed},
+        )
         with open(dataset, "rb") as fh:
             response = httpx.post(
                 f"{self.coordinator_url}/jobs",
@@ -261,12 +238,16 @@ class FaultStack:
         return response.json()  # type: ignore[no-any-return]
 
     def wait_completed(self, job_id: str, timeout_s: float) -> float:
-        return wait_for(
+        """Until the job has completed; returns the seconds it took."""
+        started = time.monotonic()
+        wait_until(
             lambda: self.job(job_id)["state"] == "completed",
             timeout_s,
             "the job to complete",
+            interval_s=POLL_S,
             on_timeout=lambda: f"{self.job(job_id)}\n{self.logs()}",
         )
+        return time.monotonic() - started
 
     # Redis --------------------------------------------------------------------------------------
     def queues(self) -> list[Queue]:
@@ -283,14 +264,6 @@ class FaultStack:
         """Started-registry members whose execution belongs to the worker process ``pid`` (the
         execution id of a member ``<rq id>:<execution id>`` is ``<pid>-<worker tag>``)."""
         return {m for m in self.started_members() if m.split(":", 1)[1].startswith(f"{pid}-")}
-
-
-def job_spec(max_new_tokens: int, seed: int) -> dict[str, Any]:
-    """Every prompt is short; the seed makes the simulator's outputs reproducible here. Jobs are
-    submitted before workers start, so the spec gives the simulator's context length."""
-    return make_spec(
-        short_max_new_tokens=max_new_tokens, long_threshold_tokens=100_000, sampling={"sampling_seed": seed}
-    )
 
 
 @dataclass

@@ -1,0 +1,104 @@
+"""The Lua scripts of the control plane (``datagen/control/lua/*.lua``) and of the workers
+(``workers/lua/*.lua``): read from the package, so a wheel works as a checkout does, and called with
+named arguments.
+
+A script file opens with its signature, a comment naming each ``KEYS[i]`` and ``ARGV[i]``, then binds
+each to a local of that name; past those lines it uses only the names. A script whose first line is
+``--! uses lib`` runs with ``lib.lua`` put before it: the rules that several scripts share (counting
+a prompt that ended, rejoining a dispatch set, counting prompts cancelled before they ran) are
+written once there, as local functions (Redis lets a script define no globals).
+
+On the Python side a script's arguments are one frozen dataclass, a `ScriptArgs`, whose fields carry
+the signature's names in its order: fields marked `KEY` are its KEYS, the others its ARGV, and a
+tuple spreads (a variable tail, or a group of values per item). ``tests/datagen/test_lua_files.py``
+checks that both sides name the same arguments in the same order. A `LuaScript` is registered when
+its owner is built (redis-py only hashes the text then; the first call loads it), so the threads
+that share an owner never race to set it up.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterable
+from dataclasses import dataclass, fields
+from importlib import resources
+from types import MappingProxyType
+from typing import Any, ClassVar, Generic, TypeVar, cast
+
+from redis import Redis
+from redis.client import Pipeline
+
+__all__ = ["CONTROL", "KEY", "LuaScript", "ScriptArgs", "source"]
+
+# The package whose ``lua/`` folder holds the control plane's scripts and the library.
+CONTROL = "datagen.control"
+LUA_FOLDER = "lua"
+LIB = "lib"
+# A script's first line, when it calls the library's functions.
+USES_LIB = "--! uses lib"
+# Marks a `ScriptArgs` field as one of the script's KEYS: ``job: str = field(metadata=KEY)``.
+KEY = MappingProxyType({"lua": "KEYS"})
+_ROLE = "lua"
+
+Value = str | int | float | bytes
+
+
+def source(name: str, package: str = CONTROL) -> str:
+    """The text Redis runs for ``<package>/lua/<name>.lua``: the library first if the script uses it."""
+    text = _read(package, name)
+    if text.startswith(USES_LIB + "\n"):
+        return _read(CONTROL, LIB) + text
+    return text
+
+
+# Cached, so that a process reads each file once. Two threads that miss at once both read it and
+# keep the same text, which is harmless.
+@functools.cache
+def _read(package: str, name: str) -> str:
+    return (resources.files(package) / LUA_FOLDER / f"{name}.lua").read_text(encoding="utf-8")
+
+
+@dataclass(frozen=True)
+class ScriptArgs:
+    """The arguments of one call of script ``script`` (a file name without ``.lua``) of ``package``."""
+
+    script: ClassVar[str]
+    package: ClassVar[str] = CONTROL
+
+    @classmethod
+    def key_names(cls) -> list[str]:
+        return [f.name for f in fields(cls) if f.metadata.get(_ROLE) == KEY[_ROLE]]
+
+    @classmethod
+    def arg_names(cls) -> list[str]:
+        return [f.name for f in fields(cls) if f.metadata.get(_ROLE) != KEY[_ROLE]]
+
+    def keys(self) -> list[str]:
+        # Key fields hold strings (or tuples of them).
+        return cast(list[str], _flat(getattr(self, name) for name in self.key_names()))
+
+    def args(self) -> list[Value]:
+        return _flat(getattr(self, name) for name in self.arg_names())
+
+
+def _flat(values: Iterable[Any]) -> list[Value]:
+    out: list[Value] = []
+    for value in values:
+        if isinstance(value, tuple | list):
+            out += _flat(value)
+        else:
+            out.append(value)
+    return out
+
+
+A = TypeVar("A", bound=ScriptArgs)
+
+
+class LuaScript(Generic[A]):
+    """The script that ``args_type`` names, registered with ``redis``; called with its arguments."""
+
+    def __init__(self, redis: Redis, args_type: type[A]) -> None:
+        self._script = redis.register_script(source(args_type.script, args_type.package))
+
+    def __call__(self, args: A, *, client: Redis | Pipeline | None = None) -> Any:
+        return self._script(keys=args.keys(), args=args.args(), client=client)

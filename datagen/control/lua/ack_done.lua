@@ -1,0 +1,119 @@
+--! uses lib
+-- The prompts of a committed shard finish in RQ and count done in their jobs, in one call instead
+-- of one RQ transaction and one count script per prompt. Returns how many prompts were counted.
+--
+-- Per prompt, as RQ's handle_job_success: the started-registry member goes, the RQ job is
+-- `finished` with its `ended_at` and expires after its result TTL, and it joins the finished
+-- registry scored by that expiry; only for a prompt this call counts: a prompt no longer running
+-- (counted already, or back in its backlog in a job rebuilt from storage, `service.rebuild`) keeps
+-- its RQ job as it is, so a stale ack never finishes or expires a copy that waits to run. Not
+-- written: RQ's Result stream entries and the worker's success counters (nothing reads them, and
+-- each would cost a command per prompt).
+-- Per job, by the library's counting rules: a prompt of another incarnation of its job neither
+-- counts nor touches RQ's hashes.
+--
+-- KEYS[1]   started            the class's RQ started registry
+-- KEYS[2]   finished           its finished registry
+-- ARGV[1]   rq_job_prefix      RQ job key prefix (`rq:job:`)
+-- ARGV[2]   job_prefix         job key prefix (the job id follows)
+-- ARGV[3]   running_suffix     what follows a job's key in its running set's
+-- ARGV[4]   breakdown_suffix   ... in its breakdown's
+-- ARGV[5]   partitions_suffix  ... in its labelled partitions'
+-- ARGV[6]   now_ms             now (ms)
+-- ARGV[7]   now_rq             now in RQ's time format
+-- ARGV[8]   now_s              now (epoch s)
+-- ARGV[9]   execution_id       the execution id of the started-registry members
+-- ARGV[10]  running_state      the state of a job whose prompts run
+-- ARGV[11]  completed_state    the state a job moves to when its last prompt ends
+-- ARGV[12..] prompts           8 per prompt: RQ id, job id, the job incarnation it belongs to ('' for
+--                              none), output tokens, partition, class, finish reason, result TTL (s)
+local started = KEYS[1]
+local finished = KEYS[2]
+local rq_job_prefix = ARGV[1]
+local job_prefix = ARGV[2]
+local running_suffix = ARGV[3]
+local breakdown_suffix = ARGV[4]
+local partitions_suffix = ARGV[5]
+local now_ms = ARGV[6]
+local now_rq = ARGV[7]
+local now_s = tonumber(ARGV[8])
+local execution_id = ARGV[9]
+local running_state = ARGV[10]
+local completed_state = ARGV[11]
+local prompts = {}
+for i = 12, #ARGV, 8 do
+  prompts[#prompts + 1] = {
+    rq_id = ARGV[i], job_id = ARGV[i + 1], incarnation = ARGV[i + 2], output_tokens = tonumber(ARGV[i + 3]),
+    partition = ARGV[i + 4], cls = ARGV[i + 5], finish = ARGV[i + 6], result_ttl_s = tonumber(ARGV[i + 7]),
+  }
+end
+
+if #prompts == 0 then return 0 end
+local groups, order, members = {}, {}, {}
+for _, prompt in ipairs(prompts) do
+  members[#members + 1] = prompt.rq_id .. ':' .. execution_id
+  if not groups[prompt.job_id] then
+    groups[prompt.job_id] = {}
+    order[#order + 1] = prompt.job_id
+  end
+  table.insert(groups[prompt.job_id], prompt)
+end
+redis.call('ZREM', started, unpack(members))
+
+-- ZADD arguments for the finished registry: score, RQ id, ...
+local expiring = {}
+local function finish_in_rq(prompt)
+  local rqkey = rq_job_prefix .. prompt.rq_id
+  local ttl = prompt.result_ttl_s
+  if ttl == 0 then
+    redis.call('UNLINK', rqkey)
+    return
+  end
+  redis.call('HSET', rqkey, 'status', 'finished', 'ended_at', now_rq)
+  if ttl > 0 then
+    redis.call('EXPIRE', rqkey, ttl)
+    expiring[#expiring + 1] = now_s + ttl
+  else
+    redis.call('PERSIST', rqkey)
+    expiring[#expiring + 1] = '+inf'
+  end
+  expiring[#expiring + 1] = prompt.rq_id
+end
+
+local counted = 0
+for _, job_id in ipairs(order) do
+  local key = job_prefix .. job_id
+  local job = {
+    key = key, running = key .. running_suffix, breakdown = key .. breakdown_suffix,
+    partitions = key .. partitions_suffix,
+  }
+  local current = job_incarnation(job)
+  local mine = {}
+  if current then
+    for _, prompt in ipairs(groups[job_id]) do
+      if counts_in(prompt.incarnation, current) then mine[#mine + 1] = prompt end
+    end
+  end
+  if #mine > 0 then
+    local ids = {}
+    for n, prompt in ipairs(mine) do ids[n] = prompt.rq_id end
+    local was_running = leave_running(job, ids)
+    local done, tokens, fields, known = 0, 0, {}, {}
+    for n, prompt in ipairs(mine) do
+      if was_running[n] == 1 then
+        finish_in_rq(prompt)
+        done = done + 1
+        tokens = tokens + prompt.output_tokens
+        local label = partition_label(job, prompt.partition, known)
+        tally(fields, 'done', label, prompt.cls, 1, prompt.output_tokens, prompt.finish)
+      end
+    end
+    if done > 0 then
+      counted = counted + done
+      count_in_job(job, 'done', done, tokens, fields, now_ms)
+      complete_if_ended(job, running_state, completed_state, now_ms)
+    end
+  end
+end
+if #expiring > 0 then redis.call('ZADD', finished, unpack(expiring)) end
+return counted

@@ -1,0 +1,206 @@
+--! uses lib
+-- Hands a worker up to N prompts of one class and starts them in RQ's own terms
+-- (`Dispatch.claim_many`), so the per-prompt control-plane cost is two commands (read the RQ job,
+-- mark it started) plus a few per call (see docs/architecture.md, "Control plane").
+--
+-- Order: RQ's own list first (prompts handed back by a stopping worker or requeued by the reaper;
+-- a paused or passed-over job's go to the front of its backlog instead), then the backlogs by
+-- priority and, within a priority, by stride scheduling: each prompt goes to the job with the
+-- lowest virtual time (dispatches / weight; ties to the lexically first id, as ZRANGE orders them),
+-- which then advances by 1 / weight. Paused jobs are in no set (pause.lua), so the jobs looked at
+-- are the first N with work in score order (N: prompts wanted, plus those passed over), read a page
+-- at a time: a claim costs O(log jobs + N), however many jobs wait or are paused. The N single
+-- claims are simulated with a heap over those jobs, then applied with one LPOP and one ZINCRBY per
+-- job: the same order as N single claims, at a fraction of the commands.
+--
+-- Each prompt is started as RQ's `prepare_job_execution` would (status, worker, started_at,
+-- heartbeat; a started-registry member `<id>:<execution>` scored by the heartbeat's expiry) and
+-- added to its job's running set, in this one atomic step: a worker killed after the script is
+-- reaped like one killed mid-generation. A prompt whose RQ job is gone (its job was cancelled or
+-- deleted meanwhile) is dropped. Nothing is handed out while Redis's epoch is below the worker's
+-- floor (`datagen.control.epoch`): that is a Redis restored from an older snapshot, whose backlogs
+-- hold prompts already done, until the coordinator has rebuilt the jobs from storage and stamped a
+-- new `seq`. Returns {id, HGETALL of its RQ job as it was queued} per prompt.
+--
+-- KEYS[1]    queue             RQ's queue list of the class
+-- KEYS[2]    paused            the paused jobs
+-- KEYS[3]    high              the class's dispatch set at priority high
+-- KEYS[4]    normal            ... at priority normal
+-- KEYS[5]    low               ... at priority low
+-- KEYS[6]    window            the current window bucket (dispatches per job)
+-- KEYS[7]    started           the class's RQ started registry
+-- KEYS[8]    epoch             the epoch hash
+-- ARGV[1]    job_prefix        job key prefix (the job id follows)
+-- ARGV[2]    backlog_suffix    what follows a job's key in its backlog's of the class
+-- ARGV[3]    window_ttl_s      the window bucket's TTL (s)
+-- ARGV[4]    rq_list_scan      how many of RQ's list a claim looks at, at most
+-- ARGV[5]    rq_id_prefix      RQ id prefix (`{ns}-`; the job id follows it up to the next `-`)
+-- ARGV[6]    rq_job_prefix     RQ job key prefix (`rq:job:`)
+-- ARGV[7]    want              how many prompts at most
+-- ARGV[8]    heartbeat_expiry  the started-registry score (the heartbeat's expiry, epoch s)
+-- ARGV[9]    now_rq            now in RQ's time format
+-- ARGV[10]   worker_name       the worker's RQ name
+-- ARGV[11]   execution_id      the execution id of its started-registry members
+-- ARGV[12]   running_suffix    what follows a job's key in its running set's
+-- ARGV[13]   epoch_floor       the worker's epoch floor
+-- ARGV[14..] skip              job ids this worker passes over (too many of their records wait for a
+--                              commit here)
+local queue = KEYS[1]
+local paused = KEYS[2]
+local high = KEYS[3]
+local normal = KEYS[4]
+local low = KEYS[5]
+local window = KEYS[6]
+local started = KEYS[7]
+local epoch = KEYS[8]
+local job_prefix = ARGV[1]
+local backlog_suffix = ARGV[2]
+local window_ttl_s = ARGV[3]
+local rq_list_scan = tonumber(ARGV[4])
+local rq_id_prefix = ARGV[5]
+local rq_job_prefix = ARGV[6]
+local want = tonumber(ARGV[7])
+local heartbeat_expiry = ARGV[8]
+local now_rq = ARGV[9]
+local worker_name = ARGV[10]
+local execution_id = ARGV[11]
+local running_suffix = ARGV[12]
+local epoch_floor = tonumber(ARGV[13])
+local skip = {}
+local nskip = 0
+for i = 14, #ARGV do
+  skip[ARGV[i]] = true
+  nskip = nskip + 1
+end
+
+if tonumber(redis.call('HGET', epoch, 'seq') or '0') < epoch_floor then return {} end
+local sets = {high = high, normal = normal, low = low}
+local function job_of(id)
+  local rest = string.sub(id, #rq_id_prefix + 1)
+  local dash = string.find(rest, '-', 1, true)
+  return dash and string.sub(rest, 1, dash - 1) or ''
+end
+local ids = {}
+for _ = 1, rq_list_scan do
+  if #ids >= want then break end
+  local id = redis.call('LPOP', queue)
+  if not id then break end
+  local job = job_of(id)
+  if job ~= '' and (skip[job] or redis.call('SISMEMBER', paused, job) == 1) then
+    redis.call('LPUSH', job_prefix .. job .. backlog_suffix, id)
+    rejoin(sets[redis.call('HGET', job_prefix .. job, 'priority') or 'normal'] or normal, paused, job)
+  else
+    ids[#ids + 1] = id
+  end
+end
+local function before(a, b)
+  return a.vt < b.vt or (a.vt == b.vt and a.job < b.job)
+end
+local function push(heap, item)
+  heap[#heap + 1] = item
+  local i = #heap
+  while i > 1 do
+    local parent = math.floor(i / 2)
+    if not before(heap[i], heap[parent]) then break end
+    heap[i], heap[parent] = heap[parent], heap[i]
+    i = parent
+  end
+end
+local function pop(heap)
+  local top = heap[1]
+  heap[1] = heap[#heap]
+  heap[#heap] = nil
+  local i = 1
+  while true do
+    local l, r, m = 2 * i, 2 * i + 1, i
+    if l <= #heap and before(heap[l], heap[m]) then m = l end
+    if r <= #heap and before(heap[r], heap[m]) then m = r end
+    if m == i then break end
+    heap[i], heap[m] = heap[m], heap[i]
+    i = m
+  end
+  return top
+end
+local dispatched = {}
+for _, set in ipairs({high, normal, low}) do
+  while #ids < want do
+    local need = want - #ids
+    local jobs = {}
+    local page = need + nskip
+    local offset = 0
+    while #jobs < need do
+      local entries = redis.call('ZRANGE', set, offset, offset + page - 1, 'WITHSCORES')
+      local removed = 0
+      for i = 1, #entries, 2 do
+        if #jobs >= need then break end
+        local job = entries[i]
+        if not skip[job] then
+          local jobkey = job_prefix .. job
+          local left = redis.call('LLEN', jobkey .. backlog_suffix)
+          if left == 0 then
+            redis.call('ZREM', set, job)
+            removed = removed + 1
+          else
+            local weight = tonumber(redis.call('HGET', jobkey, 'weight') or '1') or 1
+            if weight <= 0 then weight = 1 end
+            jobs[#jobs + 1] = {job = job, vt = tonumber(entries[i + 1]), w = weight, left = left, take = 0}
+          end
+        end
+      end
+      if #entries < 2 * page then break end
+      offset = offset + page - removed
+    end
+    if #jobs == 0 then break end
+    local heap = {}
+    for _, j in ipairs(jobs) do push(heap, j) end
+    for _ = 1, need do
+      if #heap == 0 then break end
+      local best = pop(heap)
+      best.take = best.take + 1
+      best.vt = best.vt + 1 / best.w
+      if best.left > best.take then push(heap, best) end
+    end
+    for _, j in ipairs(jobs) do
+      if j.take > 0 then
+        local jobkey = job_prefix .. j.job
+        local popped = redis.call('LPOP', jobkey .. backlog_suffix, j.take)
+        if popped then
+          for _, id in ipairs(popped) do ids[#ids + 1] = id end
+          redis.call('ZINCRBY', set, #popped / j.w, j.job)
+          redis.call('HINCRBY', jobkey, 'dispatched', #popped)
+          dispatched[j.job] = (dispatched[j.job] or 0) + #popped
+        end
+      end
+    end
+  end
+end
+local any = false
+for job, n in pairs(dispatched) do
+  redis.call('HINCRBY', window, job, n)
+  any = true
+end
+if any then redis.call('EXPIRE', window, window_ttl_s) end
+local out = {}
+local members = {}
+local running = {}
+for _, id in ipairs(ids) do
+  local rqkey = rq_job_prefix .. id
+  local fields = redis.call('HGETALL', rqkey)
+  if #fields > 0 then
+    redis.call('HSET', rqkey, 'status', 'started', 'started_at', now_rq, 'last_heartbeat', now_rq,
+      'worker_name', worker_name)
+    members[#members + 1] = heartbeat_expiry
+    members[#members + 1] = id .. ':' .. execution_id
+    local job = job_of(id)
+    if job ~= '' then
+      running[job] = running[job] or {}
+      table.insert(running[job], id)
+    end
+    out[#out + 1] = {id, fields}
+  end
+end
+if #members > 0 then redis.call('ZADD', started, unpack(members)) end
+for job, ids_started in pairs(running) do
+  redis.call('SADD', job_prefix .. job .. running_suffix, unpack(ids_started))
+end
+return out

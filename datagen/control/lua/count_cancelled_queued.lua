@@ -1,0 +1,15 @@
+--! uses lib
+-- Counts prompts of a job cancelled before any worker ran them (taken off RQ's queue by a cancel),
+-- by the library's rule, in the caller's transaction.
+--
+-- KEYS[1]  job_key    the job's hash
+-- KEYS[2]  breakdown  its breakdown hash
+-- ARGV[1]  cls        the prompts' class
+-- ARGV[2]  n          how many
+local job_key = KEYS[1]
+local breakdown = KEYS[2]
+local cls = ARGV[1]
+local n = tonumber(ARGV[2])
+
+count_cancelled_queued(job_key, breakdown, cls, n)
+return n

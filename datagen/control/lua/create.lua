@@ -1,0 +1,38 @@
+-- Creates a whole job at once. Returns 1 if the job now has this incarnation (made by this call,
+-- or by the same call sent again after its reply was lost), 0 if another job of the id exists. A
+-- hash without a state (half made by an older version, whose create was two commands) is made
+-- whole, never left as an id that refuses every submit. Mode "replace" (a job rebuilt from
+-- storage) makes it anew whatever is there, in one step, so that readers never see the job
+-- missing meanwhile.
+--
+-- KEYS[1]   job_key        the job's hash
+-- KEYS[2]   index          the jobs index (job ids scored by creation time)
+-- KEYS[3]   fence          the job's ingest fence
+-- ARGV[1]   job_id         the job id
+-- ARGV[2]   created_at_ms  when it was created (ms)
+-- ARGV[3]   incarnation    its new incarnation
+-- ARGV[4]   fence_value    the fence's value ('' for none)
+-- ARGV[5]   mode           'replace', or '' to create only if no job of the id exists
+-- ARGV[6..] fields         field, value, field, value, ... of the job's hash
+local job_key = KEYS[1]
+local index = KEYS[2]
+local fence = KEYS[3]
+local job_id = ARGV[1]
+local created_at_ms = ARGV[2]
+local incarnation = ARGV[3]
+local fence_value = ARGV[4]
+local mode = ARGV[5]
+local fields = {}
+for i = 6, #ARGV do fields[#fields + 1] = ARGV[i] end
+
+local state = redis.call('HGET', job_key, 'state')
+if state and mode ~= 'replace' then
+  if redis.call('HGET', job_key, 'incarnation') == incarnation then return 1 end
+  return 0
+end
+redis.call('DEL', job_key)
+redis.call('HSET', job_key, 'created_at_ms', created_at_ms, 'incarnation', incarnation)
+for i = 1, #fields, 2 do redis.call('HSET', job_key, fields[i], fields[i + 1]) end
+redis.call('ZADD', index, created_at_ms, job_id)
+if fence_value ~= '' then redis.call('SET', fence, fence_value) end
+return 1

@@ -1,0 +1,124 @@
+-- The rules that several scripts share, written once. The loader (datagen/control/lua.py) puts this
+-- file before each script whose first line is `--! uses lib`. Redis lets a script define no
+-- globals, so every rule is a local function of the script it is put before (.luacheckrc names
+-- them as the scripts' read-only globals). No function here reads KEYS or ARGV: a script passes
+-- what it bound.
+
+-- Counting prompts that ended -----------------------------------------------------------------------
+-- count_and_maybe_complete.lua counts one prompt (done, failed or cancelled), ack_done.lua the
+-- prompts of a committed shard (done), by the same rules:
+-- - A prompt of another incarnation of its job (one deleted meanwhile, its id reused) is not
+--   counted (one HGET answers both "is the job there" and "which incarnation" for every job made
+--   since incarnations).
+-- - A prompt is counted only if it was still in the job's running set, so finishing the same prompt
+--   twice (a stalled worker and its rescuer) counts once.
+-- - The job's counter and its breakdown (counter, output tokens and finish reason per partition
+--   label and class) move together; a partition the job did not label counts as 'other'.
+-- - Two timestamps, each set once with HSETNX (the first writer wins; a retry or a second count
+--   never moves them), show how a run starts and ends:
+--   `first_record_at_ms`: by the count that moves `done` from 0 to positive (the job's first
+--   record; the HINCRBY's answer tells, so later counts cost no extra command); failed and
+--   cancelled prompts never set it. A job counted before this field existed keeps none.
+--   `tail_from_ms`: by the first call that finds the job running (ingestion finished, so
+--   `accepted` is the whole job) with done + failed + cancelled >= ceil(0.95 * accepted), i.e.
+--   20 * ended >= 19 * accepted in integers: the job's last 5 % of prompts ("the tail") start then.
+--   It is set before the completion check, so the call that completes a job sets it too (a tail
+--   of 0 s at the least), and so does the zero-increment call that `finish_ingest` makes as
+--   ingestion ends (a job 95 % done by then has its tail start at the end of ingestion). A prompt
+--   added later (the next turn of multi-turn `all` mode) does not move it.
+-- - A running job completes when all of its accepted prompts have ended.
+-- `job` names one job's keys: {key = its hash, running = its running set, breakdown = its
+-- breakdown hash, partitions = its labelled partitions}.
+
+-- The job's incarnation: '' for a job made before incarnations, nil for a job that is gone.
+local function job_incarnation(job)
+  local incarnation = redis.call('HGET', job.key, 'incarnation')
+  if incarnation then return incarnation end
+  if redis.call('EXISTS', job.key) == 1 then return '' end
+  return nil
+end
+
+-- Whether a prompt that carries incarnation `wanted` ('' for none) counts in a job of `incarnation`.
+local function counts_in(wanted, incarnation)
+  return wanted == '' or wanted == incarnation
+end
+
+-- Takes `ids` out of the job's running set; answers, per id, 1 if it was there and 0 if not.
+local function leave_running(job, ids)
+  if #ids == 1 then return {redis.call('SREM', job.running, ids[1])} end
+  local was_running = redis.call('SMISMEMBER', job.running, unpack(ids))
+  redis.call('SREM', job.running, unpack(ids))
+  return was_running
+end
+
+-- The breakdown label of a partition: the partition if the job labelled it (its first ones, up to
+-- a cap), else 'other'. `known` keeps the answers of one script call (partition -> labelled).
+local function partition_label(job, partition, known)
+  if known[partition] == nil then
+    known[partition] = redis.call('SISMEMBER', job.partitions, partition) == 1
+  end
+  if known[partition] then return partition end
+  return 'other'
+end
+
+-- Adds to `fields` (breakdown field -> increment) what `n` prompts of one label and class, counted
+-- as `counter`, add: the counter, their output tokens, and one per finish reason ('' for none).
+local function tally(fields, counter, label, cls, n, tokens, finish)
+  local suffix = '|' .. label .. '|' .. cls
+  fields[counter .. suffix] = (fields[counter .. suffix] or 0) + n
+  if tokens ~= 0 then
+    fields['output_tokens' .. suffix] = (fields['output_tokens' .. suffix] or 0) + tokens
+  end
+  if finish ~= '' then
+    local field = 'finish:' .. finish .. suffix
+    fields[field] = (fields[field] or 0) + 1
+  end
+end
+
+-- Counts `n` prompts as `counter` in the job (setting `first_record_at_ms` by the rule above), their
+-- `tokens` output tokens, and `fields` (from `tally`) in its breakdown.
+local function count_in_job(job, counter, n, tokens, fields, now_ms)
+  if n ~= 0 then
+    local count = redis.call('HINCRBY', job.key, counter, n)
+    if counter == 'done' and count > 0 and count == n then
+      redis.call('HSETNX', job.key, 'first_record_at_ms', now_ms)
+    end
+  end
+  if tokens ~= 0 then redis.call('HINCRBY', job.key, 'output_tokens', tokens) end
+  for field, k in pairs(fields) do redis.call('HINCRBY', job.breakdown, field, k) end
+end
+
+-- Applies the tail and completion rules to a job in `running_state`: its tail starts, and it moves
+-- to `completed_state` (its running set goes) when all of its prompts have ended. Answers whether
+-- it completed.
+local function complete_if_ended(job, running_state, completed_state, now_ms)
+  local v = redis.call('HMGET', job.key, 'state', 'done', 'failed', 'cancelled', 'accepted')
+  if v[1] ~= running_state then return false end
+  local ended = tonumber(v[2] or '0') + tonumber(v[3] or '0') + tonumber(v[4] or '0')
+  local accepted = tonumber(v[5] or '0')
+  if 20 * ended >= 19 * accepted then redis.call('HSETNX', job.key, 'tail_from_ms', now_ms) end
+  if ended < accepted then return false end
+  redis.call('HSET', job.key, 'state', completed_state, 'finished_at_ms', now_ms)
+  redis.call('DEL', job.running)
+  return true
+end
+
+-- Dispatch ---------------------------------------------------------------------------------------
+
+-- A job with prompts to dispatch (enqueued, retried, handed back, resumed) joins a dispatch set at
+-- the set's lowest virtual time, so it gets its share from then on without a catch-up burst (and a
+-- resumed job none below the jobs beside it), unless it is in the set already. A paused job is in
+-- no set, so that no claim ever scans it: it joins on resume.
+local function rejoin(set, paused, job_id)
+  if redis.call('SISMEMBER', paused, job_id) == 1 or redis.call('ZSCORE', set, job_id) then return end
+  local first = redis.call('ZRANGE', set, 0, 0, 'WITHSCORES')
+  redis.call('ZADD', set, first[2] or 0, job_id)
+end
+
+-- Prompts cancelled before any worker ran them (dropped from a backlog, refused by it, or taken off
+-- RQ's queue): the job's counter and its breakdown move together. Their partition is not read back,
+-- so it counts as 'unknown'.
+local function count_cancelled_queued(jobkey, breakdown, cls, n)
+  redis.call('HINCRBY', jobkey, 'cancelled', n)
+  redis.call('HINCRBY', breakdown, 'cancelled|unknown|' .. cls, n)
+end

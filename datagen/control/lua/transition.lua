@@ -1,0 +1,37 @@
+-- Moves a job from one of the given states to another, setting fields with it. Returns 1 if it
+-- moved. A job that does not exist never moves (and is never recreated). The token is kept in the
+-- hash: the same call sent again (its reply was lost, and redis-py or the caller repeated it)
+-- finds its own token and answers 1 again instead of "not moved".
+--
+-- KEYS[1]   job_key   the job's hash
+-- KEYS[2]   fence     its ingest fence
+-- ARGV[1]   sources   the states it may move from, space-separated
+-- ARGV[2]   target    the state it moves to
+-- ARGV[3]   fence_op  what happens to the fence: '' nothing, 'drop' (ingestion may enqueue no
+--                     more), 'arm' (ingestion may enqueue for the job's incarnation)
+-- ARGV[4]   token     this call's token
+-- ARGV[5..] fields    field, value, field, value, ... to set with the move
+local job_key = KEYS[1]
+local fence = KEYS[2]
+local sources = ARGV[1]
+local target = ARGV[2]
+local fence_op = ARGV[3]
+local token = ARGV[4]
+local fields = {}
+for i = 5, #ARGV do fields[#fields + 1] = ARGV[i] end
+
+local state = redis.call('HGET', job_key, 'state')
+if not state then return 0 end
+if state == target and redis.call('HGET', job_key, 'transition') == token then return 1 end
+local allowed = false
+for from in string.gmatch(sources, '%S+') do
+  if from == state then allowed = true end
+end
+if not allowed then return 0 end
+redis.call('HSET', job_key, 'state', target, 'transition', token)
+for i = 1, #fields, 2 do redis.call('HSET', job_key, fields[i], fields[i + 1]) end
+if fence_op == 'drop' then redis.call('DEL', fence) end
+if fence_op == 'arm' then
+  redis.call('SET', fence, redis.call('HGET', job_key, 'incarnation') or '')
+end
+return 1

@@ -1,0 +1,156 @@
+"""A dataset's rows admitted as prompts, chunk by chunk: how rows become the items ingestion adds
+to its chunks, the chunk itself, and which rows become prompts, the one rule that ingestion
+(`service.ingest`) and the dry run (`service.dryrun`) both apply, so a dry run counts what ingestion
+admits.
+
+A row is judged in this order, and the first check it fails says why it is refused:
+
+1. a row that did not parse (`RowError`) is refused with the parser's reason;
+2. a row outside the spec's ``partitions`` is left out, neither admitted nor refused;
+3. content that spells special tokens as text is refused under ``special_text: reject``;
+4. a row the chat template cannot render is refused;
+5. a prompt with no room to generate in the context length is refused;
+6. an admitted prompt gets its class (`JobSpec.classify`).
+
+Row ids and hygiene (decontamination, deduplication) judge a set of rows, not one, and come after
+this rule (`service.rowids`, `datagen.hygiene.screen`).
+
+A chunk holds the rows read so far as prompts, rejections and flags; chunks grow from a small first
+one (`chunk_sizes`).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import Counter
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, BinaryIO
+
+from datagen.control.keys import UNKNOWN_LABEL, BreakdownField
+from datagen.control.payload import Conversation, PromptPayload
+from datagen.errors import InvalidRowError
+from datagen.prompts.dataset import Prompt, RowError, iter_prompts
+from datagen.prompts.tokenization import PromptRenderer, special_text_reason
+from datagen.spec import JobSpec
+from datagen.states import MultiTurnMode, PromptClass, SpecialTextPolicy
+from service.rowids import RowId
+
+__all__ = ["Admitted", "Chunk", "Refused", "admit", "breakdown", "chunk_items", "chunk_sizes"]
+
+
+@dataclass
+class Chunk:
+    input_name: str
+    prompts: list[tuple[Prompt, PromptPayload]] = field(default_factory=list)
+    rejected: list[dict[str, Any]] = field(default_factory=list)
+    flagged: list[dict[str, Any]] = field(default_factory=list)
+    ids: dict[int, RowId] = field(default_factory=dict)
+    rows: int = 0
+    last_line: int = 0
+
+
+def chunk_sizes(first: int, most: int) -> Iterator[int]:
+    """How many items each chunk of an ingestion holds: ``first``, then twice as many each time, up
+    to ``most``. A small first chunk reaches idle workers within a fraction of a second of the submit;
+    doubling keeps the backlog ahead of them while the rest of the chunks render, and costs only a
+    handful of extra transactions per upload."""
+    size = max(1, min(first, most))
+    while True:
+        yield size
+        size = min(most, size * 2)
+
+
+def chunk_items(
+    stream: BinaryIO, spec: JobSpec, start_line: int
+) -> Iterator[tuple[Prompt | RowError, Conversation | None]]:
+    """Rows as (first prompt, conversation); the conversation is set in multi-turn ``all`` mode.
+
+    In ``all`` mode only a row's first turn is enqueued here: a worker enqueues turn k+1 when the
+    record of turn k is committed, rendered from the regenerated turns (on-policy).
+    """
+    items = (i for i in iter_prompts(stream, multi_turn=spec.multi_turn) if i.line > start_line)
+    if spec.multi_turn is MultiTurnMode.LAST:
+        for item in items:
+            yield item, None
+        return
+    for _, group in itertools.groupby(items, key=lambda i: i.line):
+        turns = list(group)
+        first, last = turns[0], turns[-1]
+        if isinstance(first, RowError) or isinstance(last, RowError):
+            yield first, None
+            continue
+        cuts = [len(t.messages) for t in turns if isinstance(t, Prompt)]
+        yield first, Conversation(last.messages, last.tools, cuts, generated=[], row_class=first.cls)
+
+
+def breakdown(
+    chunk: Chunk,
+    fresh: list[PromptPayload],
+    labels: dict[str, str],
+    done: Sequence[tuple[PromptPayload, int]] = (),
+) -> dict[BreakdownField, int]:
+    """Accepted prompts and rejected rows by partition label and class, for the metrics; ``done``:
+    prompts of ``fresh`` already committed (a rebuilt job), with how many turns each counts."""
+    counts: Counter[BreakdownField] = Counter()
+    for payload in fresh:
+        counts[BreakdownField("accepted", labels[payload.partition], payload.cls.value)] += 1
+    for payload, turns in done:
+        label = labels[payload.partition]
+        counts[BreakdownField("accepted", label, payload.cls.value)] += turns - 1
+        counts[BreakdownField("done", label, payload.cls.value)] += turns
+    if chunk.rejected:
+        counts[BreakdownField("rejected", UNKNOWN_LABEL, UNKNOWN_LABEL)] += len(chunk.rejected)
+    return dict(counts)
+
+
+@dataclass(frozen=True)
+class Admitted:
+    prompt_ids: list[int]
+    cls: PromptClass
+    # The special tokens the row's content spells (empty when none, or when nobody looked).
+    special_text: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Refused:
+    reason: str
+    # The row rendered and was refused only for its length: ingestion still remembers its id (and
+    # flags its special text), as for an admitted row.
+    rendered: bool = False
+    special_text: list[str] = field(default_factory=list)
+
+
+def admit(
+    item: Prompt | RowError,
+    spec: JobSpec,
+    renderer: PromptRenderer,
+    context_len: int | None,
+    *,
+    scan_special_text: bool = False,
+) -> Admitted | Refused | None:
+    """The rule above for one parsed row; None for a row outside the spec's partitions.
+
+    Special text is looked for unless the spec's policy allows it (the scan costs a pass over the
+    row's text); ``scan_special_text`` looks anyway, for a report that counts it whatever the policy.
+    """
+    if isinstance(item, RowError):
+        return Refused(item.reason)
+    if spec.partitions is not None and item.partition not in spec.partitions:
+        return None
+    found: list[str] = []
+    if scan_special_text or spec.special_text is not SpecialTextPolicy.ALLOW:
+        found = renderer.special_text(item.messages, item.tools)
+    if found and spec.special_text is SpecialTextPolicy.REJECT:
+        return Refused(special_text_reason(found), special_text=found)
+    try:
+        prompt_ids = renderer.render(item.messages, item.tools)
+    except InvalidRowError as exc:
+        return Refused(str(exc), special_text=found)
+    if context_len is not None and len(prompt_ids) + 1 >= context_len:
+        reason = (
+            f"prompt has {len(prompt_ids)} tokens, which does not fit the context length of "
+            f"{context_len} tokens (no room to generate)"
+        )
+        return Refused(reason, rendered=True, special_text=found)
+    return Admitted(prompt_ids, spec.classify(len(prompt_ids), item.cls), found)

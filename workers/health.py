@@ -1,0 +1,157 @@
+"""Health probes: whether the worker may send work to a server, one :class:`HealthProbe` per server.
+
+A probe asks ``/health`` with a timeout. Refused connections and 503 mark the server down at once;
+``health_timeouts_to_down`` timeouts in a row do too (SGLang's probe runs a one-token generation and
+is slow under load). A server marked down so (unreachable or hung, e.g. SIGSTOPped) has its
+requests in flight abandoned: they are sent elsewhere at once, without charging an attempt, instead
+of waiting for their read timeout. A 503 cancels nothing.
+
+A server that comes up is read and checked first (:mod:`datagen.prompts.preflight`): an unknown
+context length, another model than the fleet's, or a 401/403 (the API key) keeps the worker off it,
+published as ``refused`` with the reason, until a later probe passes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from redis import Redis, RedisError
+
+from datagen.control.jobs import now_ms
+from datagen.control.keys import Keys
+from datagen.control.servers import ServerInfo, live_servers, publish_server
+from datagen.errors import ConfigError, DatagenError, PreflightError, RequestTimeoutError, RetryableError
+from datagen.prompts.preflight import check_server_joins
+from workers.fleet import Fleet, Server
+
+__all__ = ["API_KEY_HINT", "HealthProbe"]
+
+log = logging.getLogger(__name__)
+
+DOWN_PROBE_INTERVAL_S = 1.0
+API_KEY_HINT = (
+    "Check the API key of server {name}: DATAGEN_SERVER_API_KEYS or DATAGEN_SERVER_API_KEYS_FILE "
+    "(NAME=KEY), else DATAGEN_API_KEY, must be the server's --api-key"
+)
+
+
+class HealthProbe:
+    def __init__(
+        self,
+        redis: Redis,
+        keys: Keys,
+        fleet: Fleet,
+        server: Server,
+        *,
+        interval_s: float,
+        timeout_s: float,
+        timeouts_to_down: int,
+    ) -> None:
+        self.redis = redis
+        self.keys = keys
+        self.fleet = fleet
+        self.server = server
+        self.interval_s = interval_s
+        self.timeout_s = timeout_s
+        self.timeouts_to_down = timeouts_to_down
+
+    async def run(self) -> None:
+        while True:
+            # A down server is probed often, so that dispatch resumes within seconds of its return;
+            # a refused one waits for an operator, so it is probed at the normal pace.
+            steady = self.server.up or self.server.refused is not None
+            await asyncio.sleep(self.interval_s if steady else min(DOWN_PROBE_INTERVAL_S, self.interval_s))
+            await self.probe()
+
+    async def probe(self) -> None:
+        server = self.server
+        try:
+            healthy = await server.client.health(timeout_s=self.timeout_s)
+        except RequestTimeoutError:
+            server.health_timeouts += 1
+            if server.health_timeouts >= self.timeouts_to_down:
+                await self.fleet.mark_down(
+                    server, f"{server.health_timeouts} /health probes timed out in a row", abandon=True
+                )
+            return
+        except RetryableError as exc:
+            await self.fleet.mark_down(server, str(exc), abandon=True)
+            return
+        server.health_timeouts = 0
+        if not healthy:
+            await self.fleet.mark_down(server, "/health answered 503 (starting, shutting down or unhealthy)")
+            return
+        if not server.up and not await self._learn(server):
+            return
+        await self.fleet.mark_up(server)
+
+    async def _learn(self, server: Server) -> bool:
+        """Read and check the context length and model of a server that comes up (again).
+
+        A failed pre-flight check keeps the worker off the server until a later probe passes.
+        """
+        try:
+            context_len = await server.client.context_len()
+            info = await server.client.model_info()
+        except ConfigError as exc:  # 401/403: the key is wrong; retrying cannot help until it changes
+            await self.fleet.refuse(server, f"{exc}. {API_KEY_HINT.format(name=server.name)}")
+            # Nothing was read: the name alone, so that GET /servers shows the refused server.
+            self._publish(server, ServerInfo(seen_at_ms=now_ms()), only_if_new=True)
+            return False
+        except DatagenError as exc:
+            log.warning("server %s is healthy but its info is not readable: %s", server.name, exc)
+            return False
+        server.context_len = context_len
+        server.model_path, server.weight_version = (
+            _text(info.get("model_path")),
+            _text(info.get("weight_version")),
+        )
+        learnt = ServerInfo(
+            context_len=context_len,
+            model_path=server.model_path,
+            weight_version=server.weight_version,
+            seen_at_ms=now_ms(),
+        )
+        self._publish(server, learnt)
+        reason = self._refusal(server)
+        if reason is not None:
+            await self.fleet.refuse(server, reason)
+            return False
+        return True
+
+    def _refusal(self, server: Server) -> str | None:
+        """Why the worker must keep off ``server``: an unknown context length, or another model than
+        the servers this worker accepted and those live workers use."""
+        if server.context_len is None:
+            return (
+                f"server {server.name} reports no context length (neither /server_info context_length "
+                "nor /v1/models max_model_len), so prompts cannot be sized to fit. Start SGLang with "
+                "--context-length"
+            )
+        accepted = {
+            s.name: s.model()
+            for s in self.fleet.servers
+            if s is not server and s.refused is None and s.model_path is not None
+        }
+        try:
+            accepted = {**live_servers(self.redis, self.keys), **accepted}
+        except RedisError as exc:
+            log.warning("cannot read the fleet's servers from Redis: %s", exc)
+        try:
+            check_server_joins(server.name, server.model(), accepted)
+        except PreflightError as exc:
+            return str(exc)
+        return None
+
+    def _publish(self, server: Server, info: ServerInfo, *, only_if_new: bool = False) -> None:
+        try:
+            publish_server(self.redis, self.keys, server.name, info, only_if_new=only_if_new)
+        except RedisError as exc:
+            log.warning("cannot publish server %s: %s", server.name, exc)
+
+
+def _text(value: object) -> str | None:
+    """A field of SGLang's reply as text: SGLang sends strings, but a reply is not ours to trust,
+    and what is published must decode (:class:`datagen.control.servers.ServerInfo`)."""
+    return None if value is None else str(value)
