@@ -12,8 +12,8 @@ Not a benchmark itself. Three pieces:
   every advantage a careful person would give it: one pooled client, as many connections as
   the semaphore allows, no timeouts, no retries, no storage.
 - The datagen side: :func:`ingest`, :func:`worker_settings`, :func:`run_worker` and
-  :func:`read_records`, i.e. what ``tests/workers/test_engine.py`` does, with the worker's
-  timing knobs scaled like the simulated GPU.
+  :func:`read_records`: the same job through a coordinator's ingestion and a worker in burst
+  mode, with the worker's timing knobs scaled like the simulated GPU.
 """
 
 from __future__ import annotations

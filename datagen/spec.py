@@ -41,7 +41,7 @@ __all__ = [
 # Hygiene defaults, here because the spec's fields default to them (`datagen.hygiene` applies them).
 DEFAULT_NGRAM = 13
 MIN_ITEM_WORDS = 5
-# Measured on tests/datagen/planted.py (copies with case, spacing and punctuation edited and 2 of
+# Measured on tests/support/planted.py (copies with case, spacing and punctuation edited and 2 of
 # 15-60 words replaced): 0.5 finds 40 of 40 with no clean row flagged, 0.6 finds 38, 0.7 finds 32.
 DEFAULT_NEAR_THRESHOLD = 0.5
 # Built-in benchmark set name -> (package, resource inside it, gzip?).

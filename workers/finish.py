@@ -111,7 +111,7 @@ class Acks:
                     if not waiting.done.done():
                         waiting.done.set_exception(exc)
                 continue
-            identity.finished([w.item for w in group])
+            identity.forget([w.item for w in group])
             log.debug("acknowledged %d prompts (%d counted)", len(group), counted)
             for waiting in group:
                 if not waiting.done.done():
@@ -212,7 +212,7 @@ class Finisher:
                 functools.partial(self._succeed_with_next_turn, identity, item, ack, following, label),
                 already_done=lambda: is_final(item.job),
             )
-            identity.finished([item])
+            identity.forget([item])
         self._observe(record)
         log.info(
             "done %s server=%s class=%s prompt=%d output=%d finish=%s attempts=%d %.2fs",

@@ -12,8 +12,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-from collections.abc import Callable, Coroutine
-from typing import Any
+from collections.abc import Awaitable, Callable
 
 from datagen.control.jobs import JobStore
 from datagen.control.payload import ParsedPayload
@@ -49,10 +48,7 @@ class PromptRunner:
         job_id = parsed.job
         try:
             finish = await self._outcome(identity, item, parsed, cls)
-            if asyncio.iscoroutine(finish):
-                await finish
-            else:
-                await while_redis_down(finish, already_done=lambda: is_final(item.job))
+            await finish()
         except asyncio.CancelledError:
             if self.slots.aborted(asyncio.current_task()) and job_id is not None:
                 # Its job was cancelled with abort: closing the request made SGLang abort it.
@@ -69,9 +65,9 @@ class PromptRunner:
 
     async def _outcome(
         self, identity: QueueIdentity, item: InFlight, parsed: ParsedPayload, cls: PromptClass
-    ) -> Callable[[], None] | Coroutine[Any, Any, None]:
-        """Run the prompt; return the RQ transition that records how it ended (a coroutine for a
-        success, which is acknowledged with its shard)."""
+    ) -> Callable[[], Awaitable[None]]:
+        """Run the prompt; return the RQ transition that records how it ended (a success is
+        acknowledged with its shard; any other end rides out a Redis outage on its own)."""
         finisher, job_id = self.finisher, parsed.job
         try:
             try:
@@ -82,17 +78,22 @@ class PromptRunner:
             await self.writer.commit(record, payload.incarnation)
         except JobNotFoundError:
             # Its job was deleted (or the id reused) while it ran: nothing of it is stored or counted.
-            return functools.partial(finisher.drop_stale, identity, item)
+            return _in_redis(item, functools.partial(finisher.drop_stale, identity, item))
         except FatalError as exc:
-            return functools.partial(finisher.fail, identity, item, parsed, exc)
+            return _in_redis(item, functools.partial(finisher.fail, identity, item, parsed, exc))
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # a bug must fail one prompt, not the worker
             log.exception("prompt %s crashed the task", item.job.id)
-            return functools.partial(finisher.fail, identity, item, parsed, exc)
+            return _in_redis(item, functools.partial(finisher.fail, identity, item, parsed, exc))
         # Committed: the prompt is done from here on, whatever its conversation's next turn meets.
         try:
             following = await finisher.following_turn(payload, record)
         except JobNotFoundError:
-            return functools.partial(finisher.drop_stale, identity, item)
-        return finisher.succeed(identity, item, record, following, payload)
+            return _in_redis(item, functools.partial(finisher.drop_stale, identity, item))
+        return functools.partial(finisher.succeed, identity, item, record, following, payload)
+
+
+def _in_redis(item: InFlight, step: Callable[[], None]) -> Callable[[], Awaitable[None]]:
+    """A blocking RQ transition, retried while Redis is down unless an earlier try went through."""
+    return functools.partial(while_redis_down, step, already_done=lambda: is_final(item.job))

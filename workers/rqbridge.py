@@ -174,7 +174,7 @@ class QueueIdentity(BaseWorker):
         items = self.claim_many(dispatch, cls, 1)
         return items[0] if items else None
 
-    def finished(self, items: list[InFlight]) -> None:
+    def forget(self, items: list[InFlight]) -> None:
         """Forget prompts that finished (their ack is in Redis): no more heartbeats for them."""
         for item in items:
             self.in_flight.discard(item)

@@ -16,11 +16,11 @@ import datagen.control.job_outcomes
 import datagen.control.jobs
 import workers.reaper
 import workers.rqbridge
-from datagen.control.dispatch import Dispatch
+from datagen.control.dispatch import ClaimManyArgs, Dispatch
 from datagen.control.jobs import JobStore
 from datagen.control.keys import UNKNOWN_LABEL, BreakdownField, Keys
 from datagen.control.lua import CONTROL, LIB, USES_LIB, ScriptArgs, source
-from datagen.states import JobState, PromptClass
+from datagen.states import JobState, Priority, PromptClass
 
 ROOT = Path(__file__).resolve().parents[2]
 FOLDERS = {CONTROL: ROOT / "datagen" / "control" / "lua", "workers": ROOT / "workers" / "lua"}
@@ -156,3 +156,14 @@ def test_prompts_cancelled_before_they_ran_count_alike_from_python_and_from_a_ba
     assert JobStore(redis_client, keys).breakdown("j") == {
         BreakdownField("cancelled", UNKNOWN_LABEL, "short"): 5
     }
+
+
+def test_the_claim_scripts_priority_sets_are_named_by_the_priority_enum() -> None:
+    # claim_many.lua finds a job's dispatch set by its stored priority (`sets[priority]`): its keys
+    # must be named exactly as Priority's values, and dispatch must fill them in that order of rank.
+    keys = ClaimManyArgs.key_names()
+    assert [k for k in keys if k in {p.value for p in Priority}] == [
+        p.value for p in sorted(Priority, key=lambda p: p.rank)
+    ]
+    script = (FOLDERS[CONTROL] / "claim_many.lua").read_text()
+    assert "local sets = {" + ", ".join(f"{p.value} = {p.value}" for p in Priority) + "}" in script
