@@ -3,8 +3,10 @@ everything else in :class:`service.coordinator.Coordinator`."""
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
+import time
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from typing import Annotated, Any, Literal
@@ -48,6 +50,10 @@ MAX_REPORTED_PROBLEMS = 10
 # GET /jobs pages: the default and the largest page.
 JOBS_PAGE = 100
 MAX_JOBS_PAGE = 1000
+# `GET /jobs/{id}?wait_s=`: a long poll answers when the job ends, looking at its state (one HGET)
+# this often; `datagen submit --wait` so exits within a fraction of a second of the job's end.
+MAX_JOB_WAIT_S = 30.0
+JOB_WAIT_POLL_S = 0.05
 OPENAPI_URL = "/openapi.json"
 # Redis errors that mean "not reachable now" (a failover makes a replica read-only for a while);
 # a refusal at maxmemory is said as such (`datagen.control.redismemory`); any other Redis error is a bug of
@@ -192,8 +198,25 @@ def _install_routes(app: FastAPI) -> None:
         return {"jobs": coord.jobs_json(ids), "next": following, "count": coord.jobs.index.count()}
 
     @app.get("/jobs/{job_id}", dependencies=guarded)
-    def get_job(coord: Coord, job_id: JobId) -> dict[str, Any]:
-        return coord.job_json(job_id)
+    async def get_job(
+        coord: Coord,
+        job_id: JobId,
+        wait_s: Annotated[
+            float,
+            Query(
+                ge=0,
+                le=MAX_JOB_WAIT_S,
+                description="answer as soon as the job ends, or after this many seconds (a long poll)",
+            ),
+        ] = 0.0,
+    ) -> dict[str, Any]:
+        deadline = time.monotonic() + wait_s
+        while wait_s and time.monotonic() < deadline:
+            if (await run_in_threadpool(coord.jobs.state, job_id)).is_final:
+                break
+            await asyncio.sleep(min(JOB_WAIT_POLL_S, max(0.0, deadline - time.monotonic())))
+        job: dict[str, Any] = await run_in_threadpool(coord.job_json, job_id)
+        return job
 
     _install_job_reads(app, guarded)
     _install_job_controls(app, guarded)

@@ -50,8 +50,12 @@ class CoordinatorClient:
             data = {"spec": json.dumps(spec)}
             return self._request("POST", "/jobs/dry-run", data=data, files=files, timeout=UPLOAD_TIMEOUT_S)
 
-    def job(self, job_id: str) -> dict[str, Any]:
-        return self._request("GET", f"/jobs/{job_id}")
+    def job(self, job_id: str, *, wait_s: float = 0.0) -> dict[str, Any]:
+        """The job's progress; with ``wait_s``, as soon as it ends or after ``wait_s`` (a long poll)."""
+        if not wait_s:
+            return self._request("GET", f"/jobs/{job_id}")
+        timeout = httpx.Timeout(DEFAULT_TIMEOUT_S, read=wait_s + DEFAULT_TIMEOUT_S)
+        return self._request("GET", f"/jobs/{job_id}", params={"wait_s": wait_s}, timeout=timeout)
 
     def jobs(self) -> list[dict[str, Any]]:
         """Every job, newest first, read a page at a time."""

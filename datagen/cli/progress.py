@@ -148,12 +148,16 @@ def wait_for_job(client: CoordinatorClient, job_id: str, console: Console) -> in
     line = JobLine(job_id)
     with Live(line, console=console, refresh_per_second=REFRESH_PER_S, transient=False) as live:
         while True:
-            job = client.job(job_id)
+            asked_s = time.monotonic()
+            # A long poll: the coordinator answers as soon as the job ends, so the command exits
+            # then, not at the next poll; otherwise after WAIT_POLL_S, to refresh the line.
+            job = client.job(job_id, wait_s=WAIT_POLL_S)
             line.job = job
             live.refresh()
             if job["state"] in _ENDED:
                 break
-            time.sleep(WAIT_POLL_S)
+            # A coordinator of a release without the long poll answers at once.
+            time.sleep(max(0.0, WAIT_POLL_S - (time.monotonic() - asked_s)))
     if job["state"] != JobState.COMPLETED:
         console.print(f"[red]job {job_id} {job['state']}: {job.get('error') or ''}")
         return EXIT_JOB_FAILED
