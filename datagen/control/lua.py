@@ -67,18 +67,32 @@ class ScriptArgs:
 
     @classmethod
     def key_names(cls) -> list[str]:
-        return [f.name for f in fields(cls) if f.metadata.get(_ROLE) == KEY[_ROLE]]
+        return list(_names(cls)[0])
 
     @classmethod
     def arg_names(cls) -> list[str]:
-        return [f.name for f in fields(cls) if f.metadata.get(_ROLE) != KEY[_ROLE]]
+        return list(_names(cls)[1])
 
     def keys(self) -> list[str]:
         # Key fields hold strings (or tuples of them).
-        return cast(list[str], _flat(getattr(self, name) for name in self.key_names()))
+        return cast(list[str], _flat(getattr(self, name) for name in _names(type(self))[0]))
 
     def args(self) -> list[Value]:
-        return _flat(getattr(self, name) for name in self.arg_names())
+        return _flat(getattr(self, name) for name in _names(type(self))[1])
+
+
+# Per class, once: a claim or an ack builds its arguments on every call. Two threads that miss at
+# once both compute the same names, which is harmless.
+_NAMES: dict[type, tuple[tuple[str, ...], tuple[str, ...]]] = {}
+
+
+def _names(cls: type) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    found = _NAMES.get(cls)
+    if found is None:
+        role = [(f.name, f.metadata.get(_ROLE) == KEY[_ROLE]) for f in fields(cls)]
+        keys = tuple(name for name, is_key in role if is_key)
+        found = _NAMES[cls] = (keys, tuple(name for name, is_key in role if not is_key))
+    return found
 
 
 def _flat(values: Iterable[Any]) -> list[Value]:
