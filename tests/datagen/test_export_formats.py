@@ -31,6 +31,7 @@ from tests.support.export_jobs import (
     I_THINK,
     JOB,
     LET_ME,
+    MULTI,
     REASONED,
     THE_ANSWER,
     THINK,
@@ -65,16 +66,7 @@ def mixed_samples() -> list[Sample]:
     return [
         Sample("hi", REASONED, messages=[{"role": "user", "content": "Hi"}], partition="math"),
         Sample("trunc", [*I_THINK, *LET_ME], finish="length", partition="math"),
-        Sample(
-            "multi",
-            [*LET_ME, THINK_END, *THE_ANSWER, EOS],
-            messages=[
-                {"role": "user", "content": "Hi"},
-                {"role": "assistant", "content": "Hello"},
-                {"role": "user", "content": "Bye"},
-            ],
-            partition="chat",
-        ),
+        MULTI,
         Sample("hi", [9, 9, EOS]),  # the same key committed again after a crash: dropped
         Sample(
             "hi", [*THE_ANSWER, THINK_END, *I_THINK, EOS], gen=1, messages=[{"role": "user", "content": "Hi"}]
