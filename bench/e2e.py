@@ -1,0 +1,446 @@
+"""The user's whole run, timed from the outside: ``datagen submit DATASET --wait`` against a warm
+fleet, and the best hand-written client as a script of its own (issue 25).
+
+A private Redis, one KV-bound ``datagen sim`` (saturation.py's server: ``--kv-tokens`` 16,384,
+``--reserve-fraction`` 0.1, ``--time-scale`` 0.05, outputs up to ``--max-new-tokens`` 2,048), a
+``datagen coordinator`` and a ``datagen worker --server sim=URL`` run as child processes with the
+production defaults, but for the worker settings each variant names. N short one-turn prompts
+(saturation.py's) are the job. Every variant generates the same tokens (checked).
+
+Variants, each timed from the start of its child process to its exit:
+
+``plain c=C``
+    The baseline: a Python script (``PLAIN_CLIENT`` below, run with ``python -c``) that loads the
+    prompts as **pre-rendered token ids** (a JSON file written beforehand, so it does no
+    tokenization), posts ``{"input_ids", "sampling_params"}`` to ``/generate`` under an
+    ``asyncio.Semaphore(C)`` over one ``httpx.AsyncClient`` (a pool of C connections, no
+    timeouts), and writes every answer's output ids to a JSONL file before it exits; saturation.py's
+    ``(a)``. Swept over ``--sweep`` (or only ``--plain-c``) once each; the C with the shortest run
+    is best(a), which runs ``--repeats`` more times after the datagen variants. The baseline's time
+    is its best run at best(a), the sweep's included.
+``datagen c=C, no controller``
+    ``python -m datagen submit DATASET --spec SPEC --coordinator URL --wait`` against a worker with
+    ``DATAGEN_SHORT_CONCURRENCY`` = best(a) (or ``--limit``) and ``DATAGEN_KV_CONTROLLER=0``
+    (saturation.py's ``(b)``).
+``datagen from 512 + controller``
+    The same against a worker with ``DATAGEN_SHORT_CONCURRENCY=--start-limit`` (512) and the KV
+    controller on at ``--controller-interval-s`` 0.5 s (saturation.py's ``(c)``; the production
+    default interval is 2 s).
+
+Each worker starts fresh for its variant and first runs one warm-up job of ``WARMUP_ROWS`` other
+prompts through the same command, so it has loaded its tokenizer, opened its connections and gone
+idle (the coordinator too). Each datagen variant runs ``--repeats`` times; its time is the best.
+
+The breakdown comes from a thread that reads the simulator's ``sglang:num_running_reqs +
+sglang:num_queue_reqs`` every ``--poll-ms`` throughout (so it loads every variant alike), and
+from the job's own timestamps (``GET /jobs/{id}``, wall-clock ms): ``start`` the child process's
+start; ``created`` the job's ``created_at_ms`` (the coordinator stored the upload and created
+the job; ingestion starts then); ``first req`` the first poll that found a request at the
+server; ``last done`` the first poll that found the server empty for good after that;
+``completed`` the job's ``finished_at_ms`` (the ack of the last record, after its shard was
+committed); ``exit`` the child's exit. The baseline has no job: its ``start -> first req`` is
+the interpreter, ``import httpx`` and loading the ids, its ``last done -> exit`` writing the
+outputs and exiting.
+
+Printed: each run's intervals in seconds, whole-run wall and tok/s; then ``whole x`` (baseline
+whole ÷ ours; issue 25's target ≥ 0.95) and ``steady x`` (throughput while prompts remain: the
+output tokens of the prompts completing between the 5th and 95th percentile of completion times,
+over that span, from the records' ``finished_at_ms`` and the baseline's answer times).
+
+Run: ``python bench/e2e.py [--n 600] [--repeats 1] [--sweep 16,32,64,128,256] [--plain-c C]
+[--limit C] [--time-scale 0.05] [--kv-tokens 16384] [--reserve-fraction 0.1] [--poll-ms 10]``
+(about four minutes on two cores with the defaults). Run it with this checkout first on
+``sys.path`` (``PYTHONPATH=.``) when the installed ``datagen`` is another checkout: the child
+processes run ``python -m datagen`` from the repository root.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+from _common import offline_hub, short_rows, sweep_spec, write_jsonl
+from _load import percentile, render
+
+from datagen.cli.client import CoordinatorClient
+from datagen.local.processes import ChildProcesses, child_env
+from datagen.local.redis_server import LocalRedis, free_port
+from datagen.prompts.tokenization import bundled_tokenizer_path
+from datagen.records.storage import Storage
+from datagen.states import JobState
+
+DEFAULT_N = 600
+DEFAULT_TIME_SCALE = 0.05
+DEFAULT_KV_TOKENS = 16384
+DEFAULT_RESERVE_FRACTION = 0.1
+DEFAULT_MAX_NEW_TOKENS = 2048
+DEFAULT_SWEEP = "16,32,64,128,256"
+DEFAULT_START_LIMIT = 512
+DEFAULT_CONTROLLER_INTERVAL_S = 0.5
+DEFAULT_POLL_MS = 10.0
+SERVER = "sim"
+NAMESPACE = "e2e"
+TARGET_RATIO = 0.95
+STEADY_FROM_PCT = 5
+STEADY_TO_PCT = 95
+WARMUP_ROWS = 32
+RUN_TIMEOUT_S = 600.0
+METRICS_TIMEOUT_S = 2.0
+_GAUGE = re.compile(r"^sglang:num_(?:queue|running)_reqs\{[^}]*\}\s+(\S+)$", re.MULTILINE)
+
+# The baseline, as a careful user writes it: ids rendered once beforehand, one pooled client, all
+# prompts gathered under a semaphore, the outputs saved. Its only extra is the answer times on stdout.
+PLAIN_CLIENT = """
+import asyncio, json, sys, time
+import httpx
+
+async def main(url, prompts_path, out_path, concurrency):
+    with open(prompts_path) as fh:
+        job = json.load(fh)
+    prompts, params = job["input_ids"], job["sampling_params"]
+    semaphore = asyncio.Semaphore(concurrency)
+    outputs, done_at = [None] * len(prompts), [0.0] * len(prompts)
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=None)
+    async with httpx.AsyncClient(limits=limits, timeout=None) as client:
+        async def one(i):
+            async with semaphore:
+                body = {"input_ids": prompts[i], "sampling_params": params, "rid": f"plain-{i}"}
+                response = await client.post(f"{url}/generate", json=body)
+                response.raise_for_status()
+                outputs[i] = response.json()["output_ids"]
+                done_at[i] = time.time()
+        await asyncio.gather(*(one(i) for i in range(len(prompts))))
+    with open(out_path, "w") as fh:
+        for i, ids in enumerate(outputs):
+            fh.write(json.dumps({"index": i, "output_ids": ids}) + "\\n")
+    json.dump({"lengths": [len(o) for o in outputs], "done_at": done_at}, sys.stdout)
+
+asyncio.run(main(sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])))
+"""
+
+
+class GaugeWatch:
+    """Reads the simulator's running + queued requests every ``poll_s`` in a thread, all along;
+    ``samples`` holds (``time.time()``, requests at the server)."""
+
+    def __init__(self, sim_url: str, poll_s: float) -> None:
+        self.url = f"{sim_url}/metrics"
+        self.poll_s = poll_s
+        self.samples: list[tuple[float, float]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="gauge-watch", daemon=True)
+
+    def __enter__(self) -> GaugeWatch:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        with httpx.Client(timeout=METRICS_TIMEOUT_S) as client:
+            while not self._stop.is_set():
+                try:
+                    text = client.get(self.url).text
+                except httpx.HTTPError:
+                    self._stop.wait(self.poll_s)
+                    continue
+                self.samples.append((time.time(), sum(float(v) for v in _GAUGE.findall(text))))
+                self._stop.wait(self.poll_s)
+
+    def busy_span(self, since: float, until: float) -> tuple[float, float]:
+        """The first sample in [since, until] with a request at the server, and the first empty
+        sample after the last busy one (NaN when the window saw no request)."""
+        window = [(t, n) for t, n in self.samples if since <= t <= until]
+        busy = [i for i, (_, n) in enumerate(window) if n > 0]
+        if not busy:
+            return float("nan"), float("nan")
+        after = busy[-1] + 1
+        return window[busy[0]][0], window[after][0] if after < len(window) else until
+
+
+@dataclass
+class Run:
+    """One whole run; times are ``time.time()`` seconds."""
+
+    label: str
+    start: float
+    exit: float
+    tokens: int
+    first_req: float
+    last_done: float
+    completions: list[tuple[float, int]] = field(default_factory=list)  # (time, output tokens)
+    created: float | None = None  # ours only: the job's created_at_ms
+    completed: float | None = None  # ours only: the job's finished_at_ms
+
+    @property
+    def wall_s(self) -> float:
+        return self.exit - self.start
+
+    @property
+    def steady_tokens_per_s(self) -> float:
+        times = [t for t, _ in self.completions]
+        t_from, t_to = percentile(times, STEADY_FROM_PCT), percentile(times, STEADY_TO_PCT)
+        tokens = sum(n for t, n in self.completions if t_from < t <= t_to)
+        return tokens / (t_to - t_from) if t_to > t_from else 0.0
+
+    def intervals(self) -> list[tuple[str, float]]:
+        if self.created is None or self.completed is None:
+            points = [("start", self.start), ("first req", self.first_req)]
+            points += [("last done", self.last_done), ("exit", self.exit)]
+        else:
+            points = [("start", self.start), ("created", self.created), ("first req", self.first_req)]
+            points += [("last done", self.last_done), ("completed", self.completed), ("exit", self.exit)]
+        return [(f"{a}->{b}", tb - ta) for (a, ta), (b, tb) in itertools.pairwise(points)]
+
+
+@dataclass
+class Stack:
+    """What the runs need: the child processes, the URLs, the files, the gauge watch."""
+
+    tmp: Path
+    env: dict[str, str]
+    processes: ChildProcesses
+    sim_url: str
+    coordinator: str
+    watch: GaugeWatch
+    args: argparse.Namespace
+
+
+def run_plain(stack: Stack, concurrency: int) -> Run:
+    """The baseline script in a child process, from its start to its exit."""
+    tmp = stack.tmp
+    command = [
+        sys.executable,
+        "-c",
+        PLAIN_CLIENT,
+        stack.sim_url,
+        str(tmp / "ids.json"),
+        str(tmp / "out.jsonl"),
+    ]
+    start = time.time()
+    done = subprocess.run(
+        [*command, str(concurrency)], env=stack.env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S
+    )
+    exit_ = time.time()
+    if done.returncode != 0:
+        raise SystemExit(f"the plain client failed:\n{done.stderr[-3000:]}")
+    report = json.loads(done.stdout)
+    first_req, last_done = stack.watch.busy_span(start, exit_)
+    completions = list(zip(report["done_at"], report["lengths"], strict=True))
+    return Run(
+        f"plain c={concurrency}", start, exit_, sum(report["lengths"]), first_req, last_done, completions
+    )
+
+
+def submit(stack: Stack, dataset: Path) -> tuple[str, float, float]:
+    """``datagen submit DATASET --wait`` as a child process; (job id, start, exit)."""
+    command = [
+        sys.executable,
+        "-m",
+        "datagen",
+        "submit",
+        str(dataset),
+        "--spec",
+        str(stack.tmp / "spec.json"),
+    ]
+    command += ["--coordinator", stack.coordinator, "--wait"]
+    start = time.time()
+    done = subprocess.run(command, env=stack.env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+    exit_ = time.time()
+    if done.returncode != 0:
+        raise SystemExit(
+            f"datagen submit exited {done.returncode}:\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}"
+        )
+    return done.stdout.split()[0], start, exit_
+
+
+def run_ours(stack: Stack, label: str) -> Run:
+    job_id, start, exit_ = submit(stack, stack.tmp / "prompts.jsonl")
+    with CoordinatorClient(stack.coordinator) as client:
+        job = client.job(job_id)
+    n = stack.args.n
+    if job["state"] != JobState.COMPLETED or job["done"] != n:
+        raise SystemExit(f"job {job_id} did not complete all {n} prompts: {job}")
+    storage = Storage(stack.tmp / "data")
+    records = [
+        row
+        for batch in storage.iter_record_batches(job_id, columns=["output_len", "finished_at_ms"])
+        for row in batch.to_pylist()
+    ]
+    completions = [(r["finished_at_ms"] / 1000, r["output_len"]) for r in records]
+    first_req, last_done = stack.watch.busy_span(start, exit_)
+    return Run(
+        label,
+        start,
+        exit_,
+        int(job["generated_tokens"]),
+        first_req,
+        last_done,
+        completions,
+        created=job["created_at_ms"] / 1000,
+        completed=job["finished_at_ms"] / 1000,
+    )
+
+
+def datagen_variant(stack: Stack, name: str, label: str, worker_env: dict[str, str]) -> list[Run]:
+    """A fresh worker ``name`` with ``worker_env``, one warm-up job, then ``--repeats`` timed runs."""
+    stack.processes.env = dict(stack.env, DATAGEN_METRICS_PORT="0", **worker_env)
+    worker = stack.processes.spawn(name, "worker", "--server", f"{SERVER}={stack.sim_url}")
+    try:
+        submit(stack, stack.tmp / "warmup.jsonl")
+        runs = []
+        for _ in range(stack.args.repeats):
+            runs.append(run_ours(stack, label))
+            print(f"  ... {label}: {runs[-1].wall_s:.2f} s", flush=True)
+        return runs
+    finally:
+        worker.terminate()
+        worker.wait(timeout=30)
+        stack.processes.procs.pop(name)
+
+
+def prepare(tmp: Path, args: argparse.Namespace) -> None:
+    """The dataset, the warm-up dataset, the spec file, and the baseline's pre-rendered ids."""
+    spec = sweep_spec(args)
+    ids = render(spec, short_rows(args.n), tmp / "prompts.jsonl")
+    warmup = [dict(r, id=f"w{r['id']}") for r in short_rows(args.n + WARMUP_ROWS)[args.n :]]
+    write_jsonl(tmp / "warmup.jsonl", warmup)
+    (tmp / "spec.json").write_text(json.dumps(spec.model_dump(mode="json", exclude_defaults=True)))
+    params = spec.sampling.to_sglang(args.max_new_tokens)
+    (tmp / "ids.json").write_text(json.dumps({"input_ids": ids, "sampling_params": params}))
+
+
+def measure(stack: Stack) -> tuple[list[Run], list[Run], list[list[Run]]]:
+    args = stack.args
+    sweep = [int(c) for c in args.sweep.split(",")] if args.plain_c is None else [args.plain_c]
+    plain: list[Run] = []
+    for concurrency in sweep:
+        plain.append(run_plain(stack, concurrency))
+        print(f"  ... {plain[-1].label}: {plain[-1].wall_s:.2f} s", flush=True)
+    best_c = int(min(plain, key=lambda r: r.wall_s).label.rsplit("=", 1)[1])
+    limit = args.limit or best_c
+    fixed_env = {"DATAGEN_SHORT_CONCURRENCY": str(limit), "DATAGEN_KV_CONTROLLER": "0"}
+    controlled_env = {
+        "DATAGEN_SHORT_CONCURRENCY": str(args.start_limit),
+        "DATAGEN_KV_CONTROLLER": "1",
+        "DATAGEN_CONTROLLER_INTERVAL_S": str(args.controller_interval_s),
+    }
+    ours = [
+        datagen_variant(stack, "worker-fixed", f"datagen c={limit}, no controller", fixed_env),
+        datagen_variant(
+            stack, "worker-controller", f"datagen from {args.start_limit} + controller", controlled_env
+        ),
+    ]
+    after: list[Run] = []
+    for _ in range(args.repeats):
+        after.append(run_plain(stack, best_c))
+        print(f"  ... {after[-1].label} (again): {after[-1].wall_s:.2f} s", flush=True)
+    return plain, after, ours
+
+
+def report(plain: list[Run], after: list[Run], ours: list[list[Run]], args: argparse.Namespace) -> None:
+    best_c_label = after[0].label
+    baseline = min([r for r in plain if r.label == best_c_label] + after, key=lambda r: r.wall_s)
+    steady_base = max(r.steady_tokens_per_s for r in [*plain, *after])
+    print(
+        f"\ne2e: N={args.n} prompts, time_scale={args.time_scale}, kv_tokens={args.kv_tokens}, "
+        f"reserve_fraction={args.reserve_fraction}, max_new_tokens={args.max_new_tokens}; "
+        f"gauges polled every {args.poll_ms:g} ms"
+    )
+    print("  baseline: a python -c script loading pre-rendered input_ids (no tokenization), writing outputs")
+    print("  ours: python -m datagen submit DATASET --spec SPEC --coordinator URL --wait (warm fleet)")
+    print(f"\n  {'run':<38} {'wall s':>7} {'tok/s':>7} {'steady tok/s':>12}  intervals (s)")
+    for run in [*plain, *after, *(r for runs in ours for r in runs)]:
+        steps = "  ".join(f"{name} {s:.3f}" for name, s in run.intervals())
+        mark = "  <- baseline" if run is baseline else ""
+        print(
+            f"  {run.label:<38} {run.wall_s:7.2f} {run.tokens / run.wall_s:7.0f} "
+            f"{run.steady_tokens_per_s:12.0f}  {steps}{mark}"
+        )
+    counts = {r.tokens for r in [*plain, *after, *(r for runs in ours for r in runs)]}
+    print(
+        f"  generated tokens: {sorted(counts)} ({'equal in every run' if len(counts) == 1 else 'MISMATCH'})"
+    )
+    print(f"\n  baseline: {baseline.label}, best whole run {baseline.wall_s:.2f} s")
+    for runs in ours:
+        best = min(runs, key=lambda r: r.wall_s)
+        ratio = baseline.wall_s / best.wall_s
+        steady = best.steady_tokens_per_s / steady_base
+        verdict = "met" if ratio >= TARGET_RATIO else "NOT met"
+        walls = ", ".join(f"{r.wall_s:.2f}" for r in runs)
+        median = statistics.median(r.wall_s for r in runs)
+        print(
+            f"  {best.label}: whole run {best.wall_s:.2f} s (runs {walls}; median {median:.2f}); "
+            f"whole x {ratio:.3f} (target >= {TARGET_RATIO}: {verdict}); steady x {steady:.3f}"
+        )
+        print("    " + "  ".join(f"{name} {s:.3f}" for name, s in best.intervals()))
+    if len(counts) != 1:
+        raise SystemExit("the runs generated different token counts; the comparison is void")
+
+
+def run(args: argparse.Namespace) -> None:
+    offline_hub()
+    with tempfile.TemporaryDirectory(prefix="bench-e2e-") as tmp_name, LocalRedis() as redis_server:
+        tmp = Path(tmp_name)
+        prepare(tmp, args)
+        sim_port, coord_port = free_port(), free_port()
+        sim_url, coordinator = f"http://127.0.0.1:{sim_port}", f"http://127.0.0.1:{coord_port}"
+        env = child_env(
+            {
+                "DATAGEN_REDIS_URL": redis_server.url,
+                "DATAGEN_STORAGE": str(tmp / "data"),
+                "DATAGEN_NAMESPACE": NAMESPACE,
+            }
+        )
+        processes = ChildProcesses(tmp, env)
+        sim = ["sim", "--port", str(sim_port), "--tokenizer", bundled_tokenizer_path()]
+        sim += ["--time-scale", str(args.time_scale), "--kv-tokens", str(args.kv_tokens)]
+        sim += ["--reserve-fraction", str(args.reserve_fraction)]
+        try:
+            processes.spawn("sim", *sim)
+            processes.spawn("coordinator", "coordinator", "--port", str(coord_port))
+            processes.wait_http(f"{sim_url}/health")
+            processes.wait_http(f"{coordinator}/healthz")
+            with GaugeWatch(sim_url, args.poll_ms / 1000) as watch:
+                stack = Stack(tmp, env, processes, sim_url, coordinator, watch, args)
+                plain, after, ours = measure(stack)
+        finally:
+            processes.stop()
+    report(plain, after, ours, args)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--n", type=int, default=DEFAULT_N, help="prompts (default %(default)s)")
+    parser.add_argument("--repeats", type=int, default=1, help="timed runs of each datagen variant")
+    parser.add_argument("--sweep", default=DEFAULT_SWEEP, help="plain concurrencies (default %(default)s)")
+    parser.add_argument("--plain-c", type=int, help="the baseline's concurrency: no sweep")
+    parser.add_argument("--limit", type=int, help="the fixed-limit variant's limit (default: best plain C)")
+    parser.add_argument("--time-scale", type=float, default=DEFAULT_TIME_SCALE, help="simulator speed")
+    parser.add_argument("--kv-tokens", type=int, default=DEFAULT_KV_TOKENS, help="simulator KV pool")
+    parser.add_argument("--reserve-fraction", type=float, default=DEFAULT_RESERVE_FRACTION)
+    parser.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS)
+    parser.add_argument("--start-limit", type=int, default=DEFAULT_START_LIMIT, help="the controller's start")
+    parser.add_argument("--controller-interval-s", type=float, default=DEFAULT_CONTROLLER_INTERVAL_S)
+    parser.add_argument("--poll-ms", type=float, default=DEFAULT_POLL_MS, help="gauge poll interval")
+    args = parser.parse_args()
+    if args.repeats < 1:
+        parser.error("--repeats must be at least 1")
+    run(args)
+
+
+if __name__ == "__main__":
+    main()
