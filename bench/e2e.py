@@ -73,6 +73,18 @@ import httpx
 from _common import offline_hub, short_rows, sweep_spec, write_jsonl
 from _load import percentile, render
 
+# The same scenario as saturation.py: its server, its prompts, its sweep and its controller settings.
+from saturation import (
+    DEFAULT_CONTROLLER_INTERVAL_S,
+    DEFAULT_KV_TOKENS,
+    DEFAULT_MAX_NEW_TOKENS,
+    DEFAULT_N,
+    DEFAULT_RESERVE_FRACTION,
+    DEFAULT_START_LIMIT,
+    DEFAULT_SWEEP,
+    DEFAULT_TIME_SCALE,
+)
+
 from datagen.cli.client import CoordinatorClient
 from datagen.local.processes import ChildProcesses, child_env
 from datagen.local.redis_server import LocalRedis, free_port
@@ -80,14 +92,6 @@ from datagen.prompts.tokenization import bundled_tokenizer_path
 from datagen.records.storage import Storage
 from datagen.states import JobState
 
-DEFAULT_N = 600
-DEFAULT_TIME_SCALE = 0.05
-DEFAULT_KV_TOKENS = 16384
-DEFAULT_RESERVE_FRACTION = 0.1
-DEFAULT_MAX_NEW_TOKENS = 2048
-DEFAULT_SWEEP = "16,32,64,128,256"
-DEFAULT_START_LIMIT = 512
-DEFAULT_CONTROLLER_INTERVAL_S = 0.5
 DEFAULT_POLL_MS = 10.0
 SERVER = "sim"
 NAMESPACE = "e2e"
