@@ -59,7 +59,9 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import os
 import re
+import resource
 import statistics
 import subprocess
 import sys
@@ -175,6 +177,31 @@ class GaugeWatch:
         return window[busy[0]][0], window[after][0] if after < len(window) else until
 
 
+def cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a live process (``/proc/PID/stat``)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+class CpuWatch:
+    """CPU seconds each long-lived child and the timed command spent over one run."""
+
+    def __init__(self, stack: Stack) -> None:
+        self.pids = {name: proc.pid for name, proc in stack.processes.procs.items()}
+        self.before = {name: cpu_s(pid) for name, pid in self.pids.items()}
+        self.children_before = _children_cpu_s()
+
+    def spent(self) -> dict[str, float]:
+        out = {name: cpu_s(pid) - self.before[name] for name, pid in self.pids.items()}
+        out["command"] = _children_cpu_s() - self.children_before
+        return out
+
+
+def _children_cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
 @dataclass
 class Run:
     """One whole run; times are ``time.time()`` seconds."""
@@ -187,6 +214,7 @@ class Run:
     last_done: float
     completions: list[tuple[float, int]] = field(default_factory=list)  # (time, output tokens)
     created: float | None = None  # ours only: the job's created_at_ms
+    cpu: dict[str, float] = field(default_factory=dict)  # CPU seconds by process over the run
     completed: float | None = None  # ours only: the job's finished_at_ms
 
     @property
@@ -234,18 +262,27 @@ def run_plain(stack: Stack, concurrency: int) -> Run:
         str(tmp / "ids.json"),
         str(tmp / "out.jsonl"),
     ]
+    cpu = CpuWatch(stack)
     start = time.time()
     done = subprocess.run(
         [*command, str(concurrency)], env=stack.env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S
     )
     exit_ = time.time()
+    spent = cpu.spent()
     if done.returncode != 0:
         raise SystemExit(f"the plain client failed:\n{done.stderr[-3000:]}")
     report = json.loads(done.stdout)
     first_req, last_done = stack.watch.busy_span(start, exit_)
     completions = list(zip(report["done_at"], report["lengths"], strict=True))
     return Run(
-        f"plain c={concurrency}", start, exit_, sum(report["lengths"]), first_req, last_done, completions
+        f"plain c={concurrency}",
+        start,
+        exit_,
+        sum(report["lengths"]),
+        first_req,
+        last_done,
+        completions,
+        cpu=spent,
     )
 
 
@@ -272,7 +309,9 @@ def submit(stack: Stack, dataset: Path) -> tuple[str, float, float]:
 
 
 def run_ours(stack: Stack, label: str) -> Run:
+    cpu = CpuWatch(stack)
     job_id, start, exit_ = submit(stack, stack.tmp / "prompts.jsonl")
+    spent = cpu.spent()
     with CoordinatorClient(stack.coordinator) as client:
         job = client.job(job_id)
     n = stack.args.n
@@ -296,6 +335,7 @@ def run_ours(stack: Stack, label: str) -> Run:
         completions,
         created=job["created_at_ms"] / 1000,
         completed=job["finished_at_ms"] / 1000,
+        cpu=spent,
     )
 
 
@@ -374,6 +414,11 @@ def report(plain: list[Run], after: list[Run], ours: list[list[Run]], args: argp
             f"  {run.label:<38} {run.wall_s:7.2f} {run.tokens / run.wall_s:7.0f} "
             f"{run.steady_tokens_per_s:12.0f}  {steps}{mark}"
         )
+    print("\n  CPU seconds by process over each run (the simulator stands in for a GPU; on two cores")
+    print("  every other process's CPU is time the simulator may lose):")
+    for run in [*plain, *after, *(r for runs in ours for r in runs)]:
+        spent = "  ".join(f"{name} {s:.2f}" for name, s in sorted(run.cpu.items()))
+        print(f"  {run.label:<38} {spent}")
     counts = {r.tokens for r in [*plain, *after, *(r for runs in ours for r in runs)]}
     print(
         f"  generated tokens: {sorted(counts)} ({'equal in every run' if len(counts) == 1 else 'MISMATCH'})"

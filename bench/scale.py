@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import resource
 import subprocess
 import sys
@@ -51,19 +52,31 @@ from pathlib import Path
 import redis
 from _common import BENCH_JOB_ID, BENCH_NAMESPACE, SimProcess, job_spec, offline_hub, short_rows, write_jsonl
 from _load import ingest
+from rq import Queue
+from rq.job import Job
+from rq.serializers import JSONSerializer
 
+from datagen.control.dispatch import Claimant, Dispatch
+from datagen.control.job_outcomes import AckItem, AckTarget
 from datagen.control.jobs import JobStore
 from datagen.control.keys import Keys
+from datagen.control.payload import parse_payload
 from datagen.local.redis_server import LocalRedis
 from datagen.records.storage import Storage
 from datagen.settings import ENV_PREFIX
-from datagen.states import JobState
+from datagen.states import JobState, PromptClass
+from workers.rqbridge import payload_of
 
 DEFAULT_N = 2000
 DEFAULT_WORKERS = 2
 DEFAULT_SERVERS = 2
 DEFAULT_IDLE_S = 10.0
 DEFAULT_MAX_NEW_TOKENS = 256
+# Prompts per claim measured for the control plane alone: one, a two-core worker's few, and a busy
+# GPU node's tens (its completion rate times the gather window of `workers.admission`).
+DEFAULT_CLAIM_SIZES = "1,4,32"
+# Prompts per ack call: a shard's worth, as a worker's group commit acks them.
+ACK_SHARD = 64
 WORKER_TIMEOUT_S = 900
 TOP_COMMANDS = 10
 # (label, output tokens/s per GPU): published serving figures for one H200.
@@ -145,6 +158,19 @@ def run_workers(k: int, env: dict[str, str], log: Path) -> tuple[float, float]:
         return time.perf_counter() - started, cpu_s
 
 
+# The worker's last log line: "worker NAME stopped: P prompts started by C claims".
+_STOPPED = re.compile(r"stopped: (\d+) prompts started by (\d+) claims")
+
+
+def claim_size(log: Path, offset: int) -> float:
+    """Prompts per claim over the workers that logged their stop after ``offset`` in ``log``."""
+    with open(log, "rb") as f:
+        f.seek(offset)
+        found = _STOPPED.findall(f.read().decode(errors="replace"))
+    claims = sum(int(c) for _, c in found)
+    return sum(int(p) for p, _ in found) / claims if claims else 0.0
+
+
 def idle_commands_per_s(
     client: redis.Redis, env: dict[str, str], idle_s: float, log: Path
 ) -> tuple[float, str]:
@@ -201,6 +227,7 @@ class Figures:
     idle_per_s: float
     idle_top: str
     round_trips: float  # per prompt
+    prompts_per_claim: float
     top: str
     timed: str
 
@@ -228,7 +255,9 @@ def measure(args: argparse.Namespace, tree: Path | None) -> Figures:
         before = usage(client)
         ingest(client, storage, job_spec(short_max_new_tokens=args.max_new_tokens), rows_path, args.n)
         ingested = usage(client)
+        log_offset = log.stat().st_size
         wall_s, worker_cpu_s = run_workers(args.workers, env, log)
+        prompts_per_claim = claim_size(log, log_offset)
         spent = delta(usage(client), before)
         ingest_part = delta(ingested, before)
         progress = JobStore(client, Keys(BENCH_NAMESPACE)).progress(BENCH_JOB_ID)
@@ -251,9 +280,64 @@ def measure(args: argparse.Namespace, tree: Path | None) -> Figures:
         idle_per_s=idle_per_s,
         idle_top=idle_top,
         round_trips=spent.reads / n,
+        prompts_per_claim=prompts_per_claim,
         top=", ".join(f"{name} {calls / n:.2f}" for name, calls in spent.commands.most_common(TOP_COMMANDS)),
         timed=", ".join(f"{name} {us / n:.1f}" for name, us in spent.usec.most_common(TOP_COMMANDS)),
     )
+
+
+@dataclass(frozen=True)
+class ClaimCost:
+    size: int
+    redis_ms: float  # Redis CPU per prompt: ingest, claims of ``size`` and the acks
+    ingest_ms: float  # ... of which ingest
+    commands: float  # per prompt, all of it
+
+
+def claim_costs(
+    client: redis.Redis, storage: Storage, rows: Path, n: int, sizes: list[int]
+) -> list[ClaimCost]:
+    """The control plane alone, at a given number of prompts per claim: the job ingested as the
+    coordinator does, then claimed through the worker's claim script ``size`` prompts at a time
+    and acked through its ack script a shard (``ACK_SHARD``) at a time, one client, no servers.
+    What a busy GPU node's worker pays per prompt when its claims start tens of prompts (its
+    completion rate times the gather window, `workers.admission`), which two cores cannot reach
+    in the whole run above."""
+    keys = Keys(BENCH_NAMESPACE)
+    dispatch = Dispatch(client, keys)
+    jobs = JobStore(client, keys)
+    queue = Queue(keys.queue_name(PromptClass.SHORT), connection=client)
+    claimant = Claimant(queue.key, queue.started_job_registry.key, "bench", "x", ttl_s=600)
+    target = AckTarget(queue.started_job_registry.key, queue.finished_job_registry.key, "x")
+    out = []
+    for size in sizes:
+        before = usage(client)
+        ingest(client, storage, job_spec(), rows, n)
+        ingested = usage(client)
+        claimed: list[AckItem] = []
+        while items := dispatch.claim_many(PromptClass.SHORT, size, claimant):
+            for item in items:
+                job = Job(item.rq_id, connection=client, serializer=JSONSerializer)
+                job.restore(item.fields)
+                prompt = parse_payload(payload_of(job)).require()
+                claimed.append(
+                    AckItem(item.rq_id, prompt.job, prompt.incarnation, 1, "", "short", "stop", 600)
+                )
+        for start in range(0, len(claimed), ACK_SHARD):
+            jobs.outcomes.ack_done(target, claimed[start : start + ACK_SHARD])
+        spent = delta(usage(client), before)
+        progress = jobs.progress(BENCH_JOB_ID)
+        if progress.state is not JobState.COMPLETED or progress.done != n:
+            raise SystemExit(f"claims of {size}: the job did not complete: {progress}")
+        out.append(
+            ClaimCost(
+                size,
+                1000 * spent.redis_cpu_s / n,
+                1000 * delta(ingested, before).redis_cpu_s / n,
+                sum(spent.commands.values()) / n,
+            )
+        )
+    return out
 
 
 def report(label: str, n: int, f: Figures) -> None:
@@ -264,6 +348,7 @@ def report(label: str, n: int, f: Figures) -> None:
         f"{f.redis_ms:.3f} ms CPU/prompt -> {1000 / f.redis_ms:,.0f} prompts/s per Redis core"
     )
     print(f"      top commands per prompt: {f.top}; client round trips per prompt: {f.round_trips:.2f}")
+    print(f"      prompts per claim: {f.prompts_per_claim:.1f}")
     print(f"      executing commands: {f.executing_ms:.3f} ms/prompt; top by time (us/prompt): {f.timed}")
     print(
         f"    workers: {f.worker_ms:.2f} ms CPU/prompt (start-up of {f.startup_cpu_s:.1f} s CPU per process "
@@ -287,9 +372,22 @@ def main() -> None:
         help="another checkout (e.g. `git worktree add /tmp/base <commit>`) whose workers run the same "
         "job first, as the baseline of the same run",
     )
+    parser.add_argument(
+        "--claim-sizes",
+        default=DEFAULT_CLAIM_SIZES,
+        help="prompts per claim for the control plane alone (comma-separated; '' skips it)",
+    )
     args = parser.parse_args()
     offline_hub()
     gpus = parse_gpus(args.gpu or list(DEFAULT_GPUS))
+    sizes = [int(v) for v in args.claim_sizes.split(",") if v.strip()]
+    costs = []
+    if sizes:
+        with LocalRedis() as redis_server, tempfile.TemporaryDirectory(prefix="scale-") as tmp_name:
+            rows = Path(tmp_name) / "prompts.jsonl"
+            write_jsonl(rows, short_rows(args.n))
+            client = redis.Redis.from_url(redis_server.url)
+            costs = claim_costs(client, Storage(Path(tmp_name) / "data"), rows, args.n, sizes)
     baseline = measure(args, args.baseline_tree.resolve()) if args.baseline_tree else None
     ours = measure(args, None)
     n = args.n
@@ -311,6 +409,21 @@ def main() -> None:
     print("  projection for this tree (prompts/s per GPU = tokens/s / output length):")
     for line in projection(ours.redis_ms, ours.worker_ms, gpus):
         print(line)
+    if costs:
+        print(
+            f"  the control plane alone (one client, no servers; acks {ACK_SHARD} per call, as a shard "
+            "commits), by prompts per claim:"
+        )
+        for cost in costs:
+            print(
+                f"    {cost.size:>4} per claim: Redis {cost.redis_ms:.3f} ms CPU/prompt "
+                f"({cost.ingest_ms:.3f} of it ingest), {cost.commands:.1f} commands/prompt -> "
+                f"{1000 / cost.redis_ms:,.0f} prompts/s per Redis core"
+            )
+        busy = costs[-1]
+        print(f"  projection at {busy.size} prompts per claim (a busy GPU node's worker):")
+        for line in projection(busy.redis_ms, ours.worker_ms, gpus):
+            print(line)
     peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print(f"  (this script's own peak memory: {peak_mib:.0f} MiB)")
 

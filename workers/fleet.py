@@ -152,6 +152,12 @@ class Fleet:
     def free_slots(self, cls: PromptClass) -> int:
         return sum(s.free(cls) for s in self.servers)
 
+    def typical_latency_s(self) -> float | None:
+        """The shortest measured wall time of a request (EWMA) among the servers taking requests;
+        None before any has answered."""
+        measured = [v for s in self.servers if s.accepting and (v := s.latency_ewma_s) is not None]
+        return min(measured) if measured else None
+
     def mixed_speeds(self) -> bool:
         """Whether a server taking requests is measured clearly slower than the fastest: the only
         case where :meth:`held_back` can hold anything (so the backlog it needs is read only then)."""

@@ -132,6 +132,14 @@ class WorkerMetrics:
             ["server"],
             registry=r,
         )
+        # Prompts per claim (claimed prompts / claims) is what one Redis call buys: the control
+        # plane's cost is mostly per claim.
+        self.claims = Counter(
+            "datagen_worker_claims", "Claims that started at least one prompt", ["class"], registry=r
+        )
+        self.claimed_prompts = Counter(
+            "datagen_worker_claimed_prompts", "Prompts started by claims", ["class"], registry=r
+        )
         self.reaped = Counter(
             "datagen_worker_reaped", "Prompts of dead workers by outcome", ["outcome"], registry=r
         )

@@ -361,7 +361,13 @@ class Worker:
         await asyncio.gather(*(s.client.aclose() for s in self.fleet.servers))
         self._stop_metrics()
         self.redis.close()
-        log.info("worker %s stopped", self.name)
+        admission = self.admission
+        log.info(
+            "worker %s stopped: %d prompts started by %d claims",
+            self.name,
+            admission.claimed_prompts,
+            admission.claims,
+        )
 
     async def main(self) -> None:
         await self.start()

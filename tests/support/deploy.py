@@ -72,6 +72,8 @@ EXPECTED_METRICS: dict[str, tuple[str, frozenset[str]]] = {
         ("datagen_worker_server_running", "gauge", ("server",)),
         ("datagen_worker_server_retractions", "gauge", ("server",)),
         ("datagen_worker_reaped", "counter", ("outcome",)),
+        ("datagen_worker_claims", "counter", ("class",)),
+        ("datagen_worker_claimed_prompts", "counter", ("class",)),
         ("datagen_worker_records_committed", "counter", ()),
         ("datagen_worker_commit_errors", "counter", ()),
         # service/metrics.py

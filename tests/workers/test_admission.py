@@ -76,3 +76,63 @@ async def test_the_slow_server_starts_nothing_new_at_the_end_of_the_backlog(
             assert free() == 8
         finally:
             await stop(worker)
+
+
+async def test_a_claim_gathers_the_slots_that_free_within_a_fiftieth_of_a_request(
+    redis_client: redis.Redis, redis_url: str, storage: Storage, tokenizer_path: str
+) -> None:
+    short = PromptClass.SHORT
+    with running_simulator(tokenizer_path=tokenizer_path) as url:
+        worker = await start(settings(redis_url, storage), {"s": url})
+        admission, slots = worker.admission, worker.slots
+        try:
+            (server,) = worker.fleet.servers
+            assert admission._gather_s() == 0.005  # nothing measured yet: the floor
+            server.observe(1.0, 100)
+            assert admission._gather_s() == 0.02  # 2 % of a 1-s request
+            server.observe(60.0, 100)
+            assert admission._gather_s() == 0.1  # the ceiling: a run's last claims wait no longer
+
+            # 64 slots, all busy; three end 10 ms apart, fewer than a batch (a quarter of the slots):
+            # one claim waits the window and takes all three.
+            server.limits[short] = 64
+            capacity = worker.fleet.capacity(short)
+            slots.generating[short] = capacity
+
+            async def end_one_by_one() -> None:
+                for _ in range(3):
+                    await asyncio.sleep(0.01)
+                    slots.generating[short] -= 1
+                    slots.freed.set()
+
+            ending = asyncio.create_task(end_one_by_one())
+            started = asyncio.get_running_loop().time()
+            free = await admission._gather(short, 0, None)
+            waited_s = asyncio.get_running_loop().time() - started
+            await ending
+            assert free == 3
+            assert 0.09 <= waited_s < 0.5  # the window, not the first freed slot
+            slots.generating[short] = 0
+        finally:
+            await stop(worker)
+
+
+async def test_the_worker_counts_its_claims_and_the_prompts_they_started(
+    redis_client: redis.Redis, redis_url: str, storage: Storage, tokenizer_path: str
+) -> None:
+    ingest(redis_client, storage, "counted", 12)
+    with running_simulator(tokenizer_path=tokenizer_path, time_scale=0.02) as url:
+        worker = await start(settings(redis_url, storage), {"s": url})
+        run = asyncio.create_task(worker.run())
+        await wait_until_async(
+            lambda: JobStore(redis_client, KEYS).progress("counted").state is JobState.COMPLETED,
+            WAIT_S,
+            NOT_MET,
+        )
+        admission = worker.admission
+        await stop(worker, run)
+    assert admission.claimed_prompts == 12
+    assert 1 <= admission.claims <= 12
+    metrics = worker.fleet.metrics
+    assert metrics.claimed_prompts.labels("short")._value.get() == 12
+    assert metrics.claims.labels("short")._value.get() == admission.claims
