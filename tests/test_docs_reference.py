@@ -22,7 +22,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
 # A whole string literal that names a metric: SGLang's colon form on the simulator, ours elsewhere.
-METRIC_LITERAL = re.compile(r"""["']((?:datagen_|sglang:)[a-z0-9_:]+)["']""")
+METRIC_LITERAL = re.compile(r"""["']((?:datagen_|sglang:|vllm:)[a-z0-9_:]+)["']""")
 
 
 def _load_hook() -> ModuleType:
@@ -74,10 +74,12 @@ def test_every_metric_named_in_the_metrics_modules_is_in_the_reference(hook: Mod
 
 def test_the_metrics_registries_hold_nothing_the_reference_leaves_out(hook: ModuleType) -> None:
     from simulator.metrics import SimMetrics
+    from simulator.vllm_metrics import VllmMetrics
     from workers.metrics import WorkerMetrics
 
     found = {(m.name, m.kind) for m in hook.declared_metrics()}
-    for registry in (WorkerMetrics().registry, SimMetrics("model").registry):
+    registries = (WorkerMetrics().registry, SimMetrics("model").registry, VllmMetrics("model").registry)
+    for registry in registries:
         for family in registry.collect():
             assert (family.name, family.type) in found, f"{family.name} ({family.type}) is not documented"
 
@@ -115,6 +117,11 @@ def test_every_command_and_option_is_in_the_cli_reference(hook: ModuleType) -> N
         for param in command.params:
             if param.param_type_name == "option" and not param.hidden:
                 assert f"`{param.opts[0]}" in text, f"datagen {name} {param.opts[0]} is not in the reference"
+    # Each command's examples (its help epilog) come along, the first of them verbatim.
+    for name in root.commands:
+        section = text.split(f"### `datagen {name}`", 1)[1].split("\n### ", 1)[0]
+        assert "Examples:" in section, f"datagen {name}'s examples are not in the reference"
+    assert "datagen submit prompts.jsonl --tokenizer /models/DeepSeek-R1 --wait" in text
 
 
 def _nav_files(nav: Any) -> list[str]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import errno
 import os
 import sys
+from importlib import metadata
 from typing import Annotated
 
 import typer
@@ -20,10 +21,14 @@ from rich.text import Text
 
 from datagen.errors import DatagenError
 
+# Plain click help (rich_markup_mode=None), not Rich's panels: Rich's option table cuts long option
+# names at 80 columns (`--short-max-new-tok…`) and gives every flag a `<bool>` type; click's list keeps
+# each name whole on its own line, shows no type for a flag, and wraps only the help text.
 app = typer.Typer(
     add_completion=False,
     no_args_is_help=True,
     pretty_exceptions_enable=False,
+    rich_markup_mode=None,
     help="Exact-token EAGLE-3 training data from SGLang.",
 )
 console = Console(stderr=True)
@@ -38,13 +43,42 @@ DEBUG_LEVEL = "DEBUG"
 # Third-party notices that read like errors to a user of a tool that never needs them:
 # transformers' "PyTorch was not found" (we only use tokenizers). Set for child processes too.
 QUIET_ENVIRONMENT = {"TRANSFORMERS_NO_ADVISORY_WARNINGS": "1"}
+DISTRIBUTION = "eagle3-datagen"  # `datagen --version` prints its installed version
 
 
-@app.callback()
+def examples(*commands: str) -> str:
+    """A command's help epilog: working invocations, one a line, shown as written (click's ``\\b``
+    keeps a paragraph from being rewrapped)."""
+    return "Examples:\n\n\b\n" + "\n".join(f"  {command}" for command in commands)
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        typer.echo(f"datagen {metadata.version(DISTRIBUTION)}")
+        raise typer.Exit()
+
+
+@app.callback(
+    epilog=examples(
+        "datagen demo",
+        "datagen submit prompts.jsonl --tokenizer /models/DeepSeek-R1 --wait",
+        "datagen status",
+        "datagen submit --help",
+    )
+)
 def _options(
     debug: Annotated[
         bool,
         typer.Option("--debug", help="debug logs, and a traceback with any error (DATAGEN_LOG_LEVEL=DEBUG)"),
+    ] = False,
+    version: Annotated[
+        bool,
+        typer.Option(
+            "--version",
+            is_eager=True,
+            callback=_print_version,
+            help=f"print {DISTRIBUTION}'s version and exit",
+        ),
     ] = False,
 ) -> None:
     if debug:
@@ -83,9 +117,11 @@ def main() -> None:
 
 
 def _usage_error(exc: Exception) -> str | None:
-    """The message of click's refusal of the command line ("" when it printed the help); None for
-    any other error. Typer vendors click in recent versions, so the classes are known by shape."""
+    """The message of click's refusal of the command line ("" when it was the help, printed here);
+    None for any other error. Typer vendors click in recent versions, so the classes are known by
+    shape."""
     if type(exc).__name__ == "NoArgsIsHelpError":
+        typer.echo(str(exc))  # `datagen` alone: the refusal's message is the help
         return ""
     format_message = getattr(exc, "format_message", None)
     if not callable(format_message) or not isinstance(getattr(exc, "exit_code", None), int):

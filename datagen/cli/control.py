@@ -10,9 +10,9 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from datagen.cli._app import app, console
+from datagen.cli._app import app, console, examples
 from datagen.errors import ConfigError
-from datagen.settings import ClientSettings, load
+from datagen.settings import DEFAULT_COORDINATOR_URL, ClientSettings, load
 from datagen.states import JobState, Priority
 
 # Jobs `datagen status` shows, newest first.
@@ -26,9 +26,18 @@ def _client() -> Any:
     return CoordinatorClient(settings.coordinator_url, api_token=settings.api_token)
 
 
-@app.command()
+@app.command(
+    epilog=examples(
+        "datagen status",
+        "datagen status --state running --state ingesting",
+        "datagen status --priority high --limit 10",
+    )
+)
 def status(
-    coordinator: Annotated[str | None, typer.Option(help="coordinator URL (DATAGEN_COORDINATOR_URL)")] = None,
+    coordinator: Annotated[
+        str | None,
+        typer.Option(help=f"coordinator URL (DATAGEN_COORDINATOR_URL, default {DEFAULT_COORDINATOR_URL})"),
+    ] = None,
     state: Annotated[
         list[JobState] | None, typer.Option(help="only jobs in this state (repeat for more)")
     ] = None,
@@ -39,7 +48,10 @@ def status(
         STATUS_JOBS
     ),
 ) -> None:
-    """Show jobs, queues and servers, and Redis's memory (in red when an operator must act)."""
+    """Show jobs, queues, servers and Redis's memory.
+
+    Redis's memory problems are shown in red: an operator must act on them.
+    """
     from datagen.cli.client import CoordinatorClient
 
     settings = load(ClientSettings, coordinator_url=coordinator)
@@ -232,34 +244,50 @@ def _pause(paused: bool, target: str | None, server: str | None, job: str | None
             )
 
 
-@app.command()
+@app.command(epilog=examples("datagen pause short", "datagen pause JOB_ID", "datagen pause --server gpu0"))
 def pause(
-    target: Annotated[str | None, typer.Argument(help="short, long, or a job id")] = None,
-    server: Annotated[str | None, typer.Option(help="pause a server instead")] = None,
+    target: Annotated[
+        str | None, typer.Argument(help="a queue (short or long) or a job id; or give --server or --job")
+    ] = None,
+    server: Annotated[
+        str | None, typer.Option(help="pause this server (its name in `datagen status`) instead")
+    ] = None,
     job: Annotated[str | None, typer.Option(help="pause this job (its prompts wait; others go on)")] = None,
 ) -> None:
-    """Stop dispatching from a queue or a job, or to a server, within 2 s; in-flight requests finish."""
+    """Pause a queue, a job or a server.
+
+    Dispatch from the queue or job, or to the server, stops within 2 s; requests in flight finish.
+    `datagen resume` undoes it.
+    """
     _pause(True, target, server, job)
 
 
-@app.command()
+@app.command(epilog=examples("datagen resume short", "datagen resume JOB_ID", "datagen resume --server gpu0"))
 def resume(
-    target: Annotated[str | None, typer.Argument(help="short, long, or a job id")] = None,
-    server: Annotated[str | None, typer.Option(help="resume a server instead")] = None,
+    target: Annotated[
+        str | None, typer.Argument(help="a queue (short or long) or a job id; or give --server or --job")
+    ] = None,
+    server: Annotated[
+        str | None, typer.Option(help="resume this server (its name in `datagen status`) instead")
+    ] = None,
     job: Annotated[str | None, typer.Option(help="resume this job")] = None,
 ) -> None:
-    """Undo a pause."""
+    """Undo a pause of a queue, a job or a server."""
     _pause(False, target, server, job)
 
 
-@app.command()
+@app.command(epilog=examples("datagen cancel JOB_ID", "datagen cancel JOB_ID --abort-in-flight"))
 def cancel(
-    job_id: Annotated[str, typer.Argument(help="job id")],
+    job_id: Annotated[str, typer.Argument(help="the job's id, as submit printed it")],
     abort_in_flight: Annotated[
-        bool, typer.Option(help="abort prompts in flight too, instead of letting them finish")
+        bool,
+        typer.Option(show_default=False, help="abort prompts in flight too, instead of letting them finish"),
     ] = False,
 ) -> None:
-    """Cancel a job: its queued prompts are dropped; committed records are kept."""
+    """Cancel a job; its committed records are kept.
+
+    Its queued prompts are dropped; those in flight finish (or are aborted: --abort-in-flight).
+    """
     with _client() as client:
         state = client.cancel(job_id, abort_in_flight=abort_in_flight)
     fate = "being aborted" if abort_in_flight else "left to finish"
@@ -269,12 +297,15 @@ def cancel(
     )
 
 
-@app.command()
+@app.command(epilog=examples("datagen retry JOB_ID", "datagen retry JOB_ID --reason WorkerLost"))
 def retry(
-    job_id: Annotated[str, typer.Argument(help="job id")],
+    job_id: Annotated[str, typer.Argument(help="the job's id, as submit printed it")],
     reason: Annotated[
         str | None,
-        typer.Option(help="only prompts failed with this reason (see GET /jobs/ID/errors?kind=failed)"),
+        typer.Option(
+            help="only prompts failed with this reason, e.g. WorkerLost (see GET "
+            "/jobs/ID/errors?kind=failed; default: all)"
+        ),
     ] = None,
 ) -> None:
     """Re-enqueue a job's failed prompts with fresh attempts."""
@@ -291,12 +322,13 @@ def retry(
         )
 
 
-@app.command()
-def recover(job_id: Annotated[str, typer.Argument(help="job id")]) -> None:
-    """Rebuild a job from storage after Redis lost it: committed prompts count done, the rest run again.
+@app.command(epilog=examples("datagen recover JOB_ID"))
+def recover(job_id: Annotated[str, typer.Argument(help="the job's id, as submit printed it")]) -> None:
+    """Rebuild a job from storage after Redis lost it.
 
-    The coordinator does this by itself when it sees Redis lose or roll back its data; use this for
-    a job that Redis lost while no coordinator was watching.
+    Prompts with committed records count as done; the rest run again. The coordinator does this
+    by itself when it sees Redis lose or roll back its data; use this for a job that Redis lost
+    while no coordinator was watching.
     """
     with _client() as client:
         state = client.recover(job_id)
@@ -308,12 +340,20 @@ def recover(job_id: Annotated[str, typer.Argument(help="job id")]) -> None:
     )
 
 
-@app.command()
+@app.command(epilog=examples("datagen delete JOB_ID", "datagen delete JOB_ID --files"))
 def delete(
-    job_id: Annotated[str, typer.Argument(help="job id")],
-    files: Annotated[bool, typer.Option(help="also delete the job's stored inputs and records")] = False,
+    job_id: Annotated[str, typer.Argument(help="the job's id, as submit printed it")],
+    files: Annotated[
+        bool,
+        typer.Option(
+            show_default=False, help="also delete the job's stored inputs and records (default: keep them)"
+        ),
+    ] = False,
 ) -> None:
-    """Delete a finished or cancelled job's state in Redis (and with --files its stored data)."""
+    """Delete a finished or cancelled job.
+
+    Its state in Redis goes; with --files its stored inputs and records too.
+    """
     with _client() as client:
         result = client.delete(job_id, files=files)
     kept = "" if result["files_deleted"] else f"; its files are kept at {result['files']}"

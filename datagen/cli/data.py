@@ -18,9 +18,9 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.text import Text
 
-from datagen.cli._app import EXIT_CHECK_FAILED, app, console
+from datagen.cli._app import EXIT_CHECK_FAILED, app, console, examples
 from datagen.errors import ConfigError, CorruptShardError
-from datagen.settings import CommonSettings, load
+from datagen.settings import DEFAULT_STORAGE, CommonSettings, load
 from datagen.states import ExportFormat
 
 if TYPE_CHECKING:
@@ -31,6 +31,8 @@ if TYPE_CHECKING:
 EXIT_SHARDS_SKIPPED = EXIT_CHECK_FAILED
 # `verify` that found a bad shard.
 EXIT_BAD_SHARDS = EXIT_CHECK_FAILED
+JOB_ID_HELP = "the job's id, as submit printed it"
+STORAGE_HELP = f"storage root: a directory or s3:// URL (DATAGEN_STORAGE, default {DEFAULT_STORAGE})"
 
 
 def _job_storage(job_id: str, storage: str | None) -> Storage:
@@ -58,14 +60,20 @@ def _report_skipped(job_id: str, skipped: list[CorruptShardError]) -> None:
     )
 
 
-@app.command()
+@app.command(
+    epilog=examples(
+        "datagen export JOB_ID --out train.jsonl",
+        "datagen export JOB_ID --format parquet --out train/ --shuffle-seed 0",
+        "datagen export JOB_ID --format conversations --out chats.jsonl",
+    )
+)
 def export(
-    job_id: Annotated[str, typer.Argument(help="job id")],
+    job_id: Annotated[str, typer.Argument(help=JOB_ID_HELP)],
     out: Annotated[Path, typer.Option(help="output file; a directory for parquet and with --shard-size")],
     format: Annotated[
-        ExportFormat, typer.Option("--format", help="the output format")
+        ExportFormat, typer.Option("--format", help="the training-file format")
     ] = ExportFormat.SPECFORGE,
-    storage: Annotated[str | None, typer.Option(help="DATAGEN_STORAGE")] = None,
+    storage: Annotated[str | None, typer.Option(help=STORAGE_HELP)] = None,
     drop_truncated: Annotated[
         bool | None,
         typer.Option(
@@ -74,20 +82,36 @@ def export(
         ),
     ] = None,
     min_supervised_tokens: Annotated[
-        int, typer.Option(help="drop rows with fewer loss-mask 1s (counted after --max-length)")
+        int,
+        typer.Option(help="drop rows with fewer supervised (loss-mask 1) tokens, counted after --max-length"),
     ] = 1,
-    max_length: Annotated[int | None, typer.Option(help="clip input_ids and loss_mask to N tokens")] = None,
+    max_length: Annotated[
+        int | None, typer.Option(help="clip input_ids and loss_mask to this many tokens (default: no clip)")
+    ] = None,
     shuffle_seed: Annotated[
-        int | None, typer.Option(help="shuffle rows with this seed (bounded memory, temporary files)")
+        int | None,
+        typer.Option(
+            help="shuffle rows with this seed (bounded memory, temporary files; default: no shuffle)"
+        ),
     ] = None,
     shard_size: Annotated[
         int | None,
-        typer.Option(help="rows per output file (parquet default 50000); JSONL --out becomes a directory"),
+        typer.Option(
+            help="rows per output file (parquet default 50000; JSONL default: one file); JSONL --out "
+            "becomes a directory"
+        ),
     ] = None,
-    partition: Annotated[list[str] | None, typer.Option(help="keep only this partition; repeatable")] = None,
+    partition: Annotated[
+        list[str] | None,
+        typer.Option(
+            metavar="<partition>", help="keep only rows of this partition; repeatable (default: all)"
+        ),
+    ] = None,
     tokenizer: Annotated[
         str | None,
-        typer.Option(help="the job's tokenizer files at another path (speculators, conversations)"),
+        typer.Option(
+            help="the job's tokenizer files at another path than the spec's (speculators, conversations)"
+        ),
     ] = None,
     skip_unreadable: Annotated[
         bool,
@@ -97,10 +121,11 @@ def export(
         ),
     ] = False,
 ) -> None:
-    """Export a job's records from storage (deduplicated on sample, turn and gen).
+    """Export a job's records as training files.
 
-    Prints a one-line JSON summary on stdout: rows written, duplicates, rows dropped by reason,
-    shards skipped. Exit 0; 1 when --skip-unreadable left a shard out; 3 on an error.
+    The records are read from storage and deduplicated on sample, turn and gen. Prints a one-line
+    JSON summary on stdout: rows written, duplicates, rows dropped by reason, shards skipped.
+    Exit 0; 1 when --skip-unreadable left a shard out; 3 on an error.
     """
     from datagen.export import ExportOptions, export_job, total_records
 
@@ -139,19 +164,22 @@ def export(
         raise typer.Exit(EXIT_SHARDS_SKIPPED)
 
 
-@app.command()
+@app.command(epilog=examples("datagen report JOB_ID", "datagen report JOB_ID --out report/"))
 def report(
-    job_id: Annotated[str, typer.Argument(help="job id")],
-    storage: Annotated[str | None, typer.Option(help="DATAGEN_STORAGE")] = None,
+    job_id: Annotated[str, typer.Argument(help=JOB_ID_HELP)],
+    storage: Annotated[str | None, typer.Option(help=STORAGE_HELP)] = None,
     out: Annotated[
         Path | None, typer.Option(help="write report.html, report.json and PNG histograms to this directory")
     ] = None,
-    tokenizer: Annotated[str | None, typer.Option(help="the job's tokenizer files at another path")] = None,
+    tokenizer: Annotated[
+        str | None, typer.Option(help="the job's tokenizer files at another path than the spec's")
+    ] = None,
 ) -> None:
-    """Counts, length histograms and token-structure checks of a job's records.
+    """Check a job's records: counts, histograms, token structure.
 
-    Exit 0 when every check passes (warnings allowed), 1 when one fails, 3 on an error (such as a
-    shard that differs from its commit object).
+    Counts, length histograms and token-structure checks of the records in storage. Exit 0 when
+    every check passes (warnings allowed), 1 when one fails, 3 on an error (such as a shard that
+    differs from its commit object).
     """
     from datagen.export import total_records
     from datagen.report import build_report, print_report, write_report
@@ -170,13 +198,15 @@ def report(
     raise typer.Exit(EXIT_CHECK_FAILED if result.failed else 0)
 
 
-@app.command()
+@app.command(epilog=examples("datagen verify JOB_ID", "datagen verify JOB_ID --storage s3://bucket/datagen"))
 def verify(
-    job_id: Annotated[str, typer.Argument(help="job id")],
-    storage: Annotated[str | None, typer.Option(help="DATAGEN_STORAGE")] = None,
+    job_id: Annotated[str, typer.Argument(help=JOB_ID_HELP)],
+    storage: Annotated[str | None, typer.Option(help=STORAGE_HELP)] = None,
 ) -> None:
-    """Check every committed shard of a job against its commit object: there, of the size, sha256
-    and row count it says, and readable Parquet. Needs only the storage (no Redis, no coordinator).
+    """Verify a job's stored shards against their commit objects.
+
+    Each committed shard must be there, of the size, sha256 and row count its commit object says,
+    and readable Parquet. Needs only the storage (no Redis, no coordinator).
 
     Prints one line per bad shard and a summary. Exit 0 when every shard is good, 1 when one is not.
     """

@@ -18,12 +18,25 @@ from typing import Annotated, Any
 import typer
 from pydantic import ValidationError
 
-from datagen.cli._app import app
+from datagen.cli._app import app, examples
 from datagen.errors import ConfigError
-from datagen.settings import CoordinatorSettings, WorkerSettings, describe_invalid, load
+from datagen.settings import (
+    DEFAULT_COORDINATOR_HOST,
+    DEFAULT_COORDINATOR_PORT,
+    DEFAULT_LONG_CONCURRENCY,
+    DEFAULT_METRICS_PORT,
+    DEFAULT_SHORT_CONCURRENCY,
+    DEFAULT_STORAGE,
+    CoordinatorSettings,
+    WorkerSettings,
+    describe_invalid,
+    load,
+)
 
 # Libraries that log every request at INFO; our own one-line-per-prompt log is enough.
 _QUIET_LOGGERS = ("httpx", "rq.worker", "rq.queue")
+REDIS_URL_HELP = "Redis URL, redis:// or rediss:// (this or DATAGEN_REDIS_URL is required)"
+STORAGE_HELP = f"storage root: a directory or s3:// URL (DATAGEN_STORAGE, default {DEFAULT_STORAGE})"
 
 
 def _logging(level: str) -> None:
@@ -41,14 +54,31 @@ def _loopback(host: str) -> bool:
         return False
 
 
-@app.command()
+@app.command(
+    epilog=examples(
+        "datagen coordinator --redis-url redis://127.0.0.1:6379/0",
+        "DATAGEN_REDIS_URL=redis://10.0.0.2:6379/0 datagen coordinator --port 8001",
+    )
+)
 def coordinator(
-    host: Annotated[str | None, typer.Option(help="bind address (DATAGEN_HOST)")] = None,
-    port: Annotated[int | None, typer.Option(help="port (DATAGEN_PORT, default 8000)")] = None,
-    redis_url: Annotated[str | None, typer.Option(help="DATAGEN_REDIS_URL")] = None,
-    storage: Annotated[str | None, typer.Option(help="DATAGEN_STORAGE")] = None,
+    host: Annotated[
+        str | None,
+        typer.Option(
+            help=f"bind address (DATAGEN_HOST, default {DEFAULT_COORDINATOR_HOST}); "
+            "one not loopback needs DATAGEN_API_TOKEN"
+        ),
+    ] = None,
+    port: Annotated[
+        int | None,
+        typer.Option(help=f"port (DATAGEN_PORT, default {DEFAULT_COORDINATOR_PORT}; 0 = any free)"),
+    ] = None,
+    redis_url: Annotated[str | None, typer.Option(help=REDIS_URL_HELP)] = None,
+    storage: Annotated[str | None, typer.Option(help=STORAGE_HELP)] = None,
 ) -> None:
-    """Run the coordinator HTTP API (waits for Redis and storage at startup)."""
+    """Run the coordinator HTTP API.
+
+    It waits for Redis and storage at startup.
+    """
     import uvicorn
 
     from datagen.control.startup import claim_storage, connect_redis
@@ -104,23 +134,53 @@ def _listener(host: str, port: int, option: str) -> Iterator[socket.socket]:
         sock.close()
 
 
-@app.command()
+@app.command(
+    epilog=examples(
+        "datagen worker --server g0=http://gpu0:30000 --server g1=http://gpu1:30000",
+        "datagen worker --server http://127.0.0.1:30000 --burst --metrics-port 0",
+    )
+)
 def worker(
     server: Annotated[
-        list[str] | None, typer.Option(help="SGLang server, NAME=URL or URL; repeatable")
+        list[str] | None,
+        typer.Option(
+            metavar="<[name=]url>",
+            help="SGLang server, NAME=URL or URL; repeatable (DATAGEN_SERVERS, comma-separated)",
+        ),
     ] = None,
-    short_concurrency: Annotated[int | None, typer.Option(help="in-flight short prompts per server")] = None,
-    long_concurrency: Annotated[int | None, typer.Option(help="in-flight long prompts per server")] = None,
+    short_concurrency: Annotated[
+        int | None,
+        typer.Option(
+            help=f"in-flight short prompts per server (DATAGEN_SHORT_CONCURRENCY, default "
+            f"{DEFAULT_SHORT_CONCURRENCY})"
+        ),
+    ] = None,
+    long_concurrency: Annotated[
+        int | None,
+        typer.Option(
+            help=f"in-flight long prompts per server (DATAGEN_LONG_CONCURRENCY, default "
+            f"{DEFAULT_LONG_CONCURRENCY})"
+        ),
+    ] = None,
     metrics_port: Annotated[
         int | None,
-        typer.Option(help="Prometheus port, 0 = off (default: the first free one from 9400)"),
+        typer.Option(
+            help=f"Prometheus port, 0 = off (DATAGEN_METRICS_PORT; default: the first free one from "
+            f"{DEFAULT_METRICS_PORT})"
+        ),
     ] = None,
-    burst: Annotated[bool, typer.Option(help="exit when the queues are empty")] = False,
-    redis_url: Annotated[str | None, typer.Option(help="DATAGEN_REDIS_URL")] = None,
-    storage: Annotated[str | None, typer.Option(help="DATAGEN_STORAGE")] = None,
+    burst: Annotated[
+        bool,
+        typer.Option(show_default=False, help="exit when the queues are empty (default: run until stopped)"),
+    ] = False,
+    redis_url: Annotated[str | None, typer.Option(help=REDIS_URL_HELP)] = None,
+    storage: Annotated[str | None, typer.Option(help=STORAGE_HELP)] = None,
 ) -> None:
-    """Run a worker that sends queued prompts to SGLang servers and stores the records (waits for
-    Redis and storage at startup)."""
+    """Run a worker: queued prompts to SGLang, records to storage.
+
+    It sends the queued prompts to its SGLang servers and stores the records; it waits for Redis
+    and storage at startup.
+    """
     from workers.fleet import ServerSpec, with_api_keys
     from workers.worker import Worker
 
@@ -145,10 +205,15 @@ def worker(
     asyncio.run(Worker(settings, specs, burst=burst).main())
 
 
-@app.command()
+@app.command(
+    epilog=examples(
+        "datagen sim --port 30000 --tokenizer /models/DeepSeek-R1",
+        "datagen sim --time-scale 0.01 --fail-503-rate 0.05",
+    )
+)
 def sim(
     port: Annotated[int, typer.Option(help="port (SGLang's default is 30000)")] = 30000,
-    host: Annotated[str, typer.Option()] = "127.0.0.1",
+    host: Annotated[str, typer.Option(help="bind address")] = "127.0.0.1",
     tokenizer: Annotated[str | None, typer.Option(help="tokenizer path for special ids and text")] = None,
     context_len: Annotated[int | None, typer.Option(help="model context length in tokens")] = None,
     kv_tokens: Annotated[int | None, typer.Option(help="KV-cache capacity (max_total_num_tokens)")] = None,
@@ -158,8 +223,12 @@ def sim(
     reserve_fraction: Annotated[
         float | None, typer.Option(help="admission reserve of max_new_tokens")
     ] = None,
-    mean_reasoning_tokens: Annotated[float | None, typer.Option()] = None,
-    mean_answer_tokens: Annotated[float | None, typer.Option()] = None,
+    mean_reasoning_tokens: Annotated[
+        float | None, typer.Option(help="mean length of a simulated reasoning part, in tokens")
+    ] = None,
+    mean_answer_tokens: Annotated[
+        float | None, typer.Option(help="mean length of a simulated answer, in tokens")
+    ] = None,
     tool_call_format: Annotated[
         str | None,
         typer.Option(help="qwen25 or deepseekv3: prompts offering tools may get a call (needs --tokenizer)"),
@@ -171,8 +240,14 @@ def sim(
     api_key: Annotated[
         str | None, typer.Option(help="like SGLang's --api-key: a bearer token for all but /health, /metrics")
     ] = None,
+    api: Annotated[
+        str | None, typer.Option(help="sglang (default) or vllm: whose HTTP contract the simulator speaks")
+    ] = None,
 ) -> None:
-    """Run a simulated SGLang server (the real /generate contract, a simulated GPU)."""
+    """Run a simulated SGLang server.
+
+    The real /generate contract, a simulated GPU.
+    """
     import uvicorn
 
     from simulator.config import SimConfig
@@ -194,6 +269,7 @@ def sim(
         "abort_rate": abort_rate,
         "starting_s": starting_s,
         "api_key": api_key,
+        "api": api,
     }
     try:
         config = SimConfig(**{k: v for k, v in given.items() if v is not None})

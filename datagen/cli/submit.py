@@ -8,10 +8,18 @@ from typing import Annotated, Any
 import typer
 from rich.console import Console
 
-from datagen.cli._app import app, console
+from datagen.cli._app import app, console, examples
 from datagen.cli.progress import EXIT_ALL_DONE, EXIT_SOME_FAILED, wait_for_job
 from datagen.errors import ConfigError
-from datagen.settings import ClientSettings, load
+from datagen.settings import (
+    DEFAULT_COORDINATOR_URL,
+    DEFAULT_LONG_MAX_NEW_TOKENS,
+    DEFAULT_LONG_THRESHOLD_TOKENS,
+    DEFAULT_SHORT_MAX_NEW_TOKENS,
+    DEFAULT_WAIT_FOR_SERVERS_S,
+    ClientSettings,
+    load,
+)
 from datagen.states import Priority
 
 
@@ -40,53 +48,119 @@ def _spec_from_options(
     return merge_spec(base, flags)
 
 
-@app.command()
-def spec(example: Annotated[bool, typer.Option(help="print a commented example job spec")] = True) -> None:
-    """Print a commented example job spec (YAML) for `datagen submit --spec`."""
+@app.command(
+    epilog=examples("datagen spec --example > job.yaml", "datagen submit prompts.jsonl --spec job.yaml")
+)
+def spec(
+    example: Annotated[
+        bool, typer.Option(help="print the commented example job spec (what `datagen spec` always prints)")
+    ] = True,
+) -> None:
+    """Print a commented example job spec (YAML).
+
+    Save it, edit it and pass it to `datagen submit --spec FILE`; flags given to submit override
+    its fields.
+    """
     from datagen.cli.specfile import EXAMPLE_SPEC
 
     typer.echo(EXAMPLE_SPEC, nl=False)
 
 
-@app.command()
+@app.command(
+    epilog=examples(
+        "datagen submit prompts.jsonl --tokenizer /models/DeepSeek-R1 --wait",
+        "datagen submit prompts.jsonl --spec job.yaml --priority high",
+        "datagen submit prompts.jsonl --spec job.yaml --dry-run",
+    )
+)
 def submit(
-    dataset: Annotated[Path, typer.Argument(exists=True, dir_okay=False, help="JSONL dataset")],
+    dataset: Annotated[
+        Path,
+        typer.Argument(exists=True, dir_okay=False, help="JSONL dataset file, uploaded to the coordinator"),
+    ],
     tokenizer: Annotated[
-        str | None, typer.Option(help="tokenizer path or hub id, as the coordinator sees it")
+        str | None,
+        typer.Option(help="tokenizer path or hub id, as the coordinator sees it (or `tokenizer:` in --spec)"),
     ] = None,
     spec_file: Annotated[
-        Path | None, typer.Option("--spec", exists=True, dir_okay=False, help="job spec file (YAML or JSON)")
+        Path | None,
+        typer.Option(
+            "--spec",
+            exists=True,
+            dir_okay=False,
+            help="job spec file (YAML or JSON; `datagen spec` prints one); flags override its fields",
+        ),
     ] = None,
-    coordinator: Annotated[str | None, typer.Option(help="coordinator URL (DATAGEN_COORDINATOR_URL)")] = None,
+    coordinator: Annotated[
+        str | None,
+        typer.Option(help=f"coordinator URL (DATAGEN_COORDINATOR_URL, default {DEFAULT_COORDINATOR_URL})"),
+    ] = None,
     chat_template: Annotated[
-        Path | None, typer.Option(help="chat template file overriding the tokenizer's")
+        Path | None, typer.Option(help="chat template file (Jinja) replacing the tokenizer's own")
     ] = None,
-    trust_remote_code: Annotated[bool | None, typer.Option()] = None,
-    short_max_new_tokens: Annotated[int | None, typer.Option()] = None,
-    long_max_new_tokens: Annotated[int | None, typer.Option()] = None,
+    trust_remote_code: Annotated[
+        bool | None,
+        typer.Option(
+            help="run the tokenizer repository's code on the coordinator (it needs "
+            "DATAGEN_ALLOW_TRUST_REMOTE_CODE=1; default: no)"
+        ),
+    ] = None,
+    short_max_new_tokens: Annotated[
+        int | None,
+        typer.Option(
+            help=f"tokens to generate at most for a short prompt (default {DEFAULT_SHORT_MAX_NEW_TOKENS})"
+        ),
+    ] = None,
+    long_max_new_tokens: Annotated[
+        int | None,
+        typer.Option(
+            help=f"tokens to generate at most for a long prompt (default {DEFAULT_LONG_MAX_NEW_TOKENS})"
+        ),
+    ] = None,
     long_threshold_tokens: Annotated[
-        int | None, typer.Option(help="prompts this long or longer are long")
+        int | None,
+        typer.Option(
+            help=f"prompts of at least this many tokens are long (default {DEFAULT_LONG_THRESHOLD_TOKENS})"
+        ),
     ] = None,
     context_len: Annotated[
-        int | None, typer.Option(help="the model's context length (default: what the workers report)")
+        int | None,
+        typer.Option(help="the model's context length in tokens (default: what the workers report)"),
     ] = None,
-    temperature: Annotated[float | None, typer.Option()] = None,
-    top_p: Annotated[float | None, typer.Option()] = None,
-    seed: Annotated[int | None, typer.Option(help="sampling_seed sent to SGLang")] = None,
-    priority: Annotated[Priority | None, typer.Option(help="higher work is always dispatched first")] = None,
+    temperature: Annotated[
+        float | None, typer.Option(help="sampling temperature sent to SGLang (default 0.6)")
+    ] = None,
+    top_p: Annotated[
+        float | None, typer.Option(help="nucleus sampling top_p sent to SGLang, in (0, 1] (default 0.95)")
+    ] = None,
+    seed: Annotated[
+        int | None, typer.Option(help="sampling_seed sent to SGLang: reproducible outputs (default: none)")
+    ] = None,
+    priority: Annotated[
+        Priority | None, typer.Option(help="higher work is always dispatched first (default normal)")
+    ] = None,
     weight: Annotated[
         float | None, typer.Option(help="share of the fleet among jobs of the same priority (default 1)")
     ] = None,
-    job_id: Annotated[str | None, typer.Option(help="reuse an id to append to or resume a job")] = None,
-    wait: Annotated[bool, typer.Option(help="show progress and wait until the job ends")] = False,
+    job_id: Annotated[
+        str | None, typer.Option(help="reuse an id to append to or resume a job (default: a new id)")
+    ] = None,
+    wait: Annotated[
+        bool,
+        typer.Option(
+            show_default=False, help="show progress and wait until the job ends; the exit code says how"
+        ),
+    ] = False,
     dry_run: Annotated[
-        bool, typer.Option(help="render a sample of rows and show them; enqueue nothing")
+        bool,
+        typer.Option(show_default=False, help="render a sample of rows and show them; enqueue nothing"),
     ] = False,
     wait_for_servers_s: Annotated[
         float | None,
         typer.Option(
-            help="wait this long for the coordinator and, without a context length, for a worker "
-            "to report a server (DATAGEN_WAIT_FOR_SERVERS_S, default 60; 0 = no wait)"
+            help="seconds to wait for the coordinator and, without --context-len, for a worker to "
+            f"report a server (DATAGEN_WAIT_FOR_SERVERS_S, default {DEFAULT_WAIT_FOR_SERVERS_S:g}; "
+            "0 = no wait)"
         ),
     ] = None,
 ) -> None:

@@ -33,6 +33,7 @@ METRICS_MODULES = {
     "coordinator": "service/metrics.py",
     "worker": "workers/metrics.py",
     "simulator": "simulator/metrics.py",
+    "simulator --api vllm": "simulator/vllm_metrics.py",
 }
 # prometheus_client's classes, and the simulator's helpers that wrap them, by the type they declare.
 _METRIC_CALLS = {
@@ -116,6 +117,11 @@ def _command_text(command: Any, ctx: Any, path: str) -> str:
     parts = [f"### {title}", f"```text\n{' '.join(usage)}\n```", _help_paragraphs(command.help or "")]
     if rows:
         parts.append(table(("argument or option", "what it does"), rows))
+    lines = [line.strip() for line in (command.epilog or "").splitlines()]
+    # The epilog's examples (`datagen.cli._app.examples`): its lines after the `\b` marker.
+    examples = [line for line in lines[lines.index("\b") + 1 :] if line] if "\b" in lines else []
+    if examples:
+        parts.append("Examples:\n\n```bash\n" + "\n".join(examples) + "\n```")
     return "\n\n".join(part for part in parts if part)
 
 
