@@ -27,8 +27,9 @@ from pydantic import BaseModel, ConfigDict
 from simulator._protocol import GenerateReqInput, RequestError, ServerBug
 from simulator._service import SimServer
 from simulator.chaos import Chaos
-from simulator.config import SimConfig
+from simulator.config import SimApi, SimConfig
 from simulator.toolcalls import UnsupportedParserError, parse_function_call
+from simulator.vllm_api import create_vllm_app
 
 __all__ = ["SGLANG_VERSION", "create_app"]
 
@@ -78,7 +79,12 @@ class ParseFunctionCallReq(BaseModel):
 
 
 def create_app(config: SimConfig) -> FastAPI:
-    """A FastAPI app simulating one SGLang server; its engine runs inside the app lifespan."""
+    """A FastAPI app simulating one SGLang server; its engine runs inside the app lifespan.
+
+    With ``api="vllm"`` the same engine speaks vLLM's contract instead (``simulator.vllm_api``).
+    """
+    if config.api is SimApi.VLLM:
+        return create_vllm_app(config)
     server = SimServer(config)
 
     @asynccontextmanager

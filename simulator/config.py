@@ -6,6 +6,7 @@ which build it explicitly; nothing is read from the environment.
 
 from __future__ import annotations
 
+from enum import StrEnum
 from typing import Self
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationInfo, field_validator, model_validator
@@ -26,6 +27,7 @@ __all__ = [
     "DEFAULT_PREFILL_S_PER_TOKEN",
     "DEFAULT_SERVED_MODEL_NAME",
     "DEFAULT_WEIGHT_VERSION",
+    "SimApi",
     "SimConfig",
 ]
 
@@ -50,11 +52,19 @@ DEFAULT_WEIGHT_VERSION = "default"  # SGLang's --weight-version default
 DEFAULT_LOG_LEVEL = "warning"
 
 
+class SimApi(StrEnum):
+    """Whose HTTP contract the simulator speaks over its one simulated engine."""
+
+    SGLANG = "sglang"
+    VLLM = "vllm"
+
+
 class SimConfig(BaseModel):
     """Everything one simulated SGLang server needs; unknown keys fail loudly."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
+    api: SimApi = SimApi.SGLANG
     host: str = DEFAULT_HOST
     port: int = Field(default=DEFAULT_PORT, ge=0, le=65535)
     served_model_name: str = DEFAULT_SERVED_MODEL_NAME
@@ -91,6 +101,22 @@ class SimConfig(BaseModel):
         # The three faults share one uniform draw per request, so their bands must fit in [0, 1].
         if self.fail_503_rate + self.fail_500_rate + self.abort_rate > 1.0:
             raise ValueError("fail_503_rate + fail_500_rate + abort_rate must not exceed 1.0")
+        return self
+
+    @model_validator(mode="after")
+    def _check_vllm_options(self) -> Self:
+        if self.api is not SimApi.VLLM:
+            return self
+        # Faults and the warmup window are SGLang's shapes (503 bodies, /health 503); not simulated
+        # for vLLM, whose port opens only once the engine is up.
+        faults = {"fail_503_rate": self.fail_503_rate, "fail_500_rate": self.fail_500_rate}
+        faults |= {"abort_rate": self.abort_rate, "starting_s": self.starting_s}
+        given = sorted(name for name, value in faults.items() if value)
+        if given:
+            raise ValueError(f"{', '.join(given)} not simulated with api=vllm; leave them at 0")
+        if self.context_len > self.max_total_num_tokens:
+            # vLLM refuses to start when one max_model_len sequence does not fit the KV cache.
+            raise ValueError("with api=vllm, context_len must not exceed max_total_num_tokens")
         return self
 
     @field_validator("tool_call_format")

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 
 from simulator.config import SimConfig
-from simulator.metrics import SimMetrics
+from simulator.metrics import EngineMetrics
 from simulator.model import SimOutput
 
 __all__ = ["OOM_MESSAGE", "Engine", "Outcome", "SimRequest"]
@@ -91,7 +91,7 @@ class SimRequest:
 class Engine:
     """Waiting queue, running batch and KV pool of one simulated server."""
 
-    def __init__(self, config: SimConfig, metrics: SimMetrics) -> None:
+    def __init__(self, config: SimConfig, metrics: EngineMetrics) -> None:
         self._config = config
         self._metrics = metrics
         self._capacity = config.max_total_num_tokens
