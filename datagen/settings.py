@@ -16,6 +16,7 @@ from pydantic import Field, SecretStr, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from datagen.errors import ConfigError
+from datagen.states import EngineChoice
 
 __all__ = [
     "CommonSettings",
@@ -139,6 +140,10 @@ class CoordinatorSettings(CommonSettings):
 
 class WorkerSettings(CommonSettings):
     servers: str = Field(default="", description="comma list of NAME=URL or URL")
+    engine: EngineChoice = Field(
+        default=EngineChoice.AUTO,
+        description="sglang, vllm, or auto (asked of each server); a vllm+http:// or sglang+http:// URL wins",
+    )
     short_concurrency: int = Field(default=DEFAULT_SHORT_CONCURRENCY, ge=0, le=10_000)
     long_concurrency: int = Field(default=DEFAULT_LONG_CONCURRENCY, ge=0, le=10_000)
     metrics_port: int = Field(default=DEFAULT_METRICS_PORT, ge=0, le=65535)
@@ -174,7 +179,7 @@ class WorkerSettings(CommonSettings):
         default=True, description="race stragglers on a faster idle server at the end of a run"
     )
     api_key: SecretStr | None = Field(
-        default=None, description="SGLang --api-key, sent as a bearer token to servers without their own"
+        default=None, description="servers' --api-key (SGLang or vLLM), sent to those without their own"
     )
     server_api_keys: SecretStr | None = Field(default=None, description="comma list of NAME=KEY")
     server_api_keys_file: Path | None = Field(default=None, description="file of NAME=KEY lines")

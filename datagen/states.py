@@ -7,6 +7,7 @@ from enum import StrEnum
 
 __all__ = [
     "DedupMode",
+    "EngineChoice",
     "ExportFormat",
     "FinishType",
     "JobState",
@@ -25,6 +26,14 @@ class DedupMode(StrEnum):
     OFF = "off"
     EXACT = "exact"
     NEAR = "near"
+
+
+class EngineChoice(StrEnum):
+    """Which inference engine a worker speaks to a server (``--engine``, ``vllm+http://`` URLs)."""
+
+    AUTO = "auto"  # asked of the server itself when it comes up
+    SGLANG = "sglang"
+    VLLM = "vllm"
 
 
 class ExportFormat(StrEnum):

@@ -1,4 +1,4 @@
-"""The SGLang servers one worker sends to: slots per server and class, state, routing.
+"""The inference servers (SGLang or vLLM) one worker sends to: slots per server and class, state, routing.
 
 A prompt goes to a server with a free slot for its class among those that are up and not paused:
 the fastest by measured speed (seconds per output token of its recent requests), and among
@@ -31,9 +31,9 @@ from urllib.parse import urlsplit
 from pydantic import SecretStr
 
 from datagen.errors import ConfigError
-from datagen.states import PromptClass, ServerState
+from datagen.states import EngineChoice, PromptClass, ServerState
+from workers.engine import Engine
 from workers.metrics import WorkerMetrics
-from workers.sglang import SGLangClient
 
 __all__ = ["Fleet", "Server", "ServerSpec", "with_api_keys"]
 
@@ -54,7 +54,7 @@ SAME_SPEED_FACTOR = 1.15
 @dataclass(eq=False)
 class Server:
     name: str
-    client: SGLangClient
+    client: Engine  # SGLang or vLLM: nothing here asks which
     max_limits: dict[PromptClass, int]
     in_flight: dict[PromptClass, int] = field(default_factory=lambda: dict.fromkeys(PromptClass, 0))
     up: bool = True
@@ -305,24 +305,34 @@ class Fleet:
 class ServerSpec:
     name: str
     url: str
-    # This server's SGLang --api-key; None: the worker's default (DATAGEN_API_KEY).
+    # This server's --api-key; None: the worker's default (DATAGEN_API_KEY).
     api_key: SecretStr | None = field(default=None, repr=False, compare=False)
+    # From a URL such as vllm+http://host:port; auto: the worker's --engine decides.
+    engine: EngineChoice = EngineChoice.AUTO
 
     @classmethod
     def parse(cls, value: str) -> ServerSpec:
-        """``NAME=URL`` or a bare URL, which is named ``host-port``."""
+        """``NAME=URL`` or a bare URL, which is named ``host-port``. The URL's scheme may name the
+        engine, as in ``vllm+http://host:port`` or ``sglang+https://host``."""
         name, sep, url = value.partition("=")
         if not sep:
             url, name = value, ""
         url = url.strip().rstrip("/")
+        engine = EngineChoice.AUTO
+        prefix, plus, rest = url.partition("+")
+        if plus and prefix in (EngineChoice.SGLANG, EngineChoice.VLLM):
+            engine, url = EngineChoice(prefix), rest
         parsed = urlsplit(url)
         if parsed.scheme not in ("http", "https") or not parsed.hostname:
-            raise ValueError(f"server {value!r}: expected NAME=http://host:port or http://host:port")
+            raise ValueError(
+                f"server {value!r}: expected NAME=http://host:port or http://host:port (the scheme may "
+                "name the engine: vllm+http://, sglang+http://)"
+            )
         if not name:
             name = f"{parsed.hostname}-{parsed.port or (443 if parsed.scheme == 'https' else 80)}"
         if not _NAME.match(name):
             raise ValueError(f"server name {name!r}: use letters, digits, '.', '_' or '-'")
-        return cls(name, url)
+        return cls(name, url, engine=engine)
 
     @classmethod
     def parse_many(cls, values: list[str]) -> list[ServerSpec]:

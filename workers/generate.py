@@ -276,7 +276,8 @@ def max_new_tokens(payload: PromptPayload, server: Server) -> int:
     """The prompt's ``max_new_tokens``, capped so that it fits in ``server``'s context."""
     if server.context_len is None:
         return payload.max_new_tokens
-    # SGLang refuses prompt + max_new_tokens that reach the context length, so keep one token clear.
+    # SGLang refuses prompt + max_new_tokens that reach the context length, so keep one token clear;
+    # vLLM would lower max_tokens to fit instead, silently, which this sizing keeps from happening.
     room = server.context_len - len(payload.prompt_ids) - 1
     if room < 1:
         raise FatalError(

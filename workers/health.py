@@ -2,11 +2,15 @@
 
 A probe asks ``/health`` with a timeout. Refused connections and 503 mark the server down at once;
 ``health_timeouts_to_down`` timeouts in a row do too (SGLang's probe runs a one-token generation and
-is slow under load). A server marked down so (unreachable or hung, e.g. SIGSTOPped) has its
-requests in flight abandoned: they are sent elsewhere at once, without charging an attempt, instead
-of waiting for their read timeout. A 503 cancels nothing.
+is slow under load). vLLM's ``/health`` sends no probe request: it is 200 until the engine process
+dies (then 503), so a vLLM scheduler that hangs without dying is not seen here, only by its
+requests' read timeouts (which keep the prompt off that server at its next attempt). A server
+marked down so (unreachable or hung, e.g. SIGSTOPped) has its requests in flight abandoned: they
+are sent elsewhere at once, without charging an attempt, instead of waiting for their read
+timeout. A 503 cancels nothing.
 
-A server that comes up is read and checked first (:mod:`datagen.prompts.preflight`): an unknown
+A server that comes up is read and checked first (:mod:`datagen.prompts.preflight`): which engine
+it runs (:mod:`workers.engine_detect`: neither, or not the forced one, is refused), an unknown
 context length, another model than the fleet's, or a 401/403 (the API key) keeps the worker off it,
 published as ``refused`` with the reason, until a later probe passes.
 """
@@ -92,21 +96,21 @@ class HealthProbe:
         A failed pre-flight check keeps the worker off the server until a later probe passes.
         """
         try:
-            context_len = await server.client.context_len()
-            info = await server.client.model_info()
+            facts = await server.client.facts()
         except ConfigError as exc:  # 401/403: the key is wrong; retrying cannot help until it changes
             await self.fleet.refuse(server, f"{exc}. {API_KEY_HINT.format(name=server.name)}")
             # Nothing was read: the name alone, so that GET /servers shows the refused server.
             self._publish(server, ServerInfo(seen_at_ms=now_ms()), only_if_new=True)
             return False
+        except PreflightError as exc:  # neither engine, or not the engine it was forced to be
+            await self.fleet.refuse(server, str(exc))
+            self._publish(server, ServerInfo(seen_at_ms=now_ms()), only_if_new=True)
+            return False
         except DatagenError as exc:
             log.warning("server %s is healthy but its info is not readable: %s", server.name, exc)
             return False
-        server.context_len = context_len
-        server.model_path, server.weight_version = (
-            _text(info.get("model_path")),
-            _text(info.get("weight_version")),
-        )
+        server.context_len = context_len = facts.context_len
+        server.model_path, server.weight_version = facts.model_path, facts.weight_version
         learnt = ServerInfo(
             context_len=context_len,
             model_path=server.model_path,
@@ -149,9 +153,3 @@ class HealthProbe:
             publish_server(self.redis, self.keys, server.name, info, only_if_new=only_if_new)
         except RedisError as exc:
             log.warning("cannot publish server %s: %s", server.name, exc)
-
-
-def _text(value: object) -> str | None:
-    """A field of SGLang's reply as text: SGLang sends strings, but a reply is not ours to trust,
-    and what is published must decode (:class:`datagen.control.servers.ServerInfo`)."""
-    return None if value is None else str(value)

@@ -25,7 +25,7 @@ from datagen.control.servers import ControllerPhase, ServerControl, read_control
 from datagen.errors import DatagenError
 from datagen.settings import DEFAULT_CONTROLLER_INITIAL_TARGET, DEFAULT_CONTROLLER_SLOW_START_INTERVAL_S
 from workers.fleet import Server
-from workers.kv_policy import KvSignals, decide, parse_kv_signals, restarted
+from workers.kv_policy import KvSignals, decide, restarted
 from workers.metrics import WorkerMetrics
 
 __all__ = ["KvControl"]
@@ -203,13 +203,14 @@ class KvControl:
     async def _read_signals(self) -> KvSignals | None:
         server = self.server
         try:
-            current = parse_kv_signals(await server.client.metrics_text(timeout_s=METRICS_TIMEOUT_S))
+            current = await server.client.kv_signals(timeout_s=METRICS_TIMEOUT_S)
         except (DatagenError, ValueError) as exc:
             self._misses += 1
             if self._misses == METRICS_MISSES_TO_WARN:
                 log.warning(
                     "server %s: no usable /metrics (%s); its in-flight target stays where it is, as if "
-                    "the KV controller were off (start SGLang with --enable-metrics)",
+                    "the KV controller were off (start SGLang with --enable-metrics; vLLM always "
+                    "serves them)",
                     server.name,
                     exc,
                 )

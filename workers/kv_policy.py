@@ -24,19 +24,30 @@ rules take over:
 The queue tolerance is small (one request, or 3 % of those running) and growth is slow because a
 queue of a few requests already keeps a server's batch full: more only parks work there.
 
-It reads the server's ``/metrics`` in either name form (``sglang:`` or ``sglang_``), summing over
-data-parallel ranks. A counter that went down (requests served, retractions) means the server
+It reads the server's ``/metrics`` in either name form (``sglang:`` or ``sglang_``; for vLLM
+``vllm:kv_cache_usage_perc``, ``num_requests_running``, ``num_requests_waiting`` and
+``num_preemptions_total``, a preemption counting as a retraction), summing over data-parallel
+ranks. A counter that went down (requests served, retractions) means the server
 restarted, which starts slow start again.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from prometheus_client.parser import text_string_to_metric_families
 
-__all__ = ["Decision", "KvSignals", "decide", "parse_kv_signals", "restarted"]
+__all__ = [
+    "VLLM_PREFIXES",
+    "VLLM_SIGNALS",
+    "Decision",
+    "KvSignals",
+    "decide",
+    "parse_kv_signals",
+    "restarted",
+]
 
 RETRACTION_BACKOFF = 0.7
 QUEUE_BACKOFF = 0.9
@@ -49,7 +60,8 @@ BINDING_FRACTION = 0.9
 # server's limit parks at most a third of what runs in its queue.
 SLOW_START_GROWTH = 1.5
 
-_SIGNALS = {
+# Metric name (without prefix and ``_total``) -> KvSignals field, per engine.
+SGLANG_SIGNALS = {
     "token_usage": "token_usage",
     "num_queue_reqs": "num_queue_reqs",
     "num_running_reqs": "num_running_reqs",
@@ -57,6 +69,17 @@ _SIGNALS = {
     "max_total_num_tokens": "max_total_num_tokens",
     "num_requests": "requests_total",
 }
+# vLLM's preemption is SGLang's retraction (the request loses its KV blocks and recomputes them
+# later); requests served are summed over ``finished_reason``. vLLM has no KV capacity gauge.
+VLLM_SIGNALS = {
+    "kv_cache_usage_perc": "token_usage",
+    "num_requests_waiting": "num_queue_reqs",
+    "num_requests_running": "num_running_reqs",
+    "num_preemptions": "retracted_total",
+    "request_success": "requests_total",
+}
+SGLANG_PREFIXES = ("sglang:", "sglang_")
+VLLM_PREFIXES = ("vllm:", "vllm_")
 
 
 @dataclass(frozen=True)
@@ -84,19 +107,28 @@ class KvSignals:
         return cls(**{k: v for k, v in values.items() if k in cls.__dataclass_fields__})  # type: ignore[arg-type]
 
 
-def _signal_name(family: str) -> str | None:
-    for prefix in ("sglang:", "sglang_"):
+def _signal_name(family: str, prefixes: tuple[str, ...], signals: Mapping[str, str]) -> str | None:
+    for prefix in prefixes:
         if family.startswith(prefix):
             name = family[len(prefix) :]
-            return _SIGNALS.get(name.removesuffix("_total"))
+            return signals.get(name.removesuffix("_total"))
     return None
 
 
-def parse_kv_signals(text: str) -> KvSignals:
-    """The controller's inputs from a Prometheus text page; absent signals stay None/0."""
+def parse_kv_signals(
+    text: str,
+    *,
+    prefixes: tuple[str, ...] = SGLANG_PREFIXES,
+    signals: Mapping[str, str] = SGLANG_SIGNALS,
+) -> KvSignals:
+    """The controller's inputs from a Prometheus text page; absent signals stay None/0.
+
+    Counts are summed over data-parallel ranks (SGLang's ``dp_rank``, vLLM's ``engine`` label);
+    KV usage, a fraction per rank, is the fullest rank's.
+    """
     values: dict[str, list[float]] = {}
     for family in text_string_to_metric_families(text):
-        field = _signal_name(family.name)
+        field = _signal_name(family.name, prefixes, signals)
         if field is None:
             continue
         for sample in family.samples:

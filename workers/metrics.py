@@ -118,17 +118,26 @@ class WorkerMetrics:
             registry=r,
         )
         self.kv_token_usage = Gauge(
-            "datagen_worker_kv_token_usage", "sglang:token_usage read", ["server"], registry=r
+            "datagen_worker_kv_token_usage",
+            "KV usage read (sglang:token_usage, vllm:kv_cache_usage_perc)",
+            ["server"],
+            registry=r,
         )
         self.server_queue = Gauge(
-            "datagen_worker_server_queue", "sglang:num_queue_reqs read", ["server"], registry=r
+            "datagen_worker_server_queue",
+            "Requests waiting read (sglang:num_queue_reqs, vllm:num_requests_waiting)",
+            ["server"],
+            registry=r,
         )
         self.server_running = Gauge(
-            "datagen_worker_server_running", "sglang:num_running_reqs read", ["server"], registry=r
+            "datagen_worker_server_running",
+            "Requests running read (sglang:num_running_reqs, vllm:num_requests_running)",
+            ["server"],
+            registry=r,
         )
         self.server_retractions = Gauge(
             "datagen_worker_server_retractions",
-            "sglang:num_retracted_requests_total read",
+            "Retractions read (sglang:num_retracted_requests_total, vllm:num_preemptions_total)",
             ["server"],
             registry=r,
         )

@@ -36,10 +36,12 @@ from datagen.errors import ConfigError
 from datagen.prompts.tokenization import preload_libraries
 from datagen.records.storage import Storage
 from datagen.settings import DEFAULT_METRICS_PORT, WorkerSettings
-from datagen.states import PromptClass
+from datagen.states import EngineChoice, PromptClass
 from workers.admission import Admission, Slots
 from workers.backup import Backups
 from workers.conversation import Conversations
+from workers.engine import Engine
+from workers.engine_detect import DetectingEngine, EngineProbe
 from workers.finish import Acks, Finisher
 from workers.fleet import Fleet, Server, ServerSpec
 from workers.fleet_sync import FleetSync
@@ -52,6 +54,7 @@ from workers.prompt import PromptRunner
 from workers.reaper import Reaper
 from workers.rqbridge import QueueIdentity, heartbeat_ttl_s
 from workers.sglang import ClientTimeouts, SGLangClient
+from workers.vllm import VllmClient
 from workers.wake import Wakeups
 from workers.writer import RecordWriter
 
@@ -75,7 +78,7 @@ class Worker:
         install_signal_handlers: bool = True,
     ) -> None:
         if not servers:
-            raise ValueError("give at least one SGLang server (--server NAME=URL)")
+            raise ValueError("give at least one SGLang or vLLM server (--server NAME=URL)")
         self.settings = settings
         self.server_specs = servers
         self.burst = burst
@@ -305,18 +308,26 @@ class Worker:
                 loop.add_signal_handler(sig, self._on_signal)
 
     def _make_server(self, spec: ServerSpec) -> Server:
-        client = SGLangClient(
-            spec.name,
-            spec.url,
-            timeouts=ClientTimeouts(
-                connect_s=self.settings.connect_timeout_s, read_s=self.settings.long_read_timeout_s
-            ),
-            max_connections=self.settings.short_concurrency + self.settings.long_concurrency,
-            api_key=spec.api_key or self.settings.api_key,
-        )
+        settings = self.settings
+        timeouts = ClientTimeouts(connect_s=settings.connect_timeout_s, read_s=settings.long_read_timeout_s)
+        api_key = spec.api_key or settings.api_key
+
+        def build(engine: EngineChoice) -> Engine:
+            client_class = VllmClient if engine is EngineChoice.VLLM else SGLangClient
+            return client_class(
+                spec.name,
+                spec.url,
+                timeouts=timeouts,
+                max_connections=settings.short_concurrency + settings.long_concurrency,
+                api_key=api_key,
+            )
+
+        probe = EngineProbe(spec.name, spec.url, timeouts=timeouts, max_connections=1, api_key=api_key)
+        choice = settings.engine if spec.engine is EngineChoice.AUTO else spec.engine
+        client = DetectingEngine(spec.name, choice=choice, build=build, probe=probe)
         limits = {
-            PromptClass.SHORT: self.settings.short_concurrency,
-            PromptClass.LONG: self.settings.long_concurrency,
+            PromptClass.SHORT: settings.short_concurrency,
+            PromptClass.LONG: settings.long_concurrency,
         }
         return Server(spec.name, client, max_limits=limits, up=False)
 

@@ -32,6 +32,7 @@ from datagen.settings import (
     describe_invalid,
     load,
 )
+from datagen.states import EngineChoice
 
 # Libraries that log every request at INFO; our own one-line-per-prompt log is enough.
 _QUIET_LOGGERS = ("httpx", "rq.worker", "rq.queue")
@@ -138,6 +139,7 @@ def _listener(host: str, port: int, option: str) -> Iterator[socket.socket]:
     epilog=examples(
         "datagen worker --server g0=http://gpu0:30000 --server g1=http://gpu1:30000",
         "datagen worker --server http://127.0.0.1:30000 --burst --metrics-port 0",
+        "datagen worker --server g0=http://gpu0:30000 --server vllm+http://gpu1:8000",
     )
 )
 def worker(
@@ -145,7 +147,15 @@ def worker(
         list[str] | None,
         typer.Option(
             metavar="<[name=]url>",
-            help="SGLang server, NAME=URL or URL; repeatable (DATAGEN_SERVERS, comma-separated)",
+            help="SGLang or vLLM server, NAME=URL or URL; a vllm+http:// or sglang+http:// URL names "
+            "its engine; repeatable (DATAGEN_SERVERS, comma-separated)",
+        ),
+    ] = None,
+    engine: Annotated[
+        EngineChoice | None,
+        typer.Option(
+            help="the servers' engine: sglang, vllm, or auto = ask each server (DATAGEN_ENGINE, "
+            "default auto); a URL's vllm+ or sglang+ prefix wins"
         ),
     ] = None,
     short_concurrency: Annotated[
@@ -176,9 +186,10 @@ def worker(
     redis_url: Annotated[str | None, typer.Option(help=REDIS_URL_HELP)] = None,
     storage: Annotated[str | None, typer.Option(help=STORAGE_HELP)] = None,
 ) -> None:
-    """Run a worker: queued prompts to SGLang, records to storage.
+    """Run a worker: queued prompts to SGLang or vLLM, records to storage.
 
-    It sends the queued prompts to its SGLang servers and stores the records; it waits for Redis
+    It sends the queued prompts to its SGLang or vLLM servers (each server's engine is asked of
+    the server unless --engine or its URL names it) and stores the records; it waits for Redis
     and storage at startup.
     """
     from workers.fleet import ServerSpec, with_api_keys
@@ -186,6 +197,7 @@ def worker(
 
     settings = load(
         WorkerSettings,
+        engine=engine,
         short_concurrency=short_concurrency,
         long_concurrency=long_concurrency,
         metrics_port=metrics_port,
@@ -199,7 +211,9 @@ def worker(
     except ValueError as exc:
         raise ConfigError(str(exc)) from exc
     if not specs:
-        raise ConfigError("no SGLang server given: use --server NAME=URL (repeatable) or DATAGEN_SERVERS")
+        raise ConfigError(
+            "no SGLang or vLLM server given: use --server NAME=URL (repeatable) or DATAGEN_SERVERS"
+        )
     specs = with_api_keys(specs, settings.server_keys())
     _logging(settings.log_level)
     asyncio.run(Worker(settings, specs, burst=burst).main())

@@ -35,11 +35,13 @@ CONVERSATION = [
 ]
 
 
-@pytest.fixture(scope="module")
-def sims(tokenizer_path: str) -> Iterator[list[str]]:
+@pytest.fixture(scope="module", params=["sglang", "vllm"])
+def sims(request: pytest.FixtureRequest, tokenizer_path: str) -> Iterator[list[str]]:
+    """Two servers of one engine: every test here runs on SGLang and on vLLM (the same token
+    model; the worker detects the engine)."""
     with (
-        running_simulator(tokenizer_path=tokenizer_path, time_scale=0.0) as a,
-        running_simulator(tokenizer_path=tokenizer_path, time_scale=0.0) as b,
+        running_simulator(api=request.param, tokenizer_path=tokenizer_path, time_scale=0.0) as a,
+        running_simulator(api=request.param, tokenizer_path=tokenizer_path, time_scale=0.0) as b,
     ):
         yield [a, b]
 

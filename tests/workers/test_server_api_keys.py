@@ -1,4 +1,4 @@
-"""Per-server SGLang API keys: settings, the worker against simulators started with --api-key."""
+"""Per-server API keys: settings, the worker against simulators (SGLang, vLLM) started with --api-key."""
 
 from __future__ import annotations
 
@@ -97,12 +97,14 @@ def _records(storage: Storage, job_id: str) -> list[dict[str, Any]]:
     return [row for batch in storage.iter_record_batches(job_id) for row in batch.to_pylist()]
 
 
+@pytest.mark.parametrize("s1_api", ["sglang", "vllm"])
 async def test_each_server_gets_its_key_and_a_wrong_key_keeps_the_worker_off(
     redis_client: redis.Redis,
     redis_url: str,
     storage: Storage,
     tokenizer_path: str,
     caplog: pytest.LogCaptureFixture,
+    s1_api: str,
 ) -> None:
     caplog.set_level(logging.DEBUG)
     rows = [{"id": f"q{i}", "messages": [{"role": "user", "content": f"Question {i}"}]} for i in range(6)]
@@ -111,7 +113,7 @@ async def test_each_server_gets_its_key_and_a_wrong_key_keeps_the_worker_off(
     )
     with (
         running_simulator(tokenizer_path=tokenizer_path, time_scale=0.0, api_key=KEY_S0) as url0,
-        running_simulator(tokenizer_path=tokenizer_path, time_scale=0.0, api_key=KEY_S1) as url1,
+        running_simulator(api=s1_api, tokenizer_path=tokenizer_path, time_scale=0.0, api_key=KEY_S1) as url1,
     ):
         # s0 has its own key; s1 falls back to the global key, which is not its key.
         settings = fast_worker_settings(

@@ -20,7 +20,7 @@ from datagen.records.storage import Storage
 from datagen.settings import WorkerSettings
 from datagen.spec import JobSpec
 from datagen.states import JobState, PromptClass
-from simulator.model import SpecialIds, expected_output
+from simulator import SpecialIds, expected_output, vllm_expected_output
 from tests.support.ingest import ingest_rows
 from tests.support.sim import running_simulator
 from tests.support.specs import job_spec
@@ -36,6 +36,15 @@ SEED = 7
 def simulator_url(tokenizer_path: str) -> Iterator[str]:
     with running_simulator(tokenizer_path=tokenizer_path, time_scale=0.0, context_len=4096) as url:
         yield url
+
+
+@pytest.fixture(scope="module", params=["sglang", "vllm"])
+def engine_sim(request: pytest.FixtureRequest, tokenizer_path: str) -> Iterator[tuple[str, str]]:
+    """A simulator speaking SGLang or vLLM, and which: the worker detects it."""
+    with running_simulator(
+        api=request.param, tokenizer_path=tokenizer_path, time_scale=0.0, context_len=4096
+    ) as url:
+        yield request.param, url
 
 
 SPEC_DEFAULTS: dict[str, Any] = {
@@ -81,12 +90,18 @@ def _rows(n: int) -> list[dict[str, Any]]:
 
 
 async def test_records_are_prompt_ids_plus_exact_simulated_output(
-    redis_client: redis.Redis, redis_url: str, storage: Storage, simulator_url: str, tokenizer_path: str
+    redis_client: redis.Redis,
+    redis_url: str,
+    storage: Storage,
+    engine_sim: tuple[str, str],
+    tokenizer_path: str,
 ) -> None:
+    api, url = engine_sim
     spec = job_spec(SPEC_DEFAULTS, tokenizer=tokenizer_path)
     rows = _rows(30)
     _ingest(redis_client, storage, "job1", spec, rows)
-    await _run_burst(_settings(redis_url, storage), [simulator_url])
+    worker = await _run_burst(_settings(redis_url, storage), [url])
+    assert worker.fleet.servers[0].client.engine == api
 
     renderer = get_renderer(tokenizer_path, spec.chat_template, False, "{}")
     special = SpecialIds.from_tokenizer(renderer.tokenizer)
@@ -97,10 +112,15 @@ async def test_records_are_prompt_ids_plus_exact_simulated_output(
         record = records[row["id"]]
         prompt_ids = renderer.render(row["messages"])
         max_new = spec.max_new_tokens(spec.classify(len(prompt_ids), None))
-        expected = expected_output(prompt_ids, max_new_tokens=max_new, seed=SEED, special=special)
-        assert record["input_ids"] == prompt_ids + expected.output_ids
+        if api == "vllm":
+            by_vllm = vllm_expected_output(prompt_ids, max_tokens=max_new, seed=SEED, special=special)
+            output_ids, finish = by_vllm.token_ids, str(by_vllm.finish_reason)
+        else:
+            expected = expected_output(prompt_ids, max_new_tokens=max_new, seed=SEED, special=special)
+            output_ids, finish = expected.output_ids, expected.finish_reason["type"]
+        assert record["input_ids"] == prompt_ids + output_ids
         assert record["prompt_len"] == len(prompt_ids)
-        assert record["finish_type"] == expected.finish_reason["type"]
+        assert record["finish_type"] == finish
         assert record["max_new_tokens"] == max_new
         assert record["class"] == ("long" if len(prompt_ids) >= 40 else "short")
         assert record["partition"] == row["partition"]

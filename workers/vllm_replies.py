@@ -1,0 +1,133 @@
+"""vLLM's replies read strictly (``docs/reference/vllm-contract.md``): a ``/v1/completions`` choice's
+``token_ids`` and ``finish_reason``, turned into the record's finish, and error statuses turned into
+the project's errors. Pure functions over what :class:`workers.vllm.VllmClient` received."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+
+import httpx
+
+from datagen.errors import (
+    BadRequestError,
+    ConfigError,
+    DatagenError,
+    GenerationAbortedError,
+    RequestTimeoutError,
+    ServerError,
+    ServerUnavailableError,
+)
+from datagen.states import FinishType
+from workers.sglang_replies import Finish, GenerateResult, error_message, is_int
+
+__all__ = ["abort_error", "parse_completion_response", "status_error"]
+
+logger = logging.getLogger(__name__)
+
+
+def _choice(body: object) -> Mapping[str, object]:
+    if not isinstance(body, dict):
+        raise ServerError(f"expected a JSON object, got {type(body).__name__}")
+    choices = body.get("choices")
+    if not isinstance(choices, list) or len(choices) != 1 or not isinstance(choices[0], dict):
+        count = len(choices) if isinstance(choices, list) else choices
+        raise ServerError(f"expected exactly one choice for one prompt and n=1, got {count!r:.200}")
+    return choices[0]
+
+
+def _token_ids(choice: Mapping[str, object]) -> list[int]:
+    token_ids = choice.get("token_ids")
+    if token_ids is None:
+        raise ServerError(
+            "the choice has no token_ids: vLLM before 0.10.2 ignores return_token_ids. Upgrade vLLM"
+        )
+    if not isinstance(token_ids, list) or not all(is_int(t) for t in token_ids):
+        raise ServerError(f"token_ids must be a list of integers, got {token_ids!r:.200}")
+    return token_ids
+
+
+def _finish(choice: Mapping[str, object], token_ids: list[int], max_tokens: int) -> Finish:
+    reason, stop_reason = choice.get("finish_reason"), choice.get("stop_reason")
+    if reason == "stop":
+        if is_int(stop_reason) or isinstance(stop_reason, str):
+            return Finish(type=FinishType.STOP, matched=stop_reason)
+        if stop_reason is None and token_ids:
+            # vLLM leaves stop_reason null for the tokenizer's EOS, which ends token_ids; it checks
+            # the EOS before the length cap, so an EOS that is the max_tokens-th id lands here too,
+            # where SGLang would say length.
+            return Finish(type=FinishType.STOP, matched=token_ids[-1])
+        raise ServerError(f"finish_reason stop with stop_reason {stop_reason!r} and no token ids")
+    if reason == "length":
+        if len(token_ids) != max_tokens:
+            # vLLM lowers max_tokens to what its context leaves without saying so (0.32 and later);
+            # the worker sizes max_tokens to fit the max_model_len the server reported, so a shorter
+            # output means the server's real limit is not the one it reported.
+            raise ServerError(
+                f"finish_reason length after {len(token_ids)} tokens, but max_tokens was {max_tokens}: "
+                "the server lowered it (its context is shorter than the max_model_len it reported?). "
+                "Check the server's --max-model-len; the prompt is retried elsewhere"
+            )
+        return Finish(type=FinishType.LENGTH, length=max_tokens)
+    if reason == "abort":
+        return Finish(type=FinishType.ABORT, message="aborted by the server")
+    raise ServerError(f"unexpected finish_reason {reason!r} (stop_reason {stop_reason!r})")
+
+
+def parse_completion_response(body: object, *, rid: str, max_tokens: int) -> GenerateResult:
+    """Validate a non-streaming one-prompt ``/v1/completions`` reply; raise ServerError if unusable.
+
+    An ``abort`` finish is returned, not raised: the caller decides. ``max_tokens`` is what the
+    request asked for, to catch vLLM's silent lowering.
+    """
+    choice = _choice(body)
+    token_ids = _token_ids(choice)
+    finish = _finish(choice, token_ids, max_tokens)
+    assert isinstance(body, dict)  # _choice checked it
+    usage = body.get("usage")
+    usage = usage if isinstance(usage, dict) else {}
+    prompt_tokens = usage.get("prompt_tokens")
+    details = usage.get("prompt_tokens_details")
+    cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    return GenerateResult(
+        rid=rid,
+        output_ids=token_ids,
+        finish=finish,
+        prompt_tokens=prompt_tokens if is_int(prompt_tokens) else None,
+        completion_tokens=len(token_ids),
+        # Only with --enable-prompt-tokens-details; vLLM reports neither latency nor preemptions
+        # per request (vllm:num_preemptions_total counts them for the KV controller).
+        cached_tokens=cached if is_int(cached) else 0,
+        e2e_latency_s=None,
+        num_retractions=0,
+        weight_version=None,
+    )
+
+
+def status_error(response: httpx.Response, *, server: str, what: str) -> DatagenError:
+    """vLLM's statuses as the project's errors; the message is vLLM's ``error.message``."""
+    status = response.status_code
+    said = f"{what} on vLLM server {server} got HTTP {status}: {error_message(response)}"
+    if status in (401, 403):
+        return ConfigError(f"{said}. The server wants an API key: set the one it was started with --api-key")
+    if status == 404:
+        return ServerError(
+            f"{said}. The URL is probably not a vLLM server, or it serves another model now; check "
+            "the server's base URL"
+        )
+    if status == 408:
+        return RequestTimeoutError(f"{said}. Retry")
+    if status in (429, 503):
+        return ServerUnavailableError(f"{said}. The server is busy, starting or shutting down; retry later")
+    if status >= 500:
+        return ServerError(f"{said}. Retry; if it repeats, read the server's log")
+    if 400 <= status < 500:
+        return BadRequestError(f"{said}. The request must change; retrying it cannot succeed")
+    return ServerError(f"{said}. Unexpected status for this endpoint")
+
+
+def abort_error(result: GenerateResult, *, server: str) -> DatagenError:
+    return GenerationAbortedError(
+        f"vLLM server {server} aborted request {result.rid!r} after {len(result.output_ids)} tokens "
+        "(finish_reason abort). Retry, here or on another server"
+    )
