@@ -31,16 +31,17 @@ Each worker starts fresh for its variant and first runs one warm-up job of ``WAR
 prompts through the same command, so it has loaded its tokenizer, opened its connections and gone
 idle (the coordinator too). Each datagen variant runs ``--repeats`` times; its time is the best.
 
-The breakdown comes from a thread that reads the simulator's ``sglang:num_running_reqs +
-sglang:num_queue_reqs`` every ``--poll-ms`` throughout (so it loads every variant alike), and
-from the job's own timestamps (``GET /jobs/{id}``, wall-clock ms): ``start`` the child process's
-start; ``created`` the job's ``created_at_ms`` (the coordinator stored the upload and created
-the job; ingestion starts then); ``first req`` the first poll that found a request at the
-server; ``last done`` the first poll that found the server empty for good after that;
-``completed`` the job's ``finished_at_ms`` (the ack of the last record, after its shard was
-committed); ``exit`` the child's exit. The baseline has no job: its ``start -> first req`` is
-the interpreter, ``import httpx`` and loading the ids, its ``last done -> exit`` writing the
-outputs and exiting.
+The breakdown comes from the clients' own clocks and the job's timestamps (wall-clock ms):
+``start`` the child process's start; ``created`` the job's ``created_at_ms`` (``GET /jobs/{id}``:
+the coordinator stored the upload and created the job; ingestion starts then); ``first req`` the
+first request sent (the records' earliest ``started_at_ms``; the baseline's earliest send);
+``last done`` the last answer received (the records' latest ``finished_at_ms``; the baseline's
+latest answer); ``completed`` the job's ``finished_at_ms`` (the ack of the last record, after its
+shard was committed); ``exit`` the child's exit. The baseline has no job: its ``start -> first
+req`` is the interpreter, ``import httpx`` and loading the ids, its ``last done -> exit`` writing
+the outputs and exiting. Nothing polls the simulator: its scheduler shares one event loop with its
+HTTP server, so a ``/metrics`` poll every 10 ms (how this benchmark read the server first) took a
+quarter of its CPU and stretched its decode steps (py-spy on the simulator, 2026-12-02).
 
 Printed: each run's intervals in seconds, whole-run wall and tok/s; then ``whole x`` (baseline
 whole ÷ ours; issue 25's target ≥ 0.95) and ``steady x`` (throughput while prompts remain: the
@@ -48,7 +49,7 @@ output tokens of the prompts completing between the 5th and 95th percentile of c
 over that span, from the records' ``finished_at_ms`` and the baseline's answer times).
 
 Run: ``python bench/e2e.py [--n 600] [--repeats 1] [--sweep 16,32,64,128,256] [--plain-c C]
-[--limit C] [--time-scale 0.05] [--kv-tokens 16384] [--reserve-fraction 0.1] [--poll-ms 10]``
+[--limit C] [--time-scale 0.05] [--kv-tokens 16384] [--reserve-fraction 0.1] [--logs DIR]``
 (about four minutes on two cores with the defaults). Run it with this checkout first on
 ``sys.path`` (``PYTHONPATH=.``) when the installed ``datagen`` is another checkout: the child
 processes run ``python -m datagen`` from the repository root.
@@ -60,18 +61,16 @@ import argparse
 import itertools
 import json
 import os
-import re
 import resource
+import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import httpx
 from _common import offline_hub, short_rows, sweep_spec, write_jsonl
 from _load import percentile, render
 
@@ -94,7 +93,6 @@ from datagen.prompts.tokenization import bundled_tokenizer_path
 from datagen.records.storage import Storage
 from datagen.states import JobState
 
-DEFAULT_POLL_MS = 10.0
 SERVER = "sim"
 NAMESPACE = "e2e"
 TARGET_RATIO = 0.95
@@ -102,8 +100,6 @@ STEADY_FROM_PCT = 5
 STEADY_TO_PCT = 95
 WARMUP_ROWS = 32
 RUN_TIMEOUT_S = 600.0
-METRICS_TIMEOUT_S = 2.0
-_GAUGE = re.compile(r"^sglang:num_(?:queue|running)_reqs\{[^}]*\}\s+(\S+)$", re.MULTILINE)
 
 # The baseline, as a careful user writes it: ids rendered once beforehand, one pooled client, all
 # prompts gathered under a semaphore, the outputs saved. Its only extra is the answer times on stdout.
@@ -116,12 +112,13 @@ async def main(url, prompts_path, out_path, concurrency):
         job = json.load(fh)
     prompts, params = job["input_ids"], job["sampling_params"]
     semaphore = asyncio.Semaphore(concurrency)
-    outputs, done_at = [None] * len(prompts), [0.0] * len(prompts)
+    outputs, sent_at, done_at = [None] * len(prompts), [0.0] * len(prompts), [0.0] * len(prompts)
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=None)
     async with httpx.AsyncClient(limits=limits, timeout=None) as client:
         async def one(i):
             async with semaphore:
                 body = {"input_ids": prompts[i], "sampling_params": params, "rid": f"plain-{i}"}
+                sent_at[i] = time.time()
                 response = await client.post(f"{url}/generate", json=body)
                 response.raise_for_status()
                 outputs[i] = response.json()["output_ids"]
@@ -130,51 +127,10 @@ async def main(url, prompts_path, out_path, concurrency):
     with open(out_path, "w") as fh:
         for i, ids in enumerate(outputs):
             fh.write(json.dumps({"index": i, "output_ids": ids}) + "\\n")
-    json.dump({"lengths": [len(o) for o in outputs], "done_at": done_at}, sys.stdout)
+    json.dump({"lengths": [len(o) for o in outputs], "sent_at": sent_at, "done_at": done_at}, sys.stdout)
 
 asyncio.run(main(sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])))
 """
-
-
-class GaugeWatch:
-    """Reads the simulator's running + queued requests every ``poll_s`` in a thread, all along;
-    ``samples`` holds (``time.time()``, requests at the server)."""
-
-    def __init__(self, sim_url: str, poll_s: float) -> None:
-        self.url = f"{sim_url}/metrics"
-        self.poll_s = poll_s
-        self.samples: list[tuple[float, float]] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="gauge-watch", daemon=True)
-
-    def __enter__(self) -> GaugeWatch:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join(timeout=5)
-
-    def _run(self) -> None:
-        with httpx.Client(timeout=METRICS_TIMEOUT_S) as client:
-            while not self._stop.is_set():
-                try:
-                    text = client.get(self.url).text
-                except httpx.HTTPError:
-                    self._stop.wait(self.poll_s)
-                    continue
-                self.samples.append((time.time(), sum(float(v) for v in _GAUGE.findall(text))))
-                self._stop.wait(self.poll_s)
-
-    def busy_span(self, since: float, until: float) -> tuple[float, float]:
-        """The first sample in [since, until] with a request at the server, and the first empty
-        sample after the last busy one (NaN when the window saw no request)."""
-        window = [(t, n) for t, n in self.samples if since <= t <= until]
-        busy = [i for i, (_, n) in enumerate(window) if n > 0]
-        if not busy:
-            return float("nan"), float("nan")
-        after = busy[-1] + 1
-        return window[busy[0]][0], window[after][0] if after < len(window) else until
 
 
 def cpu_s(pid: int) -> float:
@@ -240,14 +196,13 @@ class Run:
 
 @dataclass
 class Stack:
-    """What the runs need: the child processes, the URLs, the files, the gauge watch."""
+    """What the runs need: the child processes, the URLs, the files."""
 
     tmp: Path
     env: dict[str, str]
     processes: ChildProcesses
     sim_url: str
     coordinator: str
-    watch: GaugeWatch
     args: argparse.Namespace
 
 
@@ -272,7 +227,7 @@ def run_plain(stack: Stack, concurrency: int) -> Run:
     if done.returncode != 0:
         raise SystemExit(f"the plain client failed:\n{done.stderr[-3000:]}")
     report = json.loads(done.stdout)
-    first_req, last_done = stack.watch.busy_span(start, exit_)
+    first_req, last_done = min(report["sent_at"]), max(report["done_at"])
     completions = list(zip(report["done_at"], report["lengths"], strict=True))
     return Run(
         f"plain c={concurrency}",
@@ -320,11 +275,14 @@ def run_ours(stack: Stack, label: str) -> Run:
     storage = Storage(stack.tmp / "data")
     records = [
         row
-        for batch in storage.iter_record_batches(job_id, columns=["output_len", "finished_at_ms"])
+        for batch in storage.iter_record_batches(
+            job_id, columns=["output_len", "started_at_ms", "finished_at_ms"]
+        )
         for row in batch.to_pylist()
     ]
     completions = [(r["finished_at_ms"] / 1000, r["output_len"]) for r in records]
-    first_req, last_done = stack.watch.busy_span(start, exit_)
+    first_req = min(r["started_at_ms"] for r in records) / 1000
+    last_done = max(r["finished_at_ms"] for r in records) / 1000
     return Run(
         label,
         start,
@@ -401,8 +359,7 @@ def report(plain: list[Run], after: list[Run], ours: list[list[Run]], args: argp
     steady_base = max(r.steady_tokens_per_s for r in [*plain, *after])
     print(
         f"\ne2e: N={args.n} prompts, time_scale={args.time_scale}, kv_tokens={args.kv_tokens}, "
-        f"reserve_fraction={args.reserve_fraction}, max_new_tokens={args.max_new_tokens}; "
-        f"gauges polled every {args.poll_ms:g} ms"
+        f"reserve_fraction={args.reserve_fraction}, max_new_tokens={args.max_new_tokens}"
     )
     print("  baseline: a python -c script loading pre-rendered input_ids (no tokenization), writing outputs")
     print("  ours: python -m datagen submit DATASET --spec SPEC --coordinator URL --wait (warm fleet)")
@@ -463,11 +420,14 @@ def run(args: argparse.Namespace) -> None:
             processes.spawn("coordinator", "coordinator", "--port", str(coord_port))
             processes.wait_http(f"{sim_url}/health")
             processes.wait_http(f"{coordinator}/healthz")
-            with GaugeWatch(sim_url, args.poll_ms / 1000) as watch:
-                stack = Stack(tmp, env, processes, sim_url, coordinator, watch, args)
-                plain, after, ours = measure(stack)
+            stack = Stack(tmp, env, processes, sim_url, coordinator, args)
+            plain, after, ours = measure(stack)
         finally:
             processes.stop()
+            if args.logs is not None:
+                args.logs.mkdir(parents=True, exist_ok=True)
+                for log in tmp.glob("*.log"):
+                    shutil.copy(log, args.logs / log.name)
     report(plain, after, ours, args)
 
 
@@ -484,7 +444,7 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS)
     parser.add_argument("--start-limit", type=int, default=DEFAULT_START_LIMIT, help="the controller's start")
     parser.add_argument("--controller-interval-s", type=float, default=DEFAULT_CONTROLLER_INTERVAL_S)
-    parser.add_argument("--poll-ms", type=float, default=DEFAULT_POLL_MS, help="gauge poll interval")
+    parser.add_argument("--logs", type=Path, help="copy the child processes' logs to this directory")
     args = parser.parse_args()
     if args.repeats < 1:
         parser.error("--repeats must be at least 1")
