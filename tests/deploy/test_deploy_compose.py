@@ -14,6 +14,7 @@ import re
 import shutil
 import subprocess
 import sys
+from fnmatch import fnmatch
 from pathlib import Path
 from typing import Any
 
@@ -209,11 +210,26 @@ def test_sglang_targets_carry_the_workers_server_names() -> None:
     assert {t: labels["server"] for t, labels in targets} == by_address
 
 
+def test_every_file_sd_glob_has_an_example_and_server_targets_name_their_server() -> None:
+    """One deploy/targets/*.yml.example per scrape job's glob; an inference server's entries
+    (sglang-*.yml, vllm-*.yml) carry the `server` label its worker uses."""
+    config = yaml.safe_load(PROMETHEUS_CONFIG.read_text())
+    examples = {path.stem: path for path in (DEPLOY / "targets").glob("*.yml.example")}
+    for job in config["scrape_configs"]:
+        for sd in job.get("file_sd_configs", []):
+            for pattern in sd["files"]:
+                matching = [path for name, path in examples.items() if fnmatch(name, Path(pattern).name)]
+                assert matching, f"{job['job_name']}: no example for {pattern}"
+                for example in matching if job["job_name"] in ("sglang", "vllm") else []:
+                    groups = yaml.safe_load(example.read_text())
+                    assert all(group["labels"]["server"] for group in groups), example.name
+
+
 def test_prometheus_scrapes_every_5_s_and_keeps_the_job_label() -> None:
     config = yaml.safe_load(PROMETHEUS_CONFIG.read_text())
     assert config["global"]["scrape_interval"] == "5s"
     jobs = {job["job_name"]: job for job in config["scrape_configs"]}
-    assert set(jobs) == {"datagen-coordinator", "datagen-workers", "sglang"}
+    assert set(jobs) == {"datagen-coordinator", "datagen-workers", "sglang", "vllm"}
     assert jobs["datagen-coordinator"].get("honor_labels") is True
 
 

@@ -12,12 +12,14 @@ import yaml
 from tests.support.deploy import (
     BUILTIN_VARIABLES,
     COMPOSE_FILE,
+    ENGINE_PREFIXES,
     GRAFANA_PROVISIONING,
     iter_panels,
     load_dashboards,
     panel_queries,
     parse_label_values,
     queryable_datagen_names,
+    queryable_engine_series,
     used_variables,
     variable_query,
     variables,
@@ -26,21 +28,30 @@ from tests.support.deploy import variables as board_variables
 
 DASHBOARDS = load_dashboards()
 EXPECTED_BOARDS = {"fleet.json", "kv.json", "job.json"}
-# Metric names a query may use besides the pinned datagen_* ones.
-SGLANG_NAMES = {
-    "token_usage",
-    "num_used_tokens",
-    "max_total_num_tokens",
-    "context_len",
-    "num_running_reqs",
-    "num_queue_reqs",
-    "num_retracted_requests_total",
-    "generation_tokens_total",
-    "num_requests_total",
-    "gen_throughput",
-    "queue_time_seconds_bucket",
-    "queue_time_seconds_count",
+# The vLLM counterpart of each SGLang name a panel reads (docs/reference/vllm-contract.md, section 8).
+# A panel matches both, so one query shows either engine's servers.
+VLLM_EQUIVALENT = {
+    "token_usage": "kv_cache_usage_perc",
+    "num_running_reqs": "num_requests_running",
+    "num_queue_reqs": "num_requests_waiting",
+    "num_retracted_requests_total": "num_preemptions_total",
+    "generation_tokens_total": "generation_tokens_total",
+    "num_requests_total": "request_success_total",
+    "queue_time_seconds_bucket": "request_queue_time_seconds_bucket",
+    "queue_time_seconds_count": "request_queue_time_seconds_count",
 }
+# SGLang names vLLM has nothing like: their panels say so in their description.
+SGLANG_ONLY = {"num_used_tokens", "max_total_num_tokens", "context_len", "gen_throughput"}
+# A server with several data-parallel ranks (SGLang) or engines (vLLM) reports a series for each.
+# KV usage is a fraction and the capacities are per rank: a server's value is the highest, not the sum.
+TAKE_THE_MAX = {
+    "sglang:token_usage",
+    "vllm:kv_cache_usage_perc",
+    "sglang:max_total_num_tokens",
+    "sglang:context_len",
+}
+# Labels Prometheus adds to every scraped series (the `server` label comes from the scrape config).
+TARGET_LABELS = {"server", "instance", "job"}
 PROMETHEUS_NAMES = {"up"}
 PROMQL_WORDS = {
     "sum", "max", "min", "avg", "count", "by", "on", "and", "or", "unless", "without", "ignoring",
@@ -171,17 +182,74 @@ def _metric_names(expr: str) -> set[str]:
     return names - labels - grouping - PROMQL_WORDS - numbers - {"__name__"}
 
 
+def _engine_names(expr: str) -> list[str]:
+    """The series names (``sglang:…``, ``vllm:…``) that ``{__name__=~"…"}`` matchers in ``expr`` read."""
+    names = []
+    for regex in re.findall(r'__name__=~"([^"]+)"', expr):
+        for alternative in regex.split("|"):
+            prefix, both_forms, rest = alternative.partition("[:_]")
+            assert prefix in ENGINE_PREFIXES and both_forms, f"match both name forms: {alternative} in {expr}"
+            names.append(f"{prefix}:{rest}")
+    return names
+
+
+def _labels(expr: str) -> set[str]:
+    without_strings = re.sub(r'"(?:[^"\\]|\\.)*"', '""', expr)
+    matched = set(re.findall(r"([a-zA-Z_]\w*)\s*(?:=~|!=|!~|=)", without_strings))
+    groups = re.findall(r"\b(?:by|on|without|ignoring)\s*\(([^)]*)\)", expr)
+    return (matched | {word for group in groups for word in re.findall(r"\w+", group)}) - {"__name__"}
+
+
 def test_every_metric_queried_exists() -> None:
     """Names are pinned by test_deploy_metric_names.py, so a rename cannot leave a panel empty."""
     known = queryable_datagen_names() | PROMETHEUS_NAMES
+    engine_series = queryable_engine_series()
+    for name, dashboard in DASHBOARDS.items():
+        exprs = [(q.key, q.expr) for q in panel_queries(name, dashboard)]
+        for var_name, var in variables(dashboard).items():
+            if var["type"] == "query":
+                exprs.append((f"{name} / ${var_name}", parse_label_values(variable_query(var))[0] or ""))
+        for key, expr in exprs:
+            for metric in _metric_names(expr):
+                assert metric in known, f"{key}: unknown metric {metric}"
+            for series in _engine_names(expr):
+                assert series in engine_series, f"{key}: unknown metric {series}"
+                kind, labels = engine_series[series]
+                extra = _labels(expr) - labels - TARGET_LABELS - ({"le"} if kind == "histogram" else set())
+                assert not extra, f"{key}: {series} has no labels {extra}"
+            bare = re.sub(r"(?:sglang|vllm)\[:_\]", "", expr)
+            assert "sglang:" not in bare and "vllm:" not in bare, f"{key}: one name form only"
+
+
+def test_engine_queries_cover_sglang_and_vllm() -> None:
+    """Each SGLang name a query reads comes with its vLLM counterpart, or the panel says vLLM has none."""
+    for name, dashboard in DASHBOARDS.items():
+        for panel in iter_panels(dashboard):
+            for target in panel.get("targets", []):
+                names = _engine_names(target["expr"])
+                sglang = {n.removeprefix("sglang:") for n in names if n.startswith("sglang:")}
+                vllm = {n.removeprefix("vllm:") for n in names if n.startswith("vllm:")}
+                key = f"{name} / {panel['title']} / {target['refId']}"
+                assert sglang <= set(VLLM_EQUIVALENT) | SGLANG_ONLY, f"{key}: decide {sglang - SGLANG_ONLY}"
+                assert vllm == {VLLM_EQUIVALENT[n] for n in sglang - SGLANG_ONLY}, key
+                if sglang & SGLANG_ONLY:
+                    assert "vLLM" in panel["description"], (
+                        f"{key}: say that vLLM has no {sglang & SGLANG_ONLY}"
+                    )
+                elif names:
+                    assert "vllm:" in panel["description"], f"{key}: name the vLLM metric"
+
+
+def test_engine_fractions_take_the_max_and_counts_the_sum() -> None:
+    aggregated = re.compile(r'(\w+) by \(([^)]*)\) \((?:rate\()?\{__name__=~"([^"]+)"')
     for name, dashboard in DASHBOARDS.items():
         for query in panel_queries(name, dashboard):
-            for metric in _metric_names(query.expr):
-                assert metric in known, f"{query.key}: unknown metric {metric}"
-            for regex in re.findall(r'__name__=~"([^"]+)"', query.expr):
-                assert regex.startswith("sglang[:_]"), f"{query.key}: match both name forms: {regex}"
-                assert regex.removeprefix("sglang[:_]") in SGLANG_NAMES, query.key
-            assert "sglang:" not in query.expr.replace("sglang[:_]", ""), f"{query.key}: one name form only"
+            found = aggregated.findall(query.expr)
+            assert len(found) == query.expr.count("__name__"), f"{query.key}: aggregate by server"
+            for op, grouping, regex in found:
+                assert "server" in grouping, query.key
+                names = set(_engine_names(f'__name__=~"{regex}"'))
+                assert op == ("max" if names <= TAKE_THE_MAX else "sum"), query.key
 
 
 def test_dashboards_are_provisioned_from_the_mounted_directory() -> None:

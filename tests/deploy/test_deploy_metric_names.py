@@ -1,7 +1,8 @@
 """Metric names and label sets are pinned, so the dashboards cannot drift from the code silently.
 
-The expected table (tests/support/deploy.py, EXPECTED_METRICS) is written by hand. A change to a metric's
-name or labels must change that table and, with it, the dashboards that query the metric.
+The expected tables (tests/support/deploy.py: EXPECTED_METRICS, and the engines' EXPECTED_SGLANG and
+EXPECTED_VLLM) are written by hand. A change to a metric's name or labels must change its table and,
+with it, the dashboards that query the metric.
 """
 
 from __future__ import annotations
@@ -16,32 +17,11 @@ from datagen.spec import JobSpec
 from service.fleetview import FleetView
 from service.metrics import CoordinatorMetrics
 from simulator.metrics import SimMetrics
-from tests.support.deploy import EXPECTED_METRICS
+from simulator.vllm_metrics import VllmMetrics
+from tests.support.deploy import EXPECTED_METRICS, EXPECTED_SGLANG, EXPECTED_VLLM
 from workers.metrics import WorkerMetrics
 
 Family = tuple[str, frozenset[str]]
-
-# What the dashboards read from the simulator (SGLang's names and labels, simulator/metrics.py).
-SCHEDULER_LABELS = frozenset({"model_name", "engine_type", "tp_rank", "pp_rank", "moe_ep_rank"})
-TOKENIZER_LABELS = frozenset({"model_name", "engine_type"})
-EXPECTED_SGLANG: dict[str, Family] = {
-    "sglang:token_usage": ("gauge", SCHEDULER_LABELS),
-    "sglang:num_used_tokens": ("gauge", SCHEDULER_LABELS),
-    "sglang:max_total_num_tokens": ("gauge", SCHEDULER_LABELS),
-    "sglang:num_running_reqs": ("gauge", SCHEDULER_LABELS),
-    "sglang:num_queue_reqs": ("gauge", SCHEDULER_LABELS),
-    "sglang:gen_throughput": ("gauge", SCHEDULER_LABELS),
-    "sglang:context_len": ("gauge", SCHEDULER_LABELS),
-    "sglang:num_retracted_requests": ("counter", SCHEDULER_LABELS),
-    "sglang:queue_time_seconds": ("histogram", SCHEDULER_LABELS),
-    "sglang:prompt_tokens": ("counter", TOKENIZER_LABELS),
-    "sglang:generation_tokens": ("counter", TOKENIZER_LABELS),
-    "sglang:num_requests": ("counter", TOKENIZER_LABELS),
-    "sglang:num_aborted_requests": ("counter", TOKENIZER_LABELS),
-    "sglang:e2e_request_latency_seconds": ("histogram", TOKENIZER_LABELS),
-    "sglang:time_to_first_token_seconds": ("histogram", TOKENIZER_LABELS),
-    "sglang:inter_token_latency_seconds": ("histogram", TOKENIZER_LABELS),
-}
 
 
 def _families(registry: CollectorRegistry) -> dict[str, Family]:
@@ -101,3 +81,8 @@ def test_coordinator_metrics_are_pinned(redis_client: redis.Redis) -> None:
 
 def test_simulator_metrics_match_sglang_names() -> None:
     assert _families(SimMetrics("sim/model").registry) == EXPECTED_SGLANG
+
+
+def test_vllm_simulator_metrics_match_vllm_names() -> None:
+    """vLLM's names and labels (docs/reference/vllm-contract.md, section 8), as the simulator serves them."""
+    assert _families(VllmMetrics("sim/model").registry) == EXPECTED_VLLM

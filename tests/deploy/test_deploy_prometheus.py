@@ -1,15 +1,18 @@
 """Every dashboard query against a real Prometheus scraping a running job.
 
-A coordinator, a worker and two simulators run as processes; Prometheus (Debian's binary) scrapes
-them every second with deploy/prometheus.yml's scrape jobs pointed at them. The second simulator
-is scraped with a relabel rule that stores its series as ``sglang_…``, so the KV dashboard has to
-match both name forms. Faults are planted so the error panels have something to show: 503s and
-500s on one simulator (the worker gives a prompt one attempt, so 500s fail prompts), a small KV
-pool with a low admission reserve on the other (retractions), and a ``max_new_tokens`` small enough
-to truncate generations.
+A coordinator, a worker and three simulators run as processes; Prometheus (Debian's binary) scrapes
+them every second with deploy/prometheus.yml's scrape jobs pointed at them. Two simulators speak
+SGLang; the second is scraped with a relabel rule that stores its series as ``sglang_…``, so the
+KV dashboard has to match both name forms. The third speaks vLLM (``datagen sim --api vllm``),
+scraped by the ``vllm`` job as simC and once more, as simC-underscore, stored as ``vllm_…``.
+Faults are planted so the error panels have something to show: 503s and 500s on one simulator (the
+worker gives a prompt one attempt, so 500s fail prompts), a small KV pool with a low admission
+reserve on the second (retractions) and a small KV pool on the vLLM one (preemptions), and a
+``max_new_tokens`` small enough to truncate generations.
 
 While the job runs, every query of every panel, with its variables filled in from Prometheus's
-label values, must answer, with finite values; rate panels must show something above zero.
+label values, must answer, with finite values; rate panels must show something above zero. A
+query reading vLLM's names must answer for the vLLM server too, rate queries above zero there.
 """
 
 from __future__ import annotations
@@ -54,6 +57,12 @@ SHORT_MAX_NEW = 200  # below the simulator's typical output length: many records
 LONG_MAX_NEW = 400
 TIME_SCALE = "0.3"
 KV_TOKENS = "3000"  # about fifteen running requests before decode overflows the pool
+VLLM_CONTEXT_LEN = "2048"  # vLLM's simulator wants the context to fit its KV pool
+VLLM_SERVERS = ("simC", "simC-underscore")  # one vLLM simulator, stored in both name forms
+# The servers a query reading an engine's names must show (rate queries: above zero), so that one
+# engine's data cannot stand in for the other's: simB (SGLang, small KV pool, stored as sglang_…)
+# and the vLLM simulator.
+MUST_SHOW = {"sglang[:_]": ("simB",), "vllm[:_]": VLLM_SERVERS}
 JOB_BUDGET_S = 100
 MIN_ROUNDS = 3
 # Panels counting events this test does not cause: they must answer, but may answer zero.
@@ -63,12 +72,15 @@ MAY_STAY_ZERO = {
     "Conversations stopped before their last turn": "no multi-turn all job runs here "
     "(tests/workers/test_conversation_tools.py)",
 }
-UNDERSCORE_RELABEL = {
-    "source_labels": ["__name__"],
-    "regex": "sglang:(.*)",
-    "target_label": "__name__",
-    "replacement": "sglang_$1",
-}
+
+
+def _underscore_relabel(engine: str) -> dict[str, Any]:
+    return {
+        "source_labels": ["__name__"],
+        "regex": f"{engine}:(.*)",
+        "target_label": "__name__",
+        "replacement": f"{engine}_$1",
+    }
 
 
 @dataclass
@@ -78,6 +90,8 @@ class Seen:
     positive: bool = False
     not_finite: list[str] = field(default_factory=list)
     last_expr: str = ""
+    # server label -> whether a sample above zero was seen for it
+    servers: dict[str, bool] = field(default_factory=dict)
 
 
 @dataclass
@@ -93,7 +107,7 @@ class Observed:
     rules: list[dict[str, Any]]
 
 
-def _config(coordinator: str, worker: str, sim_a: str, sim_b: str) -> dict[str, Any]:
+def _config(coordinator: str, worker: str, sim_a: str, sim_b: str, sim_c: str) -> dict[str, Any]:
     """deploy/prometheus.yml with its targets pointed at this test's processes."""
     config = yaml.safe_load(PROMETHEUS_CONFIG.read_text())
     config["global"].update(
@@ -111,9 +125,17 @@ def _config(coordinator: str, worker: str, sim_a: str, sim_b: str) -> dict[str, 
     underscore.update(
         job_name="sglang-underscore-names",
         static_configs=[{"targets": [sim_b], "labels": {"server": "simB"}}],
-        metric_relabel_configs=[UNDERSCORE_RELABEL],
+        metric_relabel_configs=[_underscore_relabel("sglang")],
     )
-    config["scrape_configs"].append(underscore)
+    vllm_colon, vllm_underscore = VLLM_SERVERS
+    jobs["vllm"]["static_configs"] = [{"targets": [sim_c], "labels": {"server": vllm_colon}}]
+    vllm = copy.deepcopy(jobs["vllm"])
+    vllm.update(
+        job_name="vllm-underscore-names",
+        static_configs=[{"targets": [sim_c], "labels": {"server": vllm_underscore}}],
+        metric_relabel_configs=[_underscore_relabel("vllm")],
+    )
+    config["scrape_configs"] += [underscore, vllm]
     return config
 
 
@@ -164,16 +186,31 @@ def _observe_round(
             if not math.isfinite(value):
                 state.not_finite.append(f"{sample['metric']} = {value}")
             state.positive |= value > 0
+            server = sample["metric"].get("server", "")
+            state.servers[server] = state.servers.get(server, False) or value > 0
+
+
+def _reads_vllm(query: PanelQuery) -> bool:
+    return "vllm[:_]" in query.expr
+
+
+def _must_show(query: PanelQuery) -> list[str]:
+    return [server for marker, servers in MUST_SHOW.items() if marker in query.expr for server in servers]
 
 
 def _satisfied(query: PanelQuery, state: Seen) -> bool:
     needs_positive = ("rate(" in query.expr or "increase(" in query.expr) and query.title not in MAY_STAY_ZERO
-    return state.answered > 0 and (state.positive or not needs_positive)
+    shown = all(
+        server in state.servers and (state.servers[server] or not needs_positive)
+        for server in _must_show(query)
+    )
+    return shown and state.answered > 0 and (state.positive or not needs_positive)
 
 
 def _planted(prom: Prometheus) -> dict[str, float]:
     checks = {
         "retractions, underscore form": 'sum(sglang_num_retracted_requests_total{server="simB"})',
+        "preemptions, vLLM": 'sum(vllm:num_preemptions_total{server="simC"})',
         "503 retries": 'sum(datagen_worker_retries_total{reason="ServerUnavailableError"})',
         "truncated records": 'sum(datagen_worker_finishes_total{finish="length"})',
         "failed prompts": "sum(datagen_worker_failures_total)",
@@ -187,7 +224,12 @@ def _planted(prom: Prometheus) -> dict[str, float]:
 
 
 def _name_forms(prom: Prometheus) -> dict[str, int]:
-    return {form: len(prom.query(f'{{__name__="{form}token_usage"}}')) for form in ("sglang:", "sglang_")}
+    kv_usage = {"sglang": "token_usage", "vllm": "kv_cache_usage_perc"}
+    return {
+        f"{engine}{sep}": len(prom.query(f'{{__name__="{engine}{sep}{name}"}}'))
+        for engine, name in kv_usage.items()
+        for sep in ":_"
+    }
 
 
 def _spawn_processes(stack: ProcessStack, ports: dict[str, int], tokenizer: str) -> None:
@@ -198,18 +240,28 @@ def _spawn_processes(stack: ProcessStack, ports: dict[str, int], tokenizer: str)
     stack.spawn(
         "simB", *sim, "--port", str(ports["simB"]), "--kv-tokens", KV_TOKENS, "--reserve-fraction", "0.3"
     )
+    stack.spawn(
+        "simC",
+        *sim,
+        *("--api", "vllm", "--port", str(ports["simC"])),
+        # vLLM reserves no room for output at admission, so decode overflows the pool (preemptions).
+        *("--kv-tokens", KV_TOKENS, "--context-len", VLLM_CONTEXT_LEN, "--reserve-fraction", "0"),
+    )
     stack.spawn("coordinator", "coordinator", "--port", str(ports["coordinator"]))
     stack.spawn(
         "worker",
         "worker",
         *("--server", f"simA=http://127.0.0.1:{ports['simA']}"),
         *("--server", f"simB=http://127.0.0.1:{ports['simB']}"),
+        # The worker asks the server for its engine (--engine auto).
+        *("--server", f"simC=http://127.0.0.1:{ports['simC']}"),
         *("--metrics-port", str(ports["worker"])),
         *("--short-concurrency", "32", "--long-concurrency", "8"),
     )
     for name, path in (
         ("simA", "/health"),
         ("simB", "/health"),
+        ("simC", "/health"),
         ("coordinator", "/healthz"),
         ("worker", "/metrics"),
     ):
@@ -275,7 +327,7 @@ def observed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Observed]:
     boards = load_dashboards()
     queries = [q for name, board in boards.items() for q in panel_queries(name, board)]
     tokenizer = bundled_tokenizer_path()
-    ports = {name: free_port() for name in ("simA", "simB", "coordinator", "worker")}
+    ports = {name: free_port() for name in ("simA", "simB", "simC", "coordinator", "worker")}
     coordinator = f"http://127.0.0.1:{ports['coordinator']}"
     with LocalRedis() as redis_server:
         env = {
@@ -299,11 +351,10 @@ def observed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Observed]:
         try:
             _spawn_processes(stack, ports, tokenizer)
             addresses = {name: f"127.0.0.1:{port}" for name, port in ports.items()}
-            config = _config(
-                addresses["coordinator"], addresses["worker"], addresses["simA"], addresses["simB"]
-            )
+            sims = (addresses["simA"], addresses["simB"], addresses["simC"])
+            config = _config(addresses["coordinator"], addresses["worker"], *sims)
             with Prometheus(tmp, config) as prom:
-                _wait_targets_up(prom, expected=4)
+                _wait_targets_up(prom, expected=6)
                 job_id = _submit(stack, coordinator, tokenizer)
                 seen, state = _watch(prom, boards, queries, lambda: _job_state(coordinator, job_id))
                 yield Observed(
@@ -345,6 +396,18 @@ def test_every_value_is_finite(observed: Observed) -> None:
     assert not bad, bad
 
 
+def test_vllm_queries_answer_for_the_vllm_server(observed: Observed) -> None:
+    """The panels that read vLLM's names show the vLLM simulator, in both name forms."""
+    reading = [q for q in observed.queries if _reads_vllm(q)]
+    assert reading
+    missing = {
+        q.key: sorted(observed.seen[q.key].servers)
+        for q in reading
+        if not set(VLLM_SERVERS) <= set(observed.seen[q.key].servers)
+    }
+    assert not missing, f"queries without the vLLM servers {VLLM_SERVERS}: {missing}"
+
+
 def test_rate_panels_rise_above_zero(observed: Observed) -> None:
     flat = [q.key for q in observed.queries if not _satisfied(q, observed.seen[q.key])]
     assert not flat, f"rate queries that stayed at zero: {flat}"
@@ -366,13 +429,15 @@ def test_job_series_keep_the_datagen_job_id(observed: Observed) -> None:
     assert observed.job_label_values == [observed.job_id]
 
 
-def test_both_sglang_name_forms_are_stored(observed: Observed) -> None:
-    assert observed.name_forms == {"sglang:": 1, "sglang_": 1}
+def test_both_name_forms_of_both_engines_are_stored(observed: Observed) -> None:
+    assert observed.name_forms == {"sglang:": 1, "sglang_": 1, "vllm:": 1, "vllm_": 1}
     assert {t["labels"]["job"] for t in observed.targets} == {
         "datagen-coordinator",
         "datagen-workers",
         "sglang",
         "sglang-underscore-names",
+        "vllm",
+        "vllm-underscore-names",
     }
 
 

@@ -105,6 +105,51 @@ EXPECTED_METRICS: dict[str, tuple[str, frozenset[str]]] = {
     ]
 }
 
+# What the dashboards may read from the inference servers, as the simulator serves it: SGLang's
+# names and labels (simulator/metrics.py) and vLLM's (simulator/vllm_metrics.py).
+_SGLANG_SCHEDULER = ("model_name", "engine_type", "tp_rank", "pp_rank", "moe_ep_rank")
+_SGLANG_TOKENIZER = ("model_name", "engine_type")
+EXPECTED_SGLANG: dict[str, tuple[str, frozenset[str]]] = {
+    name: (kind, frozenset(labels))
+    for name, kind, labels in [
+        ("sglang:token_usage", "gauge", _SGLANG_SCHEDULER),
+        ("sglang:num_used_tokens", "gauge", _SGLANG_SCHEDULER),
+        ("sglang:max_total_num_tokens", "gauge", _SGLANG_SCHEDULER),
+        ("sglang:num_running_reqs", "gauge", _SGLANG_SCHEDULER),
+        ("sglang:num_queue_reqs", "gauge", _SGLANG_SCHEDULER),
+        ("sglang:gen_throughput", "gauge", _SGLANG_SCHEDULER),
+        ("sglang:context_len", "gauge", _SGLANG_SCHEDULER),
+        ("sglang:num_retracted_requests", "counter", _SGLANG_SCHEDULER),
+        ("sglang:queue_time_seconds", "histogram", _SGLANG_SCHEDULER),
+        ("sglang:prompt_tokens", "counter", _SGLANG_TOKENIZER),
+        ("sglang:generation_tokens", "counter", _SGLANG_TOKENIZER),
+        ("sglang:num_requests", "counter", _SGLANG_TOKENIZER),
+        ("sglang:num_aborted_requests", "counter", _SGLANG_TOKENIZER),
+        ("sglang:e2e_request_latency_seconds", "histogram", _SGLANG_TOKENIZER),
+        ("sglang:time_to_first_token_seconds", "histogram", _SGLANG_TOKENIZER),
+        ("sglang:inter_token_latency_seconds", "histogram", _SGLANG_TOKENIZER),
+    ]
+}
+_VLLM = ("model_name", "engine")
+EXPECTED_VLLM: dict[str, tuple[str, frozenset[str]]] = {
+    name: (kind, frozenset(labels))
+    for name, kind, labels in [
+        ("vllm:num_requests_running", "gauge", _VLLM),
+        ("vllm:num_requests_waiting", "gauge", _VLLM),
+        ("vllm:kv_cache_usage_perc", "gauge", _VLLM),
+        ("vllm:num_preemptions", "counter", _VLLM),
+        ("vllm:prompt_tokens", "counter", _VLLM),
+        ("vllm:generation_tokens", "counter", _VLLM),
+        ("vllm:request_success", "counter", (*_VLLM, "finished_reason")),
+        ("vllm:time_to_first_token_seconds", "histogram", _VLLM),
+        ("vllm:inter_token_latency_seconds", "histogram", _VLLM),
+        ("vllm:e2e_request_latency_seconds", "histogram", _VLLM),
+        ("vllm:request_queue_time_seconds", "histogram", _VLLM),
+    ]
+}
+# The engines' prefixes; a dashboard matches both stored forms with `{__name__=~"sglang[:_]NAME"}`.
+ENGINE_PREFIXES = ("sglang", "vllm")
+
 _SUFFIXES = {"counter": ("_total",), "gauge": ("",), "histogram": ("_bucket", "_sum", "_count")}
 
 
@@ -115,6 +160,16 @@ def series_names(kind: str, name: str) -> list[str]:
 
 def queryable_datagen_names() -> set[str]:
     return {s for name, (kind, _) in EXPECTED_METRICS.items() for s in series_names(kind, name)}
+
+
+def queryable_engine_series() -> dict[str, tuple[str, frozenset[str]]]:
+    """Series name (``sglang:…``, ``vllm:…``) -> (family type, label names) for both engines."""
+    return {
+        series: family
+        for table in (EXPECTED_SGLANG, EXPECTED_VLLM)
+        for name, family in table.items()
+        for series in series_names(family[0], name)
+    }
 
 
 # -- dashboards ---------------------------------------------------------------------------------
