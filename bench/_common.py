@@ -89,12 +89,13 @@ def sweep_spec(args: argparse.Namespace) -> JobSpec:
 
 
 @contextmanager
-def simulator_process(*, time_scale: float, **options: float | int | None) -> Iterator[str]:
+def simulator_process(*, time_scale: float, **options: float | int | str | None) -> Iterator[str]:
     """Run ``datagen sim`` on a free loopback port in a child process; yields its base URL.
 
     A separate process, like a real SGLang server, so that its scheduler loop does not share the
     measured process's GIL. Its stderr goes to a temporary file that is shown if it fails to start.
-    ``options`` are more ``datagen sim`` flags by their Python names (``kv_tokens=65536``).
+    ``options`` are more ``datagen sim`` flags by their Python names (``kv_tokens=65536``,
+    ``api="vllm"``).
     """
     sim = SimProcess(time_scale=time_scale, **options)
     sim.start()
@@ -107,7 +108,9 @@ def simulator_process(*, time_scale: float, **options: float | int | None) -> It
 class SimProcess:
     """One ``datagen sim`` child process on a fixed loopback port that can be killed and restarted."""
 
-    def __init__(self, *, time_scale: float, port: int | None = None, **options: float | int | None) -> None:
+    def __init__(
+        self, *, time_scale: float, port: int | None = None, **options: float | int | str | None
+    ) -> None:
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.args = [sys.executable, "-m", "datagen", "sim", "--port", str(self.port)]

@@ -1,16 +1,20 @@
 """Load and observation shared by the KV-bound benchmarks (saturation, fleet, overhead, restart).
 
-Not a benchmark itself. Three pieces:
+Not a benchmark itself. Four pieces:
 
+- :class:`Api` (:data:`SGLANG`, :data:`VLLM`): all the benchmarks know of the two engines' HTTP
+  contracts: the generation route, its body and where the output ids are, how to abort, and the
+  names of the gauges.
 - :class:`ServerSampler`: a thread that reads each simulator's ``/metrics`` every
-  ``interval_s`` (``sglang:token_usage``, ``sglang:num_running_reqs``, ``sglang:num_queue_reqs``,
-  retractions) so a report can show that a server was KV-bound and never idle, and that the
-  client was not the bottleneck.
+  ``interval_s`` (KV usage, running and waiting requests, retractions or preemptions, the decode
+  rate) so a report can show that a server was KV-bound and never idle, and that the client was
+  not the bottleneck.
 - :func:`plain_run`: the hand-written client people use today, an ``asyncio.Semaphore`` over
-  one ``httpx.AsyncClient`` posting ``input_ids`` to ``/generate`` (round robin over several
-  servers when given several, a semaphore per server). It is the baseline, so it is given
-  every advantage a careful person would give it: one pooled client, as many connections as
-  the semaphore allows, no timeouts, no retries, no storage.
+  one ``httpx.AsyncClient`` posting token ids to SGLang's ``/generate`` or vLLM's
+  ``/v1/completions`` (round robin over several servers when given several, a semaphore per
+  server). It is the baseline, so it is given every advantage a careful person would give it:
+  one pooled client, as many connections as the semaphore allows, no timeouts, no retries, no
+  storage.
 - The datagen side: :func:`ingest`, :func:`worker_settings`, :func:`run_worker` and
   :func:`read_records`: the same job through a coordinator's ingestion and a worker in burst
   mode, with the worker's timing knobs scaled like the simulated GPU.
@@ -25,8 +29,8 @@ import math
 import statistics
 import threading
 import time
-from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -51,10 +55,15 @@ from datagen.spec import JobSpec
 from datagen.states import JobState
 from service.ingest import IngestOptions, Ingestor
 from workers.fleet import ServerSpec
+from workers.vllm import vllm_request
 from workers.worker import Worker
 
 __all__ = [
+    "APIS",
     "SAMPLE_INTERVAL_S",
+    "SGLANG",
+    "VLLM",
+    "Api",
     "PlainResult",
     "ServerSampler",
     "Stats",
@@ -84,16 +93,67 @@ def percentile(values: Sequence[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, max(0, math.ceil(q / 100 * len(ordered)) - 1))]
 
 
+# The two engines' HTTP contracts -------------------------------------------------------------------
+@dataclass(frozen=True)
+class Api:
+    """What the benchmarks send to and read from one engine (``datagen sim --api NAME``)."""
+
+    name: str
+    generate_path: str
+    # (prompt ids, sampling params under SGLang's names, request id) -> the request body.
+    body: Callable[[Sequence[int], Mapping[str, Any], str], dict[str, Any]]
+    # The reply body -> the generated ids.
+    output_ids: Callable[[Any], list[int]]
+    # The route that aborts every request; None: closing a request's connection aborts it.
+    abort_path: str | None
+    # Metric family (as the Prometheus parser names it: counters without _total) -> Sample field.
+    gauges: Mapping[str, str]
+    # A counter of generated tokens whose rate is the decode rate (an engine with no such gauge).
+    generated_counter: str | None = None
+
+    def sim_options(self, kv_tokens: int) -> dict[str, str | int]:
+        """``datagen sim`` options for this API with a KV pool of ``kv_tokens``. vLLM does not
+        start unless one whole context fits the pool, so its context is the pool (the prompts
+        here take at most a few thousand tokens)."""
+        if self is SGLANG:
+            return {}  # the simulator's default API: the command line as before
+        return {"api": self.name, "context_len": kv_tokens}
+
+
+SGLANG = Api(
+    name="sglang",
+    generate_path="/generate",
+    body=lambda ids, params, rid: {"input_ids": ids, "sampling_params": params, "rid": rid},
+    output_ids=lambda reply: reply["output_ids"],
+    abort_path="/abort_request",
+    gauges={
+        "sglang:token_usage": "token_usage",
+        "sglang:num_running_reqs": "running",
+        "sglang:num_queue_reqs": "queue",
+        "sglang:gen_throughput": "gen_tps",
+        "sglang:num_retracted_requests": "retracted",
+    },
+)
+# The body is the worker's own (workers/vllm.py), so that both sides send the same thing; the
+# served model is left null (the server's only one).
+VLLM = Api(
+    name="vllm",
+    generate_path="/v1/completions",
+    body=lambda ids, params, rid: vllm_request(ids, params, rid=rid, model=None),
+    output_ids=lambda reply: reply["choices"][0]["token_ids"],
+    abort_path=None,
+    gauges={
+        "vllm:kv_cache_usage_perc": "token_usage",
+        "vllm:num_requests_running": "running",
+        "vllm:num_requests_waiting": "queue",
+        "vllm:num_preemptions": "retracted",
+    },
+    generated_counter="vllm:generation_tokens",
+)
+APIS = {api.name: api for api in (SGLANG, VLLM)}
+
+
 # Sampling the servers ----------------------------------------------------------------------------
-_GAUGES = {
-    "sglang:token_usage": "token_usage",
-    "sglang:num_running_reqs": "running",
-    "sglang:num_queue_reqs": "queue",
-    "sglang:gen_throughput": "gen_tps",
-    "sglang:num_retracted_requests": "retracted",
-}
-
-
 @dataclass(frozen=True)
 class Sample:
     at: float  # time.perf_counter()
@@ -102,12 +162,16 @@ class Sample:
     queue: float = 0.0
     gen_tps: float = 0.0  # the server's decode tokens/s over its last 40 decode steps
     retracted: float = 0.0
+    generated: float = 0.0  # the API's generated-tokens counter, if it has one
 
     @classmethod
-    def parse(cls, at: float, text: str) -> Sample:
+    def parse(cls, at: float, text: str, api: Api = SGLANG) -> Sample:
+        gauges = dict(api.gauges)
+        if api.generated_counter is not None:
+            gauges[api.generated_counter] = "generated"
         values: dict[str, float] = {}
         for family in text_string_to_metric_families(text):
-            name = _GAUGES.get(family.name)
+            name = gauges.get(family.name)
             if name is not None:
                 values[name] = sum(
                     s.value for s in family.samples if not s.name.endswith(("_created", "_bucket"))
@@ -168,9 +232,16 @@ class ServerSampler:
     A server that does not answer (killed, restarting) is simply not sampled that round.
     """
 
-    def __init__(self, urls: dict[str, str], interval_s: float = SAMPLE_INTERVAL_S) -> None:
+    def __init__(
+        self,
+        urls: dict[str, str],
+        interval_s: float = SAMPLE_INTERVAL_S,
+        apis: Mapping[str, Api] | None = None,
+    ) -> None:
+        """``apis``: each server's API by name (default: SGLang)."""
         self.urls = urls
         self.interval_s = interval_s
+        self.apis = {name: (apis or {}).get(name, SGLANG) for name in urls}
         self.samples: dict[str, list[Sample]] = {name: [] for name in urls}
         self.cpu_s = 0.0
         self._stop = threading.Event()
@@ -193,9 +264,18 @@ class ServerSampler:
                         text = client.get(f"{url}/metrics").text
                     except httpx.HTTPError:
                         continue
-                    self.samples[name].append(Sample.parse(time.perf_counter(), text))
+                    self._add(name, Sample.parse(time.perf_counter(), text, self.apis[name]))
                 self._stop.wait(self.interval_s)
         self.cpu_s = time.thread_time() - started_cpu
+
+    def _add(self, name: str, sample: Sample) -> None:
+        samples = self.samples[name]
+        if self.apis[name].generated_counter is not None and samples:
+            # No decode-rate gauge: the counter's rate since the last sample (0 across a restart).
+            previous = samples[-1]
+            rate = max(0.0, sample.generated - previous.generated) / (sample.at - previous.at)
+            sample = replace(sample, gen_tps=rate)
+        samples.append(sample)
 
     def stats(self, name: str, since: float = -math.inf, until: float = math.inf) -> Stats:
         return Stats.of([s for s in self.samples[name] if since <= s.at <= until])
@@ -244,12 +324,15 @@ async def plain_run(
     concurrency: int,
     label: str = "plain",
     duration_s: float | None = None,
+    api: Api | Sequence[Api] = SGLANG,
 ) -> PlainResult:
     """``concurrency`` requests in flight per server; prompt i goes to server i mod len(urls).
 
-    With ``duration_s`` the run stops then: unanswered requests are cancelled (length 0, done_at
-    0.0) and aborted on the servers, so that they do not keep running into the next measurement.
+    ``api``: the servers' API, or each server's. With ``duration_s`` the run stops then:
+    unanswered requests are cancelled (length 0, done_at 0.0) and aborted on the servers, so that
+    they do not keep running into the next measurement.
     """
+    apis = [api] * len(urls) if isinstance(api, Api) else list(api)
     semaphores = [asyncio.Semaphore(concurrency) for _ in urls]
     n = len(prompts)
     result = PlainResult(label, concurrency, 0.0, 0, 0.0)
@@ -264,10 +347,11 @@ async def plain_run(
             server = result.servers[index]
             async with semaphores[server]:
                 result.sent_at[index] = time.perf_counter()
-                body = {"input_ids": prompts[index], "sampling_params": params, "rid": f"{label}-{index}"}
-                response = await client.post(f"{urls[server]}/generate", json=body)
+                speaks = apis[server]
+                body = speaks.body(prompts[index], params, f"{label}-{index}")
+                response = await client.post(f"{urls[server]}{speaks.generate_path}", json=body)
                 response.raise_for_status()
-                result.lengths[index] = len(response.json()["output_ids"])
+                result.lengths[index] = len(speaks.output_ids(response.json()))
                 result.done_at[index] = time.perf_counter()
 
         cpu_started = time.process_time()
@@ -281,9 +365,9 @@ async def plain_run(
             task.result()  # an HTTP error fails the benchmark
         result.wall_s = time.perf_counter() - result.started_at
         result.cpu_s = time.process_time() - cpu_started
-        if pending:
-            for url in urls:
-                await client.post(f"{url}/abort_request", json={"abort_all": True})
+        for url, speaks in zip(urls, apis, strict=True):
+            if pending and speaks.abort_path is not None:
+                await client.post(f"{url}{speaks.abort_path}", json={"abort_all": True})
     result.tokens = sum(result.lengths)
     return result
 

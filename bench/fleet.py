@@ -4,7 +4,13 @@ the sum of what each server does alone.
 Three simulated SGLang servers (``datagen sim`` child processes) with the same small KV pool as
 ``saturation.py`` and decode steps that cost 1x, 1.5x and 3x (``--time-scale`` T, 1.5 T, 3 T).
 N prompts; output lengths depend only on the prompt ids and ``sampling_seed``, so the token
-totals are checked equal across variants.
+totals are checked equal across variants. ``--api vllm`` makes every simulator speak vLLM's
+``/v1/completions`` and metrics (the same engine and token model), and a list such as
+``--api sglang,vllm,sglang`` gives each server its own, in the order x1, x1.5, x3: a mixed fleet
+in one worker, which finds out by itself which engine each server runs. A vLLM server has no
+decode-rate gauge: its decode rate is the rate of ``vllm:generation_tokens_total`` between samples
+(vLLM counts every engine step; the simulator counts a request's tokens when it finishes, which
+over a solo run's few seconds overstates a slow server's rate, so the capacity too).
 
 Lines:
 
@@ -53,7 +59,8 @@ slow server mid-run, while the fast ones were full, ends the run alone. Under th
 datagen line: where the prompts that started in the last 2 s of dispatch went, and the prompt that
 completed last.
 
-Run: ``python bench/fleet.py [--n 1200] [--time-scale 0.1] [--limit 64] [--fixed] [--round-robin]``.
+Run: ``python bench/fleet.py [--api sglang|vllm|A,B,C] [--n 1200] [--time-scale 0.1] [--limit 64] [--fixed]
+[--round-robin]``.
 """
 
 from __future__ import annotations
@@ -71,7 +78,9 @@ from typing import Any
 import redis
 from _common import SimProcess, offline_hub, short_rows, sweep_spec
 from _load import (
+    APIS,
     STATS_HEADER,
+    Api,
     ServerSampler,
     Stats,
     ingest,
@@ -136,6 +145,19 @@ class Line:
         return self.tokens / self.wall_s
 
 
+def server_apis(args: argparse.Namespace) -> dict[str, Api]:
+    """Each server's API from ``--api``: one name for all, or one per server in SPEEDS' order."""
+    names = args.api.split(",")
+    if len(names) == 1:
+        names *= len(SPEEDS)
+    unknown = sorted(set(names) - set(APIS))
+    if len(names) != len(SPEEDS) or unknown:
+        raise SystemExit(
+            f"--api {args.api}: give one of {', '.join(APIS)}, or {len(SPEEDS)} separated by commas"
+        )
+    return {name: APIS[api] for name, api in zip(SPEEDS, names, strict=True)}
+
+
 def warmup_s(name: str, args: argparse.Namespace) -> float:
     """A cold server first admits more than it can keep (nothing generated yet): skip that."""
     return SOLO_WARMUP_S * SPEEDS[name]
@@ -146,10 +168,17 @@ def solo(
 ) -> Line:
     """The plain script on one server, warm-up then --solo-s seconds; capacity: its mean decode rate."""
     duration_s = warmup_s(name, args) + args.solo_s
-    with ServerSampler({name: url}) as sampler:
+    api = server_apis(args)[name]
+    with ServerSampler({name: url}, apis={name: api}) as sampler:
         run = asyncio.run(
             plain_run(
-                [url], prompts, params, args.solo_concurrency, label=f"solo-{name}", duration_s=duration_s
+                [url],
+                prompts,
+                params,
+                args.solo_concurrency,
+                label=f"solo-{name}",
+                duration_s=duration_s,
+                api=api,
             )
         )
     if run.wall_s < duration_s:
@@ -162,9 +191,14 @@ def solo(
     return Line(label, run.wall_s, 0, fed, args.solo_s, {name: answered}, sampler.stats(name))
 
 
-def round_robin(urls: dict[str, str], prompts: list[list[int]], params: dict[str, object]) -> Line:
-    with ServerSampler(urls) as sampler:
-        run = asyncio.run(plain_run(list(urls.values()), prompts, params, FIXED_LIMIT, label="rr"))
+def round_robin(
+    urls: dict[str, str], prompts: list[list[int]], params: dict[str, object], args: argparse.Namespace
+) -> Line:
+    apis = server_apis(args)
+    with ServerSampler(urls, apis=apis) as sampler:
+        run = asyncio.run(
+            plain_run(list(urls.values()), prompts, params, FIXED_LIMIT, label="rr", api=list(apis.values()))
+        )
     last_sent = max(run.sent_at)
     fed = sampler.all_stats(until=last_sent)
     by_server = {name: run.servers.count(i) for i, name in enumerate(urls)}
@@ -185,7 +219,7 @@ def datagen(
     storage = Storage(tempfile.mkdtemp(prefix="storage-", dir=tmp))
     ingest(client, storage, sweep_spec(args), tmp / PROMPTS_FILE, args.n)
     settings = worker_settings(redis_url, storage, args.time_scale, **opts)
-    with ServerSampler(urls) as sampler:
+    with ServerSampler(urls, apis=server_apis(args)) as sampler:
         wall_started_ms = time.time() * 1000
         run = asyncio.run(run_worker(settings, urls))
     records = read_records(client, storage, args.n)
@@ -287,7 +321,7 @@ def report(solos: list[Line], lines: list[Line], args: argparse.Namespace) -> No
     print(
         f"fleet: N={args.n} prompts, servers {', '.join(SPEEDS)} (decode step cost; time_scale "
         f"{args.time_scale} x cost), kv_tokens={args.kv_tokens}, reserve_fraction={args.reserve_fraction}, "
-        f"max_new_tokens={args.max_new_tokens}"
+        f"max_new_tokens={args.max_new_tokens}{'' if args.api == 'sglang' else f', api={args.api}'}"
     )
     print(
         f"  {'line':<38} {'wall s':>6} {'tok/s':>7} {'vs cap':>7} {'steady':>7} {'vs cap':>7} {'tail s':>6} "
@@ -372,15 +406,22 @@ def main() -> None:
     parser.add_argument("--controller-interval-s", type=float, default=DEFAULT_CONTROLLER_INTERVAL_S)
     parser.add_argument("--fixed", action="store_true", help=f"also run datagen with {FIXED_LIMIT}/server")
     parser.add_argument("--round-robin", action="store_true", help="also run the plain round-robin script")
+    parser.add_argument(
+        "--api",
+        default="sglang",
+        help="sglang, vllm, or one per server in x1,x1.5,x3 order (sglang,vllm,vllm)",
+    )
     args = parser.parse_args()
     offline_hub()
     spec = sweep_spec(args)
     params = spec.sampling.to_sglang(args.max_new_tokens)
+    apis = server_apis(args)
     sims = {
         name: SimProcess(
             time_scale=args.time_scale * cost,
             kv_tokens=args.kv_tokens,
             reserve_fraction=args.reserve_fraction,
+            **apis[name].sim_options(args.kv_tokens),
         )
         for name, cost in SPEEDS.items()
     }
@@ -421,7 +462,7 @@ def main() -> None:
                 lines.append(datagen(label, client, where, args, **fixed))
                 print(f"  ... {lines[-1].label}: {lines[-1].tokens_per_s:.0f} tok/s", flush=True)
             if args.round_robin:
-                lines.append(round_robin(urls, prompts, params))
+                lines.append(round_robin(urls, prompts, params, args))
             client.close()
         finally:
             for sim in sims.values():

@@ -4,7 +4,10 @@ the KV-pressure controller.
 One simulated SGLang server (``datagen sim`` in a child process) with a small KV pool
 (``--kv-tokens``) and SGLang's admission rule at its usual steady-state reserve
 (``--reserve-fraction 0.1``, SGLang's ``min_new_token_ratio``), so that the number of running
-requests is set by the KV pool (a few dozen), far below ``max_running_requests`` (256). Output
+requests is set by the KV pool (a few dozen), far below ``max_running_requests`` (256). With
+``--api vllm`` the simulator speaks vLLM's ``/v1/completions`` and metrics instead (the same
+engine and token model; its context is the KV pool, as vLLM requires), the plain client posts
+there, and the worker finds out by itself which engine it talks to. Output
 lengths are the simulator's heavy-tailed lognormal draws (median about 200 tokens, p99 about
 1,500, cut at ``--max-new-tokens``), and depend only on the prompt ids and ``sampling_seed``: every
 variant sends the same N prompts and must generate the same number of tokens, which is checked.
@@ -13,9 +16,10 @@ Variants:
 
 ``(a) plain c=C``
     What people write by hand: ``asyncio.Semaphore(C)`` around ``httpx.AsyncClient.post`` of
-    ``{"input_ids", "sampling_params"}`` to ``/generate``, all prompts gathered at once. Given a
-    connection pool as large as C and no timeouts; no Redis, no storage. Swept over ``--sweep``;
-    the best C is ``best(a)``.
+    ``{"input_ids", "sampling_params"}`` to ``/generate``, all prompts gathered at once (vLLM:
+    the worker's own ``/v1/completions`` body, token-id ``prompt`` with ``return_token_ids``,
+    reading ``choices[0].token_ids``). Given a connection pool as large as C and no timeouts; no
+    Redis, no storage. Swept over ``--sweep``; the best C is ``best(a)``.
 ``(b) datagen c=best``
     ``Ingestor.run`` (not timed) then ``Worker`` in burst mode with ``short_concurrency`` = the best
     C of (a) and ``kv_controller=False``: RQ bookkeeping, Parquet records committed before each
@@ -35,16 +39,19 @@ Columns, first the throughput table:
   and the tail. With t5 and t95 the times by which 5 % and 95 % of the prompts had completed, it is
   the output tokens of the prompts completing in (t5, t95], over t95 - t5. Its ratio is to the
   highest steady tok/s of (a).
-- ``q95/run``: the server queue's p95 (``sglang:num_queue_reqs``) over the whole run divided by the
-  mean running requests (``sglang:num_running_reqs``): work parked in the server, which cannot move,
-  pause or survive a restart (target for (c): at most 0.1).
+- ``q95/run``: the server queue's p95 (``sglang:num_queue_reqs``; vLLM: ``vllm:num_requests_waiting``)
+  over the whole run divided by the mean running requests (``sglang:num_running_reqs``;
+  ``vllm:num_requests_running``): work parked in the server, which cannot move, pause or survive
+  a restart (target for (c): at most 0.1).
 - ``first s`` and ``tail s``: when the first prompt completed, from the start of the wall; and
   how long the last 5 % of prompts took (wall end - t95).
 
 Then the server's own gauges sampled from ``/metrics`` every 0.25 s during the variant, each as
 mean/p95: ``sglang:token_usage`` (KV), ``sglang:num_running_reqs`` (run), ``sglang:num_queue_reqs``
-(wait), and the retractions counted meanwhile; and the CPU seconds of this process during the
-variant (the client; the simulator and Redis are other processes).
+(wait), and the retractions counted meanwhile (vLLM: ``vllm:kv_cache_usage_perc``,
+``vllm:num_requests_running``, ``vllm:num_requests_waiting``, ``vllm:num_preemptions_total``); and
+the CPU seconds of this process during the variant (the client; the simulator and Redis are other
+processes).
 
 How to read it: the baseline is KV-bound when ``run`` stays far below 256 while ``wait`` is above
 zero (the server had work queued and admitted no more); the simulator is not the bottleneck when
@@ -53,8 +60,8 @@ under the table gives p95 of waiting against mean running: a controller that kee
 the server's queue keeps that p95 small, and the trace of its limit shows slow start (a small
 window doubling until the server queues) and then the steady rules.
 
-Run: ``python bench/saturation.py [--n 600] [--time-scale 0.05] [--sweep 16,32,64,128,256]``
-(about three minutes on two cores).
+Run: ``python bench/saturation.py [--api sglang|vllm] [--n 600] [--time-scale 0.05]
+[--sweep 16,32,64,128,256]`` (about three minutes on two cores).
 """
 
 from __future__ import annotations
@@ -71,7 +78,9 @@ from pathlib import Path
 import redis
 from _common import offline_hub, short_rows, simulator_process, sweep_spec
 from _load import (
+    APIS,
     STATS_HEADER,
+    Api,
     ServerSampler,
     Stats,
     ingest,
@@ -179,7 +188,7 @@ def run_datagen(
     ingest(client, storage, sweep_spec(args), tmp / PROMPTS_FILE, args.n)
     settings = worker_settings(redis_url, storage, args.time_scale, **opts)
     trace: list[tuple[float, int, int]] = []
-    with ServerSampler({SERVER: url}) as sampler:
+    with ServerSampler({SERVER: url}, apis={SERVER: APIS[args.api]}) as sampler:
         run = asyncio.run(run_worker(settings, {SERVER: url}, trace_limits(trace)))
     records = read_records(client, storage, args.n)
     tokens = sum(r["output_len"] for r in records)
@@ -196,7 +205,7 @@ def report(sweep: list[Line], ours: list[Line], args: argparse.Namespace) -> Non
     print(
         f"saturation: N={args.n} prompts, time_scale={args.time_scale}, kv_tokens={args.kv_tokens}, "
         f"reserve_fraction={args.reserve_fraction}, max_new_tokens={args.max_new_tokens}, "
-        f"max_running_requests=256"
+        f"max_running_requests=256{'' if args.api == 'sglang' else f', api={args.api}'}"
     )
     print(
         f"  {'variant':<34} {'wall s':>7} {'whole tok/s':>11} {'whole x':>8} {'steady tok/s':>12} "
@@ -275,11 +284,14 @@ def main() -> None:
     parser.add_argument("--sweep", default=DEFAULT_SWEEP, help="plain concurrencies (default %(default)s)")
     parser.add_argument("--start-limit", type=int, default=DEFAULT_START_LIMIT, help="(c)'s in-flight limit")
     parser.add_argument("--controller-interval-s", type=float, default=DEFAULT_CONTROLLER_INTERVAL_S)
+    parser.add_argument("--api", choices=sorted(APIS), default="sglang", help="the simulator's HTTP contract")
     args = parser.parse_args()
     offline_hub()
     spec = sweep_spec(args)
     params = spec.sampling.to_sglang(args.max_new_tokens)
+    api: Api = APIS[args.api]
     sim = {"kv_tokens": args.kv_tokens, "reserve_fraction": args.reserve_fraction}
+    sim |= api.sim_options(args.kv_tokens)
     with (
         tempfile.TemporaryDirectory(prefix="bench-saturation-") as tmp_name,
         LocalRedis() as server,
@@ -289,8 +301,8 @@ def main() -> None:
         prompts = render(spec, short_rows(args.n), tmp / PROMPTS_FILE)
         sweep: list[Line] = []
         for concurrency in [int(c) for c in args.sweep.split(",")]:
-            with ServerSampler({SERVER: url}) as sampler:
-                plain = asyncio.run(plain_run([url], prompts, params, concurrency))
+            with ServerSampler({SERVER: url}, apis={SERVER: api}) as sampler:
+                plain = asyncio.run(plain_run([url], prompts, params, concurrency, api=api))
             label = f"(a) plain c={concurrency}"
             completions = [
                 (t - plain.started_at, n) for t, n in zip(plain.done_at, plain.lengths, strict=True)
