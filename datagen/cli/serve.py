@@ -258,9 +258,10 @@ def sim(
         str | None, typer.Option(help="sglang (default) or vllm: whose HTTP contract the simulator speaks")
     ] = None,
 ) -> None:
-    """Run a simulated SGLang server.
+    """Run a simulated SGLang or vLLM server.
 
-    The real /generate contract, a simulated GPU.
+    The real contract (SGLang's /generate, or vLLM's /v1/completions with --api vllm), a simulated
+    GPU.
     """
     import uvicorn
 
