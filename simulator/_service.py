@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,7 +30,7 @@ from simulator.engine import OOM_MESSAGE, Engine, Outcome, SimRequest
 from simulator.metrics import SimMetrics
 from simulator.model import SimOutput, SpecialIds, apply_stop_token_ids, expected_output, tool_call_ids_for
 
-__all__ = ["SimServer"]
+__all__ = ["SimServer", "placeholder_text"]
 
 logger = logging.getLogger(__name__)
 
@@ -249,21 +250,7 @@ class SimServer:
                 spaces_between_special_tokens=sp.spaces_between_special_tokens,
             )
             return text
-        return self._placeholder_text(ids, skip_special_tokens=sp.skip_special_tokens)
-
-    def _placeholder_text(self, ids: list[int], *, skip_special_tokens: bool) -> str:
-        # Without a tokenizer: one readable piece per id, </think> kept as the marker it is.
-        special = self.special
-        pieces = []
-        for token in ids:
-            if token == special.think_end_id:
-                pieces.append("</think>")
-            elif token in special.excluded_ids or token == special.eos_id:
-                if not skip_special_tokens:
-                    pieces.append(f"<|special:{token}|>")
-            else:
-                pieces.append(f" t{token}")
-        return "".join(pieces)
+        return placeholder_text(ids, self.special, skip_special_tokens=sp.skip_special_tokens)
 
     def _tokenize(self, text: str) -> list[int]:
         assert self.tokenizer is not None
@@ -276,3 +263,18 @@ def _load_tokenizer(path: str) -> Any:
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(path)
+
+
+def placeholder_text(ids: Sequence[int], special: SpecialIds, *, skip_special_tokens: bool) -> str:
+    """The text of ``ids`` without a tokenizer (either API's mode): one readable piece per id,
+    </think> kept as the marker it is."""
+    pieces = []
+    for token in ids:
+        if token == special.think_end_id:
+            pieces.append("</think>")
+        elif token in special.excluded_ids or token == special.eos_id:
+            if not skip_special_tokens:
+                pieces.append(f"<|special:{token}|>")
+        else:
+            pieces.append(f" t{token}")
+    return "".join(pieces)

@@ -12,12 +12,11 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import Sequence
 from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any
 
-from simulator._service import _load_tokenizer
+from simulator._service import _load_tokenizer, placeholder_text
 from simulator._vllm_protocol import (
     DEFAULT_MAX_TOKENS,
     CompletionRequest,
@@ -225,18 +224,4 @@ class VllmServer:
                 spaces_between_special_tokens=req.spaces_between_special_tokens,
             )
             return text
-        return _placeholder_text(ids, self.special, skip_special_tokens=skip_special)
-
-
-def _placeholder_text(ids: Sequence[int], special: SpecialIds, *, skip_special_tokens: bool) -> str:
-    # Without a tokenizer: one readable piece per id, like the SGLang mode's placeholder text.
-    pieces = []
-    for token in ids:
-        if token == special.think_end_id:
-            pieces.append("</think>")
-        elif token in special.excluded_ids or token == special.eos_id:
-            if not skip_special_tokens:
-                pieces.append(f"<|special:{token}|>")
-        else:
-            pieces.append(f" t{token}")
-    return "".join(pieces)
+        return placeholder_text(ids, self.special, skip_special_tokens=skip_special)

@@ -30,6 +30,7 @@ __all__ = [
     "ParsedCalls",
     "ToolCall",
     "abort_error",
+    "classify_status",
     "error_message",
     "parse_function_call_response",
     "parse_generate_response",
@@ -255,10 +256,16 @@ def status_error(response: httpx.Response, *, server: str, what: str) -> Datagen
         return DuplicateRequestError(
             f"{said}. An earlier attempt with this rid is still running; retry later"
         )
+    return classify_status(status, said, not_found="The URL is probably not an SGLang server")
+
+
+def classify_status(status: int, said: str, *, not_found: str) -> DatagenError:
+    """An HTTP error status as the project's error, the same for every engine: ``said`` names the
+    request, the server and its message; ``not_found`` is what a 404 most likely means there."""
     if status in (401, 403):
         return ConfigError(f"{said}. The server wants an API key: set the one it was started with --api-key")
     if status == 404:
-        return ServerError(f"{said}. The URL is probably not an SGLang server; check the server's base URL")
+        return ServerError(f"{said}. {not_found}; check the server's base URL")
     if status == 408:
         return RequestTimeoutError(f"{said}. Retry")
     if status in (429, 503):

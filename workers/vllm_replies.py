@@ -10,16 +10,12 @@ from collections.abc import Mapping
 import httpx
 
 from datagen.errors import (
-    BadRequestError,
-    ConfigError,
     DatagenError,
     GenerationAbortedError,
-    RequestTimeoutError,
     ServerError,
-    ServerUnavailableError,
 )
 from datagen.states import FinishType
-from workers.sglang_replies import Finish, GenerateResult, error_message, is_int
+from workers.sglang_replies import Finish, GenerateResult, classify_status, error_message, is_int
 
 __all__ = ["abort_error", "parse_completion_response", "status_error"]
 
@@ -108,22 +104,9 @@ def status_error(response: httpx.Response, *, server: str, what: str) -> Datagen
     """vLLM's statuses as the project's errors; the message is vLLM's ``error.message``."""
     status = response.status_code
     said = f"{what} on vLLM server {server} got HTTP {status}: {error_message(response)}"
-    if status in (401, 403):
-        return ConfigError(f"{said}. The server wants an API key: set the one it was started with --api-key")
-    if status == 404:
-        return ServerError(
-            f"{said}. The URL is probably not a vLLM server, or it serves another model now; check "
-            "the server's base URL"
-        )
-    if status == 408:
-        return RequestTimeoutError(f"{said}. Retry")
-    if status in (429, 503):
-        return ServerUnavailableError(f"{said}. The server is busy, starting or shutting down; retry later")
-    if status >= 500:
-        return ServerError(f"{said}. Retry; if it repeats, read the server's log")
-    if 400 <= status < 500:
-        return BadRequestError(f"{said}. The request must change; retrying it cannot succeed")
-    return ServerError(f"{said}. Unexpected status for this endpoint")
+    return classify_status(
+        status, said, not_found="The URL is probably not a vLLM server, or it serves another model now"
+    )
 
 
 def abort_error(result: GenerateResult, *, server: str) -> DatagenError:
