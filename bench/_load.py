@@ -215,14 +215,21 @@ class Stats:
         usage = f"{self.usage_mean:4.0%}/{self.usage_p95:4.0%}"
         running = f"{self.running_mean:5.1f}/{self.running_p95:4.0f}"
         queue = f"{self.queue_mean:5.1f}/{self.queue_p95:4.0f}"
-        return f"{usage:>11}  {running:>12}  {queue:>13}  {self.retractions:4.0f}"
+        retractions, decode = f"{self.retractions:4.0f}", f"{self.decode_per_running:7.0f}"
+        return f"{usage:>11}  {running:>12}  {queue:>13}  {retractions}  {decode}"
+
+    @property
+    def decode_per_running(self) -> float:
+        """Decode tokens/s per running request: how fast the server steps. At equal batches a
+        lower figure is the simulator losing CPU to the other processes on the machine."""
+        return self.gen_tps_mean / self.running_mean if self.running_mean else 0.0
 
 
 def _mean(values: Sequence[float]) -> float:
     return statistics.fmean(values) if values else 0.0
 
 
-STATS_HEADER = "KV mean/p95  run mean/p95  wait mean/p95  retr"
+STATS_HEADER = "KV mean/p95  run mean/p95  wait mean/p95  retr  tok/s/run"
 
 
 class ServerSampler:

@@ -160,8 +160,8 @@ async def test_controller_starts_in_slow_start_and_ends_it_at_the_server_queue(
         await wait_until_async(lambda: redis_client.hget(control_key, "phase") == b"steady", 20, NOT_MET)
         reason = (redis_client.hget(control_key, "reason") or b"").decode()
         assert reason.startswith("slow start ends at 24: ") and "waiting in the server queue" in reason
-        # Snapped down to what runs (20) plus the tolerance of one.
-        assert int(redis_client.hget(control_key, "target") or 0) <= 21
+        # Cut by the excess: the server runs 20, and the setpoint of two may wait beside them.
+        assert int(redis_client.hget(control_key, "target") or 0) <= 22
         await stop(worker, run)
 
 
