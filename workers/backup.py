@@ -198,7 +198,9 @@ class Backups:
 
     # Choosing backups -------------------------------------------------------------------------
     def _launch(self, cls: PromptClass, *, overdue_only: bool = False) -> None:
-        if self.is_paused(cls):
+        # A backup runs on another server than its primary: with one server there is none, and
+        # sorting every running request at each freed slot of the tail would be spent for nothing.
+        if self.is_paused(cls) or len(self.fleet.servers) < 2:
             return
         pool = self._overdue[cls] if overdue_only else self._running[cls]
         if not pool:
