@@ -13,11 +13,12 @@ of a few requests (``controller_initial_target``) that grows by half at each sam
 window is in use, no more than the setpoint (below) waits in the server's queue and KV usage has
 headroom (the growth is also capped where the current usage per running request says the pool
 would be full). The first sign of the server's limit (a queue beyond the setpoint, retractions, a
-full pool) or the ceiling ends slow start, and the steady rules take over. They hold a small queue at the server, the *setpoint*
-(two requests, or 3 % of those running): a KV-bound server frees room whenever a request ends,
-and a long one frees room for several new ones at once, so what waits there is what it admits
-at once instead of idling until the worker's next requests arrive; more only parks work where it
-cannot move.
+full pool) or the ceiling ends slow start, and the steady rules take over.
+
+The steady rules hold a small queue at the server, the *setpoint* (two requests, or 3 % of those
+running): a KV-bound server frees room whenever a request ends, and a long one frees room for
+several new ones at once, so what waits there is what it admits at once instead of idling until
+the worker's next requests arrive; more only parks work where it cannot move.
 
 - retractions since the last sample: the pool overflowed during decode, cut the target by 30 %;
 - more than the setpoint waiting in the server's queue: cut the target by the excess, and to what
@@ -27,9 +28,9 @@ cannot move.
 
 Measured on the project's simulator (``bench/README.md``, "Fourth pass"), whose pool turns over in
 about a second: the first rules (a queue of one at most, cut to what runs) ran 24.5 to 25.0
-requests beside a plain client's 27; these run 25.4 to 26.2, and the user's whole run went from
-0.89 and 0.91 to 0.92 and 0.94 of the plain client's in the same runs, for a server queue p95 of
-0.27 to 0.47 of the running requests (0.28 to 0.33 before).
+requests where 27 fit, and the user's whole run came to 0.90 of a plain client's; these run 25.4
+to 26.2 and come to 0.95 (a fixed limit: 0.96 to 0.98), for a server queue p95 of 0.27 to 0.47 of
+the running requests (0.28 to 0.33 before).
 
 It reads the server's ``/metrics`` in either name form (``sglang:`` or ``sglang_``; for vLLM
 ``vllm:kv_cache_usage_perc``, ``num_requests_running``, ``num_requests_waiting`` and
