@@ -29,6 +29,7 @@ __all__ = [
     "BENCH_JOB_ID",
     "BENCH_NAMESPACE",
     "SAMPLING_SEED",
+    "SIM_MAX_LAG_MS",
     "SimProcess",
     "job_spec",
     "offline_hub",
@@ -43,6 +44,10 @@ BENCH_JOB_ID = "bench"
 SIM_STARTUP_TIMEOUT_S = 60.0
 SIM_STOP_TIMEOUT_S = 10.0
 SIM_POLL_INTERVAL_S = 0.1
+# The simulator's clock may lag real time this much (`datagen sim --max-lag-ms`): without it a
+# 1.3-ms decode step loses its wake-up's lateness every time, about 40 % of the simulator's speed
+# here, and more beside busier clients (bench/README.md, "Fourth pass").
+SIM_MAX_LAG_MS = 5.0
 # The simulator's outputs are reproducible: every run of a benchmark generates the same tokens.
 SAMPLING_SEED = 1234
 # Rows become prompts of 15-25 tokens with the bundled tokenizer and the R1 template.
@@ -115,6 +120,7 @@ class SimProcess:
         self.url = f"http://127.0.0.1:{self.port}"
         self.args = [sys.executable, "-m", "datagen", "sim", "--port", str(self.port)]
         self.args += ["--tokenizer", bundled_tokenizer_path(), "--time-scale", str(time_scale)]
+        self.args += ["--max-lag-ms", str(SIM_MAX_LAG_MS)]
         for name, value in options.items():
             if value is not None:
                 self.args += [f"--{name.replace('_', '-')}", str(value)]

@@ -71,7 +71,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from _common import offline_hub, short_rows, sweep_spec, write_jsonl
+from _common import SIM_MAX_LAG_MS, offline_hub, short_rows, sweep_spec, write_jsonl
 from _load import percentile, render
 
 # The same scenario as saturation.py: its server, its prompts, its sweep and its controller settings.
@@ -414,7 +414,7 @@ def run(args: argparse.Namespace) -> None:
         processes = ChildProcesses(tmp, env)
         sim = ["sim", "--port", str(sim_port), "--tokenizer", bundled_tokenizer_path()]
         sim += ["--time-scale", str(args.time_scale), "--kv-tokens", str(args.kv_tokens)]
-        sim += ["--reserve-fraction", str(args.reserve_fraction)]
+        sim += ["--reserve-fraction", str(args.reserve_fraction), "--max-lag-ms", str(SIM_MAX_LAG_MS)]
         try:
             processes.spawn("sim", *sim)
             processes.spawn("coordinator", "coordinator", "--port", str(coord_port))

@@ -41,11 +41,6 @@ OOM_MESSAGE = (
 # Below this the loop yields instead of sleeping: the event loop cannot sleep that precisely,
 # and the next step settles the debt because the clock is cumulative.
 MIN_SLEEP_S = 0.001
-# How far the clock may fall behind real time. A sleep ends late by the event loop's millisecond
-# timer and the host's scheduling; within this the next steps catch up, as a GPU's would not have
-# waited for a CPU process to be scheduled. Beyond it (a host that cannot keep up) the simulation
-# runs slower rather than making later steps free.
-MAX_LAG_S = 0.005
 # SGLang averages gen_throughput over --decode-log-interval decode steps.
 DECODE_LOG_INTERVAL = 40
 # Steps over which the reservation ratio decays back to reserve_fraction after a retraction.
@@ -216,7 +211,10 @@ class Engine:
 
     async def _pace(self, cost_s: float) -> None:
         now = self._now()
-        self._clock = max(self._clock, now - MAX_LAG_S) + cost_s * self._config.time_scale
+        # Within max_lag_s of real time the clock catches up on sleeps that ended late (a GPU does
+        # not wait for the host to schedule a process); beyond it a host that cannot keep up makes
+        # the simulation slower rather than later steps free.
+        self._clock = max(self._clock, now - self._config.max_lag_s) + cost_s * self._config.time_scale
         delay = self._clock - now
         await asyncio.sleep(delay if delay >= MIN_SLEEP_S else 0)
 

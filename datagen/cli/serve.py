@@ -237,6 +237,13 @@ def sim(
     reserve_fraction: Annotated[
         float | None, typer.Option(help="admission reserve of max_new_tokens")
     ] = None,
+    max_lag_ms: Annotated[
+        float | None,
+        typer.Option(
+            help="how far the simulated clock may lag real time, caught up by later steps "
+            "(0: never, a late wake-up delays every later step; the benchmarks use 5)"
+        ),
+    ] = None,
     mean_reasoning_tokens: Annotated[
         float | None, typer.Option(help="mean length of a simulated reasoning part, in tokens")
     ] = None,
@@ -276,6 +283,7 @@ def sim(
         "max_total_num_tokens": kv_tokens,
         "time_scale": time_scale,
         "reserve_fraction": reserve_fraction,
+        "max_lag_s": None if max_lag_ms is None else max_lag_ms / 1000,
         "mean_reasoning_tokens": mean_reasoning_tokens,
         "mean_answer_tokens": mean_answer_tokens,
         "tool_call_format": tool_call_format,

@@ -183,6 +183,25 @@ async def test_time_scale_paces_decode_steps(engine_factory: Any) -> None:
     assert 0.18 <= time.monotonic() - started < 0.6
 
 
+async def test_a_clock_allowed_to_lag_catches_up_on_late_wake_ups(engine_factory: Any) -> None:
+    # 100 decode steps of 1.5 ms: asyncio's timer wakes a 1.5-ms sleep after 2 ms or more, and a
+    # clock that never lags keeps every such delay; one that may lag 5 ms catches up.
+    async def paced_s(max_lag_s: float) -> float:
+        engine, _ = engine_factory(
+            time_scale=1.0, decode_step_base_s=0.0015, decode_step_per_req_s=0.0, max_lag_s=max_lag_s
+        )
+        req = make_request(f"lag-{max_lag_s}", max_new_tokens=101, ignore_eos=True)
+        started = time.monotonic()
+        engine.submit(req)
+        await req.done.wait()
+        return time.monotonic() - started
+
+    strict_s = await paced_s(0.0)
+    lagging_s = await paced_s(0.005)
+    assert strict_s >= 0.19  # at least 2 ms a step
+    assert 0.14 <= lagging_s < 0.9 * strict_s
+
+
 async def test_gen_throughput_is_reported_while_busy(engine_factory: Any) -> None:
     engine, metrics = engine_factory(time_scale=1.0, decode_step_base_s=0.001, decode_step_per_req_s=0.0)
     reqs = [make_request(f"r{i}", max_new_tokens=2000, ignore_eos=True) for i in range(4)]
