@@ -159,7 +159,9 @@ async def test_controller_starts_in_slow_start_and_ends_it_at_the_server_queue(
         run = asyncio.create_task(worker.run())
         await wait_until_async(lambda: redis_client.hget(control_key, "phase") == b"steady", 20, NOT_MET)
         reason = (redis_client.hget(control_key, "reason") or b"").decode()
-        assert reason.startswith("slow start ends at 24: ") and "waiting in the server queue" in reason, reason
+        assert reason.startswith("slow start ends at 24: ") and "waiting in the server queue" in reason, (
+            reason
+        )
         # Cut by the excess of the queue it saw (beyond the setpoint of two), not below what runs.
         assert 16 <= int(redis_client.hget(control_key, "target") or 0) < 24
         await stop(worker, run)
