@@ -209,10 +209,12 @@ class Fleet:
         that key is preferred: the request waits up to ``AFFINITY_WAIT_S`` for a slot there, so
         the server's prefix cache serves every sample, and then goes wherever there is room.
         """
-        preferred = self._sticky.get(affinity) if affinity is not None else None
         deadline = time.monotonic() + AFFINITY_WAIT_S
         async with self._changed:
             while True:
+                # Read at every wake-up: a sibling sample placed while this one waited for a slot
+                # names the server this one should follow.
+                preferred = self._sticky.get(affinity) if affinity is not None else None
                 if preferred is not None and preferred.free(cls) > 0:
                     server = preferred
                     break
