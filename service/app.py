@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import sys
 import time
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
@@ -66,6 +67,11 @@ _REDIS_UNAVAILABLE = (
 # Retry-After of the 503s that say Redis cannot take a request now: a restart or failover takes
 # seconds; memory is freed by an operator (or by workers finishing prompts), which takes longer.
 RETRY_AFTER_S: dict[type[DatagenError], int] = {BackendUnavailableError: 5, RedisOutOfMemoryError: 30}
+# How often Python hands the GIL between threads (its default is 5 ms). A request makes a dozen Redis
+# round trips, and after each one waits for the GIL; while a retry or an ingestion thread parses
+# thousands of Redis replies, every wait is a whole switch interval: a cancel then took 0.3-1.5 s
+# instead of 50 ms (tests/service/test_cancel_during_retry.py).
+GIL_SWITCH_INTERVAL_S = 0.0005
 
 
 _ROUTING_HINTS = {
@@ -88,12 +94,15 @@ def create_app(settings: CoordinatorSettings, *, redis_client: redis.Redis | Non
             settings.require_redis_url(), socket_timeout=REDIS_SOCKET_TIMEOUT_S, health_check_interval=30
         )
         coordinator = Coordinator(settings, client)
+        switch_interval_s = sys.getswitchinterval()
+        sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
         coordinator.start()
         app.state.coordinator = coordinator
         try:
             yield
         finally:
             coordinator.close()
+            sys.setswitchinterval(switch_interval_s)
             if redis_client is None:
                 client.close()
 

@@ -297,7 +297,10 @@ class JobControls:
                 for priority in Priority:
                     pipe.zrem(self.keys.dispatch_jobs(cls, priority), job_id)
             pipe.execute()
-        return rq_jobs
+        # A worker's ack that landed after the first sweep and before the job's keys went finished
+        # its prompt in RQ (a hash and a finished-registry entry, kept for the result TTL). Acks
+        # count only prompts still in the job's running set, which is gone now: this sweep is the last.
+        return rq_jobs + self._delete_rq_jobs(job_id)
 
     def _delete_rq_jobs(self, job_id: str) -> int:
         prefix = self._rq_prefix(job_id)

@@ -262,6 +262,9 @@ class Finisher:
     def fail(
         self, identity: QueueIdentity, item: InFlight, parsed: ParsedPayload, exc: BaseException
     ) -> None:
+        if self._gone(parsed):
+            self.drop_stale(identity, item)
+            return
         reason = type(exc).__name__
         if isinstance(exc.__cause__, RetryableError):
             # Retries ran out: the cause says why (timeouts, 5xx, aborts), not the FatalError wrapper.
@@ -283,6 +286,9 @@ class Finisher:
         identity.finish_failure(item, message, hook)
 
     def cancelled(self, identity: QueueIdentity, item: InFlight, parsed: ParsedPayload, job_id: str) -> None:
+        if self._gone(parsed):
+            self.drop_stale(identity, item)
+            return
         labels = prompt_labels(parsed.raw)
 
         def hook(pipe: Pipeline) -> None:
@@ -297,9 +303,21 @@ class Finisher:
         identity.drop(item)
         log.info("dropped %s: its job was deleted while it ran", item.job.id)
 
-    def hand_back(self, identity: QueueIdentity, item: InFlight, job_id: str | None) -> None:
+    def _gone(self, parsed: ParsedPayload) -> bool:
+        """Whether the prompt's job was deleted, or its id reused, while it ran. RQ's transitions
+        write the prompt's RQ hash unconditionally: they would write a deleted job's back (kept for
+        a TTL, or for good) or change the new job's prompt of the same RQ id (failed, or queued twice)."""
+        if parsed.job is None or parsed.prompt is None:
+            return False
+        return self.jobs.incarnation(parsed.job) != parsed.prompt.incarnation
+
+    def hand_back(self, identity: QueueIdentity, item: InFlight, parsed: ParsedPayload) -> None:
         """Return an unfinished prompt to the front of its queue; if Redis is down, the reaper will."""
+        job_id = parsed.job
         try:
+            if self._gone(parsed):
+                self.drop_stale(identity, item)
+                return
             hook = (
                 (lambda pipe: self.jobs.outcomes.handed_back(pipe, job_id, item.job.id)) if job_id else None
             )

@@ -56,7 +56,7 @@ class PromptRunner:
                     functools.partial(self.finisher.cancelled, identity, item, parsed, job_id)
                 )
                 return
-            self.finisher.hand_back(identity, item, job_id)
+            self.finisher.hand_back(identity, item, parsed)
             raise
         finally:
             # Whatever happened, this worker no longer runs the job: stop heartbeating it, so that

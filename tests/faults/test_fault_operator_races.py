@@ -79,7 +79,7 @@ def test_a_deleted_job_stays_deleted_while_its_ingestion_and_prompts_were_runnin
         lambda: _keys_of(stack, job_id) == [],
         30,
         "the in-flight prompts to be dropped",
-        on_timeout=stack.logs,
+        on_timeout=lambda: f"keys left: {_keys_of(stack, job_id)}\n{stack.logs()}",
     )
     time.sleep(2.0)
 

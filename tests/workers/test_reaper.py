@@ -37,11 +37,14 @@ def _claim(redis_client: redis.Redis, name: str, *, dies: bool = True, beats_on:
     # own heartbeat (its RQ key, which expires with it).
     registry = item.queue.started_job_registry
     member = next(m for m in redis_client.zrange(registry.key, 0, -1) if m.decode().startswith(item.job.id))
-    redis_client.zadd(registry.key, {member: time.time() - 1})
+    lapsed_s = time.time() - 1
+    redis_client.zadd(registry.key, {member: lapsed_s})
     if dies:
         redis_client.delete(identity.key)
     else:  # its key lingers, from the entry's last renewal or (``beats_on``) from a later beat
-        last_beat = time.time() - 1 - identity.get_heartbeat_ttl(item.job)
+        # The same instant as the entry's last renewal (its expiry less the TTL), not a fresh clock
+        # reading: on a loaded machine the gap between two readings can pass for a later beat.
+        last_beat = lapsed_s - identity.get_heartbeat_ttl(item.job)
         redis_client.hset(identity.key, "last_heartbeat", utcformat(datetime.fromtimestamp(last_beat, UTC)))
         if beats_on:
             identity.heartbeat()
