@@ -145,7 +145,7 @@ async def test_controller_starts_in_slow_start_and_ends_it_at_the_server_queue(
 ) -> None:
     ingest(redis_client, storage, "slow", 200)
     # The server runs at most 16 requests: slow start climbs from its window (16) by half (24),
-    # and 8 wait, well beyond the setpoint of two.
+    # and 8 wait, beyond the setpoint of four.
     with running_simulator(tokenizer_path=tokenizer_path, time_scale=0.02, max_running_requests=16) as url:
         worker = await start(
             settings(redis_url, storage, short_concurrency=64, kv_controller=True), {"s": url}
@@ -162,7 +162,7 @@ async def test_controller_starts_in_slow_start_and_ends_it_at_the_server_queue(
         assert reason.startswith("slow start ends at 24: ") and "waiting in the server queue" in reason, (
             reason
         )
-        # Cut by the excess of the queue it saw (beyond the setpoint of two), not below what runs.
+        # Cut by the excess of the queue it saw (beyond the setpoint of four), not below what runs.
         assert 16 <= int(redis_client.hget(control_key, "target") or 0) < 24
         await stop(worker, run)
 

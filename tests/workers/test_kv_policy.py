@@ -67,16 +67,16 @@ def test_a_restarted_server_is_not_a_retraction() -> None:
 
 
 def test_a_server_queue_beyond_the_setpoint_cuts_the_target_by_the_excess() -> None:
-    # 25 run, 8 wait, 1 is on its way: the setpoint is two requests, so six too many wait.
+    # 25 run, 8 wait, 1 is on its way: the setpoint is four requests, so four too many wait.
     signals = KvSignals(token_usage=0.6, num_queue_reqs=8, num_running_reqs=25)
     decision = decide(34, None, signals, floor=1, ceiling=512)
-    assert decision.target == 28
+    assert decision.target == 30
     assert decision.reason == "8 requests waiting in the server queue beside 25 running"
-    # Two waiting is the setpoint: hold; three is one too many.
-    at_setpoint = KvSignals(token_usage=0.6, num_queue_reqs=2, num_running_reqs=28)
-    assert decide(30, None, at_setpoint, floor=1, ceiling=512).reason is None
-    one_over = KvSignals(token_usage=0.6, num_queue_reqs=3, num_running_reqs=28)
-    assert decide(31, None, one_over, floor=1, ceiling=512).target == 30
+    # Four waiting is the setpoint: hold; five is one too many.
+    at_setpoint = KvSignals(token_usage=0.6, num_queue_reqs=4, num_running_reqs=28)
+    assert decide(32, None, at_setpoint, floor=1, ceiling=512).reason is None
+    one_over = KvSignals(token_usage=0.6, num_queue_reqs=5, num_running_reqs=28)
+    assert decide(33, None, one_over, floor=1, ceiling=512).target == 32
     # A big server: the setpoint is 3 % of those running (5.4 of 180).
     big = KvSignals(token_usage=0.9, num_queue_reqs=10, num_running_reqs=180)
     assert decide(200, None, big, floor=10, ceiling=512).target == 195
@@ -84,9 +84,9 @@ def test_a_server_queue_beyond_the_setpoint_cuts_the_target_by_the_excess() -> N
 
 def test_a_target_far_above_what_the_server_holds_comes_down_at_once() -> None:
     # Others fill the queue while this target is mostly unused: down to what the server holds
-    # (100 running, 20 waiting) plus the setpoint (3).
+    # (100 running, 20 waiting) plus the setpoint (4).
     signals = KvSignals(token_usage=0.97, num_queue_reqs=20, num_running_reqs=100)
-    assert decide(512, None, signals, floor=10, ceiling=512).target == 123
+    assert decide(512, None, signals, floor=10, ceiling=512).target == 124
 
 
 def test_headroom_grows_only_when_the_target_is_in_use() -> None:
@@ -108,12 +108,12 @@ def test_floor_and_ceiling_bound_every_decision() -> None:
 
 def test_below_the_setpoint_the_target_grows_by_the_shortfall_or_five_percent() -> None:
     empty = KvSignals(token_usage=0.5, num_queue_reqs=0, num_running_reqs=30)
-    assert decide(30, None, empty, floor=1, ceiling=512).target == 32  # two short of the setpoint
+    assert decide(30, None, empty, floor=1, ceiling=512).target == 34  # four short of the setpoint
     # Right after a queue too: the queue is gone, so the server has room nothing fills.
     after_a_queue = KvSignals(token_usage=0.6, num_queue_reqs=3, num_running_reqs=30)
-    assert decide(30, after_a_queue, empty, floor=1, ceiling=512).target == 32
-    one = KvSignals(token_usage=0.5, num_queue_reqs=1, num_running_reqs=30)
-    assert decide(31, None, one, floor=1, ceiling=512).target == 33  # 5 % of 31, rounded up
+    assert decide(30, after_a_queue, empty, floor=1, ceiling=512).target == 34
+    one_short = KvSignals(token_usage=0.5, num_queue_reqs=3, num_running_reqs=30)
+    assert decide(31, None, one_short, floor=1, ceiling=512).target == 33  # 5 % of 31, rounded up
     assert (
         decide(100, None, KvSignals(token_usage=0.5, num_running_reqs=95), floor=1, ceiling=512).target == 105
     )
@@ -154,7 +154,7 @@ def test_slow_start_growth_is_capped_where_the_pool_would_be_full() -> None:
 def test_a_server_queue_ends_slow_start_and_cuts_the_excess() -> None:
     signals = KvSignals(token_usage=0.5, num_queue_reqs=10, num_running_reqs=50)
     decision = decide(64, None, signals, floor=1, ceiling=512, slow_start=True)
-    assert decision.target == 56  # 8 beyond the setpoint of two
+    assert decision.target == 58  # 6 beyond the setpoint of four
     assert not decision.slow_start
     assert decision.reason == (
         "slow start ends at 64: 10 requests waiting in the server queue beside 50 running"
