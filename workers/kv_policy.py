@@ -29,9 +29,10 @@ the worker's next requests arrive; more only parks work where it cannot move.
 Measured on the project's simulator (``bench/README.md``, "Fourth pass" and "Fifth pass"), whose
 pool turns over in about a second: the first rules (a queue of one at most, cut to what runs) ran
 24.5 to 25.0 requests where 27 fit, and the user's whole run came to 0.90 of a plain client's. With
-a setpoint of two the whole run came to 0.91-0.97 (mean 0.935 in six runs), with four 0.94-0.98
-(mean 0.959), the steady state 0.937 and 0.958 of a fixed limit's in the same runs; the server
-queue p95 stays 0.27 to 0.47 of the running requests.
+a floor of four for the setpoint, not two, the steady state came to 0.958 of a fixed limit's in the
+same runs, not 0.937 (the whole run, 1.7 % behind that fixed limit's, did not move; against a plain
+client it came to 0.94-0.98, mean 0.959); the server queue p95 stays 0.27 to 0.47 of the running
+requests.
 
 It reads the server's ``/metrics`` in either name form (``sglang:`` or ``sglang_``; for vLLM
 ``vllm:kv_cache_usage_perc``, ``num_requests_running``, ``num_requests_waiting`` and
