@@ -11,7 +11,7 @@ from datagen.control.jobs import JobStore
 from datagen.records.storage import Storage
 from datagen.states import PromptClass
 from service.lifecycle import JobControls
-from tests.support.workers import KEYS, ingest
+from tests.support.workers import KEYS, ingest, short_identity
 from workers.finish import ack_item
 from workers.rqbridge import InFlight, QueueIdentity
 
@@ -36,8 +36,7 @@ def test_an_ack_between_the_deletes_steps_leaves_nothing_behind(
     redis_client: redis.Redis, storage: Storage
 ) -> None:
     ingest(redis_client, storage, JOB, 3)
-    identity = QueueIdentity(KEYS.queue_name(PromptClass.SHORT), "w-del", redis_client, 0.5, "1-del")
-    identity.register()
+    identity = short_identity(redis_client, "w-del")
     jobs = JobStore(redis_client, KEYS)
     early, late = identity.claim_many(Dispatch(redis_client, KEYS), PromptClass.SHORT, 2)
     controls = JobControls(redis_client, KEYS, jobs, storage)

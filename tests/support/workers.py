@@ -12,9 +12,11 @@ import redis
 from datagen.control.keys import Keys
 from datagen.records.storage import Storage
 from datagen.settings import WorkerSettings
+from datagen.states import PromptClass
 from tests.support.ingest import ingest_rows
 from tests.support.specs import job_spec
 from workers.fleet import ServerSpec
+from workers.rqbridge import QueueIdentity
 from workers.worker import Worker
 
 __all__ = [
@@ -27,6 +29,7 @@ __all__ = [
     "ingest",
     "records",
     "settings",
+    "short_identity",
     "start",
     "stop",
 ]
@@ -98,6 +101,13 @@ def ingest(
         rows,
         max_worker_losses=max_worker_losses,
     )
+
+
+def short_identity(redis_client: redis.Redis, name: str) -> QueueIdentity:
+    """A registered worker identity ``name`` on namespace ``NS``'s short queue (beats every 0.5 s)."""
+    identity = QueueIdentity(KEYS.queue_name(PromptClass.SHORT), name, redis_client, 0.5, f"1-{name}")
+    identity.register()
+    return identity
 
 
 def settings(redis_url: str, storage: Storage, **overrides: Any) -> WorkerSettings:

@@ -9,12 +9,12 @@ from rq.job import Job, JobStatus
 
 from datagen.control.dispatch import Dispatch
 from datagen.control.jobs import JobStore
-from datagen.control.payload import parse_payload
+from datagen.control.payload import ParsedPayload, parse_payload
 from datagen.errors import FatalError
 from datagen.records.storage import Storage
 from datagen.states import PromptClass
 from service.lifecycle import JobControls
-from tests.support.workers import KEYS, ingest
+from tests.support.workers import KEYS, ingest, short_identity
 from workers.conversation import Conversations
 from workers.finish import Acks, Finisher
 from workers.jobinfo import JobInfos
@@ -46,17 +46,23 @@ def _claim(redis_client: redis.Redis, identity: QueueIdentity) -> InFlight:
     return item
 
 
-def test_a_prompt_failing_after_its_job_was_deleted_writes_nothing_back(
+def _running_then_deleted(
     redis_client: redis.Redis, storage: Storage
-) -> None:
+) -> tuple[QueueIdentity, InFlight, ParsedPayload]:
+    """A one-prompt job whose prompt runs in a worker while the job is cancelled and deleted."""
     ingest(redis_client, storage, JOB, 1)
-    identity = QueueIdentity(KEYS.queue_name(PromptClass.SHORT), "w-fin", redis_client, 0.5, "1-fin")
-    identity.register()
+    identity = short_identity(redis_client, "w-fin")
     item = _claim(redis_client, identity)
-    parsed = parse_payload(payload_of(item.job))
     controls = JobControls(redis_client, KEYS, JobStore(redis_client, KEYS), storage)
     controls.cancel(JOB)
     controls.delete(JOB)
+    return identity, item, parse_payload(payload_of(item.job))
+
+
+def test_a_prompt_failing_after_its_job_was_deleted_writes_nothing_back(
+    redis_client: redis.Redis, storage: Storage
+) -> None:
+    identity, item, parsed = _running_then_deleted(redis_client, storage)
 
     _finisher(redis_client, storage, identity).fail(identity, item, parsed, FatalError("the server said no"))
 
@@ -70,15 +76,7 @@ def test_a_prompt_failing_after_its_job_was_deleted_writes_nothing_back(
 def test_a_prompt_ending_after_its_id_was_reused_leaves_the_new_jobs_prompt_queued_once(
     redis_client: redis.Redis, storage: Storage, end: str
 ) -> None:
-    ingest(redis_client, storage, JOB, 1)
-    identity = QueueIdentity(KEYS.queue_name(PromptClass.SHORT), "w-fin", redis_client, 0.5, "1-fin")
-    identity.register()
-    old = _claim(redis_client, identity)
-    parsed = parse_payload(payload_of(old.job))
-    jobs = JobStore(redis_client, KEYS)
-    controls = JobControls(redis_client, KEYS, jobs, storage)
-    controls.cancel(JOB)
-    controls.delete(JOB)
+    identity, old, parsed = _running_then_deleted(redis_client, storage)
     ingest(redis_client, storage, JOB, 1)  # the same id and rows: the same RQ id, a new incarnation
     assert Job.fetch(old.job.id, connection=redis_client).get_status() is JobStatus.QUEUED
 
@@ -91,7 +89,7 @@ def test_a_prompt_ending_after_its_id_was_reused_leaves_the_new_jobs_prompt_queu
     assert Job.fetch(old.job.id, connection=redis_client).get_status() is JobStatus.QUEUED
     assert identity.queue.failed_job_registry.get_job_ids() == []
     assert identity.queue.get_job_ids() == []  # only in the new job's backlog: it runs once
-    progress = jobs.progress(JOB)
+    progress = JobStore(redis_client, KEYS).progress(JOB)
     assert (progress.failed, progress.done, progress.in_flight) == (0, 0, 0)
     assert _claim(redis_client, identity).job.id == old.job.id
     assert identity.claim_many(Dispatch(redis_client, KEYS), PromptClass.SHORT, 1) == []
