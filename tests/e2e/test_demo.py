@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from datagen.records.storage import Storage
+from tests.support.processes import interruptible
 from tests.support.wait import wait_until
 
 pytestmark = pytest.mark.e2e
@@ -65,7 +66,7 @@ def test_demo_runs_to_completion_and_cleans_up(tmp_path: Path) -> None:
 def test_demo_interrupted_leaves_no_process_behind(tmp_path: Path) -> None:
     data_dir = tmp_path / "demo-data"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "datagen", "demo", "--data-dir", str(data_dir)],
+        interruptible([sys.executable, "-m", "datagen", "demo", "--data-dir", str(data_dir)]),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         env=_env(),
@@ -77,7 +78,9 @@ def test_demo_interrupted_leaves_no_process_behind(tmp_path: Path) -> None:
         lambda: len(_processes_with_storage(data_dir)) >= 3, 60, "the demo's children to run", interval_s=0.2
     )
     os.killpg(proc.pid, signal.SIGINT)
-    proc.communicate(timeout=60)
+    output, _ = proc.communicate(timeout=60)
+    # 130: it stopped for the Ctrl-C, not because the job had already finished.
+    assert proc.returncode == 130, output.decode(errors="replace")[-3000:]
     wait_until(
         lambda: not _processes_with_storage(data_dir),
         10,

@@ -29,7 +29,7 @@ from datagen.errors import ConfigError
 from datagen.local.processes import child_env
 from datagen.local.redis_server import LocalRedis, free_port
 from datagen.prompts.tokenization import bundled_tokenizer_path, default_chat_template_path
-from tests.support.processes import ProcessStack, coordinator_stack
+from tests.support.processes import ProcessStack, coordinator_stack, interruptible
 from tests.support.wait import wait_until
 
 pytestmark = pytest.mark.e2e
@@ -315,7 +315,7 @@ def test_ctrl_c_is_quiet(tmp_path: Path) -> None:
     }
     for args, sign in waiting.values():
         proc = subprocess.Popen(
-            [sys.executable, "-m", "datagen", *args],
+            interruptible([sys.executable, "-m", "datagen", *args]),
             env=env,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,

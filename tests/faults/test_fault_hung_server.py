@@ -34,8 +34,12 @@ CONCURRENCY = 16
 PROMPTS = 600
 STOP_AT_DONE = PROMPTS // 3
 # The job with a stopped server may take at most this multiple of the healthy job's time: the stop
-# costs half the capacity for the last two thirds (about 1.5x), the rest is detection.
+# costs half the capacity for the last two thirds (about 1.5x), the rest is detection. Measured at
+# 1.28x and 1.41x on this 2-core machine beside three busy processes (load ~4).
 TAIL_FACTOR = 2.0
+# Bounds on waits, not measurements: each job takes about 12 s on a quiet machine, and a machine
+# under a load of ~10 stretches every process several times over.
+HEALTHY_JOB_WAIT_S = 180
 
 
 def _run_job(stack: FaultStack, prefix: str) -> tuple[str, list[dict[str, object]], float]:
@@ -50,7 +54,7 @@ ABANDONED = "requests in flight on server a"
 BACKED_UP = "its request has run"
 
 
-@pytest.mark.timeout(150)
+@pytest.mark.timeout(600)
 @pytest.mark.parametrize(
     ("env", "rescue"),
     [({}, ABANDONED), ({"DATAGEN_HEALTH_TIMEOUT_S": "60"}, BACKED_UP)],
@@ -66,14 +70,19 @@ def test_a_sigstopped_servers_prompts_finish_elsewhere_within_twice_the_usual_ti
     stack.start_worker("worker", ["a", "b"], concurrency=CONCURRENCY)
 
     job_id, rows, started_at = _run_job(stack, "healthy")
-    stack.wait_completed(job_id, 60)
+    stack.wait_completed(job_id, HEALTHY_JOB_WAIT_S)
     usual_s = time.monotonic() - started_at
     check_final_state(stack, job_id, rows, max_new_tokens=MAX_NEW_TOKENS, label="healthy job")
 
     sim = stack.sims["a"]
     assert sim.proc is not None
     job_id, rows, started_at = _run_job(stack, "stopped")
-    wait_until(lambda: stack.job(job_id)["done"] >= STOP_AT_DONE, 60, "a third of the job", interval_s=POLL_S)
+    wait_until(
+        lambda: stack.job(job_id)["done"] >= STOP_AT_DONE,
+        HEALTHY_JOB_WAIT_S,
+        "a third of the job",
+        interval_s=POLL_S,
+    )
     os.kill(sim.proc.pid, signal.SIGSTOP)
     stopped_at = time.monotonic()
     try:

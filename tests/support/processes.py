@@ -25,13 +25,40 @@ from datagen.states import ServerState
 from service.app import create_app
 from tests.support.wait import wait_until
 
-__all__ = ["STARTUP_TIMEOUT_S", "STOP_TIMEOUT_S", "ProcessStack", "coordinator_stack", "serve_coordinator"]
+__all__ = [
+    "STARTUP_TIMEOUT_S",
+    "STOP_TIMEOUT_S",
+    "ProcessStack",
+    "coordinator_stack",
+    "interruptible",
+    "serve_coordinator",
+]
 
 STARTUP_TIMEOUT_S = 15.0
 # How long stopped child processes get to exit before they are killed.
 STOP_TIMEOUT_S = 30.0
 STARTUP_POLL_S = 0.02
 THREAD_JOIN_TIMEOUT_S = 10.0
+
+
+# Runs as `python -c RESTORE_SIGINT PROGRAM ARGS…`: puts back SIGINT's default action, then execs.
+RESTORE_SIGINT = "; ".join(
+    [
+        "import os, signal, sys",
+        "signal.signal(signal.SIGINT, signal.SIG_DFL)",
+        "os.execv(sys.argv[1], sys.argv[1:])",
+    ]
+)
+
+
+def interruptible(command: list[str]) -> list[str]:
+    """``command`` started with SIGINT's default action, so that a test's SIGINT is a Ctrl-C.
+
+    A shell without job control (``scripts/check &``, ``nohup``, a CI runner) starts its background
+    commands with SIGINT ignored; an ignored signal stays ignored in every child and across exec, and
+    Python then installs no KeyboardInterrupt handler: the child would never see the test's Ctrl-C.
+    A default action, unlike a handler, survives the exec."""
+    return [sys.executable, "-c", RESTORE_SIGINT, *command]
 
 
 class ProcessStack(ChildProcesses):
