@@ -13,7 +13,6 @@ from datagen.local.redis_server import LocalRedis
 from datagen.prompts.tokenization import bundled_tokenizer_path
 from datagen.records.storage import Storage
 
-
 # Tests over real processes, each from seconds to a minute.
 SLOW_MARKERS = ("faults", "e2e")
 
