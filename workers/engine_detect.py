@@ -24,6 +24,7 @@ import httpx
 from datagen.errors import ConfigError, DatagenError, PreflightError, ServerError, ServerUnavailableError
 from datagen.states import EngineChoice
 from workers.engine import Engine, GenerateResult, ParsedCalls, ServerFacts
+from workers.fleet import shown_url
 from workers.http_pools import DEFAULT_CONTROL_TIMEOUT_S, PooledClient
 from workers.kv_policy import KvSignals
 from workers.sglang_replies import error_message
@@ -100,7 +101,7 @@ class DetectingEngine:
         self._client: Engine | None = None if choice is EngineChoice.AUTO else build(choice)
 
     def __repr__(self) -> str:
-        return f"DetectingEngine({self.name!r}, {self.base_url!r}, {self.engine})"
+        return f"DetectingEngine({self.name!r}, {shown_url(self.base_url)!r}, {self.engine})"
 
     @property
     def engine(self) -> EngineChoice:
@@ -110,8 +111,8 @@ class DetectingEngine:
     def _require(self) -> Engine:
         if self._client is None:
             raise ServerUnavailableError(
-                f"server {self.name} ({self.base_url}) has not said which engine it runs yet; it is "
-                "asked when its /health first answers 200"
+                f"server {self.name} ({shown_url(self.base_url)}) has not said which engine it runs "
+                "yet; it is asked when its /health first answers 200"
             )
         return self._client
 
@@ -138,7 +139,7 @@ class DetectingEngine:
 
     async def _detect(self) -> EngineChoice:
         found = await detect_engine(self._probe)
-        where = f"server {self.name} ({self.base_url})"
+        where = f"server {self.name} ({shown_url(self.base_url)})"
         if self.choice is EngineChoice.AUTO:
             if found is None:
                 raise PreflightError(

@@ -35,11 +35,23 @@ from datagen.states import EngineChoice, PromptClass, ServerState
 from workers.engine import Engine
 from workers.metrics import WorkerMetrics
 
-__all__ = ["Fleet", "Server", "ServerSpec", "with_api_keys"]
+__all__ = ["Fleet", "Server", "ServerSpec", "shown_url", "url_secret", "with_api_keys"]
 
 log = logging.getLogger(__name__)
 
 _NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+# What a server URL may not hold (its credentials, or a query string or fragment that may hold a
+# token), and what to do instead; {name} is the server's name.
+_CREDENTIALS_FIX = (
+    "put credentials in DATAGEN_SERVER_API_KEYS ({name}=KEY), not in the URL; the worker sends a "
+    "server's key as a bearer token, the one the server was started with --api-key"
+)
+_QUERY_FIX = (
+    "a server URL takes no query string or fragment; give {shown}, and put a token in "
+    "DATAGEN_SERVER_API_KEYS ({name}=KEY)"
+)
+# Shown for a URL whose secret cannot be told apart from the rest (an '@' after a '?' or '#').
+_HIDDEN = "***"
 # How long a sample waits for the server that serves its prompt's other samples.
 AFFINITY_WAIT_S = 2.0
 # Prompts remembered for affinity (their samples are enqueued together, so recent ones suffice).
@@ -315,35 +327,101 @@ class ServerSpec:
     @classmethod
     def parse(cls, value: str) -> ServerSpec:
         """``NAME=URL`` or a bare URL, which is named ``host-port``. The URL's scheme may name the
-        engine, as in ``vllm+http://host:port`` or ``sglang+https://host``."""
+        engine, as in ``vllm+http://host:port`` or ``sglang+https://host``. A URL with credentials,
+        a query string or a fragment is refused (:func:`url_secret`)."""
+        _refuse_secret(value)
         name, sep, url = value.partition("=")
         if not sep:
             url, name = value, ""
         url = url.strip().rstrip("/")
-        engine = EngineChoice.AUTO
-        prefix, plus, rest = url.partition("+")
-        if plus and prefix in (EngineChoice.SGLANG, EngineChoice.VLLM):
-            engine, url = EngineChoice(prefix), rest
-        parsed = urlsplit(url)
-        if parsed.scheme not in ("http", "https") or not parsed.hostname:
+        engine, url = _engine_prefix(url)
+        default = _default_name(url)
+        if default is None:
             raise ValueError(
-                f"server {value!r}: expected NAME=http://host:port or http://host:port (the scheme may "
-                "name the engine: vllm+http://, sglang+http://)"
+                f"server {shown_url(value)!r}: expected NAME=http://host:port or http://host:port (the "
+                "scheme may name the engine: vllm+http://, sglang+http://)"
             )
-        if not name:
-            name = f"{parsed.hostname}-{parsed.port or (443 if parsed.scheme == 'https' else 80)}"
+        name = name or default
         if not _NAME.match(name):
             raise ValueError(f"server name {name!r}: use letters, digits, '.', '_' or '-'")
         return cls(name, url, engine=engine)
 
     @classmethod
     def parse_many(cls, values: list[str]) -> list[ServerSpec]:
-        specs = [cls.parse(v) for item in values for v in item.split(",") if v.strip()]
+        pieces = [v for item in values for v in item.split(",") if v.strip()]
+        # Every piece is checked before any is parsed: a password or query holding ',' is split
+        # into pieces, and the one with the '@' or '?' must be refused before a piece of the secret
+        # is quoted in another message.
+        for piece in pieces:
+            _refuse_secret(piece)
+        specs = [cls.parse(v) for v in pieces]
         names = [s.name for s in specs]
         duplicates = sorted({n for n in names if names.count(n) > 1})
         if duplicates:
             raise ValueError(f"server names must be unique; repeated: {', '.join(duplicates)}")
         return specs
+
+
+def shown_url(url: str) -> str:
+    """``url`` as every log line, message and published view shows a server: without its
+    ``user:password@`` part, query string and fragment, any of which may hold a secret.
+
+    Works on any text, parsed or not: everything up to the last ``@`` and from the first ``?`` or
+    ``#`` is dropped; where an ``@`` follows a ``?`` or ``#`` (a query holding an ``@``, or a password
+    holding a ``?``) nothing after the scheme is shown.
+    """
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        scheme, rest = "", url
+    start = rest.rfind("@") + 1
+    end = min((i for i in (rest.find("?"), rest.find("#")) if i >= 0), default=len(rest))
+    return f"{scheme}{sep}{rest[start:end] if end >= start else _HIDDEN}"
+
+
+def url_secret(url: str, *, name: str = "") -> str | None:
+    """Why ``url`` cannot be a server's URL, and what to do instead, when it may carry a secret
+    (an ``@``, ``?`` or ``#`` anywhere); None when it carries none. The message names the server
+    ``name``, else the name a bare URL gets (``host-port``), and never shows the secret."""
+    if "@" in url:
+        fix = _CREDENTIALS_FIX
+    elif "?" in url or "#" in url:
+        fix = _QUERY_FIX
+    else:
+        return None
+    shown = shown_url(url.strip())
+    name = name or _default_name(_engine_prefix(shown)[1]) or ""
+    return f"server {name or shown}: " + fix.format(name=name or "NAME", shown=shown)
+
+
+def _refuse_secret(value: str) -> None:
+    """ValueError (:func:`url_secret`'s message) when ``NAME=URL`` or a bare URL carries a secret."""
+    name, sep, url = value.partition("=")
+    # A part before '=' that is no name belongs to a bare URL (a password or query holding '=').
+    named = bool(sep) and _NAME.match(name) is not None
+    secret = url_secret(url if named else value, name=name if named else "")
+    if secret is not None:
+        raise ValueError(secret)
+
+
+def _engine_prefix(url: str) -> tuple[EngineChoice, str]:
+    """The engine a ``vllm+`` or ``sglang+`` scheme names (else ``auto``) and the URL without it."""
+    prefix, plus, rest = url.partition("+")
+    if plus and prefix in (EngineChoice.SGLANG, EngineChoice.VLLM):
+        return EngineChoice(prefix), rest
+    return EngineChoice.AUTO, url
+
+
+def _default_name(url: str) -> str | None:
+    """``host-port``, the name of a server given by its bare URL; None when ``url`` is not an
+    ``http(s)://host[:port]`` URL whose port is a number."""
+    try:
+        parsed = urlsplit(url)
+        port = parsed.port
+    except ValueError:  # a port that is no number, or a broken [IPv6] host
+        return None
+    if parsed.scheme not in ("http", "https") or not parsed.hostname:
+        return None
+    return f"{parsed.hostname}-{port or (443 if parsed.scheme == 'https' else 80)}"
 
 
 def with_api_keys(specs: list[ServerSpec], keys: Mapping[str, SecretStr]) -> list[ServerSpec]:

@@ -27,6 +27,7 @@ from datagen.errors import (
     ServerUnavailableError,
 )
 from datagen.settings import DEFAULT_CONNECT_TIMEOUT_S
+from workers.fleet import shown_url, url_secret
 from workers.sglang_replies import ERROR_TEXT_MAX_CHARS
 
 __all__ = [
@@ -79,13 +80,18 @@ class ClientTimeouts:
         )
 
 
-def _check_base_url(base_url: str, kind: str) -> httpx.URL:
+def _check_base_url(name: str, base_url: str, kind: str) -> httpx.URL:
+    # Credentials in the URL would reach the server as basic auth in place of its API key, and be
+    # shown wherever the URL is: refused, as at the command line (ServerSpec.parse).
+    secret = url_secret(base_url, name=name)
+    if secret is not None:
+        raise ConfigError(secret)
     try:
         url = httpx.URL(base_url)
     except httpx.InvalidURL as exc:
-        raise ConfigError(f"{kind} base URL {base_url!r} is not a URL: {exc}") from exc
+        raise ConfigError(f"{kind} base URL {shown_url(base_url)!r} is not a URL: {exc}") from exc
     if url.scheme not in ("http", "https") or not url.host:
-        raise ConfigError(f"{kind} base URL {base_url!r} must look like http://host:port")
+        raise ConfigError(f"{kind} base URL {shown_url(base_url)!r} must look like http://host:port")
     return url
 
 
@@ -123,7 +129,7 @@ class PooledClient:
                 f"max_connections for {self.kind} server {name!r} must be >= 1, got {max_connections}"
             )
         self.name = name
-        self.base_url = str(_check_base_url(base_url, self.kind))
+        self.base_url = str(_check_base_url(name, base_url, self.kind))
         self.timeouts = timeouts
         key = api_key.get_secret_value() if isinstance(api_key, SecretStr) else api_key
         self._headers = {"Authorization": f"Bearer {key}"} if key else {}
@@ -140,11 +146,11 @@ class PooledClient:
         self._closed = False
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}({self.name!r}, {self.base_url!r})"
+        return f"{type(self).__name__}({self.name!r}, {shown_url(self.base_url)!r})"
 
     @property
     def _label(self) -> str:
-        return f"{self.name!r} ({self.base_url})"
+        return f"{self.name!r} ({shown_url(self.base_url)})"
 
     # -- lifecycle ---------------------------------------------------------------------------------
 

@@ -148,7 +148,8 @@ def worker(
         typer.Option(
             metavar="<[name=]url>",
             help="SGLang or vLLM server, NAME=URL or URL; a vllm+http:// or sglang+http:// URL names "
-            "its engine; repeatable (DATAGEN_SERVERS, comma-separated)",
+            "its engine; repeatable (DATAGEN_SERVERS, comma-separated). No user:password@, ?query "
+            "or #fragment: a server's key goes in DATAGEN_SERVER_API_KEYS",
         ),
     ] = None,
     engine: Annotated[
