@@ -16,7 +16,8 @@ Row ids and hygiene (decontamination, deduplication) judge a set of rows, not on
 this rule (`service.rowids`, `datagen.hygiene.screen`).
 
 A chunk holds the rows read so far as prompts, rejections and flags; chunks grow from a small first
-one (`chunk_sizes`).
+one (`chunk_sizes`) up to a limit that keeps each chunk within the job's queued window
+(`chunk_limit`).
 """
 
 from __future__ import annotations
@@ -36,7 +37,16 @@ from datagen.spec import JobSpec
 from datagen.states import MultiTurnMode, PromptClass, SpecialTextPolicy
 from service.rowids import RowId
 
-__all__ = ["Admitted", "Chunk", "Refused", "admit", "breakdown", "chunk_items", "chunk_sizes"]
+__all__ = [
+    "Admitted",
+    "Chunk",
+    "Refused",
+    "admit",
+    "breakdown",
+    "chunk_items",
+    "chunk_limit",
+    "chunk_sizes",
+]
 
 
 @dataclass
@@ -48,6 +58,20 @@ class Chunk:
     ids: dict[int, RowId] = field(default_factory=dict)
     rows: int = 0
     last_line: int = 0
+
+
+def chunk_limit(chunk: int, window: int, samples: int = 1) -> int:
+    """The most items a chunk of an ingestion holds: the configured ``chunk``, capped so that the
+    chunk never holds more prompts of a class than the job's queued window (``window``,
+    ``DATAGEN_MAX_QUEUED_PER_CLASS``) lets in at once. A chunk larger than the window would wait for
+    room that can never come.
+
+    A chunk is cut once its items (prompts and rejected rows) reach the limit, looked at after each
+    row, and a row adds ``samples`` prompts: a chunk holds at most ``limit - 1 + samples`` prompts,
+    hence the cap. Cutting here, not splitting a chunk later, keeps one transaction and one
+    checkpoint per chunk (`service.ingest`). Only a row whose samples alone outnumber the window can
+    still hold more: such a chunk (of that one row) waits for an empty backlog instead."""
+    return max(1, min(chunk, window - samples + 1))
 
 
 def chunk_sizes(first: int, most: int) -> Iterator[int]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import re
 import sys
 import time
 from collections.abc import AsyncIterator, Mapping
@@ -18,6 +19,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BeforeValidator
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -56,6 +58,10 @@ MAX_JOBS_PAGE = 1000
 MAX_JOB_WAIT_S = 30.0
 JOB_WAIT_POLL_S = 0.05
 OPENAPI_URL = "/openapi.json"
+# Numbers in a query are read as written in ASCII digits: what int() or float() would also accept
+# ("１", "1_0", " 10", "10.0" for a count) answers 422 rather than being guessed at.
+_QUERY_INT = re.compile(r"[0-9]{1,18}")
+_QUERY_NUMBER = re.compile(r"(?:[0-9]{1,18}(?:\.[0-9]{0,18})?|\.[0-9]{1,18})(?:[eE][-+]?[0-9]{1,3})?")
 # Redis errors that mean "not reachable now" (a failover makes a replica read-only for a while);
 # a refusal at maxmemory is said as such (`datagen.control.redismemory`); any other Redis error is a bug of
 # ours and answers 500.
@@ -120,6 +126,23 @@ def create_app(settings: CoordinatorSettings, *, redis_client: redis.Redis | Non
     _install_routes(app)
     _install_docs(app)
     return app
+
+
+def _query_int(value: object) -> object:
+    if isinstance(value, str) and not _QUERY_INT.fullmatch(value):
+        raise ValueError("write a whole number in ASCII digits (0-9), as 100")
+    return value
+
+
+def _query_number(value: object) -> object:
+    if isinstance(value, str) and not _QUERY_NUMBER.fullmatch(value):
+        raise ValueError("write a number in ASCII digits (0-9) with an optional '.', as 2.5")
+    return value
+
+
+# After the Query() of an Annotated parameter, so the schema keeps its minimum and maximum.
+QueryInt = BeforeValidator(_query_int)
+QueryNumber = BeforeValidator(_query_number)
 
 
 def _coordinator(request: Request) -> Coordinator:
@@ -188,7 +211,9 @@ def _install_routes(app: FastAPI) -> None:
     @app.get("/jobs", dependencies=guarded)
     def list_jobs(
         coord: Coord,
-        limit: Annotated[int, Query(ge=1, le=MAX_JOBS_PAGE, description="jobs per page")] = JOBS_PAGE,
+        limit: Annotated[
+            int, Query(ge=1, le=MAX_JOBS_PAGE, description="jobs per page"), QueryInt
+        ] = JOBS_PAGE,
         cursor: Annotated[
             str | None, Query(max_length=200, description="the `next` of the previous page")
         ] = None,
@@ -217,6 +242,7 @@ def _install_routes(app: FastAPI) -> None:
                 le=MAX_JOB_WAIT_S,
                 description="answer as soon as the job ends, or after this many seconds (a long poll)",
             ),
+            QueryNumber,
         ] = 0.0,
     ) -> dict[str, Any]:
         deadline = time.monotonic() + wait_s
@@ -291,7 +317,7 @@ def _install_job_reads(app: FastAPI, guarded: list[Any]) -> None:
                 "conversations (multi_turn all) that stopped before their last turn"
             ),
         ] = "rejected",
-        limit: Annotated[int, Query(ge=1, le=MAX_ERRORS_LIMIT)] = DEFAULT_ERRORS_LIMIT,
+        limit: Annotated[int, Query(ge=1, le=MAX_ERRORS_LIMIT), QueryInt] = DEFAULT_ERRORS_LIMIT,
     ) -> dict[str, Any]:
         if kind == "rejected":
             return {"kind": kind, "errors": coord.rejected(job_id, limit)}
@@ -398,3 +424,10 @@ def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
         return _error(422, _validation_message(exc), InvalidRequestError.__name__)
+
+    @app.exception_handler(Exception)
+    async def unexpected_error(request: Request, exc: Exception) -> JSONResponse:
+        # A bug of ours still answers the one error body, not Starlette's plain-text 500; the server
+        # logs the traceback (Starlette raises the exception again once this answer is sent).
+        message = f"internal error ({type(exc).__name__}); see the coordinator's log"
+        return _error(500, message, DatagenError.__name__)

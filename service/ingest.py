@@ -44,7 +44,16 @@ from datagen.prompts.tokenization import PromptRenderer, renderer_for, special_t
 from datagen.records.storage import Storage
 from datagen.spec import JobSpec
 from datagen.states import DedupMode, JobState, PromptClass
-from service.admit import Admitted, Chunk, Refused, admit, breakdown, chunk_items, chunk_sizes
+from service.admit import (
+    Admitted,
+    Chunk,
+    Refused,
+    admit,
+    breakdown,
+    chunk_items,
+    chunk_limit,
+    chunk_sizes,
+)
 from service.committed import Committed, Settled, settle_committed
 from service.metrics import CoordinatorMetrics
 from service.rowids import check_row_ids, repeated_lines, row_id
@@ -67,9 +76,10 @@ FIRST_CHUNK_S = 0.1
 class IngestOptions:
     chunk: int
     enqueue: EnqueueOptions
-    # Backpressure: a chunk waits while the job's backlog of its class already holds this many
-    # prompts, so Redis holds a bounded window of a dataset of any size (the rest waits in the
-    # file), and one huge job's window never holds back another job's ingestion.
+    # Backpressure: a chunk waits while the job's backlog of its class has no room for its prompts
+    # within this many, so Redis holds a bounded window of a dataset of any size (the rest waits in
+    # the file), and one huge job's window never holds back another job's ingestion. Chunks are cut
+    # to fit the window (`service.admit.chunk_limit`), so the room they wait for can come.
     max_queued_per_class: int = 200_000
     backpressure_poll_s: float = 1.0
     # Chunks grow from this size to ``chunk`` (`service.admit.chunk_sizes`); the first one is
@@ -205,6 +215,8 @@ class Ingestor:
         if current is None or (incarnation is not None and current != incarnation):
             raise _Cancelled  # deleted, or its id already reused, before ingestion began
         incarnation = current
+        # A wait for room shown by a coordinator that stopped during it is over: this run shows its own.
+        self.jobs.set_waiting_for_room(job_id, None)
         spec = self.jobs.spec(job_id)
         renderer = renderer_for(spec)
         context_len = (
@@ -216,10 +228,11 @@ class Ingestor:
             log.info("job %s: resuming ingestion of %s after line %d", job_id, input_name, start_line)
         hygiene = self._hygiene(job_id, spec)
         chunk = Chunk(input_name)
-        sizes = chunk_sizes(self.options.first_chunk, self.options.chunk)
+        most = chunk_limit(self.options.chunk, self.options.max_queued_per_class, spec.samples)
+        sizes = chunk_sizes(self.options.first_chunk, most)
         size = next(sizes)
         # Only the first chunk has a deadline; None once it is out (or when chunks are small anyway).
-        deadline = time.monotonic() + self.options.first_chunk_s if size < self.options.chunk else None
+        deadline = time.monotonic() + self.options.first_chunk_s if size < most else None
         with self._open(job_id, source) as stream:
             for item, conversation in chunk_items(stream, spec, start_line):
                 if stop.is_set():
@@ -306,12 +319,51 @@ class Ingestor:
             chunk.prompts.append((item, payload))
 
     def _wait_for_room(self, job_id: str, payloads: list[PromptPayload], stop: threading.Event) -> None:
+        """Wait while the job's backlog of a class has no room for the chunk's prompts of that class
+        within the window. A chunk fits the window (`service.admit.chunk_limit`) but for one row
+        whose samples outnumber it: that one asks for the whole window, so it goes once the backlog
+        is empty."""
+        window = self.options.max_queued_per_class
         for cls in PromptClass:
-            wanted = sum(1 for p in payloads if p.cls is cls)
-            while wanted and self.dispatch.backlog(job_id, cls) + wanted > self.options.max_queued_per_class:
+            wanted = min(window, sum(1 for p in payloads if p.cls is cls))
+            backlog = self.dispatch.backlog(job_id, cls) if wanted else 0
+            if backlog + wanted > window:
+                self._wait_for_class(job_id, cls, wanted, backlog, stop)
+
+    def _wait_for_class(
+        self, job_id: str, cls: PromptClass, wanted: int, backlog: int, stop: threading.Event
+    ) -> None:
+        """Poll until the backlog of ``cls`` has room for ``wanted`` more. The job shows the wait
+        (``waiting_for_room``) while it lasts, and the log says when it starts and when it ends."""
+        window = self.options.max_queued_per_class
+        log.info(
+            "job %s: ingestion waits for room: the %s backlog holds %d prompts of a window of %d "
+            "(DATAGEN_MAX_QUEUED_PER_CLASS) and the next chunk needs room for %d; it goes on as "
+            "workers take prompts",
+            job_id,
+            cls.value,
+            backlog,
+            window,
+            wanted,
+        )
+        started = time.monotonic()
+        self.jobs.set_waiting_for_room(job_id, cls)
+        try:
+            while backlog + wanted > window:
                 self._check_cancelled(job_id)
                 if stop.wait(self.options.backpressure_poll_s):
                     raise _Stopped
+                backlog = self.dispatch.backlog(job_id, cls)
+        finally:
+            self.jobs.set_waiting_for_room(job_id, None)
+        log.info(
+            "job %s: ingestion resumes after %.1f s: the %s backlog holds %d prompts of a window of %d",
+            job_id,
+            time.monotonic() - started,
+            cls.value,
+            backlog,
+            window,
+        )
 
     def _check_cancelled(self, job_id: str) -> None:
         if self.jobs.state(job_id) is JobState.CANCELLED:

@@ -3,8 +3,10 @@
 Queue depths, pause flags and job progress are read from Redis when Prometheus scrapes, so they
 are never stale and cost nothing between scrapes. A job's series carry a ``job`` label only while
 the job is ingesting or running; they disappear when it ends (bounded label sets). Partitions
-beyond the first 20 of a job are counted as ``other``. Redis's memory against its ``maxmemory`` is
-read the same way (``INFO memory``), and every write Redis refused at that limit is counted.
+beyond the first 20 of a job, and those longer than 128 characters, are counted as ``other``
+(`datagen.control.jobs.MAX_PARTITION_LABELS`, ``MAX_PARTITION_LABEL_CHARS``). Redis's memory
+against its ``maxmemory`` is read the same way (``INFO memory``), and every write Redis refused at
+that limit is counted.
 """
 
 from __future__ import annotations

@@ -10,6 +10,8 @@ incarnation (so records of prompts in flight still count), and its uploads inges
 the first line, with every prompt that has a committed record counted done instead of enqueued
 (`service.committed`). A job deleted without its files stays deleted; a cancelled one comes back
 cancelled. The job says it was rebuilt (``rebuilt`` in its JSON: when, why, what storage had).
+The manifest is read and validated whole before anything of the job is dropped: a job whose
+manifest does not validate is left as it is (`datagen recover` answers 409 naming the field).
 """
 
 from __future__ import annotations
@@ -18,13 +20,13 @@ import json
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeGuard
 
 from datagen.control.jobs import JobStore
 from datagen.control.progress import now_ms
-from datagen.errors import JobNotFoundError
+from datagen.errors import InvalidSpecError, JobNotFoundError, JobStateError
 from datagen.records.storage import Storage
-from datagen.spec import JobSpec
+from datagen.spec import JobSpec, validate_spec
 from datagen.states import JobState, RebuildReason
 from service.committed import Committed, read_committed
 from service.lifecycle import ENDING_CANCELLED, ENDING_DELETED, JobControls
@@ -78,15 +80,20 @@ class Rebuilder:
         rebuilt = []
         for job_id in self.storage.list_jobs():
             why = self._why_rebuild(job_id, suspicion)
-            if why is not None:
+            if why is None:
+                continue
+            try:
                 self.rebuild(job_id, *why)
-                rebuilt.append(job_id)
+            except JobStateError as exc:  # its manifest does not validate: the others go on
+                log.error("job %s: %s", job_id, exc)
+                continue
+            rebuilt.append(job_id)
         return rebuilt
 
     def _why_rebuild(self, job_id: str, suspicion: Suspicion) -> tuple[str, RebuildReason] | None:
         manifest = self.storage.read_manifest(job_id)
-        incarnation = str(manifest.get("incarnation") or "") if manifest else ""
-        if not incarnation:
+        incarnation = _incarnation(manifest)
+        if manifest is None or not incarnation:
             return None  # nothing to rebuild from: no manifest, or one from before incarnations
         held = self.jobs.incarnation(job_id)
         if self.storage.ending(job_id, ENDING_DELETED, incarnation):
@@ -97,7 +104,8 @@ class Rebuilder:
         if held is None:
             if suspicion.lost or suspicion.rolled_back:
                 return suspicion.reason, suspicion.label
-            created_ms = int(manifest.get("created_at_ms") or 0) if manifest else 0
+            created = manifest.get("created_at_ms")
+            created_ms = created if _is_int(created) else 0
             if suspicion.epoch_ms and created_ms > suspicion.epoch_ms:
                 why = "Redis went back to an older snapshot (the job is newer than Redis's data)"
                 return why, RebuildReason.ROLLED_BACK
@@ -121,22 +129,16 @@ class Rebuilder:
         return None
 
     def rebuild(self, job_id: str, reason: str, label: RebuildReason) -> dict[str, Any]:
-        """Make the job again from storage (see the module docstring); returns its ``rebuilt`` note."""
-        manifest = self.storage.read_manifest(job_id)
-        incarnation = str(manifest.get("incarnation") or "") if manifest else ""
-        if manifest is None or not incarnation:
-            raise JobNotFoundError(
-                f"job {job_id} has no manifest with an incarnation in storage ({self.storage.url(job_id)}); "
-                "there is nothing to rebuild it from: submit its dataset again under a new job id"
-            )
+        """Make the job again from storage (see the module docstring); returns its ``rebuilt`` note.
+        A manifest that does not validate raises JobStateError before anything of the job changes."""
+        stored = _read_manifest(self.storage, job_id)
+        incarnation = stored.incarnation
         if self.storage.ending(job_id, ENDING_DELETED, incarnation):
             raise JobNotFoundError(f"job {job_id} was deleted; it is not rebuilt")
         previous = self._previous(job_id)
         self.stop_ingest(job_id)
         self.controls.forget(job_id, keep_hash=True)
         committed = read_committed(self.storage, job_id)
-        spec = JobSpec.model_validate(manifest["spec"])
-        preflight = manifest.get("preflight") or {}
         note: dict[str, Any] = {
             "at_ms": now_ms(),
             "reason": reason,
@@ -147,8 +149,8 @@ class Rebuilder:
             "rebuilds": int(previous.get("rebuilds", 0)) + 1,
         }
         fields: dict[str, str | int] = {"rebuilt": json.dumps(note, sort_keys=True)}
-        if preflight.get("context_len"):
-            fields["context_len"] = int(preflight["context_len"])
+        if stored.context_len:
+            fields["context_len"] = stored.context_len
         cancelled = self.storage.ending(job_id, ENDING_CANCELLED, incarnation)
         inputs = [] if cancelled else self.storage.input_names(job_id)
         if not inputs:  # nothing to ingest again: what is committed is the whole job
@@ -160,11 +162,11 @@ class Rebuilder:
             )
         self.jobs.create(
             job_id,
-            spec,
-            tokenizer_identity=_tokenizer_identity(manifest),
-            stop_ids=[int(i) for i in preflight.get("stop_ids") or []],
+            stored.spec,
+            tokenizer_identity=stored.tokenizer_identity,
+            stop_ids=stored.stop_ids,
             incarnation=incarnation,
-            created_at_ms=int(manifest.get("created_at_ms") or 0) or None,
+            created_at_ms=stored.created_at_ms,
             state=JobState.CANCELLED if cancelled else JobState.INGESTING,
             fields=fields,
             replace=True,
@@ -196,10 +198,88 @@ class Rebuilder:
         return previous
 
 
-def _tokenizer_identity(manifest: dict[str, Any]) -> str:
+@dataclass(frozen=True)
+class _StoredJob:
+    """What a rebuild makes the job from: its manifest, read and validated whole first."""
+
+    incarnation: str
+    spec: JobSpec
+    tokenizer_identity: str
+    stop_ids: list[int]
+    context_len: int | None
+    created_at_ms: int | None
+
+
+def _incarnation(manifest: object) -> str:
+    """The incarnation a manifest names ('': none, or no manifest a rebuild can start from)."""
+    return str(manifest.get("incarnation") or "") if isinstance(manifest, dict) else ""
+
+
+def _read_manifest(storage: Storage, job_id: str) -> _StoredJob:
+    """The job's manifest as a rebuild uses it. JobNotFoundError without one (or one from before
+    incarnations); JobStateError naming the field when it does not validate (a spec written by an
+    older version, an edited file)."""
+    manifest = storage.read_manifest(job_id)
+    if not _incarnation(manifest):
+        raise JobNotFoundError(
+            f"job {job_id} has no manifest with an incarnation in storage ({storage.url(job_id)}); "
+            "there is nothing to rebuild it from: submit its dataset again under a new job id"
+        )
+    assert isinstance(manifest, dict)
+    try:
+        return _stored_job(manifest)
+    except (InvalidSpecError, ValueError) as exc:
+        raise JobStateError(
+            f"job {job_id} cannot be rebuilt: its manifest ({storage.url(job_id)}/manifest.json) does not "
+            f"validate: {exc}. Nothing of the job was changed; restore a valid manifest.json, or submit "
+            "its dataset again under a new job id"
+        ) from exc
+
+
+def _stored_job(manifest: dict[str, Any]) -> _StoredJob:
+    incarnation, spec = manifest["incarnation"], manifest.get("spec")
+    if not isinstance(incarnation, str):
+        raise ValueError(f"incarnation: expected a string, got {json.dumps(incarnation)[:80]}")
+    if not isinstance(spec, dict):
+        raise ValueError("spec: expected the job spec as a JSON object")
+    preflight = _object(manifest, "preflight")
+    stop_ids = preflight.get("stop_ids") or []
+    if not isinstance(stop_ids, list) or not all(_is_int(i) for i in stop_ids):
+        raise ValueError("preflight.stop_ids: expected a list of token ids")
+    return _StoredJob(
+        incarnation=incarnation,
+        spec=validate_spec(spec),
+        tokenizer_identity=_tokenizer_identity(manifest, spec),
+        stop_ids=list(stop_ids),
+        context_len=_optional_int(preflight, "context_len", "preflight.context_len"),
+        created_at_ms=_optional_int(manifest, "created_at_ms"),
+    )
+
+
+def _object(parent: dict[str, Any], name: str) -> dict[str, Any]:
+    value = parent.get(name) or {}
+    if not isinstance(value, dict):
+        raise ValueError(f"{name}: expected a JSON object")
+    return value
+
+
+def _optional_int(parent: dict[str, Any], name: str, where: str = "") -> int | None:
+    value = parent.get(name)
+    if value is None or value == 0:
+        return None
+    if not _is_int(value) or value < 0:
+        raise ValueError(f"{where or name}: expected a whole number, got {json.dumps(value)[:80]}")
+    return int(value)
+
+
+def _is_int(value: object) -> TypeGuard[int]:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _tokenizer_identity(manifest: dict[str, Any], spec: dict[str, Any]) -> str:
     """What the submit wrote into the job (`service.coordinator`): name and file hash."""
-    identity = manifest.get("tokenizer") or {}
+    identity = _object(manifest, "tokenizer")
     name, digest = identity.get("tokenizer"), identity.get("tokenizer_sha256")
     if name and digest:
         return f"{name}@sha256:{digest}"
-    return str(name or manifest.get("spec", {}).get("tokenizer", ""))
+    return str(name or spec.get("tokenizer", ""))

@@ -5,6 +5,7 @@ state and priority (`GET /jobs`, `datagen status`, the coordinator's resume, the
 
 from __future__ import annotations
 
+import re
 from collections.abc import Collection, Iterator, Sequence
 from typing import Protocol, cast
 
@@ -13,6 +14,7 @@ from redis import Redis
 from datagen.control.keys import Keys
 from datagen.control.redistext import as_text, as_texts
 from datagen.errors import InvalidRequestError
+from datagen.records.storage import JOB_ID_PATTERN
 from datagen.states import JobState
 
 __all__ = ["JobIndex"]
@@ -23,6 +25,9 @@ PAGE_TIES = 64
 # call, so it stays fast however few jobs match.
 SELECT_PAGE = 500
 SELECT_SCAN = 5000
+# A cursor: `<created ms>:<job id>`, as `JobIndex.page` writes it (a job id as `JOB_ID_PATTERN`).
+CURSOR_MS_DIGITS = 16
+_CURSOR = re.compile(rf"(?P<ms>[0-9]{{1,{CURSOR_MS_DIGITS}}}):(?P<after>{JOB_ID_PATTERN.pattern})")
 
 
 class JobStates(Protocol):
@@ -122,9 +127,11 @@ class JobIndex:
 
 
 def _parse_cursor(cursor: str) -> tuple[int, str]:
-    score, _, after = cursor.partition(":")
-    if not score.isdigit() or not after:
+    # ASCII digits only: str.isdigit() also accepts "²", which int() then refuses.
+    match = _CURSOR.fullmatch(cursor)
+    if match is None:
         raise InvalidRequestError(
-            f"bad cursor {cursor[:80]!r}: pass the `next` of the previous page of GET /jobs unchanged"
+            f"bad cursor {cursor[:80]!r}: pass the `next` of the previous page of GET /jobs unchanged "
+            "(<created ms>:<job id>)"
         )
-    return int(score), after
+    return int(match["ms"]), match["after"]

@@ -32,7 +32,7 @@ from datagen.control.progress import JobProgress, now_ms, progress_from_hash
 from datagen.control.redistext import as_text, as_texts
 from datagen.errors import JobNotFoundError, JobStateError
 from datagen.spec import JobSpec
-from datagen.states import JobState, Priority
+from datagen.states import JobState, Priority, PromptClass
 
 __all__ = [
     "FAILED_REPORTS_CAP",
@@ -47,6 +47,9 @@ __all__ = [
 
 # Partitions beyond this many per job are counted under the label OTHER_LABEL (bounded label sets).
 MAX_PARTITION_LABELS = 20
+# A partition longer than this (characters) is never labelled: it counts under OTHER_LABEL, so a
+# dataset's partition values cannot grow a metric label or a breakdown field past this.
+MAX_PARTITION_LABEL_CHARS = 128
 
 
 # Seen records are read back in pieces of this size (a Redis reply stays small).
@@ -390,6 +393,14 @@ class JobStore:
             message = f"{error} (since {now_ms()} ms)"
             self._set_if_exists(SetIfExistsArgs(hash_key=key, field_name="storage_error", value=message))
 
+    def set_waiting_for_room(self, job_id: str, cls: PromptClass | None) -> None:
+        """Ingestion waits for room in the job's backlog of ``cls`` (None: it does not wait)."""
+        key = self.keys.job(job_id)
+        if cls is None:
+            self.redis.hdel(key, "waiting_for_room")
+        else:  # only on a job that exists: a job deleted meanwhile must not come back
+            self._set_if_exists(SetIfExistsArgs(hash_key=key, field_name="waiting_for_room", value=cls.value))
+
     def fail(self, job_id: str, error: str) -> bool:
         """Ingestion failed: an ingesting job fails. A job cancelled or deleted meanwhile is left
         as it is (never recreated). Returns whether it moved."""
@@ -398,14 +409,17 @@ class JobStore:
 
     # Breakdown by partition and class --------------------------------------------------------------
     def partition_labels(self, job_id: str, partitions: set[str]) -> tuple[dict[str, str], list[str]]:
-        """Label of each partition: itself for the job's first partitions, ``other`` beyond the cap;
-        and the partitions newly labelled, for :meth:`add_partition_labels` in the caller's
-        transaction (so nothing is written for a job that is gone by then)."""
+        """Label of each partition: itself for the job's first partitions, ``other`` beyond the cap
+        or beyond ``MAX_PARTITION_LABEL_CHARS``; and the partitions newly labelled, for
+        :meth:`add_partition_labels` in the caller's transaction (so nothing is written for a job
+        that is gone by then)."""
         labelled = set(as_texts(self.redis.smembers(self.keys.job_partitions(job_id))))
         new: list[str] = []
         for partition in sorted(partitions - labelled):
             if len(labelled) >= MAX_PARTITION_LABELS:
                 break
+            if len(partition) > MAX_PARTITION_LABEL_CHARS:
+                continue
             new.append(partition)
             labelled.add(partition)
         return {p: partition_label(p, labelled) for p in partitions}, new

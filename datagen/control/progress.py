@@ -64,6 +64,8 @@ class JobProgress:
     # Set when the job was rebuilt from storage after Redis lost or rolled back its data
     # (`service.rebuild`): when, why, and what it cost.
     rebuilt: dict[str, Any] | None = None
+    # The class whose backlog ingestion waits to have room in (`service.ingest`); None when it does not.
+    waiting_for_room: str | None = None
 
     @property
     def queued(self) -> int:
@@ -124,6 +126,8 @@ class JobProgress:
             "tail_s": None if tail_s is None else round(tail_s, 3),
             "error": self.error,
             "storage_error": self.storage_error,
+            # Only an ingesting job waits (a coordinator stopped mid-wait may leave the field behind).
+            "waiting_for_room": self.waiting_for_room if self.state is JobState.INGESTING else None,
         }
 
 
@@ -156,4 +160,5 @@ def progress_from_hash(job_id: str, raw: dict[bytes, bytes], running: int, pause
         first_record_at_ms=ints["first_record_at_ms"],
         tail_from_ms=ints["tail_from_ms"],
         rebuilt=json.loads(fields["rebuilt"]) if fields.get("rebuilt") else None,
+        waiting_for_room=fields.get("waiting_for_room") or None,
     )
