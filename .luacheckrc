@@ -9,7 +9,7 @@ max_line_length = 110
 -- a script sees them as globals it cannot change.
 local lib = {
   "job_incarnation", "counts_in", "leave_running", "partition_label", "tally", "count_in_job",
-  "complete_if_ended", "rejoin", "count_cancelled_queued",
+  "complete_if_ended", "finish_in_rq", "ack_in_job", "rejoin", "count_cancelled_queued",
 }
 files["datagen/control/lua"] = {read_globals = lib}
 files["workers/lua"] = {read_globals = lib}

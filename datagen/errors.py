@@ -22,6 +22,8 @@
         │   ├── UnknownServerError  no worker has reported a server of that name
         │   └── UnknownQueueError   no queue of that name
         ├── JobStateError           the job's state forbids the operation (delete while running) 409
+        │   └── ForeignFileError    a job's stored manifest or ending marker that is not the job's
+        │                           (copied or planted from another job): refused, never acted on
         ├── CorruptShardError       a committed shard that differs from its commit object or cannot
         │                           be decoded (changed, truncated or missing after its commit)
         ├── AuthError               a missing or wrong bearer token                            401
@@ -48,6 +50,7 @@ __all__ = [
     "DatagenError",
     "DuplicateRequestError",
     "FatalError",
+    "ForeignFileError",
     "GenerationAbortedError",
     "InvalidRequestError",
     "InvalidRowError",
@@ -170,6 +173,12 @@ class UnknownQueueError(NotFoundError):
 
 class JobStateError(FatalError):
     """The operation does not fit the job's state (deleting a running job, resuming a finished one)."""
+
+
+class ForeignFileError(JobStateError):
+    """A file in a job's storage folder that names another job (or another incarnation or ending
+    than it should): a rebuild neither starts from it nor drops a job for it
+    (`datagen.records.belonging`). The message names the file."""
 
 
 class CorruptShardError(FatalError):

@@ -32,6 +32,7 @@ __all__ = [
     "MAX_KWARGS_DEPTH",
     "MAX_NEW_TOKENS_LIMIT",
     "MIN_ITEM_WORDS",
+    "SGLANG_TOOL_CALL_PARSERS",
     "JobSpec",
     "SamplingParams",
     "parse_spec_json",
@@ -94,8 +95,66 @@ PathText = Annotated[
 NameText = Annotated[
     str, StringConstraints(strict=True, min_length=1, max_length=MAX_NAME_CHARS), AfterValidator(_plain_text)
 ]
-# SGLang's --tool-call-parser names: qwen25, deepseekv3, kimi_k2, gpt-oss, ...
-ParserName = Annotated[str, StringConstraints(strict=True, pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
+# The tool-call parsers SGLang knows: the keys of ``FunctionCallParser.ToolCallParserEnum``
+# (python/sglang/srt/function_call/function_call_parser.py, SGLang main of mid-2026). SGLang answers
+# any other name at /parse_function_call with a 500 (an uncaught ValueError), so a job naming one would
+# stop every conversation after its first turn: it is refused at submit instead. A name a newer SGLang
+# adds goes here (the simulator implements some of these: `simulator.toolcalls.SUPPORTED_PARSERS`).
+SGLANG_TOOL_CALL_PARSERS: frozenset[str] = frozenset(
+    {
+        "apertus2509",
+        "cohere_command4",
+        "deepseekv3",
+        "deepseekv31",
+        "deepseekv32",
+        "deepseekv4",
+        "dots",
+        "gemma4",
+        "gigachat3",
+        "gigachat35",
+        "glm",
+        "glm45",
+        "glm47",
+        "gpt-oss",
+        "hermes",
+        "hunyuan",
+        "inkling",
+        "interns1",
+        "k2_horizon",
+        "kimi_k2",
+        "kimi_k3",
+        "lfm2",
+        "ling3",
+        "llama3",
+        "mimo",
+        "minicpm5",
+        "minimax-m2",
+        "minimax-m3",
+        "mistral",
+        "muse",
+        "poolside_v1",
+        "pythonic",
+        "qwen",
+        "qwen25",
+        "qwen3_coder",
+        "spark25",
+        "step3",
+        "step3p5",
+        "trinity",
+    }
+)
+
+
+def _known_parser(value: str) -> str:
+    if value not in SGLANG_TOOL_CALL_PARSERS:
+        raise ValueError(
+            f"{value[:64]!r} is not a tool-call parser SGLang knows; use one of "
+            f"{', '.join(sorted(SGLANG_TOOL_CALL_PARSERS))}"
+        )
+    return value
+
+
+ParserName = Annotated[str, StringConstraints(strict=True), AfterValidator(_known_parser)]
 
 
 def _decontam_source(value: str) -> str:

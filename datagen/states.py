@@ -108,7 +108,8 @@ class StopReason(StrEnum):
     TOOL_MISMATCH = "tool_mismatch"  # the model's tool calls differ from the dataset's
     ERROR = "error"  # the next turn could not be built (template refused the history, parser failed)
     # Redis lost the conversation's next turn before it ran, and its job was rebuilt from storage,
-    # which holds each committed turn but not the history a worker builds from it.
+    # whose records of it predate ``next_turn`` (schema version 1): the history a worker built the
+    # next turn from is not stored. Records since carry it, and a rebuild enqueues the next turn.
     LOST = "lost"
 
 

@@ -113,11 +113,13 @@ def breakdown(
     fresh: list[PromptPayload],
     labels: dict[str, str],
     done: Sequence[tuple[PromptPayload, int]] = (),
+    continued: Sequence[PromptPayload] = (),
 ) -> dict[BreakdownField, int]:
     """Accepted prompts and rejected rows by partition label and class, for the metrics; ``done``:
-    prompts of ``fresh`` already committed (a rebuilt job), with how many turns each counts."""
+    prompts of ``fresh`` already committed (a rebuilt job), with how many turns each counts;
+    ``continued``: the next turns of its conversations, enqueued from the records."""
     counts: Counter[BreakdownField] = Counter()
-    for payload in fresh:
+    for payload in [*fresh, *continued]:
         counts[BreakdownField("accepted", labels[payload.partition], payload.cls.value)] += 1
     for payload, turns in done:
         label = labels[payload.partition]

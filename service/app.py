@@ -3,7 +3,6 @@ everything else in :class:`service.coordinator.Coordinator`."""
 
 from __future__ import annotations
 
-import asyncio
 import hmac
 import logging
 import re
@@ -23,7 +22,7 @@ from pydantic import BeforeValidator
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from datagen.control.redismemory import is_out_of_memory, out_of_memory_error, read_memory
+from datagen.control.redismemory import health_json, is_out_of_memory, out_of_memory_error, read_memory
 from datagen.errors import (
     AuthError,
     BackendUnavailableError,
@@ -40,6 +39,7 @@ from datagen.settings import CoordinatorSettings
 from datagen.spec import parse_spec_json
 from datagen.states import JobState, Priority, PromptClass
 from service.coordinator import Coordinator
+from service.longpoll import CAPPED_HEADER, LongPolls
 
 __all__ = ["create_app"]
 
@@ -53,10 +53,9 @@ MAX_REPORTED_PROBLEMS = 10
 # GET /jobs pages: the default and the largest page.
 JOBS_PAGE = 100
 MAX_JOBS_PAGE = 1000
-# `GET /jobs/{id}?wait_s=`: a long poll answers when the job ends, looking at its state (one HGET)
-# this often; `datagen submit --wait` so exits within a fraction of a second of the job's end.
+# `GET /jobs/{id}?wait_s=`: a long poll answers when the job ends or after at most this; how often
+# jobs are looked at and how many polls may wait are in `service.longpoll`.
 MAX_JOB_WAIT_S = 30.0
-JOB_WAIT_POLL_S = 0.05
 OPENAPI_URL = "/openapi.json"
 # Numbers in a query are read as written in ASCII digits: what int() or float() would also accept
 # ("１", "1_0", " 10", "10.0" for a count) answers 422 rather than being guessed at.
@@ -104,6 +103,7 @@ def create_app(settings: CoordinatorSettings, *, redis_client: redis.Redis | Non
         sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
         coordinator.start()
         app.state.coordinator = coordinator
+        app.state.long_polls = LongPolls(coordinator.jobs)
         try:
             yield
         finally:
@@ -173,10 +173,14 @@ def _install_routes(app: FastAPI) -> None:
     @app.get("/healthz")
     def healthz(coord: Coord) -> dict[str, Any]:
         """Liveness (Redis answers), and Redis's memory against its maxmemory, with what an
-        operator must change in ``redis.problems`` (``datagen status`` shows them)."""
+        operator must change in ``redis.problems`` (``datagen status`` shows them). Out of memory
+        also while a write was refused of late (`datagen.control.redismemory.health_json`)."""
         coord.redis.ping()
         memory = read_memory(coord.redis)
-        return {"status": "ok", "redis": None if memory is None else memory.to_json()}
+        if memory is None:
+            return {"status": "ok", "redis": None}
+        refused = coord.metrics.redis_oom_refusals.seen
+        return {"status": "ok", "redis": health_json(memory, refused, int(time.time() * 1000))}
 
     @app.get("/metrics")
     def metrics(coord: Coord) -> Response:
@@ -233,6 +237,8 @@ def _install_routes(app: FastAPI) -> None:
 
     @app.get("/jobs/{job_id}", dependencies=guarded)
     async def get_job(
+        request: Request,
+        response: Response,
         coord: Coord,
         job_id: JobId,
         wait_s: Annotated[
@@ -240,16 +246,15 @@ def _install_routes(app: FastAPI) -> None:
             Query(
                 ge=0,
                 le=MAX_JOB_WAIT_S,
-                description="answer as soon as the job ends, or after this many seconds (a long poll)",
+                description="answer as soon as the job ends, or after this many seconds (a long poll; "
+                "beyond the caps on waiting polls it answers at once, with the header X-Long-Poll: capped)",
             ),
             QueryNumber,
         ] = 0.0,
     ) -> dict[str, Any]:
-        deadline = time.monotonic() + wait_s
-        while wait_s and time.monotonic() < deadline:
-            if (await run_in_threadpool(coord.jobs.state, job_id)).is_final:
-                break
-            await asyncio.sleep(min(JOB_WAIT_POLL_S, max(0.0, deadline - time.monotonic())))
+        polls: LongPolls = request.app.state.long_polls
+        if not await polls.wait(job_id, wait_s):
+            response.headers[CAPPED_HEADER[0]] = CAPPED_HEADER[1]
         job: dict[str, Any] = await run_in_threadpool(coord.job_json, job_id)
         return job
 

@@ -15,9 +15,10 @@ from redis import Redis, RedisError
 
 from datagen.control.dispatch import JobShare
 from datagen.control.enqueue import EnqueueOptions
-from datagen.control.epoch import EpochChange, EpochWatch
+from datagen.control.epoch import EpochWatch
 from datagen.control.jobs import JobStore
 from datagen.control.keys import Keys
+from datagen.control.leases import Leases
 from datagen.control.servers import live_servers
 from datagen.errors import (
     DatagenError,
@@ -43,7 +44,8 @@ from service.fleetview import FleetView
 from service.ingest import IngestOptions, Ingestor
 from service.lifecycle import JobControls
 from service.metrics import CoordinatorMetrics
-from service.rebuild import Rebuilder, Suspicion
+from service.rebuild import Rebuilder
+from service.watch import RedisWatch
 
 __all__ = ["Coordinator"]
 
@@ -59,8 +61,6 @@ PINNED_IDENTITY = {
     "decontaminate_sha256": "decontamination set content",
 }
 JOIN_TIMEOUT_S = 10.0
-# How often the coordinator checks Redis's epoch (`datagen.control.epoch`): two round trips, five commands.
-EPOCH_CHECK_S = 1.0
 
 
 class Coordinator:
@@ -92,18 +92,22 @@ class Coordinator:
         self._ingests: dict[str, _IngestRun] = {}
         self._lock = threading.Lock()
         self.epoch = EpochWatch(redis, self.keys)
+        self.leases = Leases(redis)
         self.rebuilder = Rebuilder(
             self.jobs,
             self.storage,
             self.controls,
-            start_ingest=lambda job_id, inputs, committed: self._start_ingest(
-                job_id, inputs, committed=committed, fresh=True
+            start_ingest=lambda job_id, inputs, committed, fence: self._start_ingest(
+                job_id, inputs, committed=committed, fresh=True, fence=fence
             ),
             stop_ingest=self.stop_ingest,
             on_rebuilt=lambda reason: self.metrics.jobs_rebuilt.labels(reason.value).inc(),
+            leases=self.leases,
         )
-        self._closing = threading.Event()
-        self._watcher: threading.Thread | None = None
+        # Redis's epoch, checked every second; a loss or rollback reconciled by one coordinator.
+        self.watch = RedisWatch(
+            self.epoch, self.leases, self.keys, self.jobs, self.rebuilder, resume=self._resume_ingesting
+        )
 
     # Lifecycle ----------------------------------------------------------------------------------
     def start(self) -> None:
@@ -112,30 +116,12 @@ class Coordinator:
         start watching Redis's epoch."""
         preload_libraries()  # before ingestion threads load tokenizers (`datagen.prompts.loaders`)
         self.storage.claim_namespace(self.settings.namespace)
-        self.epoch.look()
-        # No epoch and no job: a new Redis, or one that lost its data while nothing watched it.
-        lost = self.epoch.found_none and not self.jobs.index.list_ids(1)
-        why = "Redis had no data at coordinator start" if lost else "coordinator start"
-        try:
-            self.rebuilder.reconcile(Suspicion(why, lost=lost, epoch_ms=self.epoch.read_seq))
-        except DatagenError as exc:
-            # Storage failing now: the watch tries again while Redis has no epoch.
-            log.warning("cannot hold the stored jobs to Redis at start: %s", exc)
-            if lost:
-                self._start_watch()
-                return
-        self.epoch.stamp()  # after the rebuild: workers that saw Redis go back in time go on now
-        self._resume_ingesting()
-        self._start_watch()
-
-    def _start_watch(self) -> None:
-        self._watcher = threading.Thread(target=self._watch, name="epoch-watch", daemon=True)
-        self._watcher.start()
+        if self.watch.start_up():  # False: Redis had no data and storage failed; the watch goes on
+            self._resume_ingesting()
+        self.watch.start()
 
     def close(self) -> None:
-        self._closing.set()
-        if self._watcher is not None:
-            self._watcher.join(timeout=JOIN_TIMEOUT_S)
+        self.watch.close()
         for run in list(self._ingests.values()):
             run.stop.set()
         for run in list(self._ingests.values()):
@@ -156,39 +142,26 @@ class Coordinator:
                 if run is not None and run.thread.is_alive():
                     continue
             inputs = self._remaining_inputs(job_id)
-            if inputs:
-                committed = read_committed(self.storage, job_id) if progress.rebuilt else None
-                self._start_ingest(job_id, inputs, committed=committed)
-
-    def _watch(self) -> None:
-        """Check Redis's epoch every second (`datagen.control.epoch`): rebuild from storage what a Redis
-        that lost or rolled back its data no longer holds, then resume what it left ingesting."""
-        while not self._closing.wait(EPOCH_CHECK_S):
-            try:
-                change = self.epoch.look()
-                if change is EpochChange.LOST:
-                    log.warning("Redis lost its data (its epoch is gone); rebuilding jobs from storage")
-                    self.rebuilder.reconcile(Suspicion("Redis lost its data", lost=True))
-                elif change is EpochChange.ROLLED_BACK:
-                    log.warning("Redis went back to an older snapshot; rebuilding live jobs from storage")
-                    self.rebuilder.reconcile(
-                        Suspicion("Redis went back to an older snapshot", lost=True, rolled_back=True)
-                    )
-                self.epoch.stamp()
-                if change in (EpochChange.LOST, EpochChange.ROLLED_BACK):
-                    self._resume_ingesting()
-            except (RedisError, DatagenError) as exc:
-                # Redis or storage away: the next check tries again (and sees what changed).
-                log.warning("cannot check Redis's epoch or rebuild jobs: %s", exc)
-            except Exception:  # a bug must not end the watch silently
-                log.exception("the epoch watch failed; it goes on")
+            incarnation = self.jobs.incarnation(job_id)
+            if not inputs or incarnation is None:
+                continue
+            # This run takes the job's ingestion: one still running elsewhere lands nothing more
+            # (a job made before incarnations has no fence to take).
+            fence = self.jobs.take_ingest(job_id, incarnation) if incarnation else None
+            if incarnation and fence is None:
+                continue  # cancelled, failed or deleted meanwhile
+            committed = read_committed(self.storage, job_id) if progress.rebuilt else None
+            self._start_ingest(job_id, inputs, committed=committed, fence=fence)
 
     def recover(self, job_id: str) -> dict[str, Any]:
-        """Rebuild one job from storage on an operator's request (`datagen recover`)."""
+        """Rebuild one job from storage on an operator's request (`datagen recover`). A rebuild of
+        the job already running (on any coordinator) is joined: its result is the answer
+        (``joined``), and the job is rebuilt once."""
         validate_job_id(job_id)
-        note = self.rebuilder.rebuild(job_id, "asked for (datagen recover)", RebuildReason.RECOVER)
+        note, joined = self.rebuilder.rebuild(job_id, "asked for (datagen recover)", RebuildReason.RECOVER)
         body = self.job_json(job_id)
         body["rebuilt"] = note
+        body["joined"] = joined
         return body
 
     def stop_ingest(self, job_id: str) -> None:
@@ -254,6 +227,10 @@ class Coordinator:
                 manifest = self._manifest(job_id, spec, identity, sets, servers, preflight)
                 manifest["incarnation"] = incarnation
                 manifest["created_at_ms"] = self.jobs.progress(job_id).created_at_ms
+                # Redis's epoch now, after the create: a coordinator starting on a Redis whose epoch
+                # (the same id) counts less lacks the job because Redis went back (`service.rebuild`).
+                epoch_id, epoch_seq = self.epoch.current()
+                manifest["epoch"] = {"id": epoch_id, "seq": epoch_seq}
                 self.storage.write_manifest(job_id, manifest)
             self.jobs.set_ingest_input(job_id, input_name, preflight.context_len)
             self.metrics.jobs_submitted.inc()
@@ -386,17 +363,24 @@ class Coordinator:
         return name if self.storage.input_exists(job_id, name) else None
 
     def _start_ingest(
-        self, job_id: str, inputs: list[str], *, committed: Committed | None = None, fresh: bool = False
+        self,
+        job_id: str,
+        inputs: list[str],
+        *,
+        committed: Committed | None = None,
+        fresh: bool = False,
+        fence: str | None = None,
     ) -> None:
         """Ingest ``inputs`` in order in one thread (the job's current upload first, from its
-        checkpoint; ``fresh``: every upload from its first line, as a rebuild does)."""
+        checkpoint; ``fresh``: every upload from its first line, as a rebuild does). ``fence``: the
+        value the job's ingest fence holds for this run (`service.ingest`; None: the incarnation)."""
         incarnation = self.jobs.incarnation(job_id)
         if incarnation is None or not inputs:
             return
         stop = threading.Event()
         thread = threading.Thread(
             target=self._ingest_all,
-            args=(job_id, inputs, stop, incarnation, committed, fresh),
+            args=(job_id, inputs, stop, incarnation, committed, fresh, fence),
             name=f"ingest-{job_id}",
             daemon=True,
         )
@@ -411,17 +395,21 @@ class Coordinator:
         incarnation: str,
         committed: Committed | None,
         fresh: bool,
+        fence: str | None,
     ) -> None:
         for n, name in enumerate(inputs):
             if n > 0 or fresh:
                 try:
+                    if fence is not None and self.jobs.ingest_fence(job_id) != fence:
+                        log.info("job %s: ingestion stopped: another run took it over", job_id)
+                        return
                     self.jobs.set_ingest_input(job_id, name, None, queue=inputs[n + 1 :])
                 except (RedisError, DatagenError) as exc:
                     log.warning("job %s: cannot start ingesting %s; it resumes later: %s", job_id, name, exc)
                     return
             last = n == len(inputs) - 1
             ended = self.ingestor.run(
-                job_id, name, stop, incarnation=incarnation, committed=committed, finish=last
+                job_id, name, stop, incarnation=incarnation, committed=committed, finish=last, fence=fence
             )
             if not ended:
                 return

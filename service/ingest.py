@@ -31,7 +31,7 @@ from rq.serializers import JSONSerializer
 from datagen.backoff import Backoff
 from datagen.control.dispatch import Dispatch
 from datagen.control.enqueue import EnqueueOptions, enqueue_prompts
-from datagen.control.jobs import JobStore
+from datagen.control.jobs import FENCE_SEPARATOR, JobStore
 from datagen.control.keys import Keys, prompt_key
 from datagen.control.payload import Conversation, PromptPayload
 from datagen.control.redismemory import is_out_of_memory, out_of_memory_error
@@ -97,6 +97,11 @@ class _Cancelled(Exception):
     """The job was cancelled, failed or deleted while it was ingesting (its fence is gone)."""
 
 
+class _TakenOver(Exception):
+    """Another ingestion run of the job took its fence (a rebuild, or a coordinator that resumed
+    it): this one lands nothing more."""
+
+
 class Ingestor:
     def __init__(
         self,
@@ -129,6 +134,7 @@ class Ingestor:
         incarnation: str | None = None,
         committed: Committed | None = None,
         finish: bool = True,
+        fence: str | None = None,
     ) -> bool:
         """Ingest one uploaded file; resumable from the job's checkpoint. Never raises.
 
@@ -136,7 +142,10 @@ class Ingestor:
         local file (benchmarks). ``incarnation`` is the job's when ingestion was asked for (None:
         the job's current one): each chunk
         lands only while the job's ingest fence still holds it, so nothing of a cancelled, failed or
-        deleted job (or of an earlier job of the same id) is enqueued after the fact.
+        deleted job (or of an earlier job of the same id) is enqueued after the fact. ``fence``:
+        the exact value the fence must hold (`datagen.control.jobs.ingest_fence_value`: a rebuild's
+        ingestion, or one that took the job's ingestion over, holds it to its own token, so two
+        runs never both land chunks); None: the incarnation, as a submit arms it.
 
         While Redis is unreachable (a restart) it waits and resumes from the checkpoint: each
         chunk's enqueue and checkpoint are one transaction, so nothing is enqueued twice.
@@ -149,7 +158,7 @@ class Ingestor:
         storage_failed = False
         while not stop.is_set():
             try:
-                ended = self._run(job_id, source, stop, incarnation, committed, finish, storage_failed)
+                ended = self._run(job_id, source, stop, incarnation, committed, finish, storage_failed, fence)
                 return ended
             except _Stopped:
                 log.info(
@@ -158,6 +167,11 @@ class Ingestor:
                 return False
             except (_Cancelled, JobNotFoundError):
                 log.info("job %s: ingestion stopped: the job was cancelled, failed or deleted", job_id)
+                return False
+            except _TakenOver:
+                log.info(
+                    "job %s: ingestion stopped: another run (a rebuild, or a resume) took it over", job_id
+                )
                 return False
             except RedisError as exc:
                 if is_out_of_memory(exc):  # waited out like an outage, and said as what it is
@@ -210,11 +224,13 @@ class Ingestor:
         committed: Committed | None,
         finish: bool,
         storage_failed: bool,
+        fence: str | None = None,
     ) -> bool:
         current = self.jobs.incarnation(job_id)
         if current is None or (incarnation is not None and current != incarnation):
             raise _Cancelled  # deleted, or its id already reused, before ingestion began
         incarnation = current
+        fence = incarnation if fence is None else fence
         # A wait for room shown by a coordinator that stopped during it is over: this run shows its own.
         self.jobs.set_waiting_for_room(job_id, None)
         spec = self.jobs.spec(job_id)
@@ -241,13 +257,13 @@ class Ingestor:
                 self._add(chunk, item, conversation, job_id, spec, renderer, context_len, incarnation)
                 full = len(chunk.prompts) + len(chunk.rejected) >= size
                 if full or (deadline is not None and chunk.prompts and time.monotonic() >= deadline):
-                    self._flush(job_id, spec, chunk, stop, hygiene, incarnation, committed)
+                    self._flush(job_id, spec, chunk, stop, hygiene, incarnation, committed, fence)
                     if storage_failed:
                         self._set_storage_error(job_id, None)
                         storage_failed = False
                     chunk = Chunk(input_name)
                     size, deadline = next(sizes), None
-        self._flush(job_id, spec, chunk, stop, hygiene, incarnation, committed)
+        self._flush(job_id, spec, chunk, stop, hygiene, incarnation, committed, fence)
         if storage_failed:
             self._set_storage_error(job_id, None)
         if finish:
@@ -378,6 +394,7 @@ class Ingestor:
         hygiene: Hygiene,
         incarnation: str = "",
         committed: Committed | None = None,
+        fence: str = "",
     ) -> None:
         if chunk.rows == 0:
             return
@@ -400,20 +417,22 @@ class Ingestor:
         if chunk.flagged:
             self.storage.write_flagged(job_id, chunk.input_name, chunk.flagged)
         fresh_payloads = [p for _, p, _ in fresh]
-        settled = settle_committed(self.storage, job_id, fresh_payloads, committed)
+        settled = settle_committed(self.storage, job_id, fresh_payloads, committed, spec)
         counts = {
             "rows": chunk.rows,
             "rejected": len(chunk.rejected),
             "accepted": len(fresh) + settled.later_turns,
             "skipped": len(chunk.prompts) - len(fresh),
-            "prompt_tokens": sum(len(p.prompt_ids) for _, p, _ in fresh),
+            "prompt_tokens": sum(len(p.prompt_ids) for p in [*fresh_payloads, *settled.continued]),
             "flagged": len(chunk.flagged),
             "done": settled.done,
             "output_tokens": settled.output_tokens,
         }
-        self._wait_for_room(job_id, settled.enqueue, stop)
+        self._wait_for_room(job_id, [*settled.enqueue, *settled.continued], stop)
         records = verdicts.record_bytes(hygiene.bands) if verdicts is not None else b""
-        self._commit(job_id, spec, chunk, fresh_payloads, counts, new_ids, records, incarnation, settled)
+        self._commit(
+            job_id, spec, chunk, fresh_payloads, counts, new_ids, records, incarnation, settled, fence
+        )
         if verdicts is not None:
             hygiene.keep(verdicts)
         if self.metrics is not None:
@@ -433,9 +452,11 @@ class Ingestor:
         seen: bytes,
         incarnation: str,
         settled: Settled,
+        fence_value: str = "",
     ) -> None:
         """The chunk's enqueue, counters and checkpoint in one transaction, which lands only while
-        the job's ingest fence holds this incarnation (a cancel, failure or delete drops it).
+        the job's ingest fence holds ``fence_value`` (this incarnation, and this run's token if it
+        has one): a cancel, failure or delete drops the fence, another run of the ingestion takes it.
         ``settled``: which of ``fresh`` have a committed record already (counted, not enqueued)."""
         fence = self.keys.job_ingest_fence(job_id)
         checkpoint = self.keys.job_ingest_checkpoint(job_id)
@@ -446,10 +467,10 @@ class Ingestor:
             with self.redis.pipeline(transaction=True) as pipe:
                 try:
                     pipe.watch(fence, checkpoint)
-                    if incarnation:
+                    if fence_value:
                         held = pipe.get(fence)
-                        if held is None or as_text(held) != incarnation:
-                            raise _Cancelled
+                        if held is None or as_text(held) != fence_value:
+                            raise _TakenOver if _admits(held, incarnation) else _Cancelled
                     landed = pipe.get(checkpoint)
                     if landed is not None and as_text(landed) == chunk_id:
                         return
@@ -466,9 +487,22 @@ class Ingestor:
                         priority=spec.priority,
                         guard=False,  # the rows hash, written below, guards them
                     )
+                    # A rebuilt job's conversations go on at their next turns, guarded as workers
+                    # guard the next turns they enqueue (`ack_next_turn.lua`).
+                    enqueue_prompts(
+                        pipe,
+                        self._queues,
+                        self.keys,
+                        job_id,
+                        settled.continued,
+                        self.options.enqueue,
+                        dispatch=self.dispatch,
+                        priority=spec.priority,
+                    )
                     self.jobs.add_ingest_counts(pipe, job_id, counts, chunk.last_line)
                     self.jobs.add_partition_labels(pipe, job_id, new_labels)
-                    self.jobs.add_breakdown(pipe, job_id, breakdown(chunk, fresh, labels, settled.turns))
+                    counted = breakdown(chunk, fresh, labels, settled.turns, settled.continued)
+                    self.jobs.add_breakdown(pipe, job_id, counted)
                     self.jobs.remember_rows(pipe, job_id, new_ids)
                     # Any segment will do; spreading chunks keeps each key far below 512 MB.
                     segment = zlib.crc32(f"{chunk.input_name}:{chunk.last_line}".encode())
@@ -526,3 +560,11 @@ class Ingestor:
             ]
             chunk.rejected.sort(key=lambda r: r["line"])
         return verdicts
+
+
+def _admits(held: bytes | str | None, incarnation: str) -> bool:
+    """Whether a fence value still admits the incarnation (then another run of it holds it)."""
+    if held is None or not incarnation:
+        return False
+    value = as_text(held)
+    return value == incarnation or value.startswith(f"{incarnation}{FENCE_SEPARATOR}")

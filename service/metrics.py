@@ -22,7 +22,7 @@ from redis import Redis, RedisError
 
 from datagen.control.dispatch import Dispatch
 from datagen.control.jobs import JobProgress, JobStore
-from datagen.control.redismemory import read_memory
+from datagen.control.redismemory import RefusedWrites, read_memory
 from datagen.states import JobState, RebuildReason
 from service.fleetview import FleetView
 
@@ -178,6 +178,20 @@ def _timing(job: JobProgress, first_record: GaugeMetricFamily, tail: GaugeMetric
     tail.add_metric([job.job_id], job.tail_s(at_ms) or 0.0)
 
 
+class _Refusals:
+    """``datagen_redis_oom_refusals_total``, and when the last refusal was (``seen``), which
+    ``/healthz`` reports: Redis's memory at rest can be under its limit while large writes are
+    still refused."""
+
+    def __init__(self, counter: Counter) -> None:
+        self._counter = counter
+        self.seen = RefusedWrites()
+
+    def inc(self) -> None:
+        self._counter.inc()
+        self.seen.note()
+
+
 @dataclass
 class CoordinatorMetrics:
     fleet: FleetView
@@ -204,10 +218,12 @@ class CoordinatorMetrics:
         )
         for reason in RebuildReason:
             self.jobs_rebuilt.labels(reason.value)
-        self.redis_oom_refusals = Counter(
-            "datagen_redis_oom_refusals",
-            "Coordinator writes Redis refused at maxmemory (requests answered 503, ingestion waits)",
-            registry=r,
+        self.redis_oom_refusals = _Refusals(
+            Counter(
+                "datagen_redis_oom_refusals",
+                "Coordinator writes Redis refused at maxmemory (requests answered 503, ingestion waits)",
+                registry=r,
+            )
         )
         r.register(_FleetCollector(self.fleet))
         r.register(_RedisCollector(self.jobs.redis))

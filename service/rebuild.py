@@ -12,17 +12,30 @@ the first line, with every prompt that has a committed record counted done inste
 cancelled. The job says it was rebuilt (``rebuilt`` in its JSON: when, why, what storage had).
 The manifest is read and validated whole before anything of the job is dropped: a job whose
 manifest does not validate is left as it is (`datagen recover` answers 409 naming the field).
+
+**Single flight.** A job is rebuilt by one process at a time across every coordinator of the
+namespace: the rebuild holds the job's lease (`datagen.control.leases`, ``{ns}:job:<id>:rebuild``).
+Its token fences what it writes: the hash is replaced only while the lease still holds it
+(``create.lua``), the hash keeps it (``rebuild_token``), and the job's ingest fence admits only the
+ingestion this rebuild starts, so an older rebuild's ingestion (here or on another coordinator)
+lands nothing more. Whoever finds the lease held waits for it. A rebuild that succeeded leaves a
+done marker on the lease for `JOIN_WINDOW_MS`: a recover asked while a rebuild runs, or within that
+window after it, *joins* it (answers its note; the job is rebuilt once), and a reconcile leaves the
+job alone, as long as the job's hash carries that rebuild's token; if it does not (the holder died,
+lost its lease, or Redis went back to before it), the waiter takes the lease and rebuilds itself.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeGuard
 
-from datagen.control.jobs import JobStore
+from datagen.control.jobs import JobStore, ingest_fence_value
+from datagen.control.leases import HeldLease, Leases, done_token
 from datagen.control.progress import now_ms
 from datagen.errors import InvalidSpecError, JobNotFoundError, JobStateError
 from datagen.records.storage import Storage
@@ -35,7 +48,14 @@ __all__ = ["Rebuilder", "Suspicion"]
 
 log = logging.getLogger(__name__)
 
-StartIngest = Callable[[str, list[str], Committed], None]
+# (job id, uploads in order, what storage has committed, the ingest fence's value the ingestion holds to)
+StartIngest = Callable[[str, list[str], Committed, str], None]
+# How long a rebuild or recover waits for another's rebuild of the same job (it renews its lease
+# while it works; a dead holder's lease expires within `datagen.control.leases.LEASE_TTL_MS`).
+REBUILD_WAIT_S = 300.0
+# How long after a rebuild of a job ends a recover of it joins that rebuild instead of making one
+# more (concurrent recovers are not all handled at the same instant).
+JOIN_WINDOW_MS = 5_000
 
 
 @dataclass(frozen=True)
@@ -46,10 +66,12 @@ class Suspicion:
     reason: str
     lost: bool = False
     rolled_back: bool = False
-    # Redis's epoch ``seq`` at a coordinator's start (a time in ms; 0: none): a stored job created
-    # after it that Redis lacks was made after the data Redis holds, so Redis went back in time
-    # while no coordinator watched (a job deleted since has a marker, or no files).
-    epoch_ms: int = 0
+    # Redis's epoch at a coordinator's start (`datagen.control.epoch`; None: none): a stored job
+    # whose manifest names this id with a higher ``seq`` (the epoch when it was created) and that
+    # Redis lacks was made after the data Redis holds, so Redis went back in time while no
+    # coordinator watched (a job deleted since has a marker, or no files). No clock takes part.
+    epoch_id: str | None = None
+    epoch_seq: int = 0
 
     @property
     def label(self) -> RebuildReason:
@@ -66,8 +88,10 @@ class Rebuilder:
         start_ingest: StartIngest,
         stop_ingest: Callable[[str], None],
         on_rebuilt: Callable[[RebuildReason], None] = lambda reason: None,
+        leases: Leases | None = None,
     ) -> None:
         self.jobs = jobs
+        self.leases = leases or Leases(jobs.redis)
         self.storage = storage
         self.controls = controls
         self.start_ingest = start_ingest
@@ -76,14 +100,20 @@ class Rebuilder:
 
     def reconcile(self, suspicion: Suspicion) -> list[str]:
         """Hold every stored job to Redis and rebuild the ones Redis lost or holds behind; returns
-        their ids."""
+        their ids. A job another process is rebuilding meanwhile is waited for and left to it."""
         rebuilt = []
         for job_id in self.storage.list_jobs():
-            why = self._why_rebuild(job_id, suspicion)
-            if why is None:
+            if self._why_rebuild(job_id, suspicion) is None:
                 continue
             try:
-                self.rebuild(job_id, *why)
+                lease = self._take(job_id)
+                if lease is None:
+                    continue  # rebuilt by another process while this one waited
+                with lease:  # looked at again under the lease: the job may have changed meanwhile
+                    why = self._why_rebuild(job_id, suspicion)
+                    if why is None:
+                        continue
+                    self._rebuild(job_id, *why, lease=lease)
             except JobStateError as exc:  # its manifest does not validate: the others go on
                 log.error("job %s: %s", job_id, exc)
                 continue
@@ -104,9 +134,7 @@ class Rebuilder:
         if held is None:
             if suspicion.lost or suspicion.rolled_back:
                 return suspicion.reason, suspicion.label
-            created = manifest.get("created_at_ms")
-            created_ms = created if _is_int(created) else 0
-            if suspicion.epoch_ms and created_ms > suspicion.epoch_ms:
+            if _newer_than_redis(manifest, suspicion):
                 why = "Redis went back to an older snapshot (the job is newer than Redis's data)"
                 return why, RebuildReason.ROLLED_BACK
             return None
@@ -114,6 +142,10 @@ class Rebuilder:
             # A job of this id being made right now (its manifest follows its hash), or a stale
             # manifest: Redis's newer incarnation is left alone.
             return None
+        return self._why_rebuild_held(job_id, suspicion)
+
+    def _why_rebuild_held(self, job_id: str, suspicion: Suspicion) -> tuple[str, RebuildReason] | None:
+        """Why a job Redis holds (the manifest's incarnation) is rebuilt, if it is."""
         try:
             progress = self.jobs.progress(job_id)
         except JobNotFoundError:
@@ -122,21 +154,62 @@ class Rebuilder:
             return None
         if suspicion.rolled_back:
             return suspicion.reason, suspicion.label
+        if progress.state is JobState.INGESTING and progress.rebuilt:
+            # Rebuilt and ingesting its uploads again (here or on another coordinator): it counts
+            # its committed prompts done as it goes, so fewer done than committed is no sign of a
+            # Redis behind its storage.
+            return None
         committed = read_committed(self.storage, job_id)
         if len(committed) > progress.done + progress.in_flight:
             why = f"Redis counts {progress.done} prompts done, storage holds {len(committed)} records"
             return why, RebuildReason.BEHIND
         return None
 
-    def rebuild(self, job_id: str, reason: str, label: RebuildReason) -> dict[str, Any]:
-        """Make the job again from storage (see the module docstring); returns its ``rebuilt`` note.
+    def rebuild(self, job_id: str, reason: str, label: RebuildReason) -> tuple[dict[str, Any], bool]:
+        """Make the job again from storage (see the module docstring), once: returns its
+        ``rebuilt`` note and whether this call joined a rebuild already running (its note, then).
         A manifest that does not validate raises JobStateError before anything of the job changes."""
+        _read_manifest(self.storage, job_id)  # 404 or 409 at once, before any wait
+        lease = self._take(job_id)
+        if lease is None:
+            progress = self.jobs.progress(job_id)
+            return progress.rebuilt or {}, True
+        with lease:
+            return self._rebuild(job_id, reason, label, lease=lease), False
+
+    def _take(self, job_id: str) -> HeldLease | None:
+        """The job's rebuild lease; None when another rebuild of the job runs (then waited for)
+        or has just ended (a done marker), and the job's hash carries its token: the job is rebuilt
+        already. A holder that died, lost its lease or whose work Redis no longer holds is not
+        waited for twice: the lease is taken over it."""
+        key = self.jobs.keys.job_rebuild_lease(job_id)
+        deadline = time.monotonic() + REBUILD_WAIT_S
+        over_done = False
+        while True:
+            held = self.leases.try_acquire(key, done_ms=JOIN_WINDOW_MS, over_done=over_done)
+            if isinstance(held, HeldLease):
+                return held
+            done = done_token(held)
+            if done is not None:
+                if self.jobs.rebuild_token(job_id) == done:
+                    return None
+                over_done = True  # that rebuild's work is not what Redis holds: take the lease
+                continue
+            log.info("job %s: another rebuild of it is running; waiting for it", job_id)
+            if not self.leases.wait_released(key, held, max(0.0, deadline - time.monotonic())):
+                raise JobStateError(
+                    f"job {job_id}: another rebuild of it has been running for over {REBUILD_WAIT_S:.0f} s; "
+                    f"GET /jobs/{job_id} shows its result once it is done"
+                )
+
+    def _rebuild(self, job_id: str, reason: str, label: RebuildReason, *, lease: HeldLease) -> dict[str, Any]:
         stored = _read_manifest(self.storage, job_id)
         incarnation = stored.incarnation
         if self.storage.ending(job_id, ENDING_DELETED, incarnation):
             raise JobNotFoundError(f"job {job_id} was deleted; it is not rebuilt")
         previous = self._previous(job_id)
         self.stop_ingest(job_id)
+        lease.check()  # a rebuilder that lost its lease drops nothing
         self.controls.forget(job_id, keep_hash=True)
         committed = read_committed(self.storage, job_id)
         note: dict[str, Any] = {
@@ -170,6 +243,7 @@ class Rebuilder:
             state=JobState.CANCELLED if cancelled else JobState.INGESTING,
             fields=fields,
             replace=True,
+            rebuild=lease.fencing,  # refused unless the lease still holds this rebuild's token
         )
         log.warning(
             "job %s rebuilt from storage (%s): %d prompts have committed records%s; %s",
@@ -179,9 +253,10 @@ class Rebuilder:
             f", {committed.unreadable_shards} shards unreadable" if committed.unreadable_shards else "",
             "it stays cancelled" if cancelled else f"ingesting its uploads again ({len(inputs)})",
         )
+        lease.done()  # the job is made again: whoever comes for the lease now joins this rebuild
         self.on_rebuilt(label)
         if inputs:
-            self.start_ingest(job_id, inputs, committed)
+            self.start_ingest(job_id, inputs, committed, ingest_fence_value(incarnation, lease.token))
         elif not cancelled:
             self.jobs.finish_ingest(job_id)  # no upload left: it completes with what it has
         return note
@@ -270,6 +345,17 @@ def _optional_int(parent: dict[str, Any], name: str, where: str = "") -> int | N
     if not _is_int(value) or value < 0:
         raise ValueError(f"{where or name}: expected a whole number, got {json.dumps(value)[:80]}")
     return int(value)
+
+
+def _newer_than_redis(manifest: dict[str, Any], suspicion: Suspicion) -> bool:
+    """Whether the job was made when Redis's epoch (the same ``id``) had counted past what Redis
+    holds now (the epoch the manifest names: `service.coordinator`); a manifest without it (older
+    versions) or of another ``id`` says nothing."""
+    made = manifest.get("epoch")
+    if not isinstance(made, dict) or suspicion.epoch_id is None or made.get("id") != suspicion.epoch_id:
+        return False
+    seq = made.get("seq")
+    return _is_int(seq) and seq > suspicion.epoch_seq
 
 
 def _is_int(value: object) -> TypeGuard[int]:

@@ -1,8 +1,9 @@
-"""Multi-turn ``all`` mode, after a turn's record is committed: build the conversation's next turn,
-or say why the conversation stops there.
+"""Multi-turn ``all`` mode, once a turn is generated and before its record is committed: build the
+conversation's next turn, or say why the conversation stops there. The answer goes into the record
+(``next_turn``, `note_of`), so storage holds the next turn's history with the turn's commit.
 
-The turn is done once its record is committed, whatever this step meets; so this step never fails a
-prompt. It ends in one of three ways:
+This step never fails a prompt: whatever it meets, the turn's record is committed and counted
+done. It ends in one of three ways:
 
 - the next turn's payload (enqueued with the turn's done count, `workers.finish`);
 - None: the conversation has no more turns;
@@ -25,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from datagen.control.payload import PromptPayload
+from datagen.control.turns import history_note, stop_note
 from datagen.errors import DatagenError, FatalError, InvalidRowError, JobNotFoundError
 from datagen.prompts.tokenization import PromptRenderer, renderer_for
 from datagen.records.schema import Record
@@ -38,7 +40,7 @@ from workers.redisretry import while_redis_down
 from workers.sglang_replies import ParsedCalls
 from workers.turns import assistant_turn, dataset_call_names, history_text, next_turn
 
-__all__ = ["NEXT_TURN_ATTEMPTS", "ConversationStop", "Conversations"]
+__all__ = ["NEXT_TURN_ATTEMPTS", "ConversationStop", "Conversations", "NextTurn", "note_of"]
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +61,16 @@ class ConversationStop:
 
 
 NextTurn = PromptPayload | ConversationStop | None
+
+
+def note_of(following: NextTurn) -> str | None:
+    """What the turn's record says follows it (``next_turn``, `datagen.control.turns`): the turn as
+    the next turn's history holds it, or the conversation's stop; None after its last turn."""
+    if isinstance(following, ConversationStop):
+        return stop_note(following.reason, following.message)
+    if following is None or following.conversation is None or not following.conversation.generated:
+        return None
+    return history_note(following.conversation.generated[-1])
 
 
 def _turn_text(spec: JobSpec, info: JobInfo, record: Record) -> tuple[PromptRenderer, str]:

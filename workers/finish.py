@@ -1,6 +1,7 @@
 """The RQ transitions that record how a prompt ended, each with the job's counters in the same
 transaction: succeeded (batched with its shard, `Acks` below; in multi-turn ``all`` mode with its
-next turn enqueued, or its conversation's stop stored first, `workers.conversation`), failed,
+next turn enqueued by the script that counts it, or its conversation's stop stored first,
+`workers.conversation`), failed,
 cancelled with its job, dropped because its job was deleted, or handed back unfinished.
 
 Succeeded prompts finish in batches: the tasks of a shard resume together once the shard is
@@ -17,6 +18,7 @@ record of each is dropped by exports (first record wins), while the count happen
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import logging
 from collections.abc import Mapping
@@ -27,15 +29,16 @@ from redis.client import Pipeline
 from rq.job import Job, JobStatus
 
 from datagen.control.dispatch import Dispatch
-from datagen.control.enqueue import EnqueueOptions, enqueue_prompts
+from datagen.control.enqueue import EnqueueOptions, queued_job_fields
+from datagen.control.job_outcomes import QueuedTurn
 from datagen.control.jobs import AckItem, JobStore, now_ms
 from datagen.control.keys import Keys, prompt_key
 from datagen.control.payload import ParsedPayload, PromptPayload
-from datagen.errors import RetryableError
+from datagen.errors import JobNotFoundError, RetryableError
 from datagen.records.schema import Record
 from datagen.settings import DEFAULT_FAILURE_TTL_S, DEFAULT_MAX_WORKER_LOSSES, DEFAULT_RESULT_TTL_S
 from datagen.states import PromptClass
-from workers.conversation import Conversations, ConversationStop, NextTurn
+from workers.conversation import Conversations, ConversationStop, NextTurn, note_of
 from workers.failures import failure_report, prompt_labels
 from workers.jobinfo import JobInfos
 from workers.metrics import WorkerMetrics
@@ -168,18 +171,16 @@ class Finisher:
         self.metrics = metrics
         self.job_infos = job_infos
 
-    async def following_turn(self, payload: PromptPayload, record: Record) -> NextTurn:
-        """Multi-turn ``all`` mode, once the turn's record is committed: the next turn to enqueue
-        (None if it was enqueued before), or why the conversation stops (`workers.conversation`).
-        Raises only JobNotFoundError and CancelledError: the turn is done whatever happens here."""
+    async def following_turn(self, payload: PromptPayload, record: Record) -> tuple[Record, NextTurn]:
+        """Multi-turn ``all`` mode, once the turn is generated and before its record is committed:
+        what follows it (the next turn's payload, nothing, or why the conversation stops:
+        `workers.conversation`), and the record carrying it in ``next_turn``, so that storage holds
+        the next turn's history with the turn's commit (a Redis that loses the next turn's payload
+        loses nothing: a rebuild enqueues it from the records, `service.committed`). Raises only
+        JobNotFoundError and CancelledError."""
         following = await self.conversations.after(payload, record)
-        if not isinstance(following, PromptPayload):
-            return following
-        member = prompt_key(following.sample_id, following.turn, following.gen)
-        key = self.keys.job_enqueued(payload.job)
-        if await while_redis_down(lambda: bool(self.redis.sismember(key, member))):
-            return None
-        return following
+        note = note_of(following)
+        return (record if note is None else dataclasses.replace(record, next_turn=note)), following
 
     async def succeed(
         self,
@@ -190,9 +191,11 @@ class Finisher:
         payload: PromptPayload,
     ) -> None:
         """The record is committed: finish the prompt in RQ and count it done, batched with the
-        other prompts of its shard (`Acks`); a next turn is enqueued in the same
-        transaction as its done count, so the job cannot complete in between; a conversation's
-        stop is stored before the done count, so a completed job shows every stop."""
+        other prompts of its shard (`Acks`); a next turn is enqueued by the same script as its
+        turn's done count, and only if that count happens (`JobOutcomes.ack_next_turn`), so the job
+        cannot complete in between, a stale or repeated ack enqueues nothing, and a job Redis lost
+        gets no hash written back; a conversation's stop is stored before the done count, so a
+        completed job shows every stop."""
         ack = ack_item(
             item,
             job_id=record.job_id,
@@ -204,12 +207,14 @@ class Finisher:
         )
         if isinstance(following, ConversationStop):
             await self.conversations.record_stop(payload, following)
-        if not isinstance(following, PromptPayload):
+        queued = None
+        if isinstance(following, PromptPayload):
+            queued = await while_redis_down(functools.partial(self._queued_turn, item, following))
+        if queued is None:
             await self.acks.done(identity, item, ack)
         else:
-            label = self.jobs.label_of(record.job_id, record.partition)
             await while_redis_down(
-                functools.partial(self._succeed_with_next_turn, identity, item, ack, following, label),
+                functools.partial(self.jobs.outcomes.ack_next_turn, identity.ack_target, ack, queued),
                 already_done=lambda: is_final(item.job),
             )
             identity.forget([item])
@@ -226,28 +231,25 @@ class Finisher:
             (record.finished_at_ms - record.started_at_ms) / 1000,
         )
 
-    def _succeed_with_next_turn(
-        self, identity: QueueIdentity, item: InFlight, ack: AckItem, following: PromptPayload, label: str
-    ) -> None:
-        job_id = ack.job_id
-        with self.redis.pipeline() as pipe:
-            # The done count first, as alone; the next turn's enqueue and count in the same MULTI.
-            self.jobs.outcomes.ack_done(identity.ack_target, [ack], client=pipe)
-            queues = {cls: each.queue for cls, each in self.identities.items()}
-            enqueue_prompts(
-                pipe,
-                queues,
-                self.keys,
-                job_id,
-                [following],
-                _enqueue_options(item.job),
-                dispatch=self.dispatch,
-                priority=self.job_infos.get(job_id, ack.incarnation).spec.priority,
-            )
-            self.jobs.add_prompt(
-                pipe, job_id, len(following.prompt_ids), label=label, cls=following.cls.value
-            )
-            pipe.execute()
+    def _queued_turn(self, item: InFlight, following: PromptPayload) -> QueuedTurn | None:
+        """The next turn as the ack script enqueues it; None if its job is gone (the ack then counts
+        nothing either)."""
+        try:
+            priority = self.job_infos.get(following.job, following.incarnation).spec.priority
+        except JobNotFoundError:
+            return None
+        queue = self.identities[following.cls].queue
+        rq_id, fields = queued_job_fields(queue, self.keys, following, _enqueue_options(item.job))
+        return QueuedTurn(
+            rq_id=rq_id,
+            fields=fields,
+            member=prompt_key(following.sample_id, following.turn, following.gen),
+            cls=following.cls,
+            priority=priority,
+            prompt_tokens=len(following.prompt_ids),
+            queue_key=queue.key,
+            queues_key=queue.redis_queues_keys,
+        )
 
     def _observe(self, record: Record) -> None:
         metrics = self.metrics

@@ -1,7 +1,8 @@
 """The life of one claimed prompt, as an asyncio task: count it started, generate, commit the record,
-then record how it ended (:mod:`workers.finish`) even through a Redis outage. A prompt whose record
-is committed is never failed: its conversation's next turn (multi-turn ``all``) is a step of its
-own that ends the conversation, not the prompt, when it cannot be built.
+then record how it ended (:mod:`workers.finish`) even through a Redis outage. Its conversation's
+next turn (multi-turn ``all``) is built between the generation and the commit, and written into the
+record, so storage holds it with the turn; a next turn that cannot be built ends the conversation,
+never the prompt, and a prompt whose record is committed is never failed.
 
 A task cancelled because its job was cancelled with abort finishes as cancelled; one cancelled for
 any other reason (a hard stop) hands its prompt back to the queue.
@@ -75,6 +76,8 @@ class PromptRunner:
                 record = await self.generator.generate(item.job, payload, cls)
             finally:
                 self.slots.release(cls, job_id or "")
+            # Multi-turn ``all``: what follows the turn goes into its record, committed with it.
+            record, following = await finisher.following_turn(payload, record)
             await self.writer.commit(record, payload.incarnation)
         except JobNotFoundError:
             # Its job was deleted (or the id reused) while it ran: nothing of it is stored or counted.
@@ -86,11 +89,7 @@ class PromptRunner:
         except Exception as exc:  # a bug must fail one prompt, not the worker
             log.exception("prompt %s crashed the task", item.job.id)
             return _in_redis(item, functools.partial(finisher.fail, identity, item, parsed, exc))
-        # Committed: the prompt is done from here on, whatever its conversation's next turn meets.
-        try:
-            following = await finisher.following_turn(payload, record)
-        except JobNotFoundError:
-            return _in_redis(item, functools.partial(finisher.drop_stale, identity, item))
+        # Committed: the prompt is done from here on.
         return functools.partial(finisher.succeed, identity, item, record, following, payload)
 
 

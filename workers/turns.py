@@ -13,18 +13,19 @@ Tool calls: without a parser, a regenerated turn keeps the dataset's ``tool_call
 text is the model's. With the job's ``tool_call_parser`` (`workers.conversation`), the turn is the
 model's ``normal_text`` and its parsed calls, and the dataset's tool results follow by position.
 
-Pure functions: `workers.conversation` runs them in threads and owns retries and stops.
+Pure functions: `workers.conversation` runs them in threads and owns retries and stops. Rendering
+turn k+1 (`history`, `next_turn`) lives in `datagen.control.turns`, shared with the coordinator's
+rebuild; they are named here too.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Collection, Sequence
 from typing import Any
 
-from datagen.control.payload import Conversation, PromptPayload
+from datagen.control.payload import Conversation
+from datagen.control.turns import history, next_turn
 from datagen.prompts.tokenization import PromptRenderer
-from datagen.spec import JobSpec
 from workers.sglang_replies import ToolCall
 
 __all__ = ["assistant_turn", "dataset_call_names", "history", "history_text", "next_turn"]
@@ -69,59 +70,3 @@ def assistant_turn(
             shaped["id"] = original["id"]
         tool_calls.append(shaped)
     return {"content": normal_text, "tool_calls": tool_calls}
-
-
-def next_turn(
-    payload: PromptPayload,
-    spec: JobSpec,
-    renderer: PromptRenderer,
-    regenerated: str | dict[str, Any],
-) -> PromptPayload | None:
-    """Turn k+1 with ``regenerated`` (turn k's text, or its message from `assistant_turn`) in its
-    history; None after the last turn. The caller has checked that turn k stopped, not truncated."""
-    conversation = payload.conversation
-    if conversation is None:
-        return None
-    cuts = conversation.cuts
-    turn = payload.turn
-    if turn + 1 >= len(cuts):
-        return None
-    generated = [*conversation.generated, regenerated]
-    messages = history(conversation.messages, cuts, generated, turn + 1)
-    prompt_ids = renderer.render(messages, conversation.tools)
-    cls = conversation.row_class or spec.classify(len(prompt_ids), None)
-    return PromptPayload(
-        job=payload.job,
-        sample_id=payload.sample_id,
-        turn=turn + 1,
-        gen=payload.gen,
-        cls=cls,
-        prompt_ids=prompt_ids,
-        max_new_tokens=spec.max_new_tokens(cls),
-        partition=payload.partition,
-        conversation=dataclasses.replace(conversation, generated=generated),
-        incarnation=payload.incarnation,
-    )
-
-
-def history(
-    messages: list[dict[str, Any]], cuts: list[int], generated: Sequence[str | dict[str, Any]], turn: int
-) -> list[dict[str, Any]]:
-    """The messages before ``turn``, with regenerated turns replacing the dataset's assistant turns.
-
-    A regenerated turn is its text (the dataset's tool calls are kept: the rule without a parser) or
-    a message with the model's own ``content`` and ``tool_calls`` (they replace the dataset's)."""
-    out = [dict(m) for m in messages[: cuts[turn]]]
-    for index, turn_of_model in zip(cuts, generated, strict=False):
-        if index >= len(out) or out[index]["role"] != "assistant":
-            continue
-        out[index].pop("reasoning_content", None)
-        if isinstance(turn_of_model, str):
-            out[index]["content"] = turn_of_model
-            continue
-        out[index]["content"] = turn_of_model["content"]
-        if turn_of_model.get("tool_calls"):
-            out[index]["tool_calls"] = turn_of_model["tool_calls"]
-        else:
-            out[index].pop("tool_calls", None)
-    return out

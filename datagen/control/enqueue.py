@@ -4,7 +4,8 @@ when turn k is committed.
 
 Every enqueue goes into the caller's transaction together with the prompts' keys in the job's
 ``enqueued`` set, which is what keeps a prompt from being enqueued twice (RQ itself accepts a
-second enqueue of the same job id).
+second enqueue of the same job id). A worker's next turn is saved by the script that counts its
+turn done (``ack_next_turn.lua``), from the fields `queued_job_fields` computes.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Any
 
 from redis.client import Pipeline
 from rq import Queue, Retry
-from rq.job import JobStatus
+from rq.job import Job, JobStatus
 from rq.utils import now
 
 from datagen.control.dispatch import Dispatch
@@ -23,7 +24,7 @@ from datagen.control.keys import Keys, prompt_key
 from datagen.control.payload import PromptPayload
 from datagen.states import Priority, PromptClass
 
-__all__ = ["JOB_TIMEOUT_S", "RQ_JOB_FUNC", "EnqueueOptions", "enqueue_prompts"]
+__all__ = ["JOB_TIMEOUT_S", "RQ_JOB_FUNC", "EnqueueOptions", "enqueue_prompts", "queued_job_fields"]
 
 # Dotted path stored in each RQ job. Only the datagen worker runs these jobs (it reads the payload
 # itself); the coordinator never imports the workers package, so the path is a string.
@@ -68,25 +69,40 @@ def enqueue_prompts(
         pipe.sadd(queue.redis_queues_keys, queue.key)
         ids = []
         for data in datas:
-            job = queue.create_job(
-                data.func,
-                args=data.args,
-                timeout=data.timeout,
-                result_ttl=data.result_ttl,
-                failure_ttl=data.failure_ttl,
-                description=data.description,
-                job_id=data.job_id,
-                meta=data.meta,
-                retry=data.retry,
-                status=JobStatus.QUEUED,
-            )
-            job.origin = queue.name
-            job.enqueued_at = now()
+            job = _queued_job(queue, data)
             job.save(pipeline=pipe)
             ids.append(job.id)
         dispatch.add(pipe, job_id, cls, priority, ids)
     if payloads and guard:
         pipe.sadd(keys.job_enqueued(job_id), *[prompt_key(p.sample_id, p.turn, p.gen) for p in payloads])
+
+
+def queued_job_fields(
+    queue: Queue, keys: Keys, payload: PromptPayload, options: EnqueueOptions
+) -> tuple[str, dict[str, Any]]:
+    """The RQ id and the hash fields that :func:`enqueue_prompts` saves for ``payload``, for a
+    script that saves them only on a condition (a next turn: ``ack_next_turn.lua``)."""
+    job = _queued_job(queue, _job_data(keys, payload, options))
+    return job.id, job.to_dict()
+
+
+def _queued_job(queue: Queue, data: Any) -> Job:
+    """An RQ job as RQ's ``Queue.enqueue`` makes it, queued on ``queue`` (not yet saved)."""
+    job = queue.create_job(
+        data.func,
+        args=data.args,
+        timeout=data.timeout,
+        result_ttl=data.result_ttl,
+        failure_ttl=data.failure_ttl,
+        description=data.description,
+        job_id=data.job_id,
+        meta=data.meta,
+        retry=data.retry,
+        status=JobStatus.QUEUED,
+    )
+    job.origin = queue.name
+    job.enqueued_at = now()
+    return job
 
 
 def _job_data(keys: Keys, payload: PromptPayload, options: EnqueueOptions) -> Any:

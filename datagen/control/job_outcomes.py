@@ -1,5 +1,6 @@
 """How prompts end, as `datagen.control.jobs.JobStore` records it: a worker counts a committed shard's
-prompts done in one script with their RQ bookkeeping (`ack_done`), and a prompt failed or cancelled
+prompts done in one script with their RQ bookkeeping (`ack_done`; a turn with its conversation's next
+turn, enqueued only if the ack counts it: `ack_next_turn`), and a prompt failed or cancelled
 inside that prompt's RQ transaction (the count script); either way a prompt finished twice counts
 once and a prompt of another incarnation of the job is not counted (the counting rules are written
 once, in ``datagen/control/lua/lib.lua``). A retry puts failed prompts back, one retry per job at a
@@ -25,9 +26,17 @@ from datagen.control.lua import KEY, LuaScript, ScriptArgs
 from datagen.control.progress import now_ms
 from datagen.control.redistext import as_texts
 from datagen.errors import JobStateError
-from datagen.states import JobState, PromptClass
+from datagen.states import JobState, Priority, PromptClass
 
-__all__ = ["COUNT_STATES", "FAILED_REPORTS_CAP", "AckItem", "AckTarget", "JobOutcomes", "RequeueItem"]
+__all__ = [
+    "COUNT_STATES",
+    "FAILED_REPORTS_CAP",
+    "AckItem",
+    "AckTarget",
+    "JobOutcomes",
+    "QueuedTurn",
+    "RequeueItem",
+]
 
 FAILED_REPORTS_CAP = 10_000
 # The states the count script moves a job between (it completes a running job).
@@ -119,6 +128,63 @@ class AckDoneArgs(ScriptArgs):
 
 
 @dataclass(frozen=True)
+class QueuedTurn:
+    """Multi-turn ``all`` mode: a conversation's next turn, enqueued by the ack that counts its
+    turn (`JobOutcomes.ack_next_turn`): its RQ id and hash fields as RQ saves them
+    (`datagen.control.enqueue.queued_job_fields`), where it queues, and what it adds to its job."""
+
+    rq_id: str
+    fields: dict[str, Any]
+    member: str  # its key in the job's ``enqueued`` guard (`datagen.control.keys.prompt_key`)
+    cls: PromptClass
+    priority: Priority
+    prompt_tokens: int
+    queue_key: str  # its RQ queue's key, and RQ's set of them
+    queues_key: str
+
+
+@dataclass(frozen=True)
+class AckNextTurnArgs(ScriptArgs):
+    script = "ack_next_turn"
+    started: str = field(metadata=KEY)
+    finished: str = field(metadata=KEY)
+    job_key: str = field(metadata=KEY)
+    running: str = field(metadata=KEY)
+    breakdown: str = field(metadata=KEY)
+    partitions: str = field(metadata=KEY)
+    enqueued: str = field(metadata=KEY)
+    next_rq_key: str = field(metadata=KEY)
+    backlog: str = field(metadata=KEY)
+    dispatch_set: str = field(metadata=KEY)
+    queues: str = field(metadata=KEY)
+    paused: str = field(metadata=KEY)
+    wake: str = field(metadata=KEY)
+    rq_job_prefix: str
+    now_ms: int
+    now_rq: str
+    now_s: float
+    execution_id: str
+    running_state: str
+    completed_state: str
+    cancelled_state: str
+    rq_id: str
+    job_id: str
+    incarnation: str
+    output_tokens: int
+    partition: str
+    cls: str
+    finish: str
+    result_ttl_s: int
+    queue_key: str
+    next_member: str
+    next_rq_id: str
+    next_cls: str
+    next_tokens: int
+    # The next turn's RQ job hash: field, value, field, value, ...
+    next_fields: tuple[str | int | float | bytes, ...]
+
+
+@dataclass(frozen=True)
 class RequeueFailedArgs(ScriptArgs):
     script = "requeue_failed"
     job_key: str = field(metadata=KEY)
@@ -171,6 +237,7 @@ class JobOutcomes:
         self._release = LuaScript(redis, ReleaseArgs)
         self._forget = LuaScript(redis, ForgetReportsArgs)
         self._ack = LuaScript(redis, AckDoneArgs)
+        self._ack_next_turn = LuaScript(redis, AckNextTurnArgs)
         self._count_cancelled_queued = LuaScript(redis, CountCancelledQueuedArgs)
 
     # Workers ------------------------------------------------------------------------------------
@@ -259,6 +326,61 @@ class JobOutcomes:
         )
         counted = self._ack(args, client=client)
         return counted if isinstance(counted, int) else 0
+
+    def ack_next_turn(
+        self,
+        target: AckTarget,
+        item: AckItem,
+        following: QueuedTurn,
+        *,
+        client: Redis | Pipeline | None = None,
+    ) -> bool:
+        """Multi-turn ``all`` mode: finish one committed turn as `ack_done` does and, only if this
+        call counts it, enqueue its conversation's next turn in the same step
+        (``datagen/control/lua/ack_next_turn.lua``). A job Redis lost gets nothing written (no
+        hash comes back), and a stale ack (a job rebuilt from storage enqueues the next turn
+        itself) enqueues nothing. Returns whether the turn counted (False inside a pipeline). Safe
+        to repeat."""
+        keys = self.keys
+        at = rq_now()
+        args = AckNextTurnArgs(
+            started=target.started_key,
+            finished=target.finished_key,
+            job_key=keys.job(item.job_id),
+            running=keys.job_running(item.job_id),
+            breakdown=keys.job_breakdown(item.job_id),
+            partitions=keys.job_partitions(item.job_id),
+            enqueued=keys.job_enqueued(item.job_id),
+            next_rq_key=RQ_JOB_KEY_PREFIX + following.rq_id,
+            backlog=keys.job_backlog(item.job_id, following.cls),
+            dispatch_set=keys.dispatch_jobs(following.cls, following.priority),
+            queues=following.queues_key,
+            paused=keys.paused_jobs(),
+            wake=keys.wake_channel(),
+            rq_job_prefix=RQ_JOB_KEY_PREFIX,
+            now_ms=now_ms(),
+            now_rq=utcformat(at),
+            now_s=at.timestamp(),
+            execution_id=target.execution_id,
+            running_state=JobState.RUNNING.value,
+            completed_state=JobState.COMPLETED.value,
+            cancelled_state=JobState.CANCELLED.value,
+            rq_id=item.rq_id,
+            job_id=item.job_id,
+            incarnation=item.incarnation,
+            output_tokens=item.output_tokens,
+            partition=item.partition,
+            cls=item.cls,
+            finish=item.finish,
+            result_ttl_s=item.result_ttl_s,
+            queue_key=following.queue_key,
+            next_member=following.member,
+            next_rq_id=following.rq_id,
+            next_cls=following.cls.value,
+            next_tokens=following.prompt_tokens,
+            next_fields=tuple(v for pair in following.fields.items() for v in pair),
+        )
+        return self._ack_next_turn(args, client=client) == 1
 
     def count_failed(
         self,

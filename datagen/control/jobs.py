@@ -10,6 +10,7 @@ The job turns ``completed`` in the same script that counts its last prompt.
 from __future__ import annotations
 
 import json
+import secrets
 import uuid
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -27,6 +28,7 @@ from datagen.control.job_outcomes import (
     RequeueItem,
 )
 from datagen.control.keys import SEEN_SEGMENTS, BreakdownField, Keys, partition_label
+from datagen.control.leases import Fencing, LeaseLostError
 from datagen.control.lua import KEY, LuaScript, ScriptArgs
 from datagen.control.progress import JobProgress, now_ms, progress_from_hash
 from datagen.control.redistext import as_text, as_texts
@@ -55,6 +57,18 @@ MAX_PARTITION_LABEL_CHARS = 128
 # Seen records are read back in pieces of this size (a Redis reply stays small).
 SEEN_READ_BYTES = 8 * 1024 * 1024
 
+# What create.lua answers when a rebuild's lease no longer holds its token.
+CREATE_REFUSED = -1
+# Between the incarnation and an ingestion run's token in a job's ingest fence.
+FENCE_SEPARATOR = "/"
+
+
+def ingest_fence_value(incarnation: str, token: str) -> str:
+    """What a job's ingest fence holds: the incarnation ingestion may enqueue for, and the token of
+    the one ingestion run that may (a rebuild's, or one that took the job's ingestion over);
+    the bare incarnation for the run a submit starts. Written the same way by ingest_take.lua."""
+    return f"{incarnation}{FENCE_SEPARATOR}{token}" if token else incarnation
+
 
 # The scripts' arguments: named and ordered as the signature of datagen/control/lua/<script>.lua.
 @dataclass(frozen=True)
@@ -63,12 +77,22 @@ class CreateArgs(ScriptArgs):
     job_key: str = field(metadata=KEY)
     index: str = field(metadata=KEY)
     fence: str = field(metadata=KEY)
+    lease: str = field(metadata=KEY)
     job_id: str
     created_at_ms: int
     incarnation: str
     fence_value: str
     mode: str
+    lease_token: str
     fields: tuple[tuple[str, str | int], ...]
+
+
+@dataclass(frozen=True)
+class IngestTakeArgs(ScriptArgs):
+    script = "ingest_take"
+    fence: str = field(metadata=KEY)
+    incarnation: str
+    token: str
 
 
 @dataclass(frozen=True)
@@ -98,6 +122,7 @@ class JobStore:
         self._create = LuaScript(redis, CreateArgs)
         self._transition = LuaScript(redis, TransitionArgs)
         self._set_if_exists = LuaScript(redis, SetIfExistsArgs)
+        self._ingest_take = LuaScript(redis, IngestTakeArgs)
         # How the job's prompts end: a part of its own, on the same hash and keys.
         self.outcomes = JobOutcomes(redis, keys)
         # Which jobs exist, a page at a time (the index is a key of its own; states are read here).
@@ -116,13 +141,17 @@ class JobStore:
         state: JobState = JobState.INGESTING,
         fields: dict[str, str | int] | None = None,
         replace: bool = False,
+        rebuild: Fencing | None = None,
     ) -> bool:
         """Create the job; False if it exists already (a resubmission appends to it).
 
         ``tokenizer_identity`` (name and file hash) is what workers write into each record;
         ``stop_ids`` (from the pre-flight checks) are sent with every request of the job. A job
         rebuilt from storage (`service.rebuild`) passes the incarnation, creation time, state and
-        fields it had, and ``replace`` (whatever hash is there is replaced in the same step). One
+        fields it had, and ``replace`` (whatever hash is there is replaced in the same step), and
+        ``rebuild``, its lease: nothing is written unless the lease still holds its token
+        (`LeaseLostError` otherwise), the hash keeps the token (``rebuild_token``) and the ingest
+        fence admits only the ingestion this rebuild starts (:func:`ingest_fence_value`). One
         script: sent again after a lost reply, it answers as the first time.
         """
         # A new incarnation on every create: whatever an earlier job of this id (deleted) still
@@ -138,26 +167,61 @@ class JobStore:
             "stop_ids": json.dumps(sorted(set(stop_ids or []))),
             **(fields or {}),
         }
+        if rebuild is not None:
+            mapping["rebuild_token"] = rebuild.token
+        fence_value = ingest_fence_value(incarnation, rebuild.token if rebuild is not None else "")
         args = CreateArgs(
             job_key=self.keys.job(job_id),
             index=self.keys.jobs_index(),
             fence=self.keys.job_ingest_fence(job_id),
+            lease=self.keys.job_rebuild_lease(job_id),
             job_id=job_id,
             created_at_ms=created_at_ms or now_ms(),
             incarnation=incarnation,
-            fence_value=incarnation if state is JobState.INGESTING else "",
+            fence_value=fence_value if state is JobState.INGESTING else "",
             mode="replace" if replace else "",
+            lease_token=rebuild.token if rebuild is not None else "",
             fields=tuple(mapping.items()),
         )
-        return bool(self._create(args))
+        made = int(self._create(args))
+        if made == CREATE_REFUSED:
+            raise LeaseLostError(
+                f"job {job_id}: this rebuild lost its lease (it expired, or another rebuild holds it) "
+                f"before it could make the job again; nothing was written. GET /jobs/{job_id} shows the "
+                "other rebuild's result"
+            )
+        return bool(made)
+
+    def rebuild_token(self, job_id: str) -> str | None:
+        """The lease token of the rebuild that made the job's hash (None: not rebuilt)."""
+        raw = self.redis.hget(self.keys.job(job_id), "rebuild_token")
+        return as_text(raw) if raw is not None else None
+
+    def ingest_fence(self, job_id: str) -> str | None:
+        """What the job's ingest fence admits now (None: no ingestion may enqueue)."""
+        raw = self.redis.get(self.keys.job_ingest_fence(job_id))
+        return as_text(raw) if raw is not None else None
+
+    def take_ingest(self, job_id: str, incarnation: str) -> str | None:
+        """Hand the job's ingestion to a new run: if the fence admits ``incarnation`` (the job is
+        ingesting it), it admits only the new run's token from now on (an ingestion still running
+        elsewhere lands nothing more). Returns the value the new run holds the fence to, or None
+        when the job is not ingesting that incarnation."""
+        args = IngestTakeArgs(
+            fence=self.keys.job_ingest_fence(job_id), incarnation=incarnation, token=secrets.token_hex(8)
+        )
+        taken = self._ingest_take(args)
+        return as_text(taken) if taken else None
 
     def incarnation(self, job_id: str) -> str | None:
-        """The job's current incarnation ("" for a job made before incarnations); None if it is gone."""
-        raw = self.redis.hget(self.keys.job(job_id), "incarnation")
+        """The job's current incarnation ("" for a job made before incarnations); None if it is gone.
+        A hash with neither an incarnation nor a state is no job (as for ``create.lua`` and the
+        counting rules in ``lib.lua``): a remnant an older worker's late next-turn count wrote after
+        Redis lost the job, which a rebuild makes anew rather than taking for another incarnation."""
+        raw, state = self.redis.hmget(self.keys.job(job_id), ["incarnation", "state"])
         if raw is not None:
             return as_text(raw)
-        # Only a job made before incarnations, or one that is gone, needs the second look.
-        return "" if self.redis.exists(self.keys.job(job_id)) else None
+        return "" if state is not None else None
 
     def set_ingest_input(
         self, job_id: str, input_name: str, context_len: int | None, *, queue: list[str] | None = None
@@ -274,13 +338,6 @@ class JobStore:
                 pipe.hincrby(key, name, value)
         pipe.hset(key, "ingest_line", line)
 
-    def add_prompt(self, pipe: Pipeline, job_id: str, prompt_tokens: int, *, label: str, cls: str) -> None:
-        """A prompt a worker enqueued for the job (the next turn of multi-turn ``all`` mode)."""
-        key = self.keys.job(job_id)
-        pipe.hincrby(key, "accepted", 1)
-        pipe.hincrby(key, "prompt_tokens", prompt_tokens)
-        self.add_breakdown(pipe, job_id, {BreakdownField("accepted", label, cls): 1})
-
     def first_rows(self, job_id: str, sample_keys: list[str]) -> dict[str, str]:
         """What :meth:`remember_rows` stored for these sample keys (absent: no row used them yet)."""
         raw = self.redis.hmget(self.keys.job_rows(job_id), sample_keys)
@@ -311,10 +368,6 @@ class JobStore:
         """Packed records of the rows a chunk kept, in the chunk's transaction."""
         if records:
             pipe.append(self.keys.job_seen(job_id, segment % SEEN_SEGMENTS), records)
-
-    def label_of(self, job_id: str, partition: str) -> str:
-        labelled = self.redis.sismember(self.keys.job_partitions(job_id), partition)
-        return partition_label(partition, (partition,) if labelled else ())
 
     def finish_ingest(self, job_id: str) -> None:
         # Only from ingesting: a job cancelled meanwhile stays cancelled. One transaction, so that

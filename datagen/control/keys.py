@@ -173,9 +173,21 @@ class Keys:
 
     # Recovery from a Redis that lost or rolled back its data -----------------------------------
     def epoch(self) -> str:
-        """Hash ``{id, seq}``: ``id`` names this Redis dataset (gone: Redis lost its data), ``seq``
-        only grows while it lives (lower than a process saw: Redis went back to an older snapshot)."""
+        """Hash ``{id, seq, rebuilt}``: ``id`` names this Redis dataset (gone: Redis lost its data),
+        ``seq`` a counter that only grows while it lives (lower than a process saw: Redis went back
+        to an older snapshot), ``rebuilt`` set by the coordinator that rebuilt what it lost
+        (`datagen.control.epoch`)."""
         return f"{self.namespace}:epoch"
+
+    def reconcile_lease(self) -> str:
+        """Lease (`datagen.control.leases`) held by the one coordinator that holds the stored jobs
+        to a Redis that lost or rolled back its data, until it settles the epoch."""
+        return f"{self.namespace}:reconcile"
+
+    def job_rebuild_lease(self, job_id: str) -> str:
+        """Lease held while the job is rebuilt from storage (`service.rebuild`); its token fences
+        the rebuild's writes. Not one of :meth:`job_keys`: dropping the job's state keeps it."""
+        return f"{self.namespace}:job:{job_id}:rebuild"
 
     # Fleet --------------------------------------------------------------------------------------
     def servers_index(self) -> str:

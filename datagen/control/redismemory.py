@@ -12,6 +12,8 @@ outage; :func:`out_of_memory_error` is the one translation into
 
 from __future__ import annotations
 
+import threading
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,8 +24,11 @@ from datagen.control.redistext import as_text
 from datagen.errors import RedisOutOfMemoryError
 
 __all__ = [
+    "RECENT_REFUSAL_S",
     "REQUIRED_POLICY",
     "RedisMemory",
+    "RefusedWrites",
+    "health_json",
     "is_out_of_memory",
     "out_of_memory_error",
     "out_of_memory_message",
@@ -35,6 +40,11 @@ __all__ = [
 OOM_REFUSAL = "command not allowed when used memory > 'maxmemory'"
 REQUIRED_POLICY = "noeviction"
 _MIB = 1024 * 1024
+# `/healthz` says Redis is out of memory while a write it refused at maxmemory is this recent, even
+# when its memory at rest is under the limit again: the refused write was never stored, so INFO shows
+# room while every write of that size (an ingestion chunk, a submit) is still refused. Twice the
+# longest wait of an ingestion between tries (30 s), so a refusal that goes on never drops out.
+RECENT_REFUSAL_S = 60.0
 
 
 def is_out_of_memory(exc: BaseException) -> bool:
@@ -81,6 +91,44 @@ class RedisMemory:
             "out_of_memory": self.out_of_memory,
             "problems": self.problems(),
         }
+
+
+class RefusedWrites:
+    """The writes one process saw Redis refuse at ``maxmemory``: how many, and when the last was."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.count = 0
+        self.last_at_ms: int | None = None
+
+    def note(self) -> None:
+        with self._lock:
+            self.count += 1
+            self.last_at_ms = int(time.time() * 1000)
+
+    def recent_s(self, now_ms: int) -> float | None:
+        """Seconds since the last refusal if it is within `RECENT_REFUSAL_S`, else None."""
+        last = self.last_at_ms
+        if last is None:
+            return None
+        age_s = max(0.0, (now_ms - last) / 1000)
+        return age_s if age_s <= RECENT_REFUSAL_S else None
+
+
+def health_json(memory: RedisMemory, refused: RefusedWrites, now_ms: int) -> dict[str, Any]:
+    """What `/healthz` says of Redis's memory: at rest (``INFO``), and the writes refused of late.
+    ``out_of_memory`` is true while Redis is over its limit, or has one and refused a write within
+    `RECENT_REFUSAL_S`; ``refused_writes`` counts the refusals since the process started and
+    ``last_refused_write_at_ms`` says when the last was."""
+    body = memory.to_json()
+    age_s = refused.recent_s(now_ms)
+    # Without a limit now (it was lifted) Redis refuses nothing, however recent the last refusal.
+    if age_s is not None and memory.max_bytes and not memory.out_of_memory:
+        body["out_of_memory"] = True
+        body["problems"].insert(0, f"{out_of_memory_message(memory)} (a write was refused {age_s:.0f} s ago)")
+    body["refused_writes"] = refused.count
+    body["last_refused_write_at_ms"] = refused.last_at_ms
+    return body
 
 
 def read_memory(redis: Redis) -> RedisMemory | None:

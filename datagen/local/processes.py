@@ -40,11 +40,13 @@ class ChildProcesses:
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self._logs: list[IO[bytes]] = []
 
-    def spawn(self, name: str, *args: str) -> subprocess.Popen[bytes]:
-        """``python -m datagen ARGS`` as ``name`` (a name spawned again replaces the earlier one)."""
+    def spawn(self, name: str, *args: str, clock_offset_s: float = 0.0) -> subprocess.Popen[bytes]:
+        """``python -m datagen ARGS`` as ``name`` (a name spawned again replaces the earlier one);
+        ``clock_offset_s``: with its wall clock that far off (`datagen.local.skew`)."""
         log = open(self.log_dir / f"{name}.log", "wb")  # noqa: SIM115 - closed in stop()
         self._logs.append(log)
-        command = [sys.executable, "-m", "datagen", *args]
+        skew = ["datagen.local.skew", str(clock_offset_s)] if clock_offset_s else []
+        command = [sys.executable, "-m", *skew, "datagen", *args]
         self.procs[name] = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=self.env)
         return self.procs[name]
 

@@ -162,6 +162,22 @@ class ObjectFiles:
             return []
         return [bytes(b) for b in self.fs.cat_ranges(paths, None, None, on_error="raise")]
 
+    def read_present(self, paths: list[str]) -> list[bytes | None]:
+        """Whole objects, in order, None for each that does not exist; concurrent requests on an
+        object store."""
+        if not paths:
+            return []
+        found = self.fs.cat_ranges(paths, None, None, on_error="return")
+        out: list[bytes | None] = []
+        for item in found:
+            if isinstance(item, (FileNotFoundError, NotADirectoryError)):
+                out.append(None)
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                out.append(bytes(item))
+        return out
+
     # Listings -----------------------------------------------------------------------------------
     def list_names(self, directory: str, suffix: str) -> list[str]:
         """Names of the files directly under ``directory`` ending in ``suffix``, sorted."""

@@ -2,7 +2,11 @@
 
 A record holds the exact sequence the model saw and produced, ``input_ids = prompt_ids +
 output_ids``; the loss mask is derived (0 over the first ``prompt_len`` ids, 1 after), so it is
-not stored twice. ``schema_version`` changes whenever a column changes meaning.
+not stored twice. ``schema_version`` changes whenever a column changes meaning or is added.
+
+Versions: 1, the first; 2 adds ``next_turn`` (multi-turn ``all`` mode: what follows the turn, written
+with its commit, `datagen.control.turns`). Readers select the columns they use, so shards of both
+versions read alike; a version-1 shard has no ``next_turn`` (`has_next_turn`).
 """
 
 from __future__ import annotations
@@ -14,9 +18,20 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-__all__ = ["RECORD_SCHEMA", "SCHEMA_VERSION", "Record", "loss_mask", "loss_mask_values", "records_to_table"]
+__all__ = [
+    "NEXT_TURN",
+    "RECORD_SCHEMA",
+    "SCHEMA_VERSION",
+    "Record",
+    "has_next_turn",
+    "loss_mask",
+    "loss_mask_values",
+    "records_to_table",
+]
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+# The column a version-2 record adds.
+NEXT_TURN = "next_turn"
 
 RECORD_SCHEMA = pa.schema(
     [
@@ -46,6 +61,7 @@ RECORD_SCHEMA = pa.schema(
         pa.field("enqueued_at_ms", pa.int64()),
         pa.field("started_at_ms", pa.int64(), nullable=False),
         pa.field("finished_at_ms", pa.int64(), nullable=False),
+        pa.field(NEXT_TURN, pa.string()),
     ]
 )
 
@@ -76,6 +92,9 @@ class Record:
     enqueued_at_ms: int | None
     started_at_ms: int
     finished_at_ms: int
+    # Multi-turn ``all`` mode: what follows this turn, as JSON (`datagen.control.turns`); None after
+    # a conversation's last turn and in every other mode.
+    next_turn: str | None = None
 
     @property
     def output_len(self) -> int:
@@ -87,6 +106,11 @@ class Record:
 
 
 _FIELDS = tuple(f.name for f in fields(Record))
+
+
+def has_next_turn(schema: pa.Schema) -> bool:
+    """Whether a shard of this schema records what follows each turn (version 2 on)."""
+    return NEXT_TURN in schema.names
 
 
 def loss_mask_values(offsets: np.ndarray, prompt_lens: np.ndarray) -> np.ndarray:

@@ -39,7 +39,9 @@ and endpoint come from its library's environment (for S3: ``AWS_ACCESS_KEY_ID``,
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
+import logging
 import os
 import posixpath
 import re
@@ -51,7 +53,15 @@ from typing import IO, Any, BinaryIO
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from datagen.errors import ConfigError, CorruptShardError, DatagenError, InvalidSpecError, StorageError
+from datagen.errors import (
+    ConfigError,
+    CorruptShardError,
+    DatagenError,
+    ForeignFileError,
+    InvalidSpecError,
+    StorageError,
+)
+from datagen.records.belonging import ending_body, judge_ending, manifest_problem
 from datagen.records.files import ObjectFiles
 from datagen.records.shards import (
     RECORDS,
@@ -65,6 +75,8 @@ from datagen.records.shards import (
 from datagen.states import sample_digest
 
 __all__ = ["JOB_ID_PATTERN", "Storage", "validate_job_id"]
+
+log = logging.getLogger(__name__)
 
 # Matched in full: "$" alone accepts a trailing newline. No "-" or ":", the separators of our Redis
 # keys and RQ ids, so one job's id can never alias another key.
@@ -114,6 +126,7 @@ def _translated(what: str) -> Iterator[None]:
 class Storage:
     def __init__(self, root: str | os.PathLike[str]) -> None:
         self._files = ObjectFiles(root)
+        self._refused: set[tuple[str, str]] = set()  # (path, sha256) of files refused and logged
         # What `Storage(root)` accepts again: a resolved local path, or the URL.
         self.root: str = self._files.root
         self.is_local: bool = self._files.local
@@ -191,13 +204,30 @@ class Storage:
             self._files.write(path, lambda fh: fh.write(data))
 
     def read_manifest(self, job_id: str) -> dict[str, Any] | None:
+        """The job's manifest (None: none stored). `ForeignFileError` naming the file when it is not
+        the job's (it names another job: copied or planted) or not a JSON object
+        (`datagen.records.belonging`): nothing is made of it, nor dropped for it."""
         path = self._path(job_id, "manifest.json")
         with _translated(f"cannot read manifest {self._files.display(path)}"):
             try:
                 data = self._files.read_bytes(path)
             except FileNotFoundError:
                 return None
-            return json.loads(data)
+        return self._own_manifest(job_id, path, data)
+
+    def _own_manifest(self, job_id: str, path: str, data: bytes) -> dict[str, Any]:
+        try:
+            manifest = json.loads(data)
+        except ValueError:  # not JSON, or not UTF-8
+            manifest = None
+        problem = manifest_problem(manifest, job_id)
+        if problem is not None:
+            raise ForeignFileError(
+                f"{self._files.display(path)} {problem}: refused, not acted on (nothing of job {job_id} "
+                "was rebuilt from it or dropped). Put the job's own manifest.json back, or remove the file"
+            )
+        assert isinstance(manifest, dict)
+        return manifest
 
     # Shards -------------------------------------------------------------------------------------
     def commit_shard(self, job_id: str, shard: str, table: pa.Table, info: dict[str, Any]) -> str:
@@ -252,29 +282,85 @@ class Storage:
 
     # What Redis may lose: which jobs exist, and how they ended --------------------------------------
     def list_jobs(self) -> list[str]:
-        """Every job id with something stored (`service.rebuild` rebuilds jobs Redis lost from these)."""
+        """Every job id with something stored (`service.rebuild` rebuilds jobs Redis lost from these),
+        but those whose manifest is not theirs (:meth:`read_manifest`; one log line each): nothing is
+        rebuilt from a copied or planted manifest, and no job is dropped for one."""
         directory = self._files.under_root("jobs")
         with _translated(f"cannot list the jobs under {self._files.display(directory)}"):
             names = self._files.list_names(directory, "")
-        return [n for n in names if JOB_ID_PATTERN.fullmatch(n)]
+            job_ids = [n for n in names if JOB_ID_PATTERN.fullmatch(n)]
+            paths = [self._path(job_id, "manifest.json") for job_id in job_ids]
+            manifests = self._files.read_present(paths)
+        kept = []
+        for job_id, path, data in zip(job_ids, paths, manifests, strict=True):
+            try:
+                if data is not None:
+                    self._own_manifest(job_id, path, data)
+            except ForeignFileError as exc:
+                log.warning("job %s left alone: %s", job_id, exc)
+                continue
+            kept.append(job_id)
+        return kept
 
     def write_ending(self, job_id: str, ending: str, incarnation: str) -> None:
         """Mark the incarnation ``ending`` (``deleted``, ``cancelled``): a job that Redis forgot is
-        rebuilt as it ended, never brought back to life. A new incarnation's manifest outdates it."""
+        rebuilt as it ended, never brought back to life. A new incarnation's manifest outdates it.
+        The marker names the job, the ending and the incarnation (`datagen.records.belonging`)."""
         path = self._path(job_id, f"{ending}.json")
-        data = json.dumps({"incarnation": incarnation, "at_ms": int(time.time() * 1000)}).encode("utf-8")
+        body = ending_body(job_id, ending, incarnation, int(time.time() * 1000))
+        data = json.dumps(body).encode("utf-8")
         with _translated(f"cannot write {self._files.display(path)}"):
             self._files.write(path, lambda fh: fh.write(data))
 
     def ending(self, job_id: str, ending: str, incarnation: str) -> bool:
-        """Whether :meth:`write_ending` marked this incarnation of the job ``ending``."""
+        """Whether :meth:`write_ending` marked this incarnation (the manifest's) of the job
+        ``ending``. A marker that is not the job's (another job's, another ending's, one of another
+        incarnation newer than the manifest, or unreadable) is refused with one log line naming it,
+        and never acted on (`datagen.records.belonging`)."""
         path = self._path(job_id, f"{ending}.json")
         with _translated(f"cannot read {self._files.display(path)}"):
             try:
-                marker = json.loads(self._files.read_bytes(path))
+                data = self._files.read_bytes(path)
             except FileNotFoundError:
                 return False
-        return str(marker.get("incarnation", "")) == incarnation
+        try:
+            marker = json.loads(data)
+        except ValueError:  # not JSON, or not UTF-8
+            marker = None
+        verdict = judge_ending(
+            marker,
+            job_id=job_id,
+            ending=ending,
+            incarnation=incarnation,
+            manifest_created_ms=self._created_ms(job_id, marker, incarnation),
+        )
+        if verdict.problem is not None:
+            self._refuse_once(path, data, verdict.problem)
+        return verdict.honoured
+
+    def _created_ms(self, job_id: str, marker: object, incarnation: str) -> int:
+        """When the manifest's incarnation was made (0: unknown), read only for a marker of
+        another incarnation (the rare case that needs it)."""
+        if not isinstance(marker, dict) or marker.get("incarnation") in (None, incarnation):
+            return 0
+        try:
+            manifest = self.read_manifest(job_id) or {}
+        except ForeignFileError:
+            return 0
+        created = manifest.get("created_at_ms")
+        return created if isinstance(created, int) and not isinstance(created, bool) else 0
+
+    def _refuse_once(self, path: str, data: bytes, problem: str) -> None:
+        """One log line per refused file (and content) in this process, however often it is read."""
+        seen = (path, hashlib.sha256(data).hexdigest())
+        if seen in self._refused:
+            return
+        self._refused.add(seen)
+        log.warning(
+            "%s %s: refused, not acted on (a file copied or planted from elsewhere); remove it",
+            self._files.display(path),
+            problem,
+        )
 
     # Namespace ------------------------------------------------------------------------------------
     def claim_namespace(self, namespace: str) -> None:

@@ -12,8 +12,10 @@ import pytest
 import redis
 
 import datagen.control.dispatch
+import datagen.control.epoch
 import datagen.control.job_outcomes
 import datagen.control.jobs
+import datagen.control.leases
 import workers.reaper
 import workers.rqbridge
 from datagen.control.dispatch import ClaimManyArgs, Dispatch
@@ -36,6 +38,8 @@ OWNERS = (
     datagen.control.jobs,
     datagen.control.job_outcomes,
     datagen.control.dispatch,
+    datagen.control.epoch,
+    datagen.control.leases,
     workers.reaper,
     workers.rqbridge,
 )

@@ -10,7 +10,14 @@ import pytest
 
 from datagen.cli.specfile import load_spec_file, merge_spec
 from datagen.errors import InvalidSpecError
-from datagen.spec import MAX_KWARGS_DEPTH, JobSpec, parse_spec_json, validate_spec
+from datagen.spec import (
+    MAX_KWARGS_DEPTH,
+    SGLANG_TOOL_CALL_PARSERS,
+    JobSpec,
+    parse_spec_json,
+    validate_spec,
+)
+from simulator.toolcalls import SUPPORTED_PARSERS
 
 
 def _nested(depth: int) -> dict[str, Any]:
@@ -125,3 +132,24 @@ def test_tool_fields_name_a_parser_and_need_all_mode() -> None:
         validate_spec({"tokenizer": "t", "multi_turn": "all", "tool_call_parser": "qwen 25"})
     with pytest.raises(InvalidSpecError, match="tool_mismatch"):
         validate_spec({"tokenizer": "t", "multi_turn": "all", "tool_mismatch": "ignore"})
+
+
+@pytest.mark.parametrize("parser", ["nosuchparser", "Qwen25", "qwen25 ", "x" * 5000])
+def test_a_tool_call_parser_sglang_does_not_know_is_refused_in_one_line_naming_the_known_ones(
+    parser: str,
+) -> None:
+    # SGLang answers an unknown parser with a 500 at /parse_function_call: every conversation of
+    # the job would stop after its first turn, so the submit is refused instead (issue 36).
+    with pytest.raises(InvalidSpecError) as refused:
+        validate_spec({"tokenizer": "t", "multi_turn": "all", "tool_call_parser": parser})
+    message = str(refused.value)
+    assert "\n" not in message and len(message) < 1000, message
+    assert "tool_call_parser" in message and "is not a tool-call parser SGLang knows" in message
+    assert ", ".join(sorted(SGLANG_TOOL_CALL_PARSERS)) in message
+
+
+def test_every_parser_the_simulator_implements_is_one_sglang_knows() -> None:
+    assert set(SUPPORTED_PARSERS) <= SGLANG_TOOL_CALL_PARSERS
+    for parser in sorted(SGLANG_TOOL_CALL_PARSERS):
+        spec = validate_spec({"tokenizer": "t", "multi_turn": "all", "tool_call_parser": parser})
+        assert spec.tool_call_parser == parser

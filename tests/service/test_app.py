@@ -123,6 +123,11 @@ def test_resubmission_never_enqueues_a_prompt_twice(client: TestClient, redis_cl
         (spec_json(CLASS_LIMITS, multi_turn="every"), "multi_turn"),
         (spec_json(CLASS_LIMITS, samples=0), "samples"),
         (spec_json(CLASS_LIMITS, temperatures=[0.5, -1]), "temperatures"),
+        (
+            spec_json(CLASS_LIMITS, multi_turn="all", tool_call_parser="nosuchparser"),
+            "tool_call_parser: Value error, 'nosuchparser' is not a tool-call parser SGLang knows; "
+            "use one of apertus2509, cohere_command4, deepseekv3,",
+        ),
     ],
 )
 def test_bad_specs_get_a_400_that_says_what_to_fix(client: TestClient, spec: str, fragment: str) -> None:

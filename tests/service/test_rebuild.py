@@ -250,8 +250,9 @@ def test_a_job_newer_than_a_snapshot_restored_while_no_coordinator_ran_is_rebuil
 ) -> None:
     with TestClient(create_app(settings)) as client:
         _submit(client, "old")
-        time.sleep(1.5)  # a stamp of the epoch between the two jobs: the "snapshot"
-        snapshot_seq = int(redis_client.hget(Keys(NS).epoch(), "seq") or 0)
+        snapshot_seq = int(redis_client.hget(Keys(NS).epoch(), "seq") or 0)  # the "snapshot"
+        # A tick of the epoch between the two jobs: the newer one names a later epoch.
+        wait_until(lambda: int(redis_client.hget(Keys(NS).epoch(), "seq") or 0) > snapshot_seq, 10, "a tick")
         _submit(client, "new")
     _commit(Storage(settings.storage), "new", ["r5"])
     # Redis back at the snapshot: the newer job is not there, the epoch's sequence is older.

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import logging
+import re
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,6 +21,7 @@ from fastapi.testclient import TestClient
 from typer.testing import CliRunner
 
 from datagen.cli import app as cli
+from datagen.control.redismemory import RECENT_REFUSAL_S, RedisMemory, RefusedWrites, health_json
 from datagen.local.redis_server import LocalRedis
 from datagen.settings import CoordinatorSettings
 from service.app import create_app
@@ -183,9 +186,58 @@ def test_ingestion_waits_while_redis_is_out_of_memory_and_says_so(
         wait_until(waiting, INGEST_TIMEOUT_S, "ingestion to hit maxmemory")
         job = client.get("/jobs/big").json()
         assert job["state"] == "ingesting" and job["total"] < rows
+        health = client.get("/healthz").json()["redis"]
+        assert health["out_of_memory"] is True and health["refused_writes"] >= 1, health
+        assert health["last_refused_write_at_ms"] is not None, health
         redis_client.config_set("maxmemory", 0)
         job = wait_ingested(client, "big")
     assert (job["state"], job["total"]) == ("running", rows)
     messages = [r.getMessage() for r in caplog.records if "out of memory" in r.getMessage()]
     assert "raise maxmemory, or lower DATAGEN_MAX_QUEUED_PER_CLASS; ingestion resumes in" in messages[0]
     assert not any("unreachable" in r.getMessage() for r in caplog.records)
+
+
+def test_healthz_says_out_of_memory_while_writes_were_refused_of_late(
+    redis_client: redis.Redis, settings: CoordinatorSettings
+) -> None:
+    # Reported (issue 36): /healthz said out_of_memory false while ingestion had been refused for
+    # two minutes: a refused write is never stored, so Redis's memory at rest can be under its limit.
+    with TestClient(create_app(settings)) as client:
+        assert _submit(client, "running").status_code == 202
+        wait_ingested(client, "running")
+        before = client.get("/healthz").json()["redis"]
+        assert (before["out_of_memory"], before["refused_writes"], before["last_refused_write_at_ms"]) == (
+            False,
+            0,
+            None,
+        )
+        _fill_over_the_limit(redis_client)
+        asked_ms = int(time.time() * 1000)
+        assert client.post("/jobs/running/pause").status_code == 503
+        # Memory freed below the limit (as workers' finished prompts free it), the limit still set.
+        redis_client.delete(*[f"junk:{i}" for i in range(JUNK_KEYS)])
+        memory = redis_client.info("memory")
+        assert 0 < int(memory["used_memory"]) < int(memory["maxmemory"])
+
+        health = client.get("/healthz").json()["redis"]
+        assert health["out_of_memory"] is True and health["refused_writes"] == 1, health
+        assert asked_ms <= health["last_refused_write_at_ms"] <= int(time.time() * 1000)
+        assert health["problems"][0].startswith("Redis is out of memory (maxmemory "), health
+        assert re.search(r"\(a write was refused \d+ s ago\)$", health["problems"][0]), health
+        assert "datagen_redis_oom_refusals_total 1.0" in client.get("/metrics").text
+
+        redis_client.config_set("maxmemory", 0)  # lifted: nothing can be refused now
+        health = client.get("/healthz").json()["redis"]
+        assert (health["out_of_memory"], health["problems"], health["refused_writes"]) == (False, [], 1)
+
+
+def test_a_refusal_older_than_the_window_no_longer_says_out_of_memory() -> None:
+    memory = RedisMemory(used_bytes=500, max_bytes=1000, policy="noeviction")
+    refused = RefusedWrites()
+    assert health_json(memory, refused, now_ms=10**12)["out_of_memory"] is False
+    refused.note()
+    assert refused.last_at_ms is not None
+    window_ms = int(RECENT_REFUSAL_S * 1000)
+    assert health_json(memory, refused, now_ms=refused.last_at_ms + window_ms)["out_of_memory"] is True
+    late = health_json(memory, refused, now_ms=refused.last_at_ms + window_ms + 1)
+    assert (late["out_of_memory"], late["problems"], late["refused_writes"]) == (False, [], 1)

@@ -142,11 +142,12 @@ class FaultStack:
     def _new_redis(self) -> LocalRedis:
         return LocalRedis(port=self.redis_port, appendonly=self.redis_aof, data_dir=str(self.redis_dir))
 
-    def spawn(self, name: str, *args: str) -> subprocess.Popen[bytes]:
-        """A child process; a name used before gets a numbered log of its own."""
+    def spawn(self, name: str, *args: str, clock_offset_s: float = 0.0) -> subprocess.Popen[bytes]:
+        """A child process (``clock_offset_s``: its wall clock that far off); a name used before
+        gets a numbered log of its own."""
         self._spawned[name] += 1
         label = name if self._spawned[name] == 1 else f"{name}-{self._spawned[name]}"
-        return self.procs.spawn(label, *args)
+        return self.procs.spawn(label, *args, clock_offset_s=clock_offset_s)
 
     def add_sim(self, name: str, *, time_scale: float, **flags: float) -> Sim:
         port = free_port()
@@ -179,6 +180,15 @@ class FaultStack:
         proc = self.spawn("coordinator", "coordinator", "--port", str(self.coordinator_port))
         self.procs.wait_http(f"{self.coordinator_url}/healthz")
         return proc
+
+    def start_another_coordinator(self, *, clock_offset_s: float = 0.0) -> str:
+        """A second coordinator of the same namespace, Redis and storage on a port of its own
+        (``clock_offset_s``: its wall clock that far off); returns its URL."""
+        port = free_port()
+        self.spawn("coordinator-b", "coordinator", "--port", str(port), clock_offset_s=clock_offset_s)
+        url = f"http://127.0.0.1:{port}"
+        self.procs.wait_http(f"{url}/healthz")
+        return url
 
     def start_worker(
         self, name: str, servers: list[str], *, concurrency: int, metrics_port: int = 0

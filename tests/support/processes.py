@@ -14,6 +14,7 @@ from typing import cast
 import httpx
 import redis
 import uvicorn
+from fastapi import FastAPI
 
 from datagen.errors import ConfigError
 from datagen.local.processes import ChildProcesses, child_env
@@ -146,11 +147,14 @@ def coordinator_stack(tmp: Path, namespace: str, env: dict[str, str] | None = No
 
 
 @contextmanager
-def serve_coordinator(settings: CoordinatorSettings, *, log_level: str = "critical") -> Iterator[str]:
-    """The coordinator app over real HTTP on a free loopback port, in a thread; yields its URL."""
+def serve_coordinator(
+    settings: CoordinatorSettings, *, log_level: str = "critical", app: FastAPI | None = None
+) -> Iterator[str]:
+    """The coordinator app over real HTTP on a free loopback port, in a thread; yields its URL.
+    ``app``: one the test made with ``create_app(settings)``, to look at its state meanwhile."""
     port = free_port()
     server = uvicorn.Server(
-        uvicorn.Config(create_app(settings), host="127.0.0.1", port=port, log_level=log_level)
+        uvicorn.Config(app or create_app(settings), host="127.0.0.1", port=port, log_level=log_level)
     )
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()

@@ -4,11 +4,11 @@
 --
 -- Per prompt, as RQ's handle_job_success: the started-registry member goes, the RQ job is
 -- `finished` with its `ended_at` and expires after its result TTL, and it joins the finished
--- registry scored by that expiry; only for a prompt this call counts: a prompt no longer running
--- (counted already, or back in its backlog in a job rebuilt from storage, `service.rebuild`) keeps
--- its RQ job as it is, so a stale ack never finishes or expires a copy that waits to run. Not
--- written: RQ's Result stream entries and the worker's success counters (nothing reads them, and
--- each would cost a command per prompt).
+-- registry scored by that expiry; only for a prompt this call counts (`ack_in_job` in lib.lua): a
+-- prompt no longer running (counted already, or back in its backlog in a job rebuilt from storage,
+-- `service.rebuild`) keeps its RQ job as it is, so a stale ack never finishes or expires a copy
+-- that waits to run. Not written: RQ's Result stream entries and the worker's success counters
+-- (nothing reads them, and each would cost a command per prompt).
 -- Per job, by the library's counting rules: a prompt of another incarnation of its job neither
 -- counts nor touches RQ's hashes.
 --
@@ -60,26 +60,7 @@ for _, prompt in ipairs(prompts) do
 end
 redis.call('ZREM', started, unpack(members))
 
--- ZADD arguments for the finished registry: score, RQ id, ...
-local expiring = {}
-local function finish_in_rq(prompt)
-  local rqkey = rq_job_prefix .. prompt.rq_id
-  local ttl = prompt.result_ttl_s
-  if ttl == 0 then
-    redis.call('UNLINK', rqkey)
-    return
-  end
-  redis.call('HSET', rqkey, 'status', 'finished', 'ended_at', now_rq)
-  if ttl > 0 then
-    redis.call('EXPIRE', rqkey, ttl)
-    expiring[#expiring + 1] = now_s + ttl
-  else
-    redis.call('PERSIST', rqkey)
-    expiring[#expiring + 1] = '+inf'
-  end
-  expiring[#expiring + 1] = prompt.rq_id
-end
-
+local rq = {prefix = rq_job_prefix, now = now_rq, now_s = now_s, expiring = {}}
 local counted = 0
 for _, job_id in ipairs(order) do
   local key = job_prefix .. job_id
@@ -87,33 +68,12 @@ for _, job_id in ipairs(order) do
     key = key, running = key .. running_suffix, breakdown = key .. breakdown_suffix,
     partitions = key .. partitions_suffix,
   }
-  local current = job_incarnation(job)
-  local mine = {}
-  if current then
-    for _, prompt in ipairs(groups[job_id]) do
-      if counts_in(prompt.incarnation, current) then mine[#mine + 1] = prompt end
-    end
-  end
-  if #mine > 0 then
-    local ids = {}
-    for n, prompt in ipairs(mine) do ids[n] = prompt.rq_id end
-    local was_running = leave_running(job, ids)
-    local done, tokens, fields, known = 0, 0, {}, {}
-    for n, prompt in ipairs(mine) do
-      if was_running[n] == 1 then
-        finish_in_rq(prompt)
-        done = done + 1
-        tokens = tokens + prompt.output_tokens
-        local label = partition_label(job, prompt.partition, known)
-        tally(fields, 'done', label, prompt.cls, 1, prompt.output_tokens, prompt.finish)
-      end
-    end
-    if done > 0 then
-      counted = counted + done
-      count_in_job(job, 'done', done, tokens, fields, now_ms)
-      complete_if_ended(job, running_state, completed_state, now_ms)
-    end
+  local done, tokens, fields = ack_in_job(job, groups[job_id], rq)
+  if done > 0 then
+    counted = counted + done
+    count_in_job(job, 'done', done, tokens, fields, now_ms)
+    complete_if_ended(job, running_state, completed_state, now_ms)
   end
 end
-if #expiring > 0 then redis.call('ZADD', finished, unpack(expiring)) end
+if #rq.expiring > 0 then redis.call('ZADD', finished, unpack(rq.expiring)) end
 return counted

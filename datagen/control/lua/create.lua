@@ -3,28 +3,34 @@
 -- hash without a state (half made by an older version, whose create was two commands) is made
 -- whole, never left as an id that refuses every submit. Mode "replace" (a job rebuilt from
 -- storage) makes it anew whatever is there, in one step, so that readers never see the job
--- missing meanwhile.
+-- missing meanwhile; given a lease token (the rebuild's), it writes nothing and returns -1 unless
+-- the job's rebuild lease still holds that token (a rebuilder that lost its lease is fenced off).
 --
 -- KEYS[1]   job_key        the job's hash
 -- KEYS[2]   index          the jobs index (job ids scored by creation time)
 -- KEYS[3]   fence          the job's ingest fence
+-- KEYS[4]   lease          the job's rebuild lease
 -- ARGV[1]   job_id         the job id
 -- ARGV[2]   created_at_ms  when it was created (ms)
 -- ARGV[3]   incarnation    its new incarnation
 -- ARGV[4]   fence_value    the fence's value ('' for none)
 -- ARGV[5]   mode           'replace', or '' to create only if no job of the id exists
--- ARGV[6..] fields         field, value, field, value, ... of the job's hash
+-- ARGV[6]   lease_token    the rebuild's lease token ('' for none: no lease is checked)
+-- ARGV[7..] fields         field, value, field, value, ... of the job's hash
 local job_key = KEYS[1]
 local index = KEYS[2]
 local fence = KEYS[3]
+local lease = KEYS[4]
 local job_id = ARGV[1]
 local created_at_ms = ARGV[2]
 local incarnation = ARGV[3]
 local fence_value = ARGV[4]
 local mode = ARGV[5]
+local lease_token = ARGV[6]
 local fields = {}
-for i = 6, #ARGV do fields[#fields + 1] = ARGV[i] end
+for i = 7, #ARGV do fields[#fields + 1] = ARGV[i] end
 
+if lease_token ~= '' and redis.call('GET', lease) ~= lease_token then return -1 end
 local state = redis.call('HGET', job_key, 'state')
 if state and mode ~= 'replace' then
   if redis.call('HGET', job_key, 'incarnation') == incarnation then return 1 end

@@ -30,11 +30,15 @@
 -- `job` names one job's keys: {key = its hash, running = its running set, breakdown = its
 -- breakdown hash, partitions = its labelled partitions}.
 
--- The job's incarnation: '' for a job made before incarnations, nil for a job that is gone.
+-- The job's incarnation: '' for a job made before incarnations, nil for a job that is gone. A hash
+-- with neither an incarnation nor a state is no job: a remnant that writes of an older version
+-- made after Redis lost the job (a next turn's counters, `accepted` alone); as `create.lua` and
+-- `JobStore.incarnation` do, it counts as gone, so nothing counts in it and a rebuild makes the job
+-- anew over it.
 local function job_incarnation(job)
-  local incarnation = redis.call('HGET', job.key, 'incarnation')
-  if incarnation then return incarnation end
-  if redis.call('EXISTS', job.key) == 1 then return '' end
+  local v = redis.call('HMGET', job.key, 'incarnation', 'state')
+  if v[1] then return v[1] end
+  if v[2] then return '' end
   return nil
 end
 
@@ -101,6 +105,61 @@ local function complete_if_ended(job, running_state, completed_state, now_ms)
   redis.call('HSET', job.key, 'state', completed_state, 'finished_at_ms', now_ms)
   redis.call('DEL', job.running)
   return true
+end
+
+-- Acknowledging committed prompts ----------------------------------------------------------------
+-- ack_done.lua (a shard's prompts) and ack_next_turn.lua (one prompt and its conversation's next
+-- turn) finish prompts alike. `rq` = {prefix = RQ's job key prefix, now = now in RQ's format, now_s =
+-- now (epoch s), expiring = the finished registry's ZADD arguments, filled here}.
+
+-- As RQ's handle_job_success: the RQ job `finished` with its `ended_at`, expiring after its result
+-- TTL (gone at once for a TTL of 0, kept for good for a negative one), and in the finished registry.
+local function finish_in_rq(rq, prompt)
+  local rqkey = rq.prefix .. prompt.rq_id
+  local ttl = prompt.result_ttl_s
+  if ttl == 0 then
+    redis.call('UNLINK', rqkey)
+    return
+  end
+  redis.call('HSET', rqkey, 'status', 'finished', 'ended_at', rq.now)
+  if ttl > 0 then
+    redis.call('EXPIRE', rqkey, ttl)
+    rq.expiring[#rq.expiring + 1] = rq.now_s + ttl
+  else
+    redis.call('PERSIST', rqkey)
+    rq.expiring[#rq.expiring + 1] = '+inf'
+  end
+  rq.expiring[#rq.expiring + 1] = prompt.rq_id
+end
+
+-- Finishes in RQ the prompts of one job that count by the counting rules (the job's incarnation,
+-- still running), taking them out of its running set; a prompt that does not count keeps its RQ job
+-- as it is (a stale ack never finishes a copy that waits to run). Answers how many counted, their
+-- output tokens and their breakdown fields (`tally`), for `count_in_job`.
+local function ack_in_job(job, prompts, rq)
+  local done, tokens, fields = 0, 0, {}
+  local current = job_incarnation(job)
+  if not current then return done, tokens, fields end
+  local mine, ids = {}, {}
+  for _, prompt in ipairs(prompts) do
+    if counts_in(prompt.incarnation, current) then
+      mine[#mine + 1] = prompt
+      ids[#ids + 1] = prompt.rq_id
+    end
+  end
+  if #mine == 0 then return done, tokens, fields end
+  local was_running = leave_running(job, ids)
+  local known = {}
+  for n, prompt in ipairs(mine) do
+    if was_running[n] == 1 then
+      finish_in_rq(rq, prompt)
+      done = done + 1
+      tokens = tokens + prompt.output_tokens
+      tally(fields, 'done', partition_label(job, prompt.partition, known), prompt.cls, 1,
+        prompt.output_tokens, prompt.finish)
+    end
+  end
+  return done, tokens, fields
 end
 
 -- Dispatch ---------------------------------------------------------------------------------------

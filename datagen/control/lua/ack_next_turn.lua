@@ -1,0 +1,115 @@
+--! uses lib
+-- Multi-turn `all` mode: one committed turn finishes in RQ and counts done as `ack_done.lua` does
+-- (`ack_in_job`), and its conversation's next turn is enqueued in the same step **only if this
+-- call counted the turn**: a job that is gone (Redis lost it: nothing is written, no hash comes
+-- back), of another incarnation, or a turn no longer running (acknowledged before, or a stale ack
+-- after a rebuild from storage, which enqueues the next turn itself from the records) enqueues
+-- nothing. So each turn's next turn is enqueued once, by the ack that counts it. The next turn
+-- is also skipped when its key is in the job's `enqueued` guard already. Enqueuing it: its RQ job
+-- hash (the fields RQ's `Job.save` writes, computed by RQ in Python), RQ's queue registered, its id
+-- appended to the job's backlog of its class (a cancelled job counts it cancelled instead, as
+-- `backlog_add.lua`), idle workers told, and `accepted`, `prompt_tokens` and the breakdown counted
+-- before the completion check, so the job cannot complete in between. Returns 1 if the turn
+-- counted, else 0.
+--
+-- KEYS[1]   started          the acknowledged turn's class's RQ started registry
+-- KEYS[2]   finished         its finished registry
+-- KEYS[3]   job_key          the job's hash
+-- KEYS[4]   running          its running set
+-- KEYS[5]   breakdown        its breakdown hash
+-- KEYS[6]   partitions       its labelled partitions
+-- KEYS[7]   enqueued         its guard set of next turns enqueued
+-- KEYS[8]   next_rq_key      the next turn's RQ job hash
+-- KEYS[9]   backlog          the job's backlog of the next turn's class
+-- KEYS[10]  dispatch_set     the dispatch set of that class at the job's priority
+-- KEYS[11]  queues           RQ's set of queue keys
+-- KEYS[12]  paused           the paused jobs
+-- KEYS[13]  wake             the wake channel
+-- ARGV[1]   rq_job_prefix    RQ job key prefix (`rq:job:`)
+-- ARGV[2]   now_ms           now (ms)
+-- ARGV[3]   now_rq           now in RQ's time format
+-- ARGV[4]   now_s            now (epoch s)
+-- ARGV[5]   execution_id     the execution id of the started-registry member
+-- ARGV[6]   running_state    the state of a job whose prompts run
+-- ARGV[7]   completed_state  the state a job moves to when its last prompt ends
+-- ARGV[8]   cancelled_state  the state of a cancelled job
+-- ARGV[9]   rq_id            the acknowledged turn's RQ id
+-- ARGV[10]  job_id           its job
+-- ARGV[11]  incarnation      the job incarnation it belongs to ('' for none)
+-- ARGV[12]  output_tokens    its output tokens
+-- ARGV[13]  partition        its partition (the next turn's too)
+-- ARGV[14]  cls              its class
+-- ARGV[15]  finish           its finish reason
+-- ARGV[16]  result_ttl_s     its RQ result TTL (s)
+-- ARGV[17]  queue_key        the next turn's RQ queue key
+-- ARGV[18]  next_member      the next turn's prompt key in the guard set
+-- ARGV[19]  next_rq_id       the next turn's RQ id
+-- ARGV[20]  next_cls         the next turn's class
+-- ARGV[21]  next_tokens      the next turn's prompt tokens
+-- ARGV[22..] next_fields     the next turn's RQ job hash: field, value, field, value, ...
+local started = KEYS[1]
+local finished = KEYS[2]
+local job_key = KEYS[3]
+local running = KEYS[4]
+local breakdown = KEYS[5]
+local partitions = KEYS[6]
+local enqueued = KEYS[7]
+local next_rq_key = KEYS[8]
+local backlog = KEYS[9]
+local dispatch_set = KEYS[10]
+local queues = KEYS[11]
+local paused = KEYS[12]
+local wake = KEYS[13]
+local rq_job_prefix = ARGV[1]
+local now_ms = ARGV[2]
+local now_rq = ARGV[3]
+local now_s = tonumber(ARGV[4])
+local execution_id = ARGV[5]
+local running_state = ARGV[6]
+local completed_state = ARGV[7]
+local cancelled_state = ARGV[8]
+local rq_id = ARGV[9]
+local job_id = ARGV[10]
+local incarnation = ARGV[11]
+local output_tokens = tonumber(ARGV[12])
+local partition = ARGV[13]
+local cls = ARGV[14]
+local finish = ARGV[15]
+local result_ttl_s = tonumber(ARGV[16])
+local queue_key = ARGV[17]
+local next_member = ARGV[18]
+local next_rq_id = ARGV[19]
+local next_cls = ARGV[20]
+local next_tokens = tonumber(ARGV[21])
+local next_fields = {}
+for i = 22, #ARGV do next_fields[#next_fields + 1] = ARGV[i] end
+
+local prompt = {
+  rq_id = rq_id, incarnation = incarnation, output_tokens = output_tokens, partition = partition, cls = cls,
+  finish = finish, result_ttl_s = result_ttl_s,
+}
+redis.call('ZREM', started, rq_id .. ':' .. execution_id)
+local job = {key = job_key, running = running, breakdown = breakdown, partitions = partitions}
+local rq = {prefix = rq_job_prefix, now = now_rq, now_s = now_s, expiring = {}}
+local done, tokens, fields = ack_in_job(job, {prompt}, rq)
+if #rq.expiring > 0 then redis.call('ZADD', finished, unpack(rq.expiring)) end
+if done == 0 then return 0 end
+
+if redis.call('SADD', enqueued, next_member) == 1 then
+  local label = partition_label(job, partition, {})
+  if redis.call('HGET', job_key, 'state') == cancelled_state then
+    count_cancelled_queued(job_key, breakdown, next_cls, 1)
+  else
+    redis.call('HSET', next_rq_key, unpack(next_fields))
+    redis.call('SADD', queues, queue_key)
+    redis.call('RPUSH', backlog, next_rq_id)
+    rejoin(dispatch_set, paused, job_id)
+    redis.call('PUBLISH', wake, next_cls)
+  end
+  redis.call('HINCRBY', job_key, 'accepted', 1)
+  redis.call('HINCRBY', job_key, 'prompt_tokens', next_tokens)
+  redis.call('HINCRBY', breakdown, 'accepted|' .. label .. '|' .. next_cls, 1)
+end
+count_in_job(job, 'done', done, tokens, fields, now_ms)
+complete_if_ended(job, running_state, completed_state, now_ms)
+return 1
