@@ -140,7 +140,10 @@ def test_redis_restored_from_an_older_snapshot_mid_job(make_stack: Callable[...,
         f"generated twice: {final.wasted}"
     )
     assert rebuilt is not None and rebuilt["reason"] == "Redis went back to an older snapshot"
+    # As after a loss: only prompts not yet committed at the kill (generating, or their records
+    # waiting for their shard's commit) can have run twice, none with a committed record. Their
+    # number is not bounded by the concurrency: the records waiting for a commit come on top, more
+    # of them on a loaded machine (18 > 16 in one CI run).
     after = Counter((r["sample_id"], r["turn"], r["gen"]) for r in final.records)
     again = [key for key in committed_before if after[key] > committed_before[key]]
     assert again == [], f"{len(again)} prompts with a committed record were generated again"
-    assert final.wasted <= CONCURRENCY + sum(n - 1 for n in committed_before.values())
