@@ -80,7 +80,9 @@ def _until_orphans_back(stack: FaultStack, previous: Kill, pid: int) -> None:
 
     Reaped prompts go to the front of the queue, so the live worker claims them as its slots free
     up; killing it then loses them a second (or third) time. They finish as they are claimed: after
-    ``CATCH_WINDOW_S`` one caught prompt is enough, and after twice that the kill goes ahead anyway.
+    ``CATCH_WINDOW_S`` one caught prompt is enough, and after twice that the kill goes ahead anyway,
+    but never before the worker runs prompts at all: a worker still starting on a loaded machine
+    would be killed with nothing in flight, which tests nothing.
     """
     wait_until(
         lambda: not stack.started_members() & previous.orphans,
@@ -97,7 +99,13 @@ def _until_orphans_back(stack: FaultStack, previous: Kill, pid: int) -> None:
                 "",
                 interval_s=0.01,
             )
-            return
+            break
+    wait_until(
+        lambda: len(stack.started_by(pid)) >= CONCURRENCY // 2,
+        60,
+        "the restarted worker to be busy",
+        interval_s=POLL_S,
+    )
 
 
 def _first_after(
