@@ -1,4 +1,4 @@
--- luacheck's settings for the Redis scripts (datagen/control/lua, workers/lua); scripts/check runs
+-- luacheck's settings for the Redis scripts (datagen/control/lua, workers/claim/lua); scripts/check runs
 -- `luacheck` over every .lua file.
 std = "lua51"
 -- What Redis gives a script.
@@ -12,6 +12,6 @@ local lib = {
   "complete_if_ended", "finish_in_rq", "ack_in_job", "rejoin", "count_cancelled_queued",
 }
 files["datagen/control/lua"] = {read_globals = lib}
-files["workers/lua"] = {read_globals = lib}
+files["workers/claim/lua"] = {read_globals = lib}
 -- In the library itself each function is used by the scripts, not by the library.
 files["datagen/control/lua/lib.lua"] = {ignore = {"211"}}

@@ -54,8 +54,8 @@ from datagen.settings import (
 from datagen.spec import JobSpec
 from datagen.states import JobState
 from service.ingest import IngestOptions, Ingestor
-from workers.fleet import ServerSpec
-from workers.vllm import vllm_request
+from workers.engines.vllm import vllm_request
+from workers.fleet.servers import ServerSpec
 from workers.worker import Worker
 
 __all__ = [
@@ -134,7 +134,7 @@ SGLANG = Api(
         "sglang:num_retracted_requests": "retracted",
     },
 )
-# The body is the worker's own (workers/vllm.py), so that both sides send the same thing; the
+# The body is the worker's own (workers/engines/vllm.py), so that both sides send the same thing; the
 # served model is left null (the server's only one).
 VLLM = Api(
     name="vllm",

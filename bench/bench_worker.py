@@ -75,8 +75,8 @@ from datagen.settings import (
 from datagen.spec import JobSpec
 from datagen.states import JobState, PromptClass
 from service.ingest import IngestOptions, Ingestor
-from workers.fleet import ServerSpec
-from workers.sglang import ClientTimeouts, SGLangClient
+from workers.engines.sglang import ClientTimeouts, SGLangClient
+from workers.fleet.servers import ServerSpec
 from workers.worker import Worker
 
 DEFAULT_N = 300

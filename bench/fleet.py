@@ -24,7 +24,7 @@ Lines:
 ``datagen + controller, backups``
     One ``Worker`` (burst) over the three servers with speed-aware routing (the fastest server
     with a free slot), the KV controller on (``controller_interval_s`` 0.5 s) and backup requests
-    on (the default, ``workers/backup.py``); each server's limit starts at ``--limit`` (default:
+    on (the default, ``workers/run/backup.py``); each server's limit starts at ``--limit`` (default:
     the production default ``short_concurrency`` of 64).
 ``datagen + controller, no backups``
     The same with ``backup_requests`` off: the slowest server finishes its last requests alone.
@@ -95,7 +95,7 @@ from _load import (
 from datagen.local.redis_server import LocalRedis
 from datagen.records.storage import Storage
 from datagen.settings import DEFAULT_SHORT_CONCURRENCY
-from workers.fleet import SAME_SPEED_FACTOR
+from workers.fleet.servers import SAME_SPEED_FACTOR
 
 DEFAULT_N = 1200
 DEFAULT_TIME_SCALE = 0.1

@@ -46,7 +46,7 @@ from _load import ServerSampler, ingest, render, worker_settings
 from datagen.local.redis_server import LocalRedis
 from datagen.records.storage import Storage
 from datagen.settings import DEFAULT_SHORT_CONCURRENCY, WorkerSettings
-from workers.fleet import ServerSpec
+from workers.fleet.servers import ServerSpec
 from workers.worker import Worker
 
 DEFAULT_N = 3000
@@ -265,7 +265,7 @@ def main() -> None:
     sims = {name: SimProcess(time_scale=args.time_scale, **sim_options) for name in SERVERS}
     timeline = Timeline()
     handler = FleetEvents(timeline)
-    fleet_log = logging.getLogger("workers.fleet")
+    fleet_log = logging.getLogger("workers.fleet.servers")
     fleet_log.addHandler(handler)
     fleet_log.setLevel(logging.INFO)
     with tempfile.TemporaryDirectory(prefix="bench-restart-") as tmp_name, LocalRedis() as server:

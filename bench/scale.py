@@ -65,7 +65,7 @@ from datagen.local.redis_server import LocalRedis
 from datagen.records.storage import Storage
 from datagen.settings import ENV_PREFIX
 from datagen.states import JobState, PromptClass
-from workers.rqbridge import payload_of
+from workers.claim.rqbridge import payload_of
 
 DEFAULT_N = 2000
 DEFAULT_WORKERS = 2
@@ -73,7 +73,7 @@ DEFAULT_SERVERS = 2
 DEFAULT_IDLE_S = 10.0
 DEFAULT_MAX_NEW_TOKENS = 256
 # Prompts per claim measured for the control plane alone: one, a two-core worker's few, and a busy
-# GPU node's tens (its completion rate times the gather window of `workers.admission`).
+# GPU node's tens (its completion rate times the gather window of `workers.claim.admission`).
 DEFAULT_CLAIM_SIZES = "1,4,32"
 # Prompts per ack call: a shard's worth, as a worker's group commit acks them.
 ACK_SHARD = 64
@@ -301,7 +301,7 @@ def claim_costs(
     coordinator does, then claimed through the worker's claim script ``size`` prompts at a time
     and acked through its ack script a shard (``ACK_SHARD``) at a time, one client, no servers.
     What a busy GPU node's worker pays per prompt when its claims start tens of prompts (its
-    completion rate times the gather window, `workers.admission`), which two cores cannot reach
+    completion rate times the gather window, `workers.claim.admission`), which two cores cannot reach
     in the whole run above."""
     keys = Keys(BENCH_NAMESPACE)
     dispatch = Dispatch(client, keys)

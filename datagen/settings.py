@@ -51,17 +51,17 @@ DEFAULT_MAX_UPLOAD_BYTES = 20 * 1024**3
 DEFAULT_SHORT_CONCURRENCY = 64
 DEFAULT_LONG_CONCURRENCY = 16
 DEFAULT_HEARTBEAT_INTERVAL_S = 10.0
-# A worker's connect timeout to its SGLang servers (`workers.sglang.ClientTimeouts`).
+# A worker's connect timeout to its SGLang servers (`workers.engines.sglang.ClientTimeouts`).
 DEFAULT_CONNECT_TIMEOUT_S = 5.0
 DEFAULT_SHORT_READ_TIMEOUT_S = 600.0
 DEFAULT_LONG_READ_TIMEOUT_S = 3600.0
 DEFAULT_MAX_ATTEMPTS = 4
-# A generation request's retries (`workers.generate`): backoff from the base, doubling up to the max.
+# A generation request's retries (`workers.run.generate`): backoff from the base, doubling up to the max.
 DEFAULT_RETRY_BASE_S = 1.0
 DEFAULT_RETRY_MAX_S = 30.0
 # A long-running process waiting for an unreachable Redis (or storage root): the backoff starts
 # here and doubles up to the max, at startup (`datagen.control.startup`) and through an outage
-# (`workers.redisretry`), so the service is back within seconds of Redis.
+# (`workers.run.redisretry`), so the service is back within seconds of Redis.
 OUTAGE_RETRY_FIRST_S = 0.5
 OUTAGE_RETRY_MAX_S = 5.0
 DEFAULT_COMMIT_INTERVAL_S = 2.0

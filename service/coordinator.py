@@ -426,7 +426,7 @@ class Coordinator:
         return list(itertools.islice(self.storage.iter_rejected(job_id), limit))
 
     def stopped(self, job_id: str, limit: int) -> list[dict[str, Any]]:
-        """Conversations that ended before their last turn, and why (`workers.conversation`)."""
+        """Conversations that ended before their last turn, and why (`workers.run.conversation`)."""
         self.jobs.progress(job_id)  # 404 for an unknown job
         return list(itertools.islice(self.storage.iter_stopped(job_id), limit))
 

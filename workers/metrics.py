@@ -4,7 +4,7 @@ Labels are bounded: ``server`` (the worker's configured names), ``class`` (``sho
 ``finish`` (SGLang's finish types, `datagen.states.FinishType`), ``direction`` (``up``, ``down``),
 ``outcome`` (requests: ``ok``, ``retryable``, ``fatal``; reaped prompts: ``requeued``, ``uncharged``
 (requeued without spending a worker loss: its worker still beats), ``failed``;
-backup requests: ``won``, ``lost``, ``failed``, ``stopped``, ``cancelled``, see `workers.backup`)
+backup requests: ``won``, ``lost``, ``failed``, ``stopped``, ``cancelled``, see `workers.run.backup`)
 and ``reason`` (the class name of a `datagen.errors` exception; for a prompt that failed after its
 retries ran out, ``gave_up_`` and the class name of the last retryable error; for a conversation
 that stopped, `datagen.states.StopReason`).

@@ -6,8 +6,8 @@ free) → ``drain`` (stop admitting, let in-flight requests finish up to a deadl
 once the queues are empty and nothing is in flight, which is how the tests drive the real loop.
 A first SIGTERM/SIGINT drains; a second hands in-flight prompts back to the queue at once.
 
-One prompt goes through the phases claim (:mod:`workers.admission`) → run
-(:mod:`workers.prompt`, :mod:`workers.generate`) → record (:mod:`workers.finish`); this module
+One prompt goes through the phases claim (:mod:`workers.claim.admission`) → run
+(:mod:`workers.run.prompt`, :mod:`workers.run.generate`) → record (:mod:`workers.run.finish`); this module
 wires them and owns the process's lifecycle and background loops.
 """
 
@@ -37,26 +37,26 @@ from datagen.prompts.tokenization import preload_libraries
 from datagen.records.storage import Storage
 from datagen.settings import DEFAULT_METRICS_PORT, WorkerSettings
 from datagen.states import EngineChoice, PromptClass
-from workers.admission import Admission, Slots
-from workers.backup import Backups
-from workers.conversation import Conversations
-from workers.engine import Engine
-from workers.engine_detect import DetectingEngine, EngineProbe
-from workers.finish import Acks, Finisher
-from workers.fleet import Fleet, Server, ServerSpec
-from workers.fleet_sync import FleetSync
-from workers.generate import Generator
-from workers.health import HealthProbe
-from workers.jobinfo import JobInfos
-from workers.kv_control import KvControl
+from workers.claim.admission import Admission, Slots
+from workers.claim.reaper import Reaper
+from workers.claim.rqbridge import QueueIdentity, heartbeat_ttl_s
+from workers.claim.wake import Wakeups
+from workers.engines.base import Engine
+from workers.engines.detect import DetectingEngine, EngineProbe
+from workers.engines.sglang import ClientTimeouts, SGLangClient
+from workers.engines.vllm import VllmClient
+from workers.fleet.health import HealthProbe
+from workers.fleet.kv_control import KvControl
+from workers.fleet.servers import Fleet, Server, ServerSpec
+from workers.fleet.sync import FleetSync
 from workers.metrics import WorkerMetrics
-from workers.prompt import PromptRunner
-from workers.reaper import Reaper
-from workers.rqbridge import QueueIdentity, heartbeat_ttl_s
-from workers.sglang import ClientTimeouts, SGLangClient
-from workers.vllm import VllmClient
-from workers.wake import Wakeups
-from workers.writer import RecordWriter
+from workers.run.backup import Backups
+from workers.run.conversation import Conversations
+from workers.run.finish import Acks, Finisher
+from workers.run.generate import Generator
+from workers.run.jobinfo import JobInfos
+from workers.run.prompt import PromptRunner
+from workers.run.writer import RecordWriter
 
 __all__ = ["Worker"]
 

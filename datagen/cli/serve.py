@@ -193,7 +193,7 @@ def worker(
     the server unless --engine or its URL names it) and stores the records; it waits for Redis
     and storage at startup.
     """
-    from workers.fleet import ServerSpec, with_api_keys
+    from workers.fleet.servers import ServerSpec, with_api_keys
     from workers.worker import Worker
 
     settings = load(

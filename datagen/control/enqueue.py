@@ -28,7 +28,7 @@ __all__ = ["JOB_TIMEOUT_S", "RQ_JOB_FUNC", "EnqueueOptions", "enqueue_prompts", 
 
 # Dotted path stored in each RQ job. Only the datagen worker runs these jobs (it reads the payload
 # itself); the coordinator never imports the workers package, so the path is a string.
-RQ_JOB_FUNC = "workers.task.run_prompt"
+RQ_JOB_FUNC = "workers.claim.rqbridge.refuse_stock_rq_worker"
 # RQ's job timeout; the worker enforces per-request read timeouts itself, so these only bound how
 # long RQ considers a started job plausible.
 JOB_TIMEOUT_S = {PromptClass.SHORT: 6 * 3600, PromptClass.LONG: 24 * 3600}
@@ -38,7 +38,7 @@ JOB_TIMEOUT_S = {PromptClass.SHORT: 6 * 3600, PromptClass.LONG: 24 * 3600}
 class EnqueueOptions:
     result_ttl_s: int
     failure_ttl_s: int
-    # RQ retries are spent only when a worker dies with the prompt (see workers/reaper.py).
+    # RQ retries are spent only when a worker dies with the prompt (see workers/claim/reaper.py).
     max_worker_losses: int
 
 

@@ -1,5 +1,5 @@
 """The Lua scripts of the control plane (``datagen/control/lua/*.lua``) and of the workers
-(``workers/lua/*.lua``): read from the package, so a wheel works as a checkout does, and called with
+(``workers/claim/lua/*.lua``): read from the package, so a wheel works as a checkout does, and called with
 named arguments.
 
 A script file opens with its signature, a comment naming each ``KEYS[i]`` and ``ARGV[i]``, then binds

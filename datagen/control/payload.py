@@ -38,7 +38,7 @@ def unpack_ids(packed: str) -> list[int]:
 class Conversation:
     """Multi-turn ``all`` mode: a row's whole conversation, where each turn's history ends (``cuts``:
     how many messages precede each turn), and the turns regenerated so far (each the model's text,
-    or its message with parsed tool calls, `workers.turns.assistant_turn`)."""
+    or its message with parsed tool calls, `workers.run.turns.assistant_turn`)."""
 
     messages: list[dict[str, Any]]
     tools: list[dict[str, Any]] | None
@@ -128,7 +128,7 @@ class ParsedPayload:
 
     ``prompt`` is None when the payload is malformed, and ``error`` says how: the worker fails such a
     prompt. Its job is still read leniently, and ``raw`` kept for the failure and cancel counts
-    (`workers.failures`, which reads any payload as the reaper does), so that even a malformed
+    (`workers.claim.failures`, which reads any payload as the reaper does), so that even a malformed
     prompt is counted on the job it names."""
 
     prompt: PromptPayload | None
@@ -144,7 +144,7 @@ class ParsedPayload:
 
 
 def parse_payload(raw: object) -> ParsedPayload:
-    """``raw``: the RQ job's first argument (`workers.rqbridge.payload_of`), None when it has none."""
+    """``raw``: the RQ job's first argument (`workers.claim.rqbridge.payload_of`), None when it has none."""
     fields: Mapping[str, Any] = raw if isinstance(raw, dict) else {}
     job = fields.get("job")
     try:

@@ -1,7 +1,7 @@
 """Multi-turn ``all`` mode: turn k+1 of a conversation as a payload, rendered from the regenerated
 turns, and what a turn's record says follows it.
 
-Workers build turn k+1 when turn k ends (`workers.conversation`); a coordinator rebuilding a job from
+Workers build turn k+1 when turn k ends (`workers.run.conversation`); a coordinator rebuilding a job from
 storage builds the same payload from the records (`service.committed`). Both render with these
 functions, so a rebuilt next turn is the one a worker would have enqueued.
 

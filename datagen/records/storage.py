@@ -511,7 +511,7 @@ class Storage:
         return self._iter_row_notes(job_id, "flagged")
 
     def write_stopped(self, job_id: str, sample_id: str, gen: int, row: dict[str, Any]) -> None:
-        """Why one conversation stopped before its last turn (`workers.conversation`), named by the
+        """Why one conversation stopped before its last turn (`workers.run.conversation`), named by the
         conversation: writing it again (a redone turn) replaces the object instead of adding one."""
         path = self._path(job_id, "stopped", f"{sample_digest(sample_id)}-g{gen}.jsonl")
         data = json.dumps(row, ensure_ascii=False).encode("utf-8") + b"\n"

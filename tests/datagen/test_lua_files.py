@@ -16,8 +16,8 @@ import datagen.control.epoch
 import datagen.control.job_outcomes
 import datagen.control.jobs
 import datagen.control.leases
-import workers.reaper
-import workers.rqbridge
+import workers.claim.reaper
+import workers.claim.rqbridge
 from datagen.control.dispatch import ClaimManyArgs, Dispatch
 from datagen.control.jobs import JobStore
 from datagen.control.keys import UNKNOWN_LABEL, BreakdownField, Keys
@@ -25,7 +25,7 @@ from datagen.control.lua import CONTROL, LIB, USES_LIB, ScriptArgs, source
 from datagen.states import JobState, Priority, PromptClass
 
 ROOT = Path(__file__).resolve().parents[2]
-FOLDERS = {CONTROL: ROOT / "datagen" / "control" / "lua", "workers": ROOT / "workers" / "lua"}
+FOLDERS = {CONTROL: ROOT / "datagen" / "control" / "lua", "workers.claim": ROOT / "workers" / "claim" / "lua"}
 SCRIPTS = sorted(
     (package, path)
     for package, folder in FOLDERS.items()
@@ -40,8 +40,8 @@ OWNERS = (
     datagen.control.dispatch,
     datagen.control.epoch,
     datagen.control.leases,
-    workers.reaper,
-    workers.rqbridge,
+    workers.claim.reaper,
+    workers.claim.rqbridge,
 )
 
 SIGNATURE = re.compile(r"^--\s+(KEYS|ARGV)\[(\d+)(\.\.)?\]\s+(\w+)\s+\S")

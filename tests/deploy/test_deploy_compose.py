@@ -49,7 +49,7 @@ from tests.support.deploy import (
 )
 from tests.support.processes import ProcessStack
 from tests.support.wait import wait_until
-from workers.fleet import ServerSpec
+from workers.fleet.servers import ServerSpec
 
 SCHEMA = DEPLOY / "compose-spec.json"
 DATAGEN_IMAGE = "eagle3-datagen:local"

@@ -19,7 +19,7 @@ from datagen.prompts.tokenization import bundled_tokenizer_path, default_chat_te
 from tests.support.e2e import get_job, job_records
 from tests.support.processes import ProcessStack, coordinator_stack
 from tests.support.wait import wait_until
-from workers.rqbridge import heartbeat_ttl_s
+from workers.claim.rqbridge import heartbeat_ttl_s
 
 pytestmark = pytest.mark.e2e
 

@@ -1,7 +1,7 @@
 """Issue 12: a worker killed with ``kill -9`` while its backup requests run.
 
 A fast and a slow simulator. Once the fast one has drained the backlog, the worker backs the slow
-one's requests up on it (``workers/backup.py``); at the first backup the worker is SIGKILLed, with
+one's requests up on it (``workers/run/backup.py``); at the first backup the worker is SIGKILLed, with
 a primary and its backup in flight for the same prompt. A new worker starts; the reaper hands the
 dead worker's prompts back and they run again. The end state must be the usual one: one record
 per prompt, exported once, the job's counters agreeing with storage, every record token-exact

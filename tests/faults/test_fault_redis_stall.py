@@ -5,7 +5,8 @@ has a full concurrency of prompts in flight, then resumed with SIGCONT. Nobody c
 heartbeat meanwhile, so every started-registry entry lapses; a reaper that acted on those entries
 at once would hand every in-flight prompt back, run it twice and spend one of its worker-loss
 retries. The reaper sees the stall (a gap between its own Redis round trips) and claims nothing
-until a heartbeat TTL after it, by which time every live worker has beaten again (``workers/reaper.py``).
+until a heartbeat TTL after it, by which time every live worker has beaten again
+(``workers/claim/reaper.py``).
 
 Measured: prompts in flight at the stall, prompts the reaper requeued, and prompts generated
 twice. None may be generated twice, none requeued as a worker loss, and every prompt that still

@@ -7,7 +7,7 @@ Kills 2 and 3 wait until the previous kill's orphans are reaped and, reaped prom
 front of the queue, running again in the new worker: those prompts are lost twice or three times.
 
 ``DATAGEN_MAX_WORKER_LOSSES`` keeps its default of 3: a prompt gets three RQ retries, spent only
-when its worker dies, and fails on a fourth loss (``workers/reaper.py``), so even a prompt that
+when its worker dies, and fails on a fourth loss (``workers/claim/reaper.py``), so even a prompt that
 was in flight at all three kills completes. The test reads each prompt's ``retries_left`` at the
 end to show how many losses prompts took.
 

@@ -40,7 +40,7 @@ from tests.support.sim import running_simulator
 from tests.support.specs import job_spec, make_spec
 from tests.support.wait import wait_until
 from tests.support.workers import fast_worker_settings
-from workers.fleet import ServerSpec
+from workers.fleet.servers import ServerSpec
 from workers.worker import Worker
 
 NS = "cc"

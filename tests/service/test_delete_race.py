@@ -12,8 +12,8 @@ from datagen.records.storage import Storage
 from datagen.states import PromptClass
 from service.lifecycle import JobControls
 from tests.support.workers import KEYS, ingest, short_identity
-from workers.finish import ack_item
-from workers.rqbridge import InFlight, QueueIdentity
+from workers.claim.rqbridge import InFlight, QueueIdentity
+from workers.run.finish import ack_item
 
 JOB = "delrace"
 

@@ -2,7 +2,7 @@
 must hold, computed without the worker's code.
 
 It renders with transformers' ``apply_chat_template`` directly (not `datagen.prompts.tokenization`),
-builds histories by its own rules (not `workers.turns`), and asks the simulator's pure functions
+builds histories by its own rules (not `workers.run.turns`), and asks the simulator's pure functions
 (`simulator.model`, `simulator.toolcalls`) what the model writes and what SGLang's parser reads.
 Shared by the tests and by ``bench/conversations.py``.
 """

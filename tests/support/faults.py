@@ -3,7 +3,7 @@
 Every process is a ``python -m datagen …`` child (or ``redis-server``) that a test can SIGKILL and
 start again on the same port. Intervals are short (``FAST_ENV``) so that each case runs in well
 under a minute on a 2-core machine; the RQ heartbeat TTL keeps its fixed 10 s grace
-(``workers/rqbridge.py``), which bounds how fast a dead worker's prompts can come back.
+(``workers/claim/rqbridge.py``), which bounds how fast a dead worker's prompts can come back.
 
 :func:`check_final_state` is what every case ends with: one record per accepted prompt after
 deduplication, every record (duplicates included) token-exact against the simulator's
@@ -72,7 +72,7 @@ FAST_ENV = {
     "DATAGEN_DRAIN_TIMEOUT_S": "5",
     "DATAGEN_METRICS_PORT": "0",
 }
-# The heartbeat TTL is three intervals plus a fixed 10 s grace (workers/rqbridge.py); a reaper
+# The heartbeat TTL is three intervals plus a fixed 10 s grace (workers/claim/rqbridge.py); a reaper
 # pass follows within one reaper interval, and a loaded 2-core machine adds some seconds.
 HEARTBEAT_S = float(FAST_ENV["DATAGEN_HEARTBEAT_INTERVAL_S"])
 REAPER_S = float(FAST_ENV["DATAGEN_REAPER_INTERVAL_S"])

@@ -15,8 +15,8 @@ from datagen.settings import WorkerSettings
 from datagen.states import PromptClass
 from tests.support.ingest import ingest_rows
 from tests.support.specs import job_spec
-from workers.fleet import ServerSpec
-from workers.rqbridge import QueueIdentity
+from workers.claim.rqbridge import QueueIdentity
+from workers.fleet.servers import ServerSpec
 from workers.worker import Worker
 
 __all__ = [

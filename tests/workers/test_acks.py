@@ -1,5 +1,5 @@
-"""Batched acknowledgements (``workers.finish.Acks``) over a real Redis: the prompts of one shard finish in
-RQ and count in their job with one script call, and a repeated ack counts nothing."""
+"""Batched acknowledgements (``workers.run.finish.Acks``) over a real Redis: the prompts of one
+shard finish in RQ and count in their job with one script call, and a repeated ack counts nothing."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from datagen.control.lua import source
 from datagen.records.storage import Storage
 from datagen.states import JobState, PromptClass
 from tests.support.workers import KEYS, ingest
-from workers.finish import Acks, ack_item
-from workers.rqbridge import InFlight, QueueIdentity
+from workers.claim.rqbridge import InFlight, QueueIdentity
+from workers.run.finish import Acks, ack_item
 
 
 def _evalsha_calls(redis_client: redis.Redis) -> int:

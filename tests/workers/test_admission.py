@@ -1,4 +1,4 @@
-"""Admission (``workers.admission``) over real Redis and simulators over real HTTP: a paused
+"""Admission (``workers.claim.admission``) over real Redis and simulators over real HTTP: a paused
 queue is no longer claimed from, and its in-flight prompts still finish; at the end of a backlog
 a slow server starts nothing new."""
 
@@ -15,7 +15,7 @@ from service.fleetview import FleetView
 from tests.support.sim import running_simulator
 from tests.support.wait import wait_until_async
 from tests.support.workers import KEYS, NOT_MET, WAIT_S, ingest, records, settings, start, stop
-from workers.admission import BACKLOG_REFRESH_S
+from workers.claim.admission import BACKLOG_REFRESH_S
 
 
 async def test_pausing_a_queue_stops_dispatch_within_two_seconds(

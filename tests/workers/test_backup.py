@@ -1,4 +1,4 @@
-"""Backup requests (``workers.backup``): a straggler on a slow server raced on a fast idle one.
+"""Backup requests (``workers.run.backup``): a straggler on a slow server raced on a fast idle one.
 
 Real Redis, simulators over real HTTP. The worker tests run a burst ``Worker`` over a fast and a
 slow simulator: the slow one's requests take seconds, so once the fast one has drained the backlog
@@ -25,10 +25,10 @@ from tests.support.metrics import metric_value
 from tests.support.sim import running_simulator
 from tests.support.wait import wait_until_async
 from tests.support.workers import KEYS, NOT_MET, ingest, records, settings, start, stop
-from workers.backup import Backups
-from workers.fleet import Fleet, Server
+from workers.engines.sglang import ClientTimeouts, GenerateResult, SGLangClient
+from workers.fleet.servers import Fleet, Server
 from workers.metrics import WorkerMetrics
-from workers.sglang import ClientTimeouts, GenerateResult, SGLangClient
+from workers.run.backup import Backups
 from workers.worker import Worker
 
 SHORT = PromptClass.SHORT

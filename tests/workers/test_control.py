@@ -1,6 +1,6 @@
-"""The worker's background control (``workers.fleet_sync``, ``workers.health``, ``workers.kv_control``)
-over real Redis and simulators over real HTTP: health probes, targets shared by the workers listing
-one server, the KV controller."""
+"""The worker's background control (``workers.fleet.sync``, ``workers.fleet.health``,
+``workers.fleet.kv_control``) over real Redis and simulators over real HTTP: health probes,
+targets shared by the workers listing one server, the KV controller."""
 
 from __future__ import annotations
 
@@ -19,11 +19,11 @@ from service.fleetview import FleetView
 from tests.support.sim import running_simulator
 from tests.support.wait import wait_until_async
 from tests.support.workers import KEYS, NOT_MET, ingest, settings, start, stop
-from workers.fleet import Fleet, Server
-from workers.health import HealthProbe
-from workers.kv_control import KvControl
+from workers.engines.sglang import ClientTimeouts, SGLangClient
+from workers.fleet.health import HealthProbe
+from workers.fleet.kv_control import KvControl
+from workers.fleet.servers import Fleet, Server
 from workers.metrics import WorkerMetrics
-from workers.sglang import ClientTimeouts, SGLangClient
 
 # Health --------------------------------------------------------------------------------------------
 

@@ -27,12 +27,12 @@ from tests.support.records import make_record
 from tests.support.sim import running_simulator
 from tests.support.specs import job_spec
 from tests.support.workers import fast_worker_settings
-from workers.conversation import NEXT_TURN_ATTEMPTS, Conversations, ConversationStop
-from workers.fleet import Server, ServerSpec
-from workers.jobinfo import JobInfos
+from workers.engines.sglang import ClientTimeouts, SGLangClient
+from workers.fleet.servers import Server, ServerSpec
 from workers.metrics import WorkerMetrics
-from workers.sglang import ClientTimeouts, SGLangClient
-from workers.turns import history_text
+from workers.run.conversation import NEXT_TURN_ATTEMPTS, Conversations, ConversationStop
+from workers.run.jobinfo import JobInfos
+from workers.run.turns import history_text
 from workers.worker import Worker
 
 NS = "conv"

@@ -29,11 +29,11 @@ from tests.support.sim import running_simulator
 from tests.support.specs import job_spec
 from tests.support.wait import wait_until_async
 from tests.support.workers import NOT_MET, WAIT_S, fast_worker_settings
-from workers.fleet import Server, ServerSpec
-from workers.kv_control import KvControl
+from workers.engines.sglang import ClientTimeouts, SGLangClient
+from workers.engines.vllm import VllmClient
+from workers.fleet.kv_control import KvControl
+from workers.fleet.servers import Server, ServerSpec
 from workers.metrics import WorkerMetrics
-from workers.sglang import ClientTimeouts, SGLangClient
-from workers.vllm import VllmClient
 from workers.worker import Worker
 
 NS = "eng"

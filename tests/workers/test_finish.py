@@ -1,4 +1,4 @@
-"""The finisher (``workers.finish``) over real Redis/RQ: a prompt that fails after its job was
+"""The finisher (``workers.run.finish``) over real Redis/RQ: a prompt that fails after its job was
 deleted, or after its id was reused by a new job, leaves nothing in Redis and touches no new job."""
 
 from __future__ import annotations
@@ -15,11 +15,11 @@ from datagen.records.storage import Storage
 from datagen.states import PromptClass
 from service.lifecycle import JobControls
 from tests.support.workers import KEYS, ingest, short_identity
-from workers.conversation import Conversations
-from workers.finish import Acks, Finisher
-from workers.jobinfo import JobInfos
+from workers.claim.rqbridge import InFlight, QueueIdentity, payload_of
 from workers.metrics import WorkerMetrics
-from workers.rqbridge import InFlight, QueueIdentity, payload_of
+from workers.run.conversation import Conversations
+from workers.run.finish import Acks, Finisher
+from workers.run.jobinfo import JobInfos
 
 JOB = "fin"
 

@@ -1,4 +1,4 @@
-"""Routing over the fleet (``workers.fleet``): least outstanding requests, free slots, paused servers;
+"""Routing over the fleet (``workers.fleet.servers``): least outstanding requests, free slots, paused servers;
 real Redis and simulators over real HTTP."""
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ from datagen.states import PromptClass
 from service.fleetview import FleetView
 from tests.support.sim import running_simulator
 from tests.support.workers import KEYS, ingest, records, settings, start, stop
-from workers.fleet import Fleet, Server
+from workers.engines.sglang import ClientTimeouts, SGLangClient
+from workers.fleet.servers import Fleet, Server
 from workers.metrics import WorkerMetrics
-from workers.sglang import ClientTimeouts, SGLangClient
 
 
 @pytest.fixture

@@ -14,11 +14,11 @@ import pytest
 
 from datagen.errors import ServerUnavailableError
 from datagen.states import PromptClass
-from workers.backup import HUNG_MARGIN, Backups
-from workers.fleet import Fleet, Server
-from workers.generate import _unless_lost
+from workers.engines.sglang import ClientTimeouts, SGLangClient
+from workers.fleet.servers import Fleet, Server
 from workers.metrics import WorkerMetrics
-from workers.sglang import ClientTimeouts, SGLangClient
+from workers.run.backup import HUNG_MARGIN, Backups
+from workers.run.generate import _unless_lost
 
 SHORT = PromptClass.SHORT
 LIMITS = {PromptClass.SHORT: 2, PromptClass.LONG: 1}

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from workers.kv_policy import Decision, KvSignals, decide, parse_kv_signals, restarted
+from workers.fleet.kv_policy import Decision, KvSignals, decide, parse_kv_signals, restarted
 
 # Written after SGLang's exposition (shared/reference/sglang-contract.md §5): colon names, DP ranks.
 COLON_PAGE = """\

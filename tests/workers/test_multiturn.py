@@ -19,8 +19,8 @@ from tests.support.ingest import ingest_rows
 from tests.support.sim import running_simulator
 from tests.support.specs import job_spec
 from tests.support.workers import fast_worker_settings
-from workers.fleet import ServerSpec
-from workers.turns import history
+from workers.fleet.servers import ServerSpec
+from workers.run.turns import history
 from workers.worker import Worker
 
 NS = "mt"

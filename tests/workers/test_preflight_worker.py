@@ -17,7 +17,7 @@ from service.fleetview import FleetView
 from tests.support.sim import running_simulator
 from tests.support.wait import wait_until_async
 from tests.support.workers import fast_worker_settings
-from workers.fleet import ServerSpec
+from workers.fleet.servers import ServerSpec
 from workers.worker import Worker
 
 NS = "pfw"

@@ -1,4 +1,4 @@
-"""The reaper (``workers.reaper``) over real Redis: a dead worker's prompts go back to the queue
+"""The reaper (``workers.claim.reaper``) over real Redis: a dead worker's prompts go back to the queue
 until their job's budget of worker losses is spent, also after RQ's own registry cleanup."""
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ from datagen.control.jobs import JobStore
 from datagen.records.storage import Storage
 from datagen.states import PromptClass
 from tests.support.workers import KEYS, ingest
+from workers.claim.reaper import Reaper
+from workers.claim.rqbridge import QueueIdentity, heartbeat_ttl_s
 from workers.metrics import WorkerMetrics
-from workers.reaper import Reaper
-from workers.rqbridge import QueueIdentity, heartbeat_ttl_s
 
 HEARTBEAT_TTL_S = heartbeat_ttl_s(0.5)
 

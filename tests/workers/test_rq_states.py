@@ -1,6 +1,6 @@
 """RQ's stored job format has several writers (docs/architecture.md, "Who writes RQ's job hashes"):
 enqueue through RQ's own API, three Lua scripts that write the hash as RQ would (claim, ack, retry)
-and `workers/rqbridge.py` through RQ's API for the rare paths. Each state any of them writes is read
+and `workers/claim/rqbridge.py` through RQ's API for the rare paths. Each state any of them writes is read
 back here through RQ's own API (`Job.fetch`, `get_status`, the registries), so a script that drifts
 from RQ's format fails here and not in an operator's `rq info`."""
 
@@ -19,8 +19,8 @@ from datagen.records.storage import Storage
 from datagen.states import JobState, PromptClass
 from service.lifecycle import JobControls
 from tests.support.workers import KEYS, ingest
-from workers.finish import Acks, ack_item
-from workers.rqbridge import InFlight, QueueIdentity
+from workers.claim.rqbridge import InFlight, QueueIdentity
+from workers.run.finish import Acks, ack_item
 
 JOB = "rqstates"
 

@@ -18,7 +18,7 @@ from tests.support.ingest import ingest_rows
 from tests.support.sim import running_simulator
 from tests.support.specs import job_spec
 from tests.support.workers import fast_worker_settings
-from workers.fleet import ServerSpec, with_api_keys
+from workers.fleet.servers import ServerSpec, with_api_keys
 from workers.worker import Worker
 
 NS = "keys"

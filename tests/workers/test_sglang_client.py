@@ -26,7 +26,7 @@ from datagen.errors import (
     ServerUnavailableError,
 )
 from datagen.states import FinishType
-from workers.sglang import (
+from workers.engines.sglang import (
     ClientTimeouts,
     Finish,
     GenerateResult,
@@ -447,7 +447,7 @@ def test_parse_rejects_unusable_bodies(body: object) -> None:
 
 
 def test_parse_warns_but_keeps_going_when_the_rid_differs(caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.WARNING, logger="workers.sglang"):
+    with caplog.at_level(logging.WARNING, logger="workers.engines.sglang"):
         result = parse_generate_response(STOP_TOKEN_BODY, rid="another-rid")
     assert result.rid == "another-rid"
     assert [record.levelno for record in caplog.records] == [logging.WARNING]
@@ -456,7 +456,7 @@ def test_parse_warns_but_keeps_going_when_the_rid_differs(caplog: pytest.LogCapt
 
 def test_parse_notes_a_completion_token_mismatch_only_in_debug(caplog: pytest.LogCaptureFixture) -> None:
     body = {**ABORT_WAITING_BODY, "output_ids": [785, 6722]}  # completion_tokens says 0
-    with caplog.at_level(logging.DEBUG, logger="workers.sglang_replies"):
+    with caplog.at_level(logging.DEBUG, logger="workers.engines.sglang_replies"):
         result = parse_generate_response(body, rid=RID)
     assert result.completion_tokens == 0
     assert {record.levelno for record in caplog.records} == {logging.DEBUG}

@@ -20,7 +20,7 @@ from datagen.states import JobState, PromptClass
 from tests.support.ingest import ingest_rows
 from tests.support.sim import running_simulator
 from tests.support.workers import fast_worker_settings
-from workers.fleet import ServerSpec
+from workers.fleet.servers import ServerSpec
 from workers.worker import Worker
 
 NS = "sf"

@@ -22,7 +22,7 @@ from tests.support.sim import running_simulator
 from tests.support.wait import wait_until_async
 from tests.support.workers import KEYS, NOT_MET, ingest, records, settings, start, stop
 from workers.metrics import WorkerMetrics
-from workers.writer import RecordWriter
+from workers.run.writer import RecordWriter
 
 JOBS = ("a", "b")
 N = 200  # prompts per job: far more than the bound

@@ -21,8 +21,8 @@ from datagen.errors import (
     ServerUnavailableError,
 )
 from datagen.states import FinishType
-from workers.sglang import ClientTimeouts
-from workers.vllm import VllmClient, vllm_request
+from workers.engines.sglang import ClientTimeouts
+from workers.engines.vllm import VllmClient, vllm_request
 
 BASE_URL = "http://vllm:8000"
 RID = "eng-j-abc-t0-g0.a1.tag"

@@ -1,4 +1,4 @@
-"""Wake-ups coalesce (``workers.wake``): a flood of messages on the wake channel, published by
+"""Wake-ups coalesce (``workers.claim.wake``): a flood of messages on the wake channel, published by
 another process as fast as one Redis connection takes them, costs an idle worker (a real Worker,
 real Redis, a simulator over real HTTP) a few claims a second and little CPU, and a real prompt
 enqueued during the flood is still started within two wake-up windows.
@@ -23,7 +23,7 @@ from datagen.states import JobState
 from tests.support.sim import running_simulator
 from tests.support.wait import wait_until_async
 from tests.support.workers import KEYS, NOT_MET, WAIT_S, ingest, settings, start, stop
-from workers.wake import WAKE_COALESCE_S
+from workers.claim.wake import WAKE_COALESCE_S
 from workers.worker import Worker
 
 FLOOD_S = 3.0

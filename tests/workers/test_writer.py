@@ -19,7 +19,7 @@ from tests.support.records import make_record
 from tests.support.wait import wait_until_async
 from tests.support.workers import NOT_MET
 from workers.metrics import WorkerMetrics
-from workers.writer import RecordWriter
+from workers.run.writer import RecordWriter
 
 # A remote object store's latency per shard, far above a local disk's.
 SLOW_COMMIT_S = 0.02

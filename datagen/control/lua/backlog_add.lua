@@ -1,6 +1,6 @@
 --! uses lib
 -- Appends prompts to a job's backlog of one class, inside the caller's transaction, and tells idle
--- workers (`workers.wake`). A cancelled job takes no more prompts: they are counted cancelled
+-- workers (`workers.claim.wake`). A cancelled job takes no more prompts: they are counted cancelled
 -- instead (a worker may enqueue a multi-turn conversation's next turn as the cancel lands); a
 -- deleted job takes none and counts nothing (its keys must not come back). Returns how many were
 -- appended.

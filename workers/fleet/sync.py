@@ -31,7 +31,7 @@ from datagen.control.servers import (
     shares_server,
 )
 from datagen.states import PromptClass, ServerState
-from workers.fleet import Fleet, Server
+from workers.fleet.servers import Fleet, Server
 from workers.metrics import WorkerMetrics
 
 __all__ = ["FleetSync"]

@@ -20,7 +20,7 @@ jobs, so an RQ job is never finished for a record that is not stored. A failed c
 records and tries again with a backoff of its job's own (the other jobs commit at their pace); their
 RQ jobs stay started meanwhile. The storage is shared: while a commit fails, every job with records
 waiting here shows ``storage_error`` until a commit of its own goes through, and admission
-(`workers.admission`) claims no more once :attr:`RecordWriter.pending` reaches
+(`workers.claim.admission`) claims no more once :attr:`RecordWriter.pending` reaches
 ``max_uncommitted_records``.
 """
 

@@ -23,11 +23,11 @@ import httpx
 
 from datagen.errors import ConfigError, DatagenError, PreflightError, ServerError, ServerUnavailableError
 from datagen.states import EngineChoice
-from workers.engine import Engine, GenerateResult, ParsedCalls, ServerFacts
-from workers.fleet import shown_url
-from workers.http_pools import DEFAULT_CONTROL_TIMEOUT_S, PooledClient
-from workers.kv_policy import KvSignals
-from workers.sglang_replies import error_message
+from workers.engines.base import Engine, GenerateResult, ParsedCalls, ServerFacts
+from workers.engines.http import DEFAULT_CONTROL_TIMEOUT_S, PooledClient
+from workers.engines.sglang_replies import error_message
+from workers.fleet.kv_policy import KvSignals
+from workers.fleet.servers import shown_url
 
 __all__ = ["DetectingEngine", "EngineProbe", "detect_engine"]
 
@@ -82,7 +82,7 @@ async def detect_engine(probe: EngineProbe) -> EngineChoice | None:
 
 
 class DetectingEngine:
-    """An :class:`workers.engine.Engine` whose engine is learnt from the server when it comes up
+    """An :class:`workers.engines.base.Engine` whose engine is learnt from the server when it comes up
     (or forced), then delegated to."""
 
     def __init__(

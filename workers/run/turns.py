@@ -10,10 +10,10 @@ that marks ``</think>`` special would otherwise lose the delimiter, and the temp
 longer strip the reasoning from the history.
 
 Tool calls: without a parser, a regenerated turn keeps the dataset's ``tool_calls`` and only its
-text is the model's. With the job's ``tool_call_parser`` (`workers.conversation`), the turn is the
+text is the model's. With the job's ``tool_call_parser`` (`workers.run.conversation`), the turn is the
 model's ``normal_text`` and its parsed calls, and the dataset's tool results follow by position.
 
-Pure functions: `workers.conversation` runs them in threads and owns retries and stops. Rendering
+Pure functions: `workers.run.conversation` runs them in threads and owns retries and stops. Rendering
 turn k+1 (`history`, `next_turn`) lives in `datagen.control.turns`, shared with the coordinator's
 rebuild; they are named here too.
 """
@@ -26,7 +26,7 @@ from typing import Any
 from datagen.control.payload import Conversation
 from datagen.control.turns import history, next_turn
 from datagen.prompts.tokenization import PromptRenderer
-from workers.sglang_replies import ToolCall
+from workers.engines.sglang_replies import ToolCall
 
 __all__ = ["assistant_turn", "dataset_call_names", "history", "history_text", "next_turn"]
 

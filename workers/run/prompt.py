@@ -1,5 +1,5 @@
 """The life of one claimed prompt, as an asyncio task: count it started, generate, commit the record,
-then record how it ended (:mod:`workers.finish`) even through a Redis outage. Its conversation's
+then record how it ended (:mod:`workers.run.finish`) even through a Redis outage. Its conversation's
 next turn (multi-turn ``all``) is built between the generation and the commit, and written into the
 record, so storage holds it with the turn; a next turn that cannot be built ends the conversation,
 never the prompt, and a prompt whose record is committed is never failed.
@@ -19,12 +19,12 @@ from datagen.control.jobs import JobStore
 from datagen.control.payload import ParsedPayload
 from datagen.errors import FatalError, JobNotFoundError
 from datagen.states import PromptClass
-from workers.admission import Slots
-from workers.finish import Finisher, is_final
-from workers.generate import Generator
-from workers.redisretry import while_redis_down
-from workers.rqbridge import InFlight, QueueIdentity
-from workers.writer import RecordWriter
+from workers.claim.admission import Slots
+from workers.claim.rqbridge import InFlight, QueueIdentity
+from workers.run.finish import Finisher, is_final
+from workers.run.generate import Generator
+from workers.run.redisretry import while_redis_down
+from workers.run.writer import RecordWriter
 
 __all__ = ["PromptRunner"]
 
@@ -44,7 +44,7 @@ class PromptRunner:
     async def run(
         self, identity: QueueIdentity, item: InFlight, parsed: ParsedPayload, cls: PromptClass
     ) -> None:
-        """``parsed``: the payload of ``item``, read once at its claim (`workers.admission`)."""
+        """``parsed``: the payload of ``item``, read once at its claim (`workers.claim.admission`)."""
         # The claim put the prompt in its job's running set and RQ's started registry.
         job_id = parsed.job
         try:

@@ -5,9 +5,9 @@ server is down or unreachable) sends the prompt elsewhere without charging an at
 retryable error charges one and keeps the prompt off that server. :class:`FatalError` ends it.
 A request in flight on a server that its health probe finds hung or unreachable is abandoned
 (cancelled, its connection closed) and counts as a server fault, instead of waiting for its read
-timeout (`workers.fleet.Fleet.mark_down`).
+timeout (`workers.fleet.servers.Fleet.mark_down`).
 
-At the end of a run a request may race a backup on a faster idle server (`workers.backup`): the
+At the end of a run a request may race a backup on a faster idle server (`workers.run.backup`): the
 first answer makes the record (its ``server`` and ``rid``, which ends ``b.<tag>`` for a backup),
 the other request is cancelled. One prompt gets at most one backup.
 """
@@ -31,13 +31,13 @@ from datagen.errors import ConfigError, FatalError, RetryableError, ServerUnavai
 from datagen.records.schema import Record
 from datagen.settings import WorkerSettings
 from datagen.states import PromptClass
-from workers.backup import Backups, Straggler
-from workers.fleet import Fleet, Server
-from workers.health import API_KEY_HINT
-from workers.jobinfo import JobInfos
+from workers.engines.sglang import GenerateResult
+from workers.fleet.health import API_KEY_HINT
+from workers.fleet.servers import Fleet, Server
 from workers.metrics import WorkerMetrics
-from workers.redisretry import while_redis_down
-from workers.sglang import GenerateResult
+from workers.run.backup import Backups, Straggler
+from workers.run.jobinfo import JobInfos
+from workers.run.redisretry import while_redis_down
 
 __all__ = ["Generator", "max_new_tokens"]
 

@@ -43,9 +43,9 @@ from datagen.control.keys import Keys
 from datagen.control.lua import KEY, LuaScript, ScriptArgs
 from datagen.control.redistext import as_text, as_texts
 from datagen.states import PromptClass
-from workers.failures import failure_report, prompt_labels
+from workers.claim.failures import failure_report, prompt_labels
+from workers.claim.rqbridge import fail_job, payload_of
 from workers.metrics import WorkerMetrics
-from workers.rqbridge import fail_job, payload_of
 
 __all__ = ["ReapResult", "Reaper"]
 
@@ -67,7 +67,7 @@ LATER_BEAT_S = 0.001
 @dataclass(frozen=True)
 class ClaimLapsedArgs(ScriptArgs):
     script = "claim_lapsed"
-    package = "workers"
+    package = "workers.claim"
     started: str = field(metadata=KEY)
     member: str
     cutoff: float

@@ -1,7 +1,7 @@
 """The RQ transitions that record how a prompt ended, each with the job's counters in the same
 transaction: succeeded (batched with its shard, `Acks` below; in multi-turn ``all`` mode with its
 next turn enqueued by the script that counts it, or its conversation's stop stored first,
-`workers.conversation`), failed,
+`workers.run.conversation`), failed,
 cancelled with its job, dropped because its job was deleted, or handed back unfinished.
 
 Succeeded prompts finish in batches: the tasks of a shard resume together once the shard is
@@ -38,12 +38,12 @@ from datagen.errors import JobNotFoundError, RetryableError
 from datagen.records.schema import Record
 from datagen.settings import DEFAULT_FAILURE_TTL_S, DEFAULT_MAX_WORKER_LOSSES, DEFAULT_RESULT_TTL_S
 from datagen.states import PromptClass
-from workers.conversation import Conversations, ConversationStop, NextTurn, note_of
-from workers.failures import failure_report, prompt_labels
-from workers.jobinfo import JobInfos
+from workers.claim.failures import failure_report, prompt_labels
+from workers.claim.rqbridge import InFlight, QueueIdentity
 from workers.metrics import WorkerMetrics
-from workers.redisretry import while_redis_down
-from workers.rqbridge import InFlight, QueueIdentity
+from workers.run.conversation import Conversations, ConversationStop, NextTurn, note_of
+from workers.run.jobinfo import JobInfos
+from workers.run.redisretry import while_redis_down
 
 __all__ = ["Acks", "Finisher", "ack_item", "is_final"]
 
@@ -174,7 +174,7 @@ class Finisher:
     async def following_turn(self, payload: PromptPayload, record: Record) -> tuple[Record, NextTurn]:
         """Multi-turn ``all`` mode, once the turn is generated and before its record is committed:
         what follows it (the next turn's payload, nothing, or why the conversation stops:
-        `workers.conversation`), and the record carrying it in ``next_turn``, so that storage holds
+        `workers.run.conversation`), and the record carrying it in ``next_turn``, so that storage holds
         the next turn's history with the turn's commit (a Redis that loses the next turn's payload
         loses nothing: a rebuild enqueues it from the records, `service.committed`). Raises only
         JobNotFoundError and CancelledError."""

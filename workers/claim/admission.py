@@ -1,6 +1,6 @@
 """Admission: one claim loop per class takes prompts from RQ while that class has free slots,
 as many per claim as are free, and runs each as an asyncio task. With nothing to claim it waits
-for a wake-up (`workers.wake`) instead of polling Redis; after a wake-up whose claim found nothing,
+for a wake-up (`workers.claim.wake`) instead of polling Redis; after a wake-up whose claim found nothing,
 the next wake-driven claim comes no sooner than ``WAKE_COALESCE_S`` later, however many wake-ups
 arrive, while a claim that found work is followed at once. On a fleet of mixed speeds the slots of
 servers held back at the end of the backlog (`Fleet.held_back`) are not claimed for. While the
@@ -31,10 +31,10 @@ from datagen.control.payload import ParsedPayload, parse_payload
 from datagen.control.redismemory import is_out_of_memory
 from datagen.settings import OUTAGE_RETRY_FIRST_S, OUTAGE_RETRY_MAX_S
 from datagen.states import PromptClass
-from workers.fleet import Fleet
-from workers.fleet_sync import FleetSync
-from workers.rqbridge import InFlight, QueueIdentity, payload_of
-from workers.wake import WAKE_COALESCE_S, Wakeups
+from workers.claim.rqbridge import InFlight, QueueIdentity, payload_of
+from workers.claim.wake import WAKE_COALESCE_S, Wakeups
+from workers.fleet.servers import Fleet
+from workers.fleet.sync import FleetSync
 
 __all__ = ["Admission", "RunPrompt", "Slots"]
 
@@ -52,14 +52,14 @@ CLAIM_GATHER_FRACTION = 0.02
 CLAIM_GATHER_MIN_S = 0.005
 CLAIM_GATHER_MAX_S = 0.1
 CLAIM_BATCH_DIVISOR = 4
-# An idle claim loop polls at most this rarely; wake-ups (`workers.wake`) bring it back at once.
+# An idle claim loop polls at most this rarely; wake-ups (`workers.claim.wake`) bring it back at once.
 IDLE_POLL_MAX_S = 5.0
 # With servers of clearly different speeds, the backlog left decides the end of a run: the slower
 # servers start no new prompts (`Fleet.held_back`). It is read at most this often, and counted down
 # by this worker's claims in between.
 BACKLOG_REFRESH_S = 0.5
 
-# The life of one claimed prompt (``workers.prompt.PromptRunner.run``).
+# The life of one claimed prompt (``workers.run.prompt.PromptRunner.run``).
 RunPrompt = Callable[[QueueIdentity, InFlight, ParsedPayload, PromptClass], Coroutine[Any, Any, None]]
 
 
@@ -211,7 +211,7 @@ class Admission:
             if not items:
                 if self.on_claim_empty is not None:
                     self.on_claim_empty(cls)
-                # Nothing to claim: wait for a wake-up (`workers.wake`), polling ever more slowly.
+                # Nothing to claim: wait for a wake-up (`workers.claim.wake`), polling ever more slowly.
                 idle_s = idle.next_s()
                 timeout_s = idle_s if self.wakeups is not None else poll_s
                 woken = await self._wait_for_work(cls, timeout_s, held=woken)

@@ -5,7 +5,7 @@ conversation's next turn, or say why the conversation stops there. The answer go
 This step never fails a prompt: whatever it meets, the turn's record is committed and counted
 done. It ends in one of three ways:
 
-- the next turn's payload (enqueued with the turn's done count, `workers.finish`);
+- the next turn's payload (enqueued with the turn's done count, `workers.run.finish`);
 - None: the conversation has no more turns;
 - a `ConversationStop` (`datagen.states.StopReason`): the turn was cut at ``max_new_tokens``
   (``truncated``), the model's tool calls differ from the dataset's and the job's ``tool_mismatch``
@@ -33,12 +33,12 @@ from datagen.records.schema import Record
 from datagen.records.storage import Storage
 from datagen.spec import JobSpec
 from datagen.states import FinishType, StopReason, ToolMismatch
-from workers.fleet import Server
-from workers.jobinfo import JobInfo, JobInfos
+from workers.engines.sglang_replies import ParsedCalls
+from workers.fleet.servers import Server
 from workers.metrics import WorkerMetrics
-from workers.redisretry import while_redis_down
-from workers.sglang_replies import ParsedCalls
-from workers.turns import assistant_turn, dataset_call_names, history_text, next_turn
+from workers.run.jobinfo import JobInfo, JobInfos
+from workers.run.redisretry import while_redis_down
+from workers.run.turns import assistant_turn, dataset_call_names, history_text, next_turn
 
 __all__ = ["NEXT_TURN_ATTEMPTS", "ConversationStop", "Conversations", "NextTurn", "note_of"]
 

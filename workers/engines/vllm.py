@@ -5,7 +5,7 @@ vLLM 0.33.0), non-streaming, one prompt per call: ``prompt`` as a list of ids (t
 BOS, no chat template), ``return_token_ids`` so the choice carries the generated ids, and every
 sampling field sent explicitly, since vLLM fills the missing ones from the model's
 ``generation_config.json``. It reads ``/health``, ``/v1/models`` (``max_model_len``, the model) and
-``/metrics``. Errors, as :mod:`workers.vllm_replies` translates them::
+``/metrics``. Errors, as :mod:`workers.engines.vllm_replies` translates them::
 
     httpx.TimeoutException                  RequestTimeoutError
     httpx.TransportError                    ServerUnavailableError
@@ -28,11 +28,11 @@ import httpx
 
 from datagen.errors import BadRequestError, DatagenError, ServerError
 from datagen.states import EngineChoice, FinishType
-from workers.engine import GenerateResult, ParsedCalls, ServerFacts
-from workers.http_pools import DEFAULT_CONTROL_TIMEOUT_S, PooledClient
-from workers.kv_policy import VLLM_PREFIXES, VLLM_SIGNALS, KvSignals, parse_kv_signals
-from workers.sglang_replies import is_int
-from workers.vllm_replies import abort_error, parse_completion_response, status_error
+from workers.engines.base import GenerateResult, ParsedCalls, ServerFacts
+from workers.engines.http import DEFAULT_CONTROL_TIMEOUT_S, PooledClient
+from workers.engines.sglang_replies import is_int
+from workers.engines.vllm_replies import abort_error, parse_completion_response, status_error
+from workers.fleet.kv_policy import VLLM_PREFIXES, VLLM_SIGNALS, KvSignals, parse_kv_signals
 
 __all__ = ["VllmClient", "vllm_request"]
 
@@ -85,7 +85,7 @@ def vllm_request(
 
 class VllmClient(PooledClient):
     """One vLLM server (the large pools take ``/v1/completions``): the vLLM side of
-    :class:`workers.engine.Engine`."""
+    :class:`workers.engines.base.Engine`."""
 
     engine = EngineChoice.VLLM
     kind = "vLLM"

@@ -1,7 +1,7 @@
 """The KV-pressure control loop of one server: :class:`KvControl`.
 
 It runs in every worker and steps only in the one holding the server's controller lease: it reads
-the server's ``/metrics``, runs :func:`workers.kv_policy.decide`, writes the shared target
+the server's ``/metrics``, runs :func:`workers.fleet.kv_policy.decide`, writes the shared target
 (:class:`datagen.control.servers.ServerControl`) and applies it to its own worker's limits at once;
 the other workers apply it at their next fleet sync. Before the worker's first claim it seeds a
 server with no target yet with the slow-start window; it steps every
@@ -24,8 +24,8 @@ from datagen.control.redistext import as_text
 from datagen.control.servers import ControllerPhase, ServerControl, read_control
 from datagen.errors import DatagenError
 from datagen.settings import DEFAULT_CONTROLLER_INITIAL_TARGET, DEFAULT_CONTROLLER_SLOW_START_INTERVAL_S
-from workers.fleet import Server
-from workers.kv_policy import KvSignals, decide, restarted
+from workers.fleet.kv_policy import KvSignals, decide, restarted
+from workers.fleet.servers import Server
 from workers.metrics import WorkerMetrics
 
 __all__ = ["KvControl"]

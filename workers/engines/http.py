@@ -2,8 +2,8 @@
 
 :class:`PooledClient` owns the connections (the generation route's, split into pools of at most
 ``GENERATE_POOL_CONNECTIONS``, and a small control pool) and the translation of httpx's transport
-errors into the project's errors; :class:`workers.sglang.SGLangClient` and
-:class:`workers.vllm.VllmClient` add their engine's routes and reply parsing on top.
+errors into the project's errors; :class:`workers.engines.sglang.SGLangClient` and
+:class:`workers.engines.vllm.VllmClient` add their engine's routes and reply parsing on top.
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ from datagen.errors import (
     ServerUnavailableError,
 )
 from datagen.settings import DEFAULT_CONNECT_TIMEOUT_S
-from workers.fleet import shown_url, url_secret
-from workers.sglang_replies import ERROR_TEXT_MAX_CHARS
+from workers.engines.sglang_replies import ERROR_TEXT_MAX_CHARS
+from workers.fleet.servers import shown_url, url_secret
 
 __all__ = [
     "CONTROL_CONNECTIONS",

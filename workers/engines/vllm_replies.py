@@ -1,6 +1,6 @@
 """vLLM's replies read strictly (``docs/reference/vllm-contract.md``): a ``/v1/completions`` choice's
 ``token_ids`` and ``finish_reason``, turned into the record's finish, and error statuses turned into
-the project's errors. Pure functions over what :class:`workers.vllm.VllmClient` received."""
+the project's errors. Pure functions over what :class:`workers.engines.vllm.VllmClient` received."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from datagen.errors import (
     ServerError,
 )
 from datagen.states import FinishType
-from workers.sglang_replies import Finish, GenerateResult, classify_status, error_message, is_int
+from workers.engines.sglang_replies import Finish, GenerateResult, classify_status, error_message, is_int
 
 __all__ = ["abort_error", "parse_completion_response", "status_error"]
 

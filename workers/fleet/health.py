@@ -10,7 +10,7 @@ are sent elsewhere at once, without charging an attempt, instead of waiting for 
 timeout. A 503 cancels nothing.
 
 A server that comes up is read and checked first (:mod:`datagen.prompts.preflight`): which engine
-it runs (:mod:`workers.engine_detect`: neither, or not the forced one, is refused), an unknown
+it runs (:mod:`workers.engines.detect`: neither, or not the forced one, is refused), an unknown
 context length, another model than the fleet's, or a 401/403 (the API key) keeps the worker off it,
 published as ``refused`` with the reason, until a later probe passes.
 """
@@ -27,7 +27,7 @@ from datagen.control.keys import Keys
 from datagen.control.servers import ServerInfo, live_servers, publish_server
 from datagen.errors import ConfigError, DatagenError, PreflightError, RequestTimeoutError, RetryableError
 from datagen.prompts.preflight import check_server_joins
-from workers.fleet import Fleet, Server
+from workers.fleet.servers import Fleet, Server
 
 __all__ = ["API_KEY_HINT", "HealthProbe"]
 

@@ -4,7 +4,7 @@ RQ 2.x runs one job per worker process. We keep RQ's queues, registries and job 
 ``rq info`` and rq-dashboard stay true) from a subclass of ``BaseWorker`` that never calls
 ``work()``, one identity per queue. The common path is batched in our own scripts, which write
 what RQ's worker would: a claim starts up to N prompts at once (`datagen.control.dispatch`), and the
-prompts of a committed shard finish at once (`workers.finish.Acks`); one heartbeat per identity renews
+prompts of a committed shard finish at once (`workers.run.finish.Acks`); one heartbeat per identity renews
 all of its started-registry entries. The rare paths (failure, cancel, hand back) use RQ's own
 transitions. RQ's execution hashes are not written: a started-registry member is
 ``<rq id>:<execution id>`` as RQ's, and the execution id names the worker process.
@@ -32,7 +32,7 @@ from datagen.control.jobs import AckTarget
 from datagen.control.lua import KEY, LuaScript, ScriptArgs
 from datagen.states import PromptClass
 
-__all__ = ["InFlight", "QueueIdentity", "fail_job", "heartbeat_ttl_s", "payload_of"]
+__all__ = ["InFlight", "QueueIdentity", "fail_job", "heartbeat_ttl_s", "payload_of", "refuse_stock_rq_worker"]
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +41,17 @@ HEARTBEAT_GRACE_S = 10
 HEARTBEATS_PER_TTL = 3
 
 FinishHook = Callable[[Pipeline], None]
+
+
+def refuse_stock_rq_worker(payload: dict[str, Any]) -> None:
+    """The function every prompt's RQ job names (`datagen.control.enqueue.RQ_JOB_FUNC`).
+
+    The datagen worker reads the payload and never calls it; a stock ``rq worker`` pointed at our
+    queues would, and fails loudly instead of generating without group commit and retries."""
+    raise RuntimeError(
+        "datagen prompt jobs must be run by `datagen worker`, not by a stock `rq worker` "
+        f"(job {payload.get('job')!r}, sample {payload.get('sample_id')!r})"
+    )
 
 
 def heartbeat_ttl_s(heartbeat_interval_s: float) -> int:
@@ -52,7 +63,7 @@ def heartbeat_ttl_s(heartbeat_interval_s: float) -> int:
 @dataclass(frozen=True)
 class DropRemnantArgs(ScriptArgs):
     script = "drop_remnant"
-    package = "workers"
+    package = "workers.claim"
     rq_job_key: str = field(metadata=KEY)
 
 
@@ -105,7 +116,7 @@ class QueueIdentity(BaseWorker):
     def clean_registries(self) -> None:
         """RQ's maintenance, minus the started registry and the intermediate list.
 
-        Those belong to :mod:`workers.reaper`: RQ's own cleanup would mark a dead worker's prompts
+        Those belong to :mod:`workers.claim.reaper`: RQ's own cleanup would mark a dead worker's prompts
         failed (no RQ retries are configured) instead of handing them back.
         """
         for queue in self.queues:
@@ -183,7 +194,7 @@ class QueueIdentity(BaseWorker):
         """Put the job in RQ's failed registry with ``message`` as its exception text.
 
         Not ``handle_job_failure``: that would spend the job's RQ retries, which are kept for dead
-        workers (``workers/reaper.py``), and it commits in two steps, where our counters must move
+        workers (``workers/claim/reaper.py``), and it commits in two steps, where our counters must move
         in the same transaction as the failed registry.
         """
         job = item.job

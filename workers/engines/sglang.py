@@ -7,7 +7,7 @@ reads ``/health``, ``/model_info``, ``/server_info`` (or ``/v1/models``) and ``/
 ``http_server.py`` serves them; the project's simulator (:mod:`simulator`) answers the same routes in
 the same shapes.
 
-The connection pools and the translation of transport errors are :mod:`workers.http_pools`
+The connection pools and the translation of transport errors are :mod:`workers.engines.http`
 (shared with the vLLM client). These two modules are the boundary where httpx errors and HTTP
 statuses become the project's errors
 (:mod:`datagen.errors`)::
@@ -34,8 +34,8 @@ import httpx
 
 from datagen.errors import DatagenError, ServerError
 from datagen.states import EngineChoice, FinishType
-from workers.engine import ServerFacts
-from workers.http_pools import (
+from workers.engines.base import ServerFacts
+from workers.engines.http import (
     DEFAULT_CONTROL_TIMEOUT_S,
     DEFAULT_POOL_TIMEOUT_S,
     DEFAULT_READ_TIMEOUT_S,
@@ -44,9 +44,8 @@ from workers.http_pools import (
     ClientTimeouts,
     PooledClient,
 )
-from workers.http_pools import _split as _split  # the tests' import of it from here
-from workers.kv_policy import KvSignals, parse_kv_signals
-from workers.sglang_replies import (
+from workers.engines.http import _split as _split  # the tests' import of it from here
+from workers.engines.sglang_replies import (
     Finish,
     GenerateResult,
     ParsedCalls,
@@ -56,6 +55,7 @@ from workers.sglang_replies import (
     parse_generate_response,
     status_error,
 )
+from workers.fleet.kv_policy import KvSignals, parse_kv_signals
 
 __all__ = [
     "DEFAULT_CONTROL_TIMEOUT_S",
@@ -83,8 +83,8 @@ PARSE_FUNCTION_CALL_PATH = "/parse_function_call"
 
 
 class SGLangClient(PooledClient):
-    """One SGLang server (:class:`workers.http_pools.PooledClient`'s pools, ``/generate`` taking the
-    large ones): the SGLang side of :class:`workers.engine.Engine`."""
+    """One SGLang server (:class:`workers.engines.http.PooledClient`'s pools, ``/generate`` taking the
+    large ones): the SGLang side of :class:`workers.engines.base.Engine`."""
 
     engine = EngineChoice.SGLANG
     kind = "SGLang"

@@ -1,6 +1,6 @@
 """SGLang's replies read strictly: ``/generate``'s ``output_ids`` and ``meta_info`` (finish reasons in
 every shape SGLang sends), and error statuses and bodies turned into the project's errors, as the
-table in :mod:`workers.sglang` draws them. Pure functions over what the client received."""
+table in :mod:`workers.engines.sglang` draws them. Pure functions over what the client received."""
 
 from __future__ import annotations
 

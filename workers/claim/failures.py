@@ -16,7 +16,7 @@ UNKNOWN_LABEL = "unknown"
 
 def failure_report(rq_id: str, payload: Mapping[str, Any], *, reason: str, message: str) -> dict[str, object]:
     """``{rq_id, reason, message, at_ms, sample_id, turn}``; ``payload`` is the prompt's RQ payload
-    (`workers.rqbridge.payload_of`), empty when unknown."""
+    (`workers.claim.rqbridge.payload_of`), empty when unknown."""
     return {
         "rq_id": rq_id,
         "reason": reason,

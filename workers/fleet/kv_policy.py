@@ -1,6 +1,6 @@
 """The KV-pressure controller's policy, as pure functions: keep "just enough" in flight on each server.
 
-:mod:`workers.kv_control` runs it against Redis and the server; this module only decides.
+:mod:`workers.fleet.kv_control` runs it against Redis and the server; this module only decides.
 
 SGLang admits a request only when its prompt plus a reserve for its ``max_new_tokens`` fits in
 the KV pool; what is sent beyond that waits in the *server's* queue, where it cannot move to a

@@ -5,7 +5,7 @@ until a claim finds work again (:meth:`Backups.on_claimed`), free slots on fast 
 idle while slow servers finish their last, often long, requests alone. So each prompt running on a
 slower server may get one backup: the same request (same prompt, same sampling parameters, hence
 the same tokens for greedy or seeded sampling) on a server measured faster (seconds per output
-token, `workers.fleet.Server.s_per_token`) that has a free slot. The prompt's task races the two
+token, `workers.fleet.servers.Server.s_per_token`) that has a free slot. The prompt's task races the two
 (:meth:`Backups.race`), keeps the first answer and cancels the other, which closes its HTTP request
 so that SGLang aborts it. Both live inside one prompt task that returns one record: a backup can
 never store or count a prompt twice, and a worker killed mid-race loses both requests together
@@ -23,7 +23,7 @@ A request outstanding ``HUNG_MARGIN`` times longer than ``max_new_tokens`` at it
 per token is overdue: its server is probably hung (SGLang's ``/generate`` is not streamed, so there
 is no progress to watch). It may be backed up at any time, even while the backlog is not empty, on
 any server with a free slot (the next one freed), however fast; the hung server's health probe
-then usually marks it down, which abandons its requests (`workers.generate`).
+then usually marks it down, which abandons its requests (`workers.run.generate`).
 ``WorkerSettings.backup_requests`` (``DATAGEN_BACKUP_REQUESTS``) turns backups off.
 
 How each backup ended is counted in ``datagen_worker_backup_requests{outcome}``: ``won`` (it
@@ -43,7 +43,7 @@ from typing import Any, Generic, TypeVar
 
 from datagen.errors import RetryableError
 from datagen.states import PromptClass
-from workers.fleet import Fleet, Server
+from workers.fleet.servers import Fleet, Server
 from workers.metrics import WorkerMetrics
 
 __all__ = ["BACKUP_MAX_SPEED_RATIO", "Backups", "Straggler"]

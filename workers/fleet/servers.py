@@ -32,7 +32,7 @@ from pydantic import SecretStr
 
 from datagen.errors import ConfigError
 from datagen.states import EngineChoice, PromptClass, ServerState
-from workers.engine import Engine
+from workers.engines.base import Engine
 from workers.metrics import WorkerMetrics
 
 __all__ = ["Fleet", "Server", "ServerSpec", "shown_url", "url_secret", "with_api_keys"]

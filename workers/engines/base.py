@@ -3,9 +3,9 @@ engine gives in one shape.
 
 Everything above it (generation, routing, health, the KV controller, pause and drain) talks to a
 server through these methods only, and never asks which engine answered. Two implement it:
-:class:`workers.sglang.SGLangClient` (SGLang's native ``/generate``) and
-:class:`workers.vllm.VllmClient` (vLLM's ``/v1/completions`` with token ids);
-:mod:`workers.engine_detect` picks one per server.
+:class:`workers.engines.sglang.SGLangClient` (SGLang's native ``/generate``) and
+:class:`workers.engines.vllm.VllmClient` (vLLM's ``/v1/completions`` with token ids);
+:mod:`workers.engines.detect` picks one per server.
 
 Pause and drain need no hook of their own: a paused or draining worker sends nothing new, and a
 request it gives up is aborted by closing its connection, which both engines honour (SGLang polls
@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from datagen.states import EngineChoice
-from workers.kv_policy import KvSignals
-from workers.sglang_replies import Finish, GenerateResult, ParsedCalls
+from workers.engines.sglang_replies import Finish, GenerateResult, ParsedCalls
+from workers.fleet.kv_policy import KvSignals
 
 __all__ = ["Engine", "EngineChoice", "Finish", "GenerateResult", "ParsedCalls", "ServerFacts"]
 
@@ -50,7 +50,7 @@ class Engine(Protocol):
 
     @property
     def engine(self) -> EngineChoice:
-        """What the client speaks (``auto`` only while :mod:`workers.engine_detect` has not asked)."""
+        """What the client speaks (``auto`` only while :mod:`workers.engines.detect` has not asked)."""
         ...
 
     async def start(self) -> None: ...

@@ -1,0 +1,2 @@
+"""Running one prompt: the request, its backups and retries, conversations, the commit and the
+shard writer."""
