@@ -20,10 +20,10 @@ from typing import Any
 
 import httpx
 
-from datagen.local.redis_server import free_port
 from datagen.prompts.tokenization import bundled_tokenizer_path, default_chat_template_path
 from datagen.settings import ENV_PREFIX
 from datagen.spec import JobSpec
+from datagen_cli.local.redis_server import free_port
 
 __all__ = [
     "BENCH_JOB_ID",
@@ -118,7 +118,7 @@ class SimProcess:
     ) -> None:
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.args = [sys.executable, "-m", "datagen", "sim", "--port", str(self.port)]
+        self.args = [sys.executable, "-m", "datagen_cli", "sim", "--port", str(self.port)]
         self.args += ["--tokenizer", bundled_tokenizer_path(), "--time-scale", str(time_scale)]
         self.args += ["--max-lag-ms", str(SIM_MAX_LAG_MS)]
         for name, value in options.items():

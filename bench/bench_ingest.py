@@ -49,13 +49,13 @@ from datagen.control.enqueue import JOB_TIMEOUT_S, RQ_JOB_FUNC, EnqueueOptions
 from datagen.control.jobs import JobStore
 from datagen.control.keys import Keys
 from datagen.control.payload import PromptPayload
-from datagen.local.redis_server import LocalRedis
 from datagen.prompts.dataset import Prompt, iter_prompts
 from datagen.prompts.tokenization import PromptRenderer, renderer_for
 from datagen.records.storage import Storage
 from datagen.settings import DEFAULT_ENQUEUE_CHUNK, DEFAULT_FAILURE_TTL_S, DEFAULT_RESULT_TTL_S
 from datagen.spec import JobSpec
 from datagen.states import JobState, PromptClass
+from datagen_cli.local.redis_server import LocalRedis
 from service.ingest import IngestOptions, Ingestor
 
 DEFAULT_N = 5000

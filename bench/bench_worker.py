@@ -61,7 +61,6 @@ from _common import (
 from datagen.control.enqueue import EnqueueOptions
 from datagen.control.jobs import JobStore
 from datagen.control.keys import Keys
-from datagen.local.redis_server import LocalRedis
 from datagen.prompts.dataset import Prompt, iter_prompts
 from datagen.prompts.tokenization import renderer_for
 from datagen.records.storage import Storage
@@ -74,6 +73,7 @@ from datagen.settings import (
 )
 from datagen.spec import JobSpec
 from datagen.states import JobState, PromptClass
+from datagen_cli.local.redis_server import LocalRedis
 from service.ingest import IngestOptions, Ingestor
 from workers.engines.sglang import ClientTimeouts, SGLangClient
 from workers.fleet.servers import ServerSpec

@@ -35,10 +35,10 @@ from transformers import AutoTokenizer
 from datagen.control.enqueue import EnqueueOptions
 from datagen.control.jobs import JobStore
 from datagen.control.keys import Keys
-from datagen.local.redis_server import LocalRedis
 from datagen.prompts.tokenization import bundled_tokenizer_path, default_chat_template_path
 from datagen.records.storage import Storage
 from datagen.settings import ENV_PREFIX
+from datagen_cli.local.redis_server import LocalRedis
 from service.ingest import IngestOptions, Ingestor
 from tests.support.conversations import expected_conversation, tool_rows
 
@@ -84,7 +84,7 @@ def _worker(redis_url: str, storage: Storage, sim_url: str, n: int) -> tuple[flo
         DATAGEN_METRICS_PORT="0",
         HF_HUB_OFFLINE="1",
     )
-    command = [sys.executable, "-m", "datagen", "worker", "--burst", "--server", f"s0={sim_url}"]
+    command = [sys.executable, "-m", "datagen_cli", "worker", "--burst", "--server", f"s0={sim_url}"]
     command += ["--short-concurrency", str(n)]
     started = time.perf_counter()
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=WORKER_TIMEOUT_S)

@@ -27,9 +27,9 @@ from _load import ingest
 
 from datagen.control.keys import SEEN_SEGMENTS
 from datagen.hygiene.dedup import SeenIndex, near_params, pack_records
-from datagen.local.redis_server import LocalRedis
 from datagen.records.storage import Storage
 from datagen.spec import DEFAULT_NEAR_THRESHOLD
+from datagen_cli.local.redis_server import LocalRedis
 
 DEFAULT_N = 5000
 DEFAULT_REPEAT = 3

@@ -33,10 +33,10 @@ import redis
 from datagen.control.dispatch import Claimant, Dispatch
 from datagen.control.jobs import JobStore
 from datagen.control.keys import Keys
-from datagen.local.redis_server import LocalRedis
 from datagen.prompts.tokenization import bundled_tokenizer_path
 from datagen.spec import JobSpec
 from datagen.states import Priority, PromptClass
+from datagen_cli.local.redis_server import LocalRedis
 
 NS = "bench"
 CLS = PromptClass.SHORT

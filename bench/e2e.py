@@ -19,7 +19,7 @@ Variants, each timed from the start of its child process to its exit:
     is best(a), which runs ``--repeats`` more times after the datagen variants. The baseline's time
     is its best run at best(a), the sweep's included.
 ``datagen c=C, no controller``
-    ``python -m datagen submit DATASET --spec SPEC --coordinator URL --wait`` against a worker with
+    ``python -m datagen_cli submit DATASET --spec SPEC --coordinator URL --wait`` against a worker with
     ``DATAGEN_SHORT_CONCURRENCY`` = best(a) (or ``--limit``) and ``DATAGEN_KV_CONTROLLER=0``
     (saturation.py's ``(b)``).
 ``datagen from 512 + controller``
@@ -52,7 +52,7 @@ Run: ``python bench/e2e.py [--n 600] [--repeats 1] [--sweep 16,32,64,128,256] [-
 [--limit C] [--time-scale 0.05] [--kv-tokens 16384] [--reserve-fraction 0.1] [--logs DIR]``
 (about four minutes on two cores with the defaults). Run it with this checkout first on
 ``sys.path`` (``PYTHONPATH=.``) when the installed ``datagen`` is another checkout: the child
-processes run ``python -m datagen`` from the repository root.
+processes run ``python -m datagen_cli`` from the repository root.
 """
 
 from __future__ import annotations
@@ -86,12 +86,12 @@ from saturation import (
     DEFAULT_TIME_SCALE,
 )
 
-from datagen.cli.client import CoordinatorClient
-from datagen.local.processes import ChildProcesses, child_env
-from datagen.local.redis_server import LocalRedis, free_port
 from datagen.prompts.tokenization import bundled_tokenizer_path
 from datagen.records.storage import Storage
 from datagen.states import JobState
+from datagen_cli.client import CoordinatorClient
+from datagen_cli.local.processes import ChildProcesses, child_env
+from datagen_cli.local.redis_server import LocalRedis, free_port
 
 SERVER = "sim"
 NAMESPACE = "e2e"
@@ -362,7 +362,7 @@ def report(plain: list[Run], after: list[Run], ours: list[list[Run]], args: argp
         f"reserve_fraction={args.reserve_fraction}, max_new_tokens={args.max_new_tokens}"
     )
     print("  baseline: a python -c script loading pre-rendered input_ids (no tokenization), writing outputs")
-    print("  ours: python -m datagen submit DATASET --spec SPEC --coordinator URL --wait (warm fleet)")
+    print("  ours: python -m datagen_cli submit DATASET --spec SPEC --coordinator URL --wait (warm fleet)")
     print(f"\n  {'run':<38} {'wall s':>7} {'tok/s':>7} {'steady tok/s':>12}  intervals (s)")
     for run in [*plain, *after, *(r for runs in ours for r in runs)]:
         steps = "  ".join(f"{name} {s:.3f}" for name, s in run.intervals())

@@ -92,9 +92,9 @@ from _load import (
     worker_settings,
 )
 
-from datagen.local.redis_server import LocalRedis
 from datagen.records.storage import Storage
 from datagen.settings import DEFAULT_SHORT_CONCURRENCY
+from datagen_cli.local.redis_server import LocalRedis
 from workers.fleet.servers import SAME_SPEED_FACTOR
 
 DEFAULT_N = 1200

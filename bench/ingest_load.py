@@ -59,12 +59,12 @@ from _common import job_spec, offline_hub, simulator_process
 from datagen.control.dispatch import Dispatch
 from datagen.control.keys import Keys
 from datagen.errors import ConfigError
-from datagen.local.processes import ChildProcesses, child_env
-from datagen.local.redis_server import LocalRedis, free_port
 from datagen.prompts.dataset import Prompt, iter_prompts
 from datagen.prompts.tokenization import renderer_for
 from datagen.settings import DEFAULT_ENQUEUE_CHUNK
 from datagen.states import Priority, PromptClass
+from datagen_cli.local.processes import ChildProcesses, child_env
+from datagen_cli.local.redis_server import LocalRedis, free_port
 from simulator.config import DEFAULT_CONTEXT_LEN as SIM_CONTEXT_LEN
 
 DEFAULT_N = 1_000_000

@@ -56,9 +56,9 @@ import redis
 from _common import SimProcess, offline_hub, short_rows, sweep_spec
 from _load import ServerSampler, Stats, ingest, plain_run, read_records, render, run_worker, worker_settings
 
-from datagen.local.redis_server import LocalRedis
 from datagen.records.storage import Storage
 from datagen.settings import DEFAULT_POLL_INTERVAL_S, WorkerSettings
+from datagen_cli.local.redis_server import LocalRedis
 
 DEFAULT_N = 2000
 DEFAULT_CONCURRENCY = "8,64"

@@ -12,7 +12,7 @@ submit returning to the first moment the simulator holds a request (its ``sglang
 every ``--poll-ms``; the poll runs all along, so a request that arrives before the submit has
 returned shows as a negative time).
 
-The submit is ``POST /jobs`` through `datagen.cli.client.CoordinatorClient` (what ``datagen submit``
+The submit is ``POST /jobs`` through `datagen_cli.client.CoordinatorClient` (what ``datagen submit``
 sends), or with ``--cli`` the ``datagen submit`` command itself as a child process (its own start-up
 time then comes before the clock starts, as a user sees it: the command has returned).
 
@@ -39,11 +39,11 @@ from typing import Any
 import httpx
 from _common import job_spec, offline_hub, short_rows, write_jsonl
 
-from datagen.cli.client import CoordinatorClient
-from datagen.local.processes import ChildProcesses, child_env
-from datagen.local.redis_server import LocalRedis, free_port
 from datagen.prompts.tokenization import bundled_tokenizer_path
 from datagen.states import JobState, ServerState
+from datagen_cli.client import CoordinatorClient
+from datagen_cli.local.processes import ChildProcesses, child_env
+from datagen_cli.local.redis_server import LocalRedis, free_port
 
 TARGET_S = 0.5
 SERVER = "sim"
@@ -120,7 +120,7 @@ def _submit(
     options = ["--tokenizer", spec["tokenizer"], "--chat-template", spec["chat_template"]]
     options += ["--short-max-new-tokens", str(MAX_NEW_TOKENS), "--long-max-new-tokens", str(MAX_NEW_TOKENS)]
     result = subprocess.run(
-        [sys.executable, "-m", "datagen", "submit", str(dataset), *options],
+        [sys.executable, "-m", "datagen_cli", "submit", str(dataset), *options],
         env={**env, "DATAGEN_COORDINATOR_URL": coordinator},
         capture_output=True,
         text=True,

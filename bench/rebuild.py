@@ -25,10 +25,10 @@ import redis
 from _common import job_spec, offline_hub, short_rows, write_jsonl
 from fastapi.testclient import TestClient
 
-from datagen.local.redis_server import LocalRedis
 from datagen.records.schema import Record, records_to_table
 from datagen.records.storage import Storage
 from datagen.settings import CoordinatorSettings
+from datagen_cli.local.redis_server import LocalRedis
 from service.app import create_app
 from service.committed import read_committed
 

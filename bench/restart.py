@@ -43,9 +43,9 @@ import redis
 from _common import BENCH_JOB_ID, SimProcess, offline_hub, short_rows, sweep_spec
 from _load import ServerSampler, ingest, render, worker_settings
 
-from datagen.local.redis_server import LocalRedis
 from datagen.records.storage import Storage
 from datagen.settings import DEFAULT_SHORT_CONCURRENCY, WorkerSettings
+from datagen_cli.local.redis_server import LocalRedis
 from workers.fleet.servers import ServerSpec
 from workers.worker import Worker
 

@@ -92,9 +92,9 @@ from _load import (
     worker_settings,
 )
 
-from datagen.local.redis_server import LocalRedis
 from datagen.records.storage import Storage
 from datagen.states import PromptClass
+from datagen_cli.local.redis_server import LocalRedis
 from workers.worker import Worker
 
 DEFAULT_N = 600

@@ -61,10 +61,10 @@ from datagen.control.job_outcomes import AckItem, AckTarget
 from datagen.control.jobs import JobStore
 from datagen.control.keys import Keys
 from datagen.control.payload import parse_payload
-from datagen.local.redis_server import LocalRedis
 from datagen.records.storage import Storage
 from datagen.settings import ENV_PREFIX
 from datagen.states import JobState, PromptClass
+from datagen_cli.local.redis_server import LocalRedis
 from workers.claim.rqbridge import payload_of
 
 DEFAULT_N = 2000
@@ -138,7 +138,7 @@ def worker_env(
 
 def run_workers(k: int, env: dict[str, str], log: Path) -> tuple[float, float]:
     """K burst workers; returns (wall seconds, their summed CPU seconds)."""
-    command = [sys.executable, "-m", "datagen", "worker", "--burst"]
+    command = [sys.executable, "-m", "datagen_cli", "worker", "--burst"]
     cwd = env.get("PYTHONPATH")
     with open(log, "ab") as out:
         started = time.perf_counter()
@@ -175,7 +175,7 @@ def idle_commands_per_s(
     client: redis.Redis, env: dict[str, str], idle_s: float, log: Path
 ) -> tuple[float, str]:
     """Redis commands per second of one long-running worker with nothing queued."""
-    command = [sys.executable, "-m", "datagen", "worker"]
+    command = [sys.executable, "-m", "datagen_cli", "worker"]
     with open(log, "ab") as out:
         proc = subprocess.Popen(
             command, env=env, cwd=env.get("PYTHONPATH"), stdout=out, stderr=subprocess.STDOUT

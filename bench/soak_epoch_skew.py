@@ -2,7 +2,7 @@
 Redis that lost or rolled back its data (issue 36, item 1).
 
 One private Redis and one storage root; a simulator and a worker; coordinator ``a`` on the real
-clock and coordinator ``b`` with its wall clock ``--offset-s`` off (`datagen.local.skew`), both of
+clock and coordinator ``b`` with its wall clock ``--offset-s`` off (`datagen_cli.local.skew`), both of
 one namespace, each ticking Redis's epoch every second. Jobs are submitted all along (every
 ``--submit-every-s``, to ``a`` and ``b`` in turn, ``--rows`` rows each, a slow simulator), so
 that live jobs are there for a false rollback to rebuild. Every ``--report-s`` and at the end it
@@ -34,9 +34,9 @@ import redis
 from _common import SAMPLING_SEED, job_spec, offline_hub, short_rows, write_jsonl
 
 from datagen.control.keys import Keys
-from datagen.local.processes import ChildProcesses, child_env
-from datagen.local.redis_server import LocalRedis, free_port
 from datagen.prompts.tokenization import bundled_tokenizer_path
+from datagen_cli.local.processes import ChildProcesses, child_env
+from datagen_cli.local.redis_server import LocalRedis, free_port
 
 NAMESPACE = "soak"
 HTTP_TIMEOUT_S = 30.0

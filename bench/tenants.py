@@ -75,13 +75,13 @@ import httpx
 import redis
 from _common import job_spec, offline_hub, write_jsonl
 
-from datagen.cli.client import CoordinatorClient
 from datagen.control.keys import Keys
-from datagen.local.processes import ChildProcesses, child_env
-from datagen.local.redis_server import LocalRedis, free_port
 from datagen.prompts.tokenization import bundled_tokenizer_path
 from datagen.records.storage import Storage
 from datagen.states import JobState, ServerState
+from datagen_cli.client import CoordinatorClient
+from datagen_cli.local.processes import ChildProcesses, child_env
+from datagen_cli.local.redis_server import LocalRedis, free_port
 
 SERVER = "sim"
 NAMESPACE = "tn"

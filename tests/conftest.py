@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import redis
 
-from datagen.local.redis_server import LocalRedis
 from datagen.prompts.tokenization import bundled_tokenizer_path
 from datagen.records.storage import Storage
+from datagen_cli.local.redis_server import LocalRedis
 
 # Tests over real processes, each from seconds to a minute.
 SLOW_MARKERS = ("faults", "e2e")

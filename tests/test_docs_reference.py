@@ -108,10 +108,10 @@ def test_every_route_of_the_coordinator_is_in_the_http_reference(hook: ModuleTyp
 
 
 def test_every_command_and_option_is_in_the_cli_reference(hook: ModuleType) -> None:
-    import datagen.cli
+    import datagen_cli
 
     text = hook.cli_reference()
-    root: Any = typer.main.get_command(datagen.cli.app)
+    root: Any = typer.main.get_command(datagen_cli.app)
     for name, command in root.commands.items():
         assert f"### `datagen {name}`" in text
         for param in command.params:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 TESTS = Path(__file__).resolve().parent
 SUPPORT = TESTS / "support"
-# What tests/support provides once (waiting, specs) and datagen.local.redis_server.free_port.
+# What tests/support provides once (waiting, specs) and datagen_cli.local.redis_server.free_port.
 SHARED_HELPER = re.compile(
     r"^_?(free_port|wait_until\w*|wait_for\w*|eventually|spec|make_spec|job_spec|spec_json)$"
 )
@@ -46,7 +46,7 @@ def test_no_test_module_defines_a_wait_loop_free_port_or_spec_builder() -> None:
         for node in ast.walk(ast.parse(path.read_text("utf-8")))
         if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and SHARED_HELPER.match(node.name)
     ]
-    assert defined == [], "use tests/support (wait, specs) and datagen.local.redis_server.free_port"
+    assert defined == [], "use tests/support (wait, specs) and datagen_cli.local.redis_server.free_port"
 
 
 def test_test_code_imports_no_test_module() -> None:

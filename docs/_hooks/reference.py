@@ -3,7 +3,7 @@
 A page holds a marker, ``<!-- generated: NAME -->``, where ``on_page_markdown`` puts what one of
 these functions renders from its source, so the docs cannot drift from the code:
 
-- ``cli``: the Typer app (`datagen.cli.app`): commands, arguments, options, help and defaults
+- ``cli``: the Typer app (`datagen_cli.app`): commands, arguments, options, help and defaults
 - ``http``: the coordinator's OpenAPI schema (`service.app.create_app`), plus the routes it leaves out
 - ``settings``: the settings models (`datagen.settings`): every ``DATAGEN_*`` variable
 - ``spec``: the job spec models (`datagen.spec`): every field, ``sampling`` included
@@ -89,9 +89,9 @@ def table(header: tuple[str, ...], rows: Sequence[tuple[str, ...]]) -> str:
 def cli_reference() -> str:
     import typer
 
-    import datagen.cli  # registers every command on the app
+    import datagen_cli  # registers every command on the app
 
-    root = typer.main.get_command(datagen.cli.app)
+    root = typer.main.get_command(datagen_cli.app)
     root_ctx = root.context_class(root, info_name="datagen")
     out = [_command_text(root, root_ctx, "datagen")]
     commands: dict[str, Any] = getattr(root, "commands", {})
@@ -118,7 +118,7 @@ def _command_text(command: Any, ctx: Any, path: str) -> str:
     if rows:
         parts.append(table(("argument or option", "what it does"), rows))
     lines = [line.strip() for line in (command.epilog or "").splitlines()]
-    # The epilog's examples (`datagen.cli._app.examples`): its lines after the `\b` marker.
+    # The epilog's examples (`datagen_cli._app.examples`): its lines after the `\b` marker.
     examples = [line for line in lines[lines.index("\b") + 1 :] if line] if "\b" in lines else []
     if examples:
         parts.append("Examples:\n\n```bash\n" + "\n".join(examples) + "\n```")

@@ -13,7 +13,6 @@ import pyarrow.parquet as pq
 import pytest
 from typer.testing import CliRunner
 
-from datagen.cli import app
 from datagen.errors import ConfigError
 from datagen.export import ExportFormat, ExportOptions, export_job
 from datagen.export.shuffle import shuffled_batches
@@ -25,6 +24,7 @@ from datagen.prompts.tokenization import (
 )
 from datagen.records.schema import records_to_table
 from datagen.records.storage import Storage
+from datagen_cli import app
 from tests.support.export_jobs import (
     EOS,
     HI_PROMPT,

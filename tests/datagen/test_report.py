@@ -8,10 +8,10 @@ from pathlib import Path
 import numpy as np
 from typer.testing import CliRunner
 
-from datagen.cli import app
 from datagen.records.storage import Storage
 from datagen.report import CheckStatus, build_report
 from datagen.report.stats import LENGTH_EDGES, LengthHistogram
+from datagen_cli import app
 from tests.support.export_jobs import (
     ASSISTANT,
     BOS,

@@ -11,9 +11,9 @@ from typing import Any
 import pyarrow as pa
 from typer.testing import CliRunner
 
-from datagen.cli import app
 from datagen.records.storage import Storage
 from datagen.report import build_report
+from datagen_cli import app
 from tests.support.export_jobs import CLEAN, JOB, REASONED, Sample, build_job
 
 ALL_TURNS = {"multi_turn": "all"}

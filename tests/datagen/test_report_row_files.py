@@ -8,9 +8,9 @@ from pathlib import Path
 
 from typer.testing import CliRunner
 
-from datagen.cli import app
 from datagen.records.storage import Storage
 from datagen.report import build_report
+from datagen_cli import app
 from tests.support.export_jobs import JOB, REASONED, Sample, build_job
 
 HI_MESSAGES = [{"role": "user", "content": "Hi"}]

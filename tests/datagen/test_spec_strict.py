@@ -8,7 +8,6 @@ from typing import Any
 
 import pytest
 
-from datagen.cli.specfile import load_spec_file, merge_spec
 from datagen.errors import InvalidSpecError
 from datagen.spec import (
     MAX_KWARGS_DEPTH,
@@ -17,6 +16,7 @@ from datagen.spec import (
     parse_spec_json,
     validate_spec,
 )
+from datagen_cli.specfile import load_spec_file, merge_spec
 from simulator.toolcalls import SUPPORTED_PARSERS
 
 

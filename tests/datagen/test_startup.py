@@ -12,8 +12,8 @@ import pytest
 
 from datagen.control.startup import claim_storage, connect_redis, redacted_url
 from datagen.errors import ConfigError
-from datagen.local.redis_server import free_port
 from datagen.records.storage import Storage
+from datagen_cli.local.redis_server import free_port
 
 
 @pytest.mark.parametrize(

@@ -23,7 +23,6 @@ from datagen.control.jobs import JobStore
 from datagen.control.keys import Keys
 from datagen.errors import ConfigError, InvalidSpecError, StorageError
 from datagen.export import ExportFormat, export_job
-from datagen.local.redis_server import free_port
 from datagen.prompts.tokenization import get_renderer
 from datagen.records.schema import Record, records_to_table
 from datagen.records.storage import Storage
@@ -31,6 +30,7 @@ from datagen.report import build_report
 from datagen.settings import CoordinatorSettings
 from datagen.spec import JobSpec
 from datagen.states import JobState
+from datagen_cli.local.redis_server import free_port
 from service.app import create_app
 from service.coordinator import Coordinator
 from service.ingest import IngestOptions, Ingestor

@@ -15,7 +15,6 @@ import pyarrow.parquet as pq
 import pytest
 from typer.testing import CliRunner
 
-from datagen.cli import app
 from datagen.errors import CorruptShardError
 from datagen.export import ExportFormat, ExportOptions, export_job
 from datagen.export.shuffle import bucket_count
@@ -23,6 +22,7 @@ from datagen.records.reader import verify_job
 from datagen.records.schema import Record, records_to_table
 from datagen.records.storage import Storage
 from datagen.report import build_report
+from datagen_cli import app
 from tests.support.export_jobs import REASONED, Sample, build_job, read_jsonl
 from tests.support.records import make_record
 

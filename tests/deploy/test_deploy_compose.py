@@ -24,8 +24,6 @@ import pytest
 import typer
 import yaml
 
-from datagen.cli import app
-from datagen.local.redis_server import LocalRedis, free_port
 from datagen.settings import (
     DEFAULT_COORDINATOR_PORT,
     DEFAULT_METRICS_PORT,
@@ -34,6 +32,8 @@ from datagen.settings import (
     known_variables,
     load,
 )
+from datagen_cli import app
+from datagen_cli.local.redis_server import LocalRedis, free_port
 from tests.support.deploy import (
     COMPOSE_FILE,
     DEPLOY,

@@ -30,8 +30,8 @@ import httpx
 import pytest
 import yaml
 
-from datagen.local.redis_server import LocalRedis, free_port
 from datagen.prompts.tokenization import bundled_tokenizer_path, default_chat_template_path
+from datagen_cli.local.redis_server import LocalRedis, free_port
 from tests.support.deploy import (
     PROMETHEUS_CONFIG,
     PanelQuery,

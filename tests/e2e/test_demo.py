@@ -43,7 +43,7 @@ def test_demo_runs_to_completion_and_cleans_up(tmp_path: Path) -> None:
     data_dir = tmp_path / "demo-data"
     started = time.monotonic()
     result = subprocess.run(
-        [sys.executable, "-m", "datagen", "demo", "--data-dir", str(data_dir)],
+        [sys.executable, "-m", "datagen_cli", "demo", "--data-dir", str(data_dir)],
         capture_output=True,
         text=True,
         timeout=DEMO_BUDGET_S + 60,
@@ -66,7 +66,7 @@ def test_demo_runs_to_completion_and_cleans_up(tmp_path: Path) -> None:
 def test_demo_interrupted_leaves_no_process_behind(tmp_path: Path) -> None:
     data_dir = tmp_path / "demo-data"
     proc = subprocess.Popen(
-        interruptible([sys.executable, "-m", "datagen", "demo", "--data-dir", str(data_dir)]),
+        interruptible([sys.executable, "-m", "datagen_cli", "demo", "--data-dir", str(data_dir)]),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         env=_env(),

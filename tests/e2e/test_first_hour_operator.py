@@ -26,9 +26,9 @@ import httpx
 import pytest
 
 from datagen.errors import ConfigError
-from datagen.local.processes import child_env
-from datagen.local.redis_server import LocalRedis, free_port
 from datagen.prompts.tokenization import bundled_tokenizer_path, default_chat_template_path
+from datagen_cli.local.processes import child_env
+from datagen_cli.local.redis_server import LocalRedis, free_port
 from tests.support.processes import ProcessStack, coordinator_stack, interruptible
 from tests.support.wait import wait_until
 
@@ -63,7 +63,7 @@ def _submit_args(dataset: Path, *options: str) -> list[str]:
 
 
 def _run(env: dict[str, str], *args: str, timeout_s: float = 120) -> subprocess.CompletedProcess[str]:
-    command = [sys.executable, "-m", "datagen", *args]
+    command = [sys.executable, "-m", "datagen_cli", *args]
     return subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout_s)
 
 
@@ -315,7 +315,7 @@ def test_ctrl_c_is_quiet(tmp_path: Path) -> None:
     }
     for args, sign in waiting.values():
         proc = subprocess.Popen(
-            interruptible([sys.executable, "-m", "datagen", *args]),
+            interruptible([sys.executable, "-m", "datagen_cli", *args]),
             env=env,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,

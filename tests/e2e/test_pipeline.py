@@ -21,9 +21,9 @@ from rq import Queue
 from rq.registry import FailedJobRegistry, FinishedJobRegistry, StartedJobRegistry
 
 from datagen.control.keys import Keys
-from datagen.local.redis_server import LocalRedis, free_port
 from datagen.prompts.tokenization import bundled_tokenizer_path, default_chat_template_path, get_renderer
 from datagen.records.storage import Storage
+from datagen_cli.local.redis_server import LocalRedis, free_port
 from simulator.model import SpecialIds, expected_output
 from tests.support.processes import ProcessStack
 
@@ -292,7 +292,7 @@ def test_specforge_export(stack: dict[str, Any]) -> None:
         [
             sys.executable,
             "-m",
-            "datagen",
+            "datagen_cli",
             "export",
             stack["job_id"],
             "--format",

@@ -20,7 +20,7 @@ from collections.abc import Callable
 import httpx
 import pytest
 
-from datagen.local.redis_server import free_port
+from datagen_cli.local.redis_server import free_port
 from tests.support.faults import FaultStack, check_final_state, rows_for
 from tests.support.metrics import metric_value
 

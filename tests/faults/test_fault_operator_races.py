@@ -191,14 +191,14 @@ def test_a_retry_racing_a_cancel_keeps_every_count_whole(stack: ProcessStack) ->
 
 def test_a_second_namespace_cannot_use_the_same_storage(stack: ProcessStack) -> None:
     env = dict(stack.env, DATAGEN_NAMESPACE="other")
-    command = [sys.executable, "-m", "datagen", "coordinator", "--port", "0"]
+    command = [sys.executable, "-m", "datagen_cli", "coordinator", "--port", "0"]
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=60)
     assert result.returncode != 0
     output = result.stdout + result.stderr
     message = " ".join(output.split())  # one message, wrapped at the terminal's width
     assert "Traceback" not in output and message.startswith("error: storage"), output
     assert "belongs to Redis namespace 'race', not 'other'" in message and "(DATAGEN_STORAGE)" in message
-    worker = [sys.executable, "-m", "datagen", "worker", "--server", "s=http://127.0.0.1:9", "--burst"]
+    worker = [sys.executable, "-m", "datagen_cli", "worker", "--server", "s=http://127.0.0.1:9", "--burst"]
     result = subprocess.run(worker, env=env, capture_output=True, text=True, timeout=60)
     assert result.returncode != 0
     assert "belongs to Redis namespace 'race'" in " ".join((result.stdout + result.stderr).split())

@@ -25,7 +25,7 @@ from collections.abc import Callable
 import httpx
 import pytest
 
-from datagen.local.redis_server import free_port
+from datagen_cli.local.redis_server import free_port
 from tests.support.faults import HTTP_TIMEOUT_S, POLL_S, FaultStack, check_final_state, rows_for
 from tests.support.metrics import metric_value
 from tests.support.wait import wait_until

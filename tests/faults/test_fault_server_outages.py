@@ -23,7 +23,7 @@ from typing import Any
 import httpx
 import pytest
 
-from datagen.local.redis_server import free_port
+from datagen_cli.local.redis_server import free_port
 from tests.support.faults import POLL_S, FaultStack, Sampler, all_records, check_final_state, rows_for
 from tests.support.metrics import metric_value
 from tests.support.wait import wait_until

@@ -10,7 +10,7 @@ import sys
 def _coordinator(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
     environ = {k: v for k, v in os.environ.items() if not k.startswith("DATAGEN_")}
     environ.update({"DATAGEN_REDIS_URL": "redis://127.0.0.1:1/0", **env})
-    command = [sys.executable, "-m", "datagen", "coordinator", "--port", "0", *args]
+    command = [sys.executable, "-m", "datagen_cli", "coordinator", "--port", "0", *args]
     return subprocess.run(command, env=environ, capture_output=True, text=True, timeout=60)
 
 

@@ -1,7 +1,7 @@
 """Issue 36, item 1: an epoch that clocks cannot fool.
 
 Two coordinators' epoch watches (`service.watch.RedisWatch`, the code a coordinator runs) in two
-processes on one Redis, one of them with its wall clock 5 s behind (`datagen.local.skew`), each
+processes on one Redis, one of them with its wall clock 5 s behind (`datagen_cli.local.skew`), each
 checking the epoch every few milliseconds (thousands of interleavings of their looks and ticks, a
 minute of a real coordinator's ticks many times over): neither ever sees Redis lose or roll back
 its data. Then a real rollback (the epoch written back to what it was a moment before, as a
@@ -23,7 +23,7 @@ import pytest
 import redis
 
 from datagen.control.keys import Keys
-from datagen.local.processes import child_env
+from datagen_cli.local.processes import child_env
 from tests.support.wait import wait_until
 
 pytestmark = pytest.mark.faults
@@ -39,7 +39,7 @@ RESTORE_AT_S = 3.5
 
 
 def _ticker(url: str, storage: Path, offset_s: float) -> subprocess.Popen[str]:
-    command = [sys.executable, "-m", "datagen.local.skew", str(offset_s), "tests.support.epoch_ticker"]
+    command = [sys.executable, "-m", "datagen_cli.local.skew", str(offset_s), "tests.support.epoch_ticker"]
     command += [url, NS, str(storage), str(RUN_S), str(INTERVAL_S)]
     return subprocess.Popen(
         command, cwd=ROOT, env=child_env({}), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True

@@ -15,7 +15,6 @@ import pytest
 import redis
 from fastapi.testclient import TestClient
 
-from datagen.cli.client import CoordinatorClient
 from datagen.control.jobs import JobStore
 from datagen.control.keys import Keys
 from datagen.errors import (
@@ -29,10 +28,11 @@ from datagen.errors import (
     UnknownServerError,
     UploadTooLargeError,
 )
-from datagen.local.redis_server import LocalRedis
 from datagen.prompts.tokenization import bundled_tokenizer_path, default_chat_template_path
 from datagen.records.storage import Storage
 from datagen.settings import CoordinatorSettings
+from datagen_cli.client import CoordinatorClient
+from datagen_cli.local.redis_server import LocalRedis
 from service.app import create_app
 from tests.support.ingest import INGEST_TIMEOUT_S, wait_ingested
 from tests.support.processes import serve_coordinator
@@ -304,7 +304,7 @@ def _datagen(*args: str, url: str) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("DATAGEN_")}
     env.update({"DATAGEN_COORDINATOR_URL": url, "HF_HUB_OFFLINE": "1"})
     return subprocess.run(
-        [sys.executable, "-m", "datagen", *args], env=env, capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "datagen_cli", *args], env=env, capture_output=True, text=True, timeout=120
     )
 
 

@@ -20,10 +20,10 @@ from datagen.control.enqueue import EnqueueOptions
 from datagen.control.jobs import JobStore
 from datagen.control.keys import Keys
 from datagen.control.lua import source
-from datagen.local.redis_server import LocalRedis
 from datagen.records.storage import Storage
 from datagen.settings import CoordinatorSettings
 from datagen.states import JobState, PromptClass
+from datagen_cli.local.redis_server import LocalRedis
 from service.app import create_app
 from service.ingest import IngestOptions, Ingestor
 from tests.support.ingest import wait_ingested

@@ -13,14 +13,14 @@ import redis
 from fastapi.testclient import TestClient
 from typer.testing import CliRunner
 
-from datagen.cli import app as cli
-from datagen.cli.client import CoordinatorClient
 from datagen.control.jobs import JobStore
 from datagen.control.keys import Keys
 from datagen.records.storage import Storage
 from datagen.settings import CoordinatorSettings
 from datagen.spec import JobSpec
 from datagen.states import JobState
+from datagen_cli import app as cli
+from datagen_cli.client import CoordinatorClient
 from service.app import create_app
 from tests.support.processes import serve_coordinator
 from tests.support.specs import make_spec

@@ -17,8 +17,6 @@ import redis
 from fastapi.testclient import TestClient
 from typer.testing import CliRunner
 
-from datagen.cli import app as cli
-from datagen.cli.client import CoordinatorClient
 from datagen.control.jobs import JobStore
 from datagen.control.keys import Keys
 from datagen.control.redistext import as_texts
@@ -27,6 +25,8 @@ from datagen.records.schema import records_to_table
 from datagen.records.storage import Storage
 from datagen.settings import CoordinatorSettings
 from datagen.states import PromptClass
+from datagen_cli import app as cli
+from datagen_cli.client import CoordinatorClient
 from service.app import create_app
 from service.lifecycle import JobControls
 from tests.support.ingest import wait_ingested

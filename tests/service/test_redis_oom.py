@@ -20,10 +20,10 @@ from fastapi.routing import APIRoute
 from fastapi.testclient import TestClient
 from typer.testing import CliRunner
 
-from datagen.cli import app as cli
 from datagen.control.redismemory import RECENT_REFUSAL_S, RedisMemory, RefusedWrites, health_json
-from datagen.local.redis_server import LocalRedis
 from datagen.settings import CoordinatorSettings
+from datagen_cli import app as cli
+from datagen_cli.local.redis_server import LocalRedis
 from service.app import create_app
 from tests.support.ingest import INGEST_TIMEOUT_S, wait_ingested
 from tests.support.processes import serve_coordinator

@@ -8,7 +8,7 @@ import time
 
 import httpx
 
-from datagen.local.redis_server import free_port
+from datagen_cli.local.redis_server import free_port
 from simulator import SimConfig, SpecialIds, expected_output
 from simulator.server import serve
 from tests.support.metrics import metric

@@ -20,7 +20,7 @@ from typing import IO, Any
 import httpx
 import yaml
 
-from datagen.local.redis_server import free_port
+from datagen_cli.local.redis_server import free_port
 from tests.support.wait import wait_until
 
 REPO = Path(__file__).resolve().parents[2]

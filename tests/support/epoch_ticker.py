@@ -1,5 +1,5 @@
 """A coordinator's epoch watch (`service.watch.RedisWatch`) checked in a fast loop, in a process of
-its own (run under `datagen.local.skew` to set its clock off):
+its own (run under `datagen_cli.local.skew` to set its clock off):
 
     python -m tests.support.epoch_ticker REDIS_URL NAMESPACE STORAGE SECONDS INTERVAL_S
 

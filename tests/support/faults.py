@@ -1,6 +1,6 @@
 """Harness of the fault-injection suite: a full stack of real processes, and the final-state check.
 
-Every process is a ``python -m datagen …`` child (or ``redis-server``) that a test can SIGKILL and
+Every process is a ``python -m datagen_cli …`` child (or ``redis-server``) that a test can SIGKILL and
 start again on the same port. Intervals are short (``FAST_ENV``) so that each case runs in well
 under a minute on a 2-core machine; the RQ heartbeat TTL keeps its fixed 10 s grace
 (``workers/claim/rqbridge.py``), which bounds how fast a dead worker's prompts can come back.
@@ -32,10 +32,10 @@ from rq.registry import FailedJobRegistry, StartedJobRegistry
 
 from datagen.control.keys import Keys
 from datagen.export import ExportStats, iter_unique_rows
-from datagen.local.redis_server import LocalRedis, free_port
 from datagen.prompts.tokenization import bundled_tokenizer_path, default_chat_template_path, get_renderer
 from datagen.records.storage import Storage
 from datagen.states import PromptClass
+from datagen_cli.local.redis_server import LocalRedis, free_port
 from simulator.model import SpecialIds, expected_output
 from tests.support.processes import ProcessStack
 from tests.support.specs import make_spec

@@ -1,4 +1,4 @@
-"""``python -m datagen …`` child processes with their logs, a coordinator stack over a private
+"""``python -m datagen_cli …`` child processes with their logs, a coordinator stack over a private
 Redis, and the coordinator app served in a thread."""
 
 from __future__ import annotations
@@ -17,12 +17,12 @@ import uvicorn
 from fastapi import FastAPI
 
 from datagen.errors import ConfigError
-from datagen.local.processes import ChildProcesses, child_env
-from datagen.local.redis_server import LocalRedis, free_port
 from datagen.prompts.tokenization import bundled_tokenizer_path, default_chat_template_path
 from datagen.records.storage import Storage
 from datagen.settings import CoordinatorSettings
 from datagen.states import ServerState
+from datagen_cli.local.processes import ChildProcesses, child_env
+from datagen_cli.local.redis_server import LocalRedis, free_port
 from service.app import create_app
 from tests.support.wait import wait_until
 
@@ -63,7 +63,7 @@ def interruptible(command: list[str]) -> list[str]:
 
 
 class ProcessStack(ChildProcesses):
-    """``python -m datagen …`` child processes with logs under ``tmp``; ``stop()`` ends them all."""
+    """``python -m datagen_cli …`` child processes with logs under ``tmp``; ``stop()`` ends them all."""
 
     def __init__(self, tmp: Path, env: dict[str, str]) -> None:
         super().__init__(tmp, child_env(env), stop_timeout_s=STOP_TIMEOUT_S)
@@ -82,7 +82,7 @@ class ProcessStack(ChildProcesses):
         return url
 
     def cli(self, *args: str, timeout_s: float = 300) -> subprocess.CompletedProcess[str]:
-        command = [sys.executable, "-m", "datagen", *args]
+        command = [sys.executable, "-m", "datagen_cli", *args]
         return subprocess.run(command, env=self.env, capture_output=True, text=True, timeout=timeout_s)
 
     def submit(self, dataset: Path, *options: str) -> subprocess.CompletedProcess[str]:

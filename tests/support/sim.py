@@ -12,7 +12,7 @@ import httpx
 import uvicorn
 from fastapi import FastAPI
 
-from datagen.local.redis_server import free_port
+from datagen_cli.local.redis_server import free_port
 from simulator.config import SimConfig
 from simulator.server import uvicorn_config
 from tests.support.wait import wait_until

@@ -17,11 +17,11 @@ import redis
 
 from datagen.control.jobs import JobStore
 from datagen.control.keys import Keys
-from datagen.local.processes import child_env
 from datagen.prompts.tokenization import default_chat_template_path
 from datagen.records.storage import Storage
 from datagen.spec import JobSpec
 from datagen.states import JobState
+from datagen_cli.local.processes import child_env
 from tests.support.ingest import ingest_rows
 from tests.support.sim import running_simulator
 
@@ -70,7 +70,7 @@ def test_a_cold_worker_renders_many_next_turns_at_once(
         }
     )
     with running_simulator(tokenizer_path=tokenizer_path, time_scale=0.0) as url:
-        command = [sys.executable, "-m", "datagen", "worker", "--burst", "--server", f"s0={url}"]
+        command = [sys.executable, "-m", "datagen_cli", "worker", "--burst", "--server", f"s0={url}"]
         command += ["--short-concurrency", str(CONVERSATIONS)]
         done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=WORKER_TIMEOUT_S)
     log = done.stdout + done.stderr

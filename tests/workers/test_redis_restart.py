@@ -12,11 +12,11 @@ from rq.registry import FailedJobRegistry, StartedJobRegistry
 
 from datagen.control.jobs import JobStore
 from datagen.control.keys import Keys
-from datagen.local.redis_server import LocalRedis, free_port
 from datagen.prompts.tokenization import default_chat_template_path
 from datagen.records.storage import Storage
 from datagen.spec import JobSpec
 from datagen.states import JobState, PromptClass
+from datagen_cli.local.redis_server import LocalRedis, free_port
 from tests.support.ingest import ingest_rows
 from tests.support.sim import running_simulator
 from tests.support.workers import fast_worker_settings

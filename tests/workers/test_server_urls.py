@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from datagen.errors import ConfigError
-from datagen.local.processes import child_env
-from datagen.local.redis_server import free_port
+from datagen_cli.local.processes import child_env
+from datagen_cli.local.redis_server import free_port
 from workers.engines.detect import EngineProbe
 from workers.engines.http import ClientTimeouts
 from workers.engines.sglang import SGLangClient
@@ -150,7 +150,7 @@ def _worker(tmp_path: Path, *args: str, **env: str) -> subprocess.CompletedProce
             **env,
         }
     )
-    command = [sys.executable, "-m", "datagen", "worker", *args]
+    command = [sys.executable, "-m", "datagen_cli", "worker", *args]
     return subprocess.run(command, env=environment, capture_output=True, text=True, timeout=120)
 
 

@@ -10,17 +10,17 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from datagen.cli._app import app, console, examples
 from datagen.errors import ConfigError
 from datagen.settings import DEFAULT_COORDINATOR_URL, ClientSettings, load
 from datagen.states import JobState, Priority
+from datagen_cli._app import app, console, examples
 
 # Jobs `datagen status` shows, newest first.
 STATUS_JOBS = 100
 
 
 def _client() -> Any:
-    from datagen.cli.client import CoordinatorClient
+    from datagen_cli.client import CoordinatorClient
 
     settings = load(ClientSettings)
     return CoordinatorClient(settings.coordinator_url, api_token=settings.api_token)
@@ -52,7 +52,7 @@ def status(
 
     Redis's memory problems are shown in red: an operator must act on them.
     """
-    from datagen.cli.client import CoordinatorClient
+    from datagen_cli.client import CoordinatorClient
 
     settings = load(ClientSettings, coordinator_url=coordinator)
     states = [s.value for s in state or ()]

@@ -8,8 +8,6 @@ from typing import Annotated, Any
 import typer
 from rich.console import Console
 
-from datagen.cli._app import app, console, examples
-from datagen.cli.progress import EXIT_ALL_DONE, EXIT_SOME_FAILED, wait_for_job
 from datagen.errors import ConfigError
 from datagen.settings import (
     DEFAULT_COORDINATOR_URL,
@@ -21,6 +19,8 @@ from datagen.settings import (
     load,
 )
 from datagen.states import Priority
+from datagen_cli._app import app, console, examples
+from datagen_cli.progress import EXIT_ALL_DONE, EXIT_SOME_FAILED, wait_for_job
 
 
 def _spec_from_options(
@@ -32,7 +32,7 @@ def _spec_from_options(
     sampling: dict[str, float | int | None],
 ) -> dict[str, Any]:
     """The job spec: the spec file (if any) with the flags that were given on top."""
-    from datagen.cli.specfile import load_spec_file, merge_spec
+    from datagen_cli.specfile import load_spec_file, merge_spec
 
     flags: dict[str, Any] = {k: v for k, v in limits.items() if v is not None}
     if tokenizer is not None:
@@ -61,7 +61,7 @@ def spec(
     Save it, edit it and pass it to `datagen submit --spec FILE`; flags given to submit override
     its fields.
     """
-    from datagen.cli.specfile import EXAMPLE_SPEC
+    from datagen_cli.specfile import EXAMPLE_SPEC
 
     typer.echo(EXAMPLE_SPEC, nl=False)
 
@@ -169,8 +169,8 @@ def submit(
     A fleet that is still starting is waited for (--wait-for-servers-s). With --wait: exit 0 when
     all prompts are done, 1 if some failed, 2 if the job failed.
     """
-    from datagen.cli._fleet_wait import submit_when_ready
-    from datagen.cli.client import CoordinatorClient
+    from datagen_cli._fleet_wait import submit_when_ready
+    from datagen_cli.client import CoordinatorClient
 
     settings = load(ClientSettings, coordinator_url=coordinator, wait_for_servers_s=wait_for_servers_s)
     spec = _spec_from_options(

@@ -1,5 +1,5 @@
 """A Python module run with its wall clock set off by some seconds, as on a machine whose clock is
-wrong: ``python -m datagen.local.skew OFFSET_S MODULE [ARGS...]`` (``python -m datagen.local.skew -5
+wrong: ``python -m datagen_cli.local.skew OFFSET_S MODULE [ARGS...]`` (``python -m datagen_cli.local.skew -5
 datagen coordinator --port 8001``: a coordinator 5 s behind).
 
 ``time.time`` and ``time.time_ns``, which every wall-clock time of the project reads, answer the
@@ -30,7 +30,7 @@ def shift_clock(offset_s: float) -> None:
 
 def main(argv: list[str]) -> None:
     if len(argv) < 2:
-        raise SystemExit("usage: python -m datagen.local.skew OFFSET_S MODULE [ARGS...]")
+        raise SystemExit("usage: python -m datagen_cli.local.skew OFFSET_S MODULE [ARGS...]")
     offset_s, module, *rest = argv
     shift_clock(float(offset_s))
     sys.argv = [module, *rest]

@@ -33,7 +33,7 @@ app = typer.Typer(
 )
 console = Console(stderr=True)
 
-# `submit --wait` exits with datagen.cli.progress's codes (0 all done, 1 some prompts failed, 2 job failed).
+# `submit --wait` exits with datagen_cli.progress's codes (0 all done, 1 some prompts failed, 2 job failed).
 EXIT_ERROR = 3
 EXIT_CHECK_FAILED = 1  # `datagen report`: a token-structure check failed
 EXIT_USAGE = 2  # a flag or argument click refused
@@ -100,7 +100,8 @@ def main() -> None:
     for name, value in QUIET_ENVIRONMENT.items():
         os.environ.setdefault(name, value)
     try:
-        code = app(standalone_mode=False)
+        # One name in usage lines and hints, whether started as `datagen` or `python -m datagen_cli`.
+        code = app(standalone_mode=False, prog_name="datagen")
     except (KeyboardInterrupt, typer.Abort):
         sys.exit(EXIT_INTERRUPTED)
     except Exception as exc:

@@ -19,7 +19,6 @@ from typing import Any
 from rich.console import Console
 from rich.status import Status
 
-from datagen.cli.client import CoordinatorClient
 from datagen.errors import (
     BackendUnavailableError,
     CoordinatorUnreachableError,
@@ -28,6 +27,7 @@ from datagen.errors import (
     PreflightError,
 )
 from datagen.states import ServerState
+from datagen_cli.client import CoordinatorClient
 
 __all__ = ["submit_when_ready"]
 

@@ -24,7 +24,7 @@ from rich.text import Text
 from datagen.states import JobState
 
 if TYPE_CHECKING:
-    from datagen.cli.client import CoordinatorClient
+    from datagen_cli.client import CoordinatorClient
 
 __all__ = ["EXIT_ALL_DONE", "EXIT_JOB_FAILED", "EXIT_SOME_FAILED", "JobLine", "wait_for_job"]
 

@@ -1,4 +1,4 @@
-"""``python -m datagen …`` child processes with their output in log files, stopped together: what the
+"""``python -m datagen_cli …`` child processes with their output in log files, stopped together: what the
 demo, the tests and the benchmarks run a whole stack with."""
 
 from __future__ import annotations
@@ -41,12 +41,12 @@ class ChildProcesses:
         self._logs: list[IO[bytes]] = []
 
     def spawn(self, name: str, *args: str, clock_offset_s: float = 0.0) -> subprocess.Popen[bytes]:
-        """``python -m datagen ARGS`` as ``name`` (a name spawned again replaces the earlier one);
-        ``clock_offset_s``: with its wall clock that far off (`datagen.local.skew`)."""
+        """``python -m datagen_cli ARGS`` as ``name`` (a name spawned again replaces the earlier one);
+        ``clock_offset_s``: with its wall clock that far off (`datagen_cli.local.skew`)."""
         log = open(self.log_dir / f"{name}.log", "wb")  # noqa: SIM115 - closed in stop()
         self._logs.append(log)
-        skew = ["datagen.local.skew", str(clock_offset_s)] if clock_offset_s else []
-        command = [sys.executable, "-m", *skew, "datagen", *args]
+        skew = ["datagen_cli.local.skew", str(clock_offset_s)] if clock_offset_s else []
+        command = [sys.executable, "-m", *skew, "datagen_cli", *args]
         self.procs[name] = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=self.env)
         return self.procs[name]
 

@@ -22,8 +22,8 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from datagen.cli import app
 from datagen.spec import SamplingParams
+from datagen_cli import app
 
 ROOT = Path(__file__).resolve().parents[2]
 WIDTH = 80
@@ -133,7 +133,7 @@ def test_version_prints_the_installed_version() -> None:
 def test_datagen_alone_prints_the_help() -> None:
     """Through ``main()``, which turns click's refusals into one line: no command is the help."""
     result = subprocess.run(
-        [sys.executable, "-m", "datagen"], capture_output=True, text=True, timeout=60, check=False
+        [sys.executable, "-m", "datagen_cli"], capture_output=True, text=True, timeout=60, check=False
     )
     assert result.returncode == 2, result.stderr
     assert result.stdout.startswith("Usage: ") and "datagen [OPTIONS] COMMAND" in result.stdout

@@ -5,9 +5,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from datagen.cli.specfile import EXAMPLE_SPEC, load_spec_file, merge_spec
 from datagen.errors import InvalidSpecError
 from datagen.spec import JobSpec
+from datagen_cli.specfile import EXAMPLE_SPEC, load_spec_file, merge_spec
 
 
 def test_the_example_is_a_valid_spec_with_every_field() -> None:

@@ -18,10 +18,10 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.text import Text
 
-from datagen.cli._app import EXIT_CHECK_FAILED, app, console, examples
 from datagen.errors import ConfigError, CorruptShardError
 from datagen.settings import DEFAULT_STORAGE, CommonSettings, load
 from datagen.states import ExportFormat
+from datagen_cli._app import EXIT_CHECK_FAILED, app, console, examples
 
 if TYPE_CHECKING:
     from datagen.records.storage import Storage

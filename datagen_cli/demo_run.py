@@ -16,20 +16,21 @@ from typing import Any
 
 from rich.console import Console
 
-from datagen.cli.client import CoordinatorClient
-from datagen.cli.progress import wait_for_job
+import datagen
 from datagen.errors import ConfigError
 from datagen.export import ExportStats, iter_unique_rows
-from datagen.local.processes import ChildProcesses, child_env
-from datagen.local.redis_server import LocalRedis, free_port
 from datagen.prompts.tokenization import bundled_tokenizer_path, default_chat_template_path
 from datagen.records.storage import Storage
 from datagen.states import ServerState
+from datagen_cli.client import CoordinatorClient
+from datagen_cli.local.processes import ChildProcesses, child_env
+from datagen_cli.local.redis_server import LocalRedis, free_port
+from datagen_cli.progress import wait_for_job
 
 __all__ = ["DEMO_DATASET", "run_demo"]
 
 # Package data, so the demo runs from a wheel too (not only from a checkout).
-DEMO_DATASET = Path(__file__).resolve().parent.parent / "data" / "prompts.jsonl"
+DEMO_DATASET = Path(datagen.__file__).resolve().parent / "data" / "prompts.jsonl"
 STARTUP_TIMEOUT_S = 60.0
 STOP_TIMEOUT_S = 15.0
 # The simulated GPU runs at this fraction of real time: the demo takes seconds, not hours.

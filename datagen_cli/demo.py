@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from datagen.cli._app import app, console, examples
+from datagen_cli._app import app, console, examples
 
 
 @app.command(
@@ -30,6 +30,6 @@ def demo(
     A private Redis, a simulated SGLang server, a coordinator and a worker run as separate
     processes; the demo submits the dataset, shows progress, prints a summary and stops them all.
     """
-    from datagen.cli.demo_run import run_demo
+    from datagen_cli.demo_run import run_demo
 
     raise typer.Exit(run_demo(data_dir, dataset, console))

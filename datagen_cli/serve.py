@@ -18,7 +18,6 @@ from typing import Annotated, Any
 import typer
 from pydantic import ValidationError
 
-from datagen.cli._app import app, examples
 from datagen.errors import ConfigError
 from datagen.settings import (
     DEFAULT_COORDINATOR_HOST,
@@ -33,6 +32,7 @@ from datagen.settings import (
     load,
 )
 from datagen.states import EngineChoice
+from datagen_cli._app import app, examples
 
 # Libraries that log every request at INFO; our own one-line-per-prompt log is enough.
 _QUIET_LOGGERS = ("httpx", "rq.worker", "rq.queue")

@@ -8,16 +8,19 @@
 - ``control``: watch and steer jobs: ``status``, ``pause``, ``resume``, ``cancel``, ``retry``, ``delete``
 - ``data``: a job's stored records: ``export``, ``report``
 - ``demo``: ``demo``
+- ``local``: the processes a laptop runs for the demo and the tests (a private Redis, children
+  with their logs)
 
-Commands import the service, worker and simulator packages lazily, inside the function, so
-``datagen`` (the core) depends on none of them.
+This package stands above ``datagen`` (the core), ``service``, ``workers`` and ``simulator``, and
+none of them imports it. Commands import the process they start inside the function, so
+``datagen --help`` loads none of them.
 """
 
-from datagen.cli._app import app, main
+from datagen_cli._app import app, main
 
 # Each module registers its commands on `app` when imported; this order is the order of `datagen --help`.
 # isort: off
-from datagen.cli import serve, submit, control, data, demo  # noqa: F401
+from datagen_cli import serve, submit, control, data, demo  # noqa: F401
 # isort: on
 
 __all__ = ["app", "main"]

@@ -1,3 +1,0 @@
-from datagen.cli import main
-
-main()

@@ -1,0 +1,3 @@
+from datagen_cli import main
+
+main()
