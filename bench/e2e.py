@@ -246,7 +246,7 @@ def submit(stack: Stack, dataset: Path) -> tuple[str, float, float]:
     command = [
         sys.executable,
         "-m",
-        "datagen",
+        "datagen_cli",
         "submit",
         str(dataset),
         "--spec",

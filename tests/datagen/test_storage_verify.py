@@ -246,7 +246,7 @@ def test_cli_export_stops_at_a_bad_shard_in_one_line(storage: Storage, tmp_path:
     command = [
         sys.executable,
         "-m",
-        "datagen",
+        "datagen_cli",
         "export",
         JOB,
         "--storage",
