@@ -33,7 +33,7 @@ app = typer.Typer(
 )
 console = Console(stderr=True)
 
-# `submit --wait` exits with datagen_cli.progress's codes (0 all done, 1 some prompts failed, 2 job failed).
+# `submit --wait` exits with datagen_cli.waiting's codes (0 all done, 1 some prompts failed, 2 job failed).
 EXIT_ERROR = 3
 EXIT_CHECK_FAILED = 1  # `datagen report`: a token-structure check failed
 EXIT_USAGE = 2  # a flag or argument click refused

@@ -25,7 +25,7 @@ from datagen.states import ServerState
 from datagen_cli.client import CoordinatorClient
 from datagen_cli.local.processes import ChildProcesses, child_env
 from datagen_cli.local.redis_server import LocalRedis, free_port
-from datagen_cli.progress import wait_for_job
+from datagen_cli.waiting import wait_for_job
 
 __all__ = ["DEMO_DATASET", "run_demo"]
 

@@ -20,7 +20,7 @@ from datagen.settings import (
 )
 from datagen.states import Priority
 from datagen_cli._app import app, console, examples
-from datagen_cli.progress import EXIT_ALL_DONE, EXIT_SOME_FAILED, wait_for_job
+from datagen_cli.waiting import EXIT_ALL_DONE, EXIT_SOME_FAILED, wait_for_job
 
 
 def _spec_from_options(

@@ -17,7 +17,7 @@ from datagen.control.keys import Keys
 from datagen.records.storage import Storage
 from datagen.settings import CoordinatorSettings
 from datagen_cli.client import CoordinatorClient
-from datagen_cli.progress import EXIT_ALL_DONE, wait_for_job
+from datagen_cli.waiting import EXIT_ALL_DONE, wait_for_job
 from tests.support.processes import serve_coordinator
 from tests.support.sim import running_simulator
 from tests.support.specs import make_spec

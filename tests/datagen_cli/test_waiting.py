@@ -10,7 +10,7 @@ import pytest
 from rich.cells import cell_len
 from rich.console import Console
 
-from datagen_cli.progress import JobLine
+from datagen_cli.waiting import JobLine
 
 JOB_ID = "0123456789abcdef0123"
 ELAPSED_S = 3725  # 1:02:05
