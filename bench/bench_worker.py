@@ -75,7 +75,8 @@ from datagen.spec import JobSpec
 from datagen.states import JobState, PromptClass
 from datagen_cli.local.redis_server import LocalRedis
 from service.ingest import IngestOptions, Ingestor
-from workers.engines.sglang import ClientTimeouts, SGLangClient
+from workers.engines.http import ClientTimeouts
+from workers.engines.sglang import SGLangClient
 from workers.fleet.servers import ServerSpec
 from workers.worker import Worker
 

@@ -121,7 +121,7 @@ def synthesize(root: Path, n: int) -> dict[str, Any]:
         "tokenizer": identity,
         "servers": {},
     }
-    storage.write_manifest_once(JOB_ID, manifest)
+    storage.write_manifest(JOB_ID, manifest)
     rows = (
         json.dumps({"id": f"s{i}", "messages": [{"role": "user", "content": f"Question {i}?"}]}) + "\n"
         for i in range(n)

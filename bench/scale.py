@@ -61,11 +61,11 @@ from datagen.control.job_outcomes import AckItem, AckTarget
 from datagen.control.jobs import JobStore
 from datagen.control.keys import Keys
 from datagen.control.payload import parse_payload
+from datagen.control.rq_format import payload_of
 from datagen.records.storage import Storage
 from datagen.settings import ENV_PREFIX
 from datagen.states import JobState, PromptClass
 from datagen_cli.local.redis_server import LocalRedis
-from workers.claim.rqbridge import payload_of
 
 DEFAULT_N = 2000
 DEFAULT_WORKERS = 2

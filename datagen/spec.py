@@ -99,7 +99,7 @@ NameText = Annotated[
 # (python/sglang/srt/function_call/function_call_parser.py, SGLang main of mid-2026). SGLang answers
 # any other name at /parse_function_call with a 500 (an uncaught ValueError), so a job naming one would
 # stop every conversation after its first turn: it is refused at submit instead. A name a newer SGLang
-# adds goes here (the simulator implements some of these: `simulator.toolcalls.SUPPORTED_PARSERS`).
+# adds goes here (the simulator implements some of these: `simulator.sglang.function_call.SUPPORTED_PARSERS`).
 SGLANG_TOOL_CALL_PARSERS: frozenset[str] = frozenset(
     {
         "apertus2509",

@@ -18,12 +18,12 @@ from rich.console import Console
 
 import datagen
 from datagen.errors import ConfigError
-from datagen.export import ExportStats, iter_unique_rows
+from datagen.export.rows import ExportStats, RowFilter, RowFilterOptions, filtered_batches
 from datagen.prompts.tokenization import bundled_tokenizer_path, default_chat_template_path
 from datagen.records.storage import Storage
 from datagen.states import ServerState
 from datagen_cli.client import CoordinatorClient
-from datagen_cli.local.processes import ChildProcesses, child_env
+from datagen_cli.local.processes import STARTUP_TIMEOUT_S, ChildProcesses, child_env
 from datagen_cli.local.redis_server import LocalRedis, free_port
 from datagen_cli.waiting import wait_for_job
 
@@ -31,8 +31,6 @@ __all__ = ["DEMO_DATASET", "run_demo"]
 
 # Package data, so the demo runs from a wheel too (not only from a checkout).
 DEMO_DATASET = Path(datagen.__file__).resolve().parent / "data" / "prompts.jsonl"
-STARTUP_TIMEOUT_S = 60.0
-STOP_TIMEOUT_S = 15.0
 # The simulated GPU runs at this fraction of real time: the demo takes seconds, not hours.
 DEMO_TIME_SCALE = 0.01
 DEMO_SPEC: dict[str, Any] = {
@@ -79,7 +77,7 @@ def run_demo(data_dir: Path, dataset: Path | None, console: Console) -> int:
     # children running; turn it into the same path as Ctrl-C.
     signal.signal(signal.SIGTERM, _interrupt)
     with LocalRedis() as redis_server:
-        procs = ChildProcesses(log_dir, _child_env(redis_server.url, data_dir), stop_timeout_s=STOP_TIMEOUT_S)
+        procs = ChildProcesses(log_dir, _child_env(redis_server.url, data_dir))
         try:
             sim_port, coord_port = free_port(), free_port()
             tokenizer = bundled_tokenizer_path()
@@ -94,14 +92,14 @@ def run_demo(data_dir: Path, dataset: Path | None, console: Console) -> int:
                 "--time-scale",
                 str(DEMO_TIME_SCALE),
             )
-            procs.wait_http(f"http://127.0.0.1:{sim_port}/health", STARTUP_TIMEOUT_S)
+            procs.wait_http(f"http://127.0.0.1:{sim_port}/health")
             procs.spawn(
                 "worker", "worker", "--server", f"sim=http://127.0.0.1:{sim_port}",
                 "--short-concurrency", "64", "--long-concurrency", "16", "--metrics-port", "0",
             )  # fmt: skip
             procs.spawn("coordinator", "coordinator", "--port", str(coord_port))
             coordinator_url = f"http://127.0.0.1:{coord_port}"
-            procs.wait_http(f"{coordinator_url}/healthz", STARTUP_TIMEOUT_S)
+            procs.wait_http(f"{coordinator_url}/healthz")
             spec = dict(DEMO_SPEC, tokenizer=tokenizer, chat_template=str(default_chat_template_path()))
             with CoordinatorClient(coordinator_url) as client:
                 _wait_fleet(client, procs)
@@ -118,8 +116,11 @@ def run_demo(data_dir: Path, dataset: Path | None, console: Console) -> int:
 def _summary(console: Console, job: dict[str, Any], storage: Storage, wall_s: float) -> None:
     stats = ExportStats()
     finishes: dict[str, int] = {}
-    for row in iter_unique_rows(storage, job["id"], stats):
-        finishes[row["finish_type"]] = finishes.get(row["finish_type"], 0) + 1
+    # The first record of each key, unfiltered, as every export reads them.
+    row_filter = RowFilter(RowFilterOptions(min_supervised_tokens=0), stats)
+    for batch in filtered_batches(storage, job["id"], row_filter):
+        for finish in batch.column("finish_type").to_pylist():
+            finishes[finish] = finishes.get(finish, 0) + 1
     shards = len(storage.list_commits(job["id"]))
     records_dir = storage.url(job["id"], "records")
     console.print(

@@ -7,7 +7,6 @@ import hmac
 import logging
 import re
 import sys
-import time
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from typing import Annotated, Any, Literal
@@ -22,6 +21,7 @@ from pydantic import BeforeValidator
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from datagen.clock import now_ms
 from datagen.control.redismemory import health_json, is_out_of_memory, out_of_memory_error, read_memory
 from datagen.errors import (
     AuthError,
@@ -180,7 +180,7 @@ def _install_routes(app: FastAPI) -> None:
         if memory is None:
             return {"status": "ok", "redis": None}
         refused = coord.metrics.redis_oom_refusals.seen
-        return {"status": "ok", "redis": health_json(memory, refused, int(time.time() * 1000))}
+        return {"status": "ok", "redis": health_json(memory, refused, now_ms())}
 
     @app.get("/metrics")
     def metrics(coord: Coord) -> Response:

@@ -15,8 +15,8 @@ from typing import Any
 from redis import Redis
 from rq import Queue
 
+from datagen.clock import now_ms
 from datagen.control.dispatch import Dispatch
-from datagen.control.jobs import now_ms
 from datagen.control.keys import Keys
 from datagen.control.redistext import as_texts
 from datagen.control.servers import ServerView, read_control, read_servers, read_views, seen_recently

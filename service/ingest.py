@@ -1,13 +1,14 @@
 """Streaming ingestion: dataset file → rendered prompt ids → RQ jobs, in checkpointed chunks.
 
-Each chunk is enqueued in one MULTI/EXEC (under WATCH of the job's ingest fence, so nothing lands
-for a cancelled, failed or deleted job) together with (a) its rows added to the job's rows guard
-(`service.rowids`) and (b) the job's counters and the line checkpoint. A crash anywhere leaves
-either the whole chunk or none of it; a resumed ingestion starts after the checkpoint, and the
-rows guard (read before each chunk) keeps a resubmitted row from being enqueued twice, since RQ
-itself accepts a second enqueue of the same job id. Chunks start small and double up to the
-configured size (`service.admit.chunk_sizes`), and the first one also goes out after a deadline, so
-warm workers start on a new job within a fraction of a second of its submit.
+Each chunk is enqueued in one MULTI/EXEC (`datagen.control.ingest_chunks`: under WATCH of the job's
+ingest fence, so nothing lands for a cancelled, failed or deleted job) together with (a) its rows
+added to the job's rows guard (`service.rowids`) and (b) the job's counters and the line
+checkpoint. A crash anywhere leaves either the whole chunk or none of it; a resumed ingestion starts
+after the checkpoint, and the rows guard (read before each chunk) keeps a resubmitted row from
+being enqueued twice, since RQ itself accepts a second enqueue of the same job id. Chunks start
+small and double up to the configured size (`service.admit.chunk_sizes`), and the first one also
+goes out after a deadline, so warm workers start on a new job within a fraction of a second of its
+submit.
 
 Evaluation hygiene (`datagen.hygiene.screen`) judges each chunk's rows last: contaminated rows and
 duplicates become rejected rows, and the kept rows' packed records are appended to the job's
@@ -19,23 +20,20 @@ from __future__ import annotations
 import logging
 import threading
 import time
-import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
-from redis import Redis, RedisError, WatchError
-from rq import Queue
-from rq.serializers import JSONSerializer
+from redis import Redis, RedisError
 
 from datagen.backoff import Backoff
 from datagen.control.dispatch import Dispatch
-from datagen.control.enqueue import EnqueueOptions, enqueue_prompts
-from datagen.control.jobs import FENCE_SEPARATOR, JobStore
+from datagen.control.enqueue import EnqueueOptions
+from datagen.control.ingest_chunks import ChunkWrite, IngestChunks, Landing
+from datagen.control.jobs import JobStore
 from datagen.control.keys import Keys, prompt_key
 from datagen.control.payload import Conversation, PromptPayload
 from datagen.control.redismemory import is_out_of_memory, out_of_memory_error
-from datagen.control.redistext import as_text
 from datagen.control.servers import fleet_context_len
 from datagen.errors import DatagenError, JobNotFoundError, StorageError
 from datagen.hygiene.screen import Hygiene, HygieneRow, Verdicts
@@ -119,11 +117,8 @@ class Ingestor:
         self.jobs = jobs
         self.storage = storage
         self.options = options
-        self._queues = {
-            cls: Queue(keys.queue_name(cls), connection=redis, serializer=JSONSerializer)
-            for cls in PromptClass
-        }
         self.dispatch = Dispatch(redis, keys)
+        self.chunks = IngestChunks(redis, keys, jobs, options.enqueue)
 
     def run(
         self,
@@ -458,60 +453,24 @@ class Ingestor:
         the job's ingest fence holds ``fence_value`` (this incarnation, and this run's token if it
         has one): a cancel, failure or delete drops the fence, another run of the ingestion takes it.
         ``settled``: which of ``fresh`` have a committed record already (counted, not enqueued)."""
-        fence = self.keys.job_ingest_fence(job_id)
-        checkpoint = self.keys.job_ingest_checkpoint(job_id)
-        # The chunk's id. A transaction whose reply is lost is sent again (redis-py turns the lost
-        # connection into a WatchError); finding its own id there, it is known to have landed.
-        chunk_id = f"{chunk.input_name}:{chunk.last_line}"
-        while True:
-            with self.redis.pipeline(transaction=True) as pipe:
-                try:
-                    pipe.watch(fence, checkpoint)
-                    if fence_value:
-                        held = pipe.get(fence)
-                        if held is None or as_text(held) != fence_value:
-                            raise _TakenOver if _admits(held, incarnation) else _Cancelled
-                    landed = pipe.get(checkpoint)
-                    if landed is not None and as_text(landed) == chunk_id:
-                        return
-                    labels, new_labels = self.jobs.partition_labels(job_id, {p.partition for p in fresh})
-                    pipe.multi()
-                    enqueue_prompts(
-                        pipe,
-                        self._queues,
-                        self.keys,
-                        job_id,
-                        settled.enqueue,
-                        self.options.enqueue,
-                        dispatch=self.dispatch,
-                        priority=spec.priority,
-                        guard=False,  # the rows hash, written below, guards them
-                    )
-                    # A rebuilt job's conversations go on at their next turns, guarded as workers
-                    # guard the next turns they enqueue (`ack_next_turn.lua`).
-                    enqueue_prompts(
-                        pipe,
-                        self._queues,
-                        self.keys,
-                        job_id,
-                        settled.continued,
-                        self.options.enqueue,
-                        dispatch=self.dispatch,
-                        priority=spec.priority,
-                    )
-                    self.jobs.add_ingest_counts(pipe, job_id, counts, chunk.last_line)
-                    self.jobs.add_partition_labels(pipe, job_id, new_labels)
-                    counted = breakdown(chunk, fresh, labels, settled.turns, settled.continued)
-                    self.jobs.add_breakdown(pipe, job_id, counted)
-                    self.jobs.remember_rows(pipe, job_id, new_ids)
-                    # Any segment will do; spreading chunks keeps each key far below 512 MB.
-                    segment = zlib.crc32(f"{chunk.input_name}:{chunk.last_line}".encode())
-                    self.jobs.add_seen(pipe, job_id, segment, seen)
-                    pipe.set(checkpoint, chunk_id)
-                    pipe.execute()
-                    return
-                except WatchError:
-                    continue  # the fence moved: the next pass sees why
+        write = ChunkWrite(
+            input_name=chunk.input_name,
+            last_line=chunk.last_line,
+            enqueue=settled.enqueue,
+            continued=settled.continued,
+            counts=counts,
+            partitions={p.partition for p in fresh},
+            breakdown=lambda labels: breakdown(chunk, fresh, labels, settled.turns, settled.continued),
+            rows=new_ids,
+            seen=seen,
+        )
+        landing = self.chunks.land(
+            job_id, write, priority=spec.priority, incarnation=incarnation, fence_value=fence_value
+        )
+        if landing is Landing.TAKEN_OVER:
+            raise _TakenOver
+        if landing is Landing.FENCED:
+            raise _Cancelled
 
     def _check_ids(self, job_id: str, chunk: Chunk) -> tuple[dict[str, str], set[int]]:
         """Reject rows that reuse an earlier row's id with other content; returns the ids this chunk
@@ -560,11 +519,3 @@ class Ingestor:
             ]
             chunk.rejected.sort(key=lambda r: r["line"])
         return verdicts
-
-
-def _admits(held: bytes | str | None, incarnation: str) -> bool:
-    """Whether a fence value still admits the incarnation (then another run of it holds it)."""
-    if held is None or not incarnation:
-        return False
-    value = as_text(held)
-    return value == incarnation or value.startswith(f"{incarnation}{FENCE_SEPARATOR}")

@@ -7,25 +7,20 @@ what it did in numbers. Records already committed are never touched, except by `
 
 from __future__ import annotations
 
-import json
 import logging
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 from redis import Redis
-from rq import Queue
-from rq.job import Job
-from rq.serializers import JSONSerializer
 
-from datagen.control.dispatch import RQ_JOB_PREFIX, Dispatch
-from datagen.control.jobs import JobStore, RequeueItem
-from datagen.control.keys import Keys, partition_label
-from datagen.control.redistext import as_text, as_texts
+from datagen.control.dispatch import Dispatch
+from datagen.control.jobs import JobStore
+from datagen.control.keys import Keys
+from datagen.control.rq_jobs import RqJobs
 from datagen.errors import JobNotFoundError, JobStateError, StorageError
 from datagen.records.storage import Storage
-from datagen.states import JobState, Priority, PromptClass
+from datagen.states import JobState, Priority
 
 __all__ = ["ENDING_CANCELLED", "ENDING_DELETED", "JobControls"]
 
@@ -37,17 +32,6 @@ ENDING_DELETED = "deleted"
 ENDING_CANCELLED = "cancelled"
 # Failed prompts re-enqueued per transaction.
 RETRY_CHUNK = 500
-SCAN_COUNT = 1000
-RQ_RESULTS_PREFIX = "rq:results:"
-
-
-@dataclass(frozen=True)
-class _Failed:
-    job: Job
-    queue: Queue
-    reason: str
-    label: str
-    cls: str
 
 
 class JobControls:
@@ -67,10 +51,8 @@ class JobControls:
         # Stops the job's ingestion and waits for it (the coordinator owns ingestion threads).
         self.stop_ingest: Callable[[str], None] = stop_ingest or (lambda job_id: None)
         self.dispatch = Dispatch(redis, keys)
-        self.queues = {
-            cls: Queue(keys.queue_name(cls), connection=redis, serializer=JSONSerializer)
-            for cls in PromptClass
-        }
+        # The job's prompts in RQ's own keys: failed, waiting on RQ's queues, or all of them.
+        self.rq_jobs = RqJobs(redis, keys, jobs)
 
     # Cancel ---------------------------------------------------------------------------------------
     def cancel(self, job_id: str, *, abort_in_flight: bool = False) -> dict[str, Any]:
@@ -88,7 +70,7 @@ class JobControls:
         self.stop_ingest(job_id)
         if abort_in_flight:
             self.redis.sadd(self.keys.aborting_jobs(), job_id)
-        dropped = self.dispatch.withdraw(job_id) + self._drop_handed_back(job_id)
+        dropped = self.dispatch.withdraw(job_id) + self.rq_jobs.drop_queued(job_id)
         self.redis.srem(self.keys.paused_jobs(), job_id)
         progress = self.jobs.progress(job_id)
         log.info(
@@ -111,20 +93,6 @@ class JobControls:
             self.storage.write_ending(job_id, ENDING_CANCELLED, incarnation)
         except StorageError as exc:
             log.warning("job %s: cancelled, but storage could not record it: %s", job_id, exc)
-
-    def _drop_handed_back(self, job_id: str) -> int:
-        """Prompts of the job back on RQ's queues (handed back or requeued by the reaper)."""
-        prefix = self._rq_prefix(job_id)
-        dropped = 0
-        for cls, queue in self.queues.items():
-            for rq_id in as_texts(self.redis.lrange(queue.key, 0, -1)):
-                if rq_id.startswith(prefix) and self.redis.lrem(queue.key, 1, rq_id):
-                    with self.redis.pipeline() as pipe:
-                        pipe.unlink(RQ_JOB_PREFIX + rq_id)
-                        self.jobs.outcomes.count_cancelled_queued(pipe, job_id, cls, 1)
-                        pipe.execute()
-                    dropped += 1
-        return dropped
 
     # Pause and resume ------------------------------------------------------------------------------
     def pause(self, job_id: str) -> dict[str, Any]:
@@ -159,12 +127,12 @@ class JobControls:
         reopened = self.jobs.reopen(job_id)
         moved: list[str] = []
         try:
-            failed = self._failed(job_id)
+            failed = self.rq_jobs.failed(job_id)
             missing = max(0, progress.failed - len(failed))  # their failure TTL ran out
             reasons = Counter(f.reason for f in failed)
             chosen = [f for f in failed if reason is None or f.reason == reason]
             for start in range(0, len(chosen), RETRY_CHUNK):
-                moved += self._requeue(
+                moved += self.rq_jobs.requeue(
                     job_id, chosen[start : start + RETRY_CHUNK], Priority(progress.priority)
                 )
         except JobStateError:
@@ -186,58 +154,6 @@ class JobControls:
             not_retryable=missing,
         )
         return body
-
-    def _failed(self, job_id: str) -> list[_Failed]:
-        """The job's prompts still in RQ's failed registries."""
-        prefix = self._rq_prefix(job_id)
-        labelled = set(as_texts(self.redis.smembers(self.keys.job_partitions(job_id))))
-        reported = {
-            str(r.get("rq_id")): str(r.get("reason", "unknown"))
-            for r in (json.loads(raw) for raw in self.redis.lrange(self.keys.job_failed(job_id), 0, -1))
-        }
-        out: list[_Failed] = []
-        for cls, queue in self.queues.items():
-            registry = queue.failed_job_registry
-            ids = [i for i in registry.get_job_ids() if i.startswith(prefix)]
-            for rq_job in Job.fetch_many(ids, connection=self.redis, serializer=JSONSerializer):
-                if rq_job is None:
-                    continue
-                payload = rq_job.args[0] if rq_job.args else {}
-                partition = str(payload.get("partition", "")) if isinstance(payload, dict) else ""
-                reason = str(rq_job.meta.get("failure_reason") or reported.get(rq_job.id, "unknown"))
-                label = partition_label(partition, labelled)
-                out.append(_Failed(rq_job, queue, reason, label, cls.value))
-        return out
-
-    def _requeue(self, job_id: str, chosen: list[_Failed], priority: Priority) -> list[str]:
-        """Requeue one slice of failed prompts, class by class; returns the ids that moved."""
-        moved: list[str] = []
-        for cls in PromptClass:
-            items: list[RequeueItem] = []
-            queue = self.queues[cls]
-            for f in chosen:
-                if f.cls != cls.value:
-                    continue
-                meta = dict(f.job.meta)
-                meta.pop("failure_reason", None)
-                meta["attempts"] = 0
-                meta["retried"] = int(meta.get("retried", 0)) + 1
-                losses = (meta.get("enqueue") or {}).get("max_worker_losses")
-                retries_left = None if losses is None else int(losses)
-                items.append(
-                    RequeueItem(f.job.id, f.job.serializer.dumps(meta), retries_left, f.label, f.cls)
-                )
-            if not items:
-                continue
-            moved += self.jobs.outcomes.requeue_failed(
-                job_id,
-                registry_key=queue.failed_job_registry.key,
-                backlog_key=self.keys.job_backlog(job_id, cls),
-                dispatch_key=self.keys.dispatch_jobs(cls, priority),
-                rq_job_prefix=RQ_JOB_PREFIX,
-                items=items,
-            )
-        return moved
 
     # Delete ----------------------------------------------------------------------------------------
     def delete(self, job_id: str, *, files: bool = False) -> dict[str, Any]:
@@ -283,51 +199,4 @@ class JobControls:
         """Remove everything Redis holds of the job (its keys, RQ jobs, places in dispatch); its
         stored data stays. Returns how many RQ jobs went. Used by delete and by a rebuild, which
         keeps the hash (``keep_hash``) and replaces it in one step, so the job is never missing."""
-        rq_jobs = self._delete_rq_jobs(job_id)
-        keys = self.keys.job_keys(job_id)
-        if keep_hash:
-            keys.remove(self.keys.job(job_id))
-        with self.redis.pipeline() as pipe:
-            pipe.unlink(*keys)
-            if not keep_hash:
-                pipe.zrem(self.keys.jobs_index(), job_id)
-            pipe.srem(self.keys.paused_jobs(), job_id)
-            pipe.srem(self.keys.aborting_jobs(), job_id)
-            for cls in PromptClass:
-                for priority in Priority:
-                    pipe.zrem(self.keys.dispatch_jobs(cls, priority), job_id)
-            pipe.execute()
-        # A worker's ack that landed after the first sweep and before the job's keys went finished
-        # its prompt in RQ (a hash and a finished-registry entry, kept for the result TTL). Acks
-        # count only prompts still in the job's running set, which is gone now: this sweep is the last.
-        return rq_jobs + self._delete_rq_jobs(job_id)
-
-    def _delete_rq_jobs(self, job_id: str) -> int:
-        prefix = self._rq_prefix(job_id)
-        for queue in self.queues.values():
-            for registry in (
-                queue.finished_job_registry,
-                queue.failed_job_registry,
-                queue.started_job_registry,
-                queue.canceled_job_registry,
-            ):
-                members = [
-                    m for m in as_texts(self.redis.zrange(registry.key, 0, -1)) if m.startswith(prefix)
-                ]
-                if members:
-                    self.redis.zrem(registry.key, *members)
-            for rq_id in as_texts(self.redis.lrange(queue.key, 0, -1)):
-                if rq_id.startswith(prefix):
-                    self.redis.lrem(queue.key, 0, rq_id)
-        deleted = 0
-        for key in self.redis.scan_iter(match=f"{RQ_JOB_PREFIX}{prefix}*", count=SCAN_COUNT):
-            rq_id = as_text(key)[len(RQ_JOB_PREFIX) :]
-            if ":" in rq_id:  # a sub-key (dependents), not a job hash
-                self.redis.unlink(key)
-                continue
-            self.redis.unlink(key, RQ_RESULTS_PREFIX + rq_id)
-            deleted += 1
-        return deleted
-
-    def _rq_prefix(self, job_id: str) -> str:
-        return self.keys.rq_job_prefix(job_id)
+        return self.rq_jobs.forget(job_id, keep_hash=keep_hash)

@@ -11,7 +11,6 @@ that limit is counted.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -20,6 +19,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 from redis import Redis, RedisError
 
+from datagen.clock import now_ms
 from datagen.control.dispatch import Dispatch
 from datagen.control.jobs import JobProgress, JobStore
 from datagen.control.redismemory import RefusedWrites, read_memory
@@ -164,7 +164,7 @@ class _JobsCollector(Collector):
                 prompts.add_metric([job.job_id, name.label, name.cls, name.counter], value)
         if job.accepted:
             progress_ratio.add_metric([job.job_id], (job.done + job.failed + job.cancelled) / job.accepted)
-        view = job.to_json(at_ms=int(time.time() * 1000))
+        view = job.to_json(at_ms=now_ms())
         if view["eta_s"] is not None:
             eta.add_metric([job.job_id], view["eta_s"])
 
@@ -172,7 +172,7 @@ class _JobsCollector(Collector):
 def _timing(job: JobProgress, first_record: GaugeMetricFamily, tail: GaugeMetricFamily) -> None:
     """A running job's start and tail as gauges that always answer: a start still waited for shows
     the wait so far (a stuck start rises on the dashboard), a tail not yet begun shows 0."""
-    at_ms = int(time.time() * 1000)
+    at_ms = now_ms()
     first_s = job.time_to_first_record_s()
     first_record.add_metric([job.job_id], job.elapsed_s(at_ms) if first_s is None else first_s)
     tail.add_metric([job.job_id], job.tail_s(at_ms) or 0.0)

@@ -34,9 +34,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeGuard
 
+from datagen.clock import now_ms
 from datagen.control.jobs import JobStore, ingest_fence_value
 from datagen.control.leases import HeldLease, Leases, done_token
-from datagen.control.progress import now_ms
 from datagen.errors import InvalidSpecError, JobNotFoundError, JobStateError
 from datagen.records.storage import Storage
 from datagen.spec import JobSpec, validate_spec

@@ -4,12 +4,15 @@
 exactly what a simulator returned for a prompt; with ``tool_call_format`` set, pass it
 ``tool_call_ids=tool_call_ids_for(...)`` (``tool_call_plan`` says which call that is).
 ``vllm_expected_output`` is the same model under vLLM's finish rule, for a simulator speaking vLLM.
+
+One engine, model and config are shared; ``simulator.sglang`` and ``simulator.vllm`` each own one
+contract and never import each other, so neither can pass for the other by accident.
 """
 
-from simulator._vllm_protocol import VllmOutput, vllm_expected_output
 from simulator.app import create_app
 from simulator.config import SimApi, SimConfig
 from simulator.model import SimOutput, SpecialIds, expected_output, tool_call_ids_for, tool_call_plan
+from simulator.vllm import VllmOutput, vllm_expected_output
 
 __all__ = [
     "SimApi",

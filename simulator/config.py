@@ -60,7 +60,7 @@ class SimApi(StrEnum):
 
 
 class SimConfig(BaseModel):
-    """Everything one simulated SGLang server needs; unknown keys fail loudly."""
+    """Everything one simulated server needs, whichever contract it speaks; unknown keys fail loudly."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -85,11 +85,10 @@ class SimConfig(BaseModel):
     prefill_s_per_token: float = Field(default=DEFAULT_PREFILL_S_PER_TOKEN, ge=0.0)
     decode_step_base_s: float = Field(default=DEFAULT_DECODE_STEP_BASE_S, ge=0.0)
     decode_step_per_req_s: float = Field(default=DEFAULT_DECODE_STEP_PER_REQ_S, ge=0.0)
-    # How far the simulated clock may fall behind real time, caught up by the next steps. A sleep
-    # ends late by the event loop's millisecond timer and the host's scheduling, which at 1-ms steps
-    # costs the simulation about 40 % of its speed when it never lags (bench/README.md, "Fourth
-    # pass"); the benchmarks run with 5 ms. 0, the default the test suite is timed against: a late
-    # wake-up delays every later step.
+    # How far the simulated clock may fall behind real time, caught up by the next steps: a sleep
+    # ends late by the event loop's millisecond timer and the host's scheduling, which at short steps
+    # slows the whole simulation unless later steps may catch up (bench/README.md measures it).
+    # 0, the default the test suite is timed against: a late wake-up delays every later step.
     max_lag_s: float = Field(default=0.0, ge=0.0, le=1.0)
 
     mean_reasoning_tokens: float = Field(default=DEFAULT_MEAN_REASONING_TOKENS, ge=0.0)

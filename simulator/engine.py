@@ -26,12 +26,14 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import Protocol
+
+from prometheus_client import Counter, Gauge, Histogram
 
 from simulator.config import SimConfig
-from simulator.metrics import EngineMetrics
 from simulator.model import SimOutput
 
-__all__ = ["OOM_MESSAGE", "Engine", "Outcome", "SimRequest"]
+__all__ = ["OOM_MESSAGE", "Engine", "EngineMetrics", "Outcome", "SimRequest"]
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +47,27 @@ MIN_SLEEP_S = 0.001
 DECODE_LOG_INTERVAL = 40
 # Steps over which the reservation ratio decays back to reserve_fraction after a retraction.
 RESERVE_DECAY_STEPS = 600
+
+
+class EngineMetrics(Protocol):
+    """What the engine records; each front end's metrics module gives the series its server's names."""
+
+    token_usage: Gauge
+    num_used_tokens: Gauge
+    num_running_reqs: Gauge
+    num_queue_reqs: Gauge
+    gen_throughput: Gauge
+    num_retracted_requests: Counter
+    queue_time_seconds: Histogram
+    prompt_tokens: Counter
+    generation_tokens: Counter
+    num_requests: Counter
+    num_aborted_requests: Counter
+    e2e_request_latency_seconds: Histogram
+    time_to_first_token_seconds: Histogram
+    inter_token_latency_seconds: Histogram
+
+    def set_constants(self, *, max_total_num_tokens: int, context_len: int) -> None: ...
 
 
 class Outcome(StrEnum):

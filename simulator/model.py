@@ -28,10 +28,10 @@ import random
 import struct
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
+from enum import StrEnum
 from functools import lru_cache
 from typing import Any
 
-from datagen.states import FinishType
 from simulator.toolcalls import OfferedTool, ToolCall, ToolCallFormat, format_tool_calls, offered_tools
 
 __all__ = [
@@ -39,6 +39,7 @@ __all__ = [
     "DEFAULT_MEAN_REASONING_TOKENS",
     "LENGTH_SIGMA",
     "TOOL_CALL_PROBABILITY",
+    "FinishType",
     "SimOutput",
     "SpecialIds",
     "apply_stop_token_ids",
@@ -72,6 +73,18 @@ _DEEPSEEK_VOCAB_SIZE = 129280
 _DEEPSEEK_FIRST_ADDED_ID = 128000
 # <｜begin▁of▁sentence｜>, <｜end▁of▁sentence｜>, <｜▁pad▁｜> are added tokens below 128000.
 _DEEPSEEK_LOW_ADDED_IDS = (0, 1, 2)
+
+
+class FinishType(StrEnum):
+    """SGLang's ``meta_info.finish_reason.type`` values.
+
+    The simulator imports none of the project's packages, so that a bug there cannot hide in the
+    simulator's answers; a test holds these to ``datagen.states.FinishType``.
+    """
+
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
 
 
 @dataclass(frozen=True)

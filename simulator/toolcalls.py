@@ -1,38 +1,31 @@
-"""Tool calls as text: the tools a prompt offers, calls spelled as a model writes them, and
-SGLang's ``/parse_function_call`` parsers.
+"""Tool calls as text: the tools a prompt offers and calls spelled as a model writes them.
 
-Pure functions of their arguments, like :mod:`simulator.model`. The parsers follow SGLang's
-``FunctionCallParser.parse_non_stream`` with its ``Qwen25Detector`` and ``DeepSeekV3Detector``
-(SGLang 0.5.15), including their quirks:
-
-- ``normal_text`` is the text before the first call opener, stripped; but when no call survives
-  (none found, every name unknown, no tools in the request), it is the whole text, unstripped.
-- A call to a name not in ``tools`` is dropped (SGLang's default, ``SGLANG_FORWARD_UNKNOWN_TOOLS``
-  off).
-- qwen25 drops a call whose JSON does not parse; deepseekv3 gives up on the whole text instead
-  (one bad call, or one that does not match its layout, and no call is returned at all).
+Both front ends' simulated model writes calls, so this is shared; reading them back is SGLang's
+``/parse_function_call`` (:mod:`simulator.sglang.function_call`), which uses the markers below.
+Pure functions of their arguments, like :mod:`simulator.model`.
 """
 
 from __future__ import annotations
 
 import json
-import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
 __all__ = [
-    "SUPPORTED_PARSERS",
+    "DEEPSEEKV3_CALLS_BEGIN",
+    "DEEPSEEKV3_CALLS_END",
+    "DEEPSEEKV3_CALL_BEGIN",
+    "DEEPSEEKV3_CALL_END",
+    "DEEPSEEKV3_SEP",
+    "QWEN25_CALL_BEGIN",
+    "QWEN25_CALL_END",
     "TOOL_CALL_FORMATS",
     "OfferedTool",
-    "ParseResult",
-    "ParsedCall",
     "ToolCall",
     "ToolCallFormat",
-    "UnsupportedParserError",
     "format_tool_calls",
     "offered_tools",
-    "parse_function_call",
 ]
 
 # The formats the simulated model writes calls in; each is also a parser name.
@@ -42,25 +35,18 @@ TOOL_CALL_FORMATS: tuple[ToolCallFormat, ...] = ("qwen25", "deepseekv3")
 # How a prompt spells one offered tool (transformers' ``tojson`` of an OpenAI-style tool).
 _TOOL_OPENER = '{"type": "function"'
 
-# Qwen25Detector
-_QWEN_BEGIN = "<tool_call>\n"
-_QWEN_END = "\n</tool_call>"
-_QWEN_SEPARATOR = "\n"
-_QWEN_CALL_RE = re.compile(f"{re.escape(_QWEN_BEGIN)}(.*?){re.escape(_QWEN_END)}", re.DOTALL)
+# SGLang's Qwen25Detector
+QWEN25_CALL_BEGIN = "<tool_call>\n"
+QWEN25_CALL_END = "\n</tool_call>"
+_QWEN25_SEPARATOR = "\n"
 
-# DeepSeekV3Detector (the DeepSeek-V3/R1 vocabulary's added tokens)
-_DS_CALLS_BEGIN = "<｜tool▁calls▁begin｜>"
-_DS_CALLS_END = "<｜tool▁calls▁end｜>"
-_DS_CALL_BEGIN = "<｜tool▁call▁begin｜>"
-_DS_CALL_END = "<｜tool▁call▁end｜>"
-_DS_SEP = "<｜tool▁sep｜>"
-_DS_SEPARATOR = "\n"
-_DS_CALL_RE = re.compile(f"{_DS_CALL_BEGIN}.*?{_DS_CALL_END}", re.DOTALL)
-_DS_DETAIL_RE = re.compile(f"{_DS_CALL_BEGIN}(.*){_DS_SEP}(.*)\n```json\n(.*)\n```{_DS_CALL_END}", re.DOTALL)
-
-
-class UnsupportedParserError(ValueError):
-    """A ``tool_call_parser`` the simulator does not implement."""
+# SGLang's DeepSeekV3Detector (the DeepSeek-V3/R1 vocabulary's added tokens)
+DEEPSEEKV3_CALLS_BEGIN = "<｜tool▁calls▁begin｜>"
+DEEPSEEKV3_CALLS_END = "<｜tool▁calls▁end｜>"
+DEEPSEEKV3_CALL_BEGIN = "<｜tool▁call▁begin｜>"
+DEEPSEEKV3_CALL_END = "<｜tool▁call▁end｜>"
+DEEPSEEKV3_SEP = "<｜tool▁sep｜>"
+_DEEPSEEKV3_SEPARATOR = "\n"
 
 
 @dataclass(frozen=True)
@@ -77,21 +63,6 @@ class ToolCall:
 
     name: str
     arguments: Mapping[str, Any]
-
-
-@dataclass(frozen=True)
-class ParsedCall:
-    """SGLang's ``ToolCallItem``: ``parameters`` is the arguments as JSON text."""
-
-    tool_index: int
-    name: str
-    parameters: str
-
-
-@dataclass(frozen=True)
-class ParseResult:
-    normal_text: str
-    calls: tuple[ParsedCall, ...] = ()
 
 
 def offered_tools(prompt_text: str) -> tuple[OfferedTool, ...]:
@@ -118,89 +89,18 @@ def format_tool_calls(calls: Sequence[ToolCall], tool_call_format: ToolCallForma
     if not calls:
         return ""
     if tool_call_format == "qwen25":
-        return _QWEN_SEPARATOR.join(
-            _QWEN_BEGIN + _dumps({"name": call.name, "arguments": call.arguments}) + _QWEN_END
+        return _QWEN25_SEPARATOR.join(
+            QWEN25_CALL_BEGIN + _dumps({"name": call.name, "arguments": call.arguments}) + QWEN25_CALL_END
             for call in calls
         )
     if tool_call_format == "deepseekv3":
-        body = _DS_SEPARATOR.join(
-            f"{_DS_CALL_BEGIN}function{_DS_SEP}{call.name}\n```json\n{_dumps(call.arguments)}\n```{_DS_CALL_END}"
+        body = _DEEPSEEKV3_SEPARATOR.join(
+            f"{DEEPSEEKV3_CALL_BEGIN}function{DEEPSEEKV3_SEP}{call.name}\n```json\n{_dumps(call.arguments)}\n```"
+            f"{DEEPSEEKV3_CALL_END}"
             for call in calls
         )
-        return _DS_CALLS_BEGIN + body + _DS_CALLS_END
+        return DEEPSEEKV3_CALLS_BEGIN + body + DEEPSEEKV3_CALLS_END
     raise ValueError(f"unknown tool call format {tool_call_format!r}; expected one of {TOOL_CALL_FORMATS}")
-
-
-def parse_function_call(text: str, tool_names: Sequence[str], tool_call_parser: str | None) -> ParseResult:
-    """SGLang's ``FunctionCallParser(tools, tool_call_parser).parse_non_stream(text)``.
-
-    ``tool_names`` are the request's ``tools[i].function.name`` in order. Raises
-    ``UnsupportedParserError`` for a parser not in ``SUPPORTED_PARSERS``.
-    """
-    detect = SUPPORTED_PARSERS.get(tool_call_parser or "")
-    if detect is None:
-        raise UnsupportedParserError(
-            f"Unsupported tool_call_parser: {tool_call_parser} "
-            f"(the simulator supports: {', '.join(sorted(SUPPORTED_PARSERS))})"
-        )
-    if not tool_names:
-        return ParseResult(text)
-    # Later duplicates win, as in BaseFormatDetector._get_tool_indices.
-    indices = {name: i for i, name in enumerate(tool_names) if name}
-    result = detect(text, indices)
-    return result if result.calls else ParseResult(text)
-
-
-def _detect_qwen25(text: str, indices: Mapping[str, int]) -> ParseResult:
-    idx = text.find(_QWEN_BEGIN)
-    if idx == -1:
-        return ParseResult(text)
-    calls: list[ParsedCall] = []
-    for body in _QWEN_CALL_RE.findall(text):
-        try:
-            action = json.loads(body.strip())
-        except json.JSONDecodeError:
-            continue
-        calls += _known_calls(action, indices)
-    return ParseResult(text[:idx].strip(), tuple(calls))
-
-
-def _detect_deepseekv3(text: str, indices: Mapping[str, int]) -> ParseResult:
-    idx = text.find(_DS_CALLS_BEGIN)
-    if idx == -1:
-        return ParseResult(text)
-    calls: list[ParsedCall] = []
-    for match in _DS_CALL_RE.findall(text):
-        detail = _DS_DETAIL_RE.search(match)
-        if detail is None:
-            return ParseResult(text)
-        try:
-            arguments = json.loads(detail.group(3))
-        except json.JSONDecodeError:
-            return ParseResult(text)
-        calls += _known_calls({"name": detail.group(2), "parameters": arguments}, indices)
-    return ParseResult(text[:idx].strip(), tuple(calls))
-
-
-# Parser name -> detector, as in FunctionCallParser.ToolCallParserEnum ("qwen" is an alias).
-SUPPORTED_PARSERS: Mapping[str, Callable[[str, Mapping[str, int]], ParseResult]] = {
-    "deepseekv3": _detect_deepseekv3,
-    "qwen": _detect_qwen25,
-    "qwen25": _detect_qwen25,
-}
-
-
-def _known_calls(action: Any, indices: Mapping[str, int]) -> list[ParsedCall]:
-    # BaseFormatDetector.parse_base_json. Where SGLang would crash (an item that is not an
-    # object, a name that is not a string) the item is dropped instead.
-    calls = []
-    for act in action if isinstance(action, list) else [action]:
-        name = act.get("name") if isinstance(act, dict) else None
-        if not isinstance(name, str) or name not in indices:
-            continue
-        arguments = act.get("parameters") or act.get("arguments", {})
-        calls.append(ParsedCall(indices[name], name, json.dumps(arguments, ensure_ascii=False)))
-    return calls
 
 
 def _offered_tool(obj: object) -> OfferedTool | None:

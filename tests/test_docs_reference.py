@@ -73,8 +73,8 @@ def test_every_metric_named_in_the_metrics_modules_is_in_the_reference(hook: Mod
 
 
 def test_the_metrics_registries_hold_nothing_the_reference_leaves_out(hook: ModuleType) -> None:
-    from simulator.metrics import SimMetrics
-    from simulator.vllm_metrics import VllmMetrics
+    from simulator.sglang.metrics import SimMetrics
+    from simulator.vllm.metrics import VllmMetrics
     from workers.metrics import WorkerMetrics
 
     found = {(m.name, m.kind) for m in hook.declared_metrics()}

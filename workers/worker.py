@@ -41,10 +41,8 @@ from workers.claim.admission import Admission, Slots
 from workers.claim.reaper import Reaper
 from workers.claim.rqbridge import QueueIdentity, heartbeat_ttl_s
 from workers.claim.wake import Wakeups
-from workers.engines.base import Engine
-from workers.engines.detect import DetectingEngine, EngineProbe
-from workers.engines.sglang import ClientTimeouts, SGLangClient
-from workers.engines.vllm import VllmClient
+from workers.engines.detect import build_engine
+from workers.engines.http import ClientTimeouts
 from workers.fleet.health import HealthProbe
 from workers.fleet.kv_control import KvControl
 from workers.fleet.servers import Fleet, Server, ServerSpec
@@ -310,21 +308,15 @@ class Worker:
     def _make_server(self, spec: ServerSpec) -> Server:
         settings = self.settings
         timeouts = ClientTimeouts(connect_s=settings.connect_timeout_s, read_s=settings.long_read_timeout_s)
-        api_key = spec.api_key or settings.api_key
-
-        def build(engine: EngineChoice) -> Engine:
-            client_class = VllmClient if engine is EngineChoice.VLLM else SGLangClient
-            return client_class(
-                spec.name,
-                spec.url,
-                timeouts=timeouts,
-                max_connections=settings.short_concurrency + settings.long_concurrency,
-                api_key=api_key,
-            )
-
-        probe = EngineProbe(spec.name, spec.url, timeouts=timeouts, max_connections=1, api_key=api_key)
         choice = settings.engine if spec.engine is EngineChoice.AUTO else spec.engine
-        client = DetectingEngine(spec.name, choice=choice, build=build, probe=probe)
+        client = build_engine(
+            spec.name,
+            spec.url,
+            choice=choice,
+            timeouts=timeouts,
+            max_connections=settings.short_concurrency + settings.long_concurrency,
+            api_key=spec.api_key or settings.api_key,
+        )
         limits = {
             PromptClass.SHORT: settings.short_concurrency,
             PromptClass.LONG: settings.long_concurrency,

@@ -33,15 +33,13 @@ from typing import Any, cast
 
 from redis import Redis
 from redis.client import Pipeline
-from rq.job import Job
-from rq.utils import now as rq_now
-from rq.utils import utcformat
 
 from datagen.control.epoch import EpochWatch
 from datagen.control.jobs import JobStore
 from datagen.control.keys import Keys
 from datagen.control.lua import KEY, LuaScript, ScriptArgs
 from datagen.control.redistext import as_text, as_texts
+from datagen.control.rq_format import JOB_KEY_PREFIX, rq_now
 from datagen.states import JobState, Priority, PromptClass
 
 __all__ = ["SHARE_WINDOW_S", "Claimant", "Claimed", "Dispatch", "JobShare"]
@@ -55,7 +53,6 @@ RQ_LIST_SCAN = 1000
 MAX_CLAIM = 256
 # Ids pushed per RPUSH inside a script (Lua's unpack has a stack limit).
 PUSH_SLICE = 1000
-RQ_JOB_PREFIX = Job.redis_job_namespace_prefix
 
 # Undispatched prompts of a cancelled job dropped per script call.
 DROP_CHUNK = 1000
@@ -214,10 +211,10 @@ class Dispatch:
             window_ttl_s=SHARE_WINDOW_S + WINDOW_BUCKET_S,
             rq_list_scan=RQ_LIST_SCAN,
             rq_id_prefix=keys.rq_id_prefix(),
-            rq_job_prefix=RQ_JOB_PREFIX,
+            rq_job_prefix=JOB_KEY_PREFIX,
             want=max(0, min(n, MAX_CLAIM)),
-            heartbeat_expiry=now.timestamp() + claimant.ttl_s,
-            now_rq=utcformat(now),
+            heartbeat_expiry=now.s + claimant.ttl_s,
+            now_rq=now.text,
             worker_name=claimant.worker_name,
             execution_id=claimant.execution_id,
             running_suffix=keys.running_suffix(),
@@ -228,7 +225,7 @@ class Dispatch:
         claimed = []
         for rq_id, flat in cast(list[list[Any]], replies):
             fields = dict(zip(flat[::2], flat[1::2], strict=True))
-            claimed.append(Claimed(as_text(rq_id), fields, now))
+            claimed.append(Claimed(as_text(rq_id), fields, now.at))
         return claimed
 
     # Enqueueing ----------------------------------------------------------------------------------
@@ -290,7 +287,7 @@ class Dispatch:
                 backlog=self.keys.job_backlog(job_id, cls),
                 job_key=self.keys.job(job_id),
                 breakdown=self.keys.job_breakdown(job_id),
-                rq_job_prefix=RQ_JOB_PREFIX,
+                rq_job_prefix=JOB_KEY_PREFIX,
                 count=DROP_CHUNK,
                 cls=cls.value,
             )

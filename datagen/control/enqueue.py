@@ -20,11 +20,23 @@ from rq.job import Job, JobStatus
 from rq.utils import now
 
 from datagen.control.dispatch import Dispatch
+from datagen.control.job_outcomes import QueuedTurn
 from datagen.control.keys import Keys, prompt_key
 from datagen.control.payload import PromptPayload
+from datagen.control.rq_format import ENQUEUE
+from datagen.settings import DEFAULT_FAILURE_TTL_S, DEFAULT_MAX_WORKER_LOSSES, DEFAULT_RESULT_TTL_S
 from datagen.states import Priority, PromptClass
 
-__all__ = ["JOB_TIMEOUT_S", "RQ_JOB_FUNC", "EnqueueOptions", "enqueue_prompts", "queued_job_fields"]
+__all__ = [
+    "JOB_TIMEOUT_S",
+    "RQ_JOB_FUNC",
+    "EnqueueOptions",
+    "enqueue_prompts",
+    "queued_job_fields",
+    "queued_turn",
+    "stored_options",
+    "stored_worker_losses",
+]
 
 # Dotted path stored in each RQ job. Only the datagen worker runs these jobs (it reads the payload
 # itself); the coordinator never imports the workers package, so the path is a string.
@@ -36,10 +48,38 @@ JOB_TIMEOUT_S = {PromptClass.SHORT: 6 * 3600, PromptClass.LONG: 24 * 3600}
 
 @dataclass(frozen=True)
 class EnqueueOptions:
+    """The coordinator's settings for the RQ jobs of its prompts, kept in each job's ``meta``
+    (`datagen.control.rq_format.ENQUEUE`) so that a worker enqueues next turns and a retry restores
+    budgets by them (`stored_options`, `stored_worker_losses`)."""
+
     result_ttl_s: int
     failure_ttl_s: int
     # RQ retries are spent only when a worker dies with the prompt (see workers/claim/reaper.py).
     max_worker_losses: int
+
+    def to_meta(self) -> dict[str, int]:
+        return {
+            "result_ttl_s": self.result_ttl_s,
+            "failure_ttl_s": self.failure_ttl_s,
+            "max_worker_losses": self.max_worker_losses,
+        }
+
+
+def stored_options(job: Job) -> EnqueueOptions:
+    """The enqueue settings ``job`` was made with (RQ's own fields, then the defaults, for a job
+    whose meta has none)."""
+    stored = job.meta.get(ENQUEUE) or {}
+    return EnqueueOptions(
+        result_ttl_s=int(stored.get("result_ttl_s", job.result_ttl or DEFAULT_RESULT_TTL_S)),
+        failure_ttl_s=int(stored.get("failure_ttl_s", job.failure_ttl or DEFAULT_FAILURE_TTL_S)),
+        max_worker_losses=int(stored.get("max_worker_losses", DEFAULT_MAX_WORKER_LOSSES)),
+    )
+
+
+def stored_worker_losses(meta: dict[str, Any]) -> int | None:
+    """The worker-loss budget a job's ``meta`` says it was made with (None: it does not say)."""
+    losses = (meta.get(ENQUEUE) or {}).get("max_worker_losses")
+    return None if losses is None else int(losses)
 
 
 def enqueue_prompts(
@@ -86,6 +126,24 @@ def queued_job_fields(
     return job.id, job.to_dict()
 
 
+def queued_turn(
+    queue: Queue, keys: Keys, payload: PromptPayload, *, priority: Priority, after: Job
+) -> QueuedTurn:
+    """Multi-turn ``all`` mode: the next turn ``payload`` as the ack of the turn before it
+    (``after``, whose enqueue settings it keeps) enqueues it (`JobOutcomes.ack_next_turn`)."""
+    rq_id, fields = queued_job_fields(queue, keys, payload, stored_options(after))
+    return QueuedTurn(
+        rq_id=rq_id,
+        fields=fields,
+        member=prompt_key(payload.sample_id, payload.turn, payload.gen),
+        cls=payload.cls,
+        priority=priority,
+        prompt_tokens=len(payload.prompt_ids),
+        queue_key=queue.key,
+        queues_key=queue.redis_queues_keys,
+    )
+
+
 def _queued_job(queue: Queue, data: Any) -> Job:
     """An RQ job as RQ's ``Queue.enqueue`` makes it, queued on ``queue`` (not yet saved)."""
     job = queue.create_job(
@@ -115,11 +173,5 @@ def _job_data(keys: Keys, payload: PromptPayload, options: EnqueueOptions) -> An
         failure_ttl=options.failure_ttl_s,
         description=f"{payload.job} {payload.sample_id} t{payload.turn} g{payload.gen}",
         retry=Retry(max=options.max_worker_losses),
-        meta={
-            "enqueue": {
-                "result_ttl_s": options.result_ttl_s,
-                "failure_ttl_s": options.failure_ttl_s,
-                "max_worker_losses": options.max_worker_losses,
-            }
-        },
+        meta={ENQUEUE: options.to_meta()},
     )

@@ -17,14 +17,13 @@ from typing import Any
 
 from redis import Redis
 from redis.client import Pipeline
-from rq.job import Job
-from rq.utils import now as rq_now
-from rq.utils import utcformat
 
-from datagen.control.keys import Keys
+from datagen.clock import now_ms
+from datagen.control.keys import BreakdownField, Keys
 from datagen.control.lua import KEY, LuaScript, ScriptArgs
-from datagen.control.progress import now_ms
+from datagen.control.payload import ParsedPayload
 from datagen.control.redistext import as_texts
+from datagen.control.rq_format import JOB_KEY_PREFIX, rq_now
 from datagen.errors import JobStateError
 from datagen.states import JobState, Priority, PromptClass
 
@@ -36,16 +35,33 @@ __all__ = [
     "JobOutcomes",
     "QueuedTurn",
     "RequeueItem",
+    "failure_report",
 ]
 
 FAILED_REPORTS_CAP = 10_000
+
+
+def failure_report(rq_id: str, parsed: ParsedPayload, *, reason: str, message: str) -> dict[str, object]:
+    """The report `JobOutcomes.count_failed` stores for a prompt that failed for good and
+    ``GET /jobs/{id}/errors?kind=failed`` shows: ``{rq_id, reason, message, at_ms, sample_id,
+    turn}``; ``parsed`` is the prompt's RQ payload (`datagen.control.payload.parse_payload`; of
+    None when unknown). Written by the worker and by the reaper."""
+    return {
+        "rq_id": rq_id,
+        "reason": reason,
+        "message": message,
+        "at_ms": now_ms(),
+        "sample_id": parsed.sample_id,
+        "turn": parsed.turn,
+    }
+
+
 # The states the count script moves a job between (it completes a running job).
 COUNT_STATES = (JobState.RUNNING.value, JobState.COMPLETED.value)
 # How long a retry may hold the job's retry lock; a crashed coordinator's lock expires by itself.
 RETRY_LOCK_TTL_MS = 120_000
 # RQ ids per call of the report-forgetting script (Lua's stack limits ARGV).
 RETRY_FORGET_SLICE = 5000
-RQ_JOB_KEY_PREFIX = Job.redis_job_namespace_prefix
 
 
 @dataclass(frozen=True)
@@ -198,7 +214,7 @@ class RequeueFailedArgs(ScriptArgs):
     completed_state: str
     cancelled_state: str
     running_state: str
-    # Per prompt: RQ id, new RQ meta, retries left ("" to keep), breakdown suffix.
+    # Per prompt: RQ id, new RQ meta, retries left ("" to keep), breakdown field it failed in.
     prompts: tuple[tuple[str | bytes, ...], ...]
 
 
@@ -299,14 +315,14 @@ class JobOutcomes:
         args = AckDoneArgs(
             started=target.started_key,
             finished=target.finished_key,
-            rq_job_prefix=RQ_JOB_KEY_PREFIX,
+            rq_job_prefix=JOB_KEY_PREFIX,
             job_prefix=keys.job_key_prefix(),
             running_suffix=keys.running_suffix(),
             breakdown_suffix=keys.breakdown_suffix(),
             partitions_suffix=keys.partitions_suffix(),
             now_ms=now_ms(),
-            now_rq=utcformat(at),
-            now_s=at.timestamp(),
+            now_rq=at.text,
+            now_s=at.s,
             execution_id=target.execution_id,
             running_state=JobState.RUNNING.value,
             completed_state=JobState.COMPLETED.value,
@@ -351,16 +367,16 @@ class JobOutcomes:
             breakdown=keys.job_breakdown(item.job_id),
             partitions=keys.job_partitions(item.job_id),
             enqueued=keys.job_enqueued(item.job_id),
-            next_rq_key=RQ_JOB_KEY_PREFIX + following.rq_id,
+            next_rq_key=JOB_KEY_PREFIX + following.rq_id,
             backlog=keys.job_backlog(item.job_id, following.cls),
             dispatch_set=keys.dispatch_jobs(following.cls, following.priority),
             queues=following.queues_key,
             paused=keys.paused_jobs(),
             wake=keys.wake_channel(),
-            rq_job_prefix=RQ_JOB_KEY_PREFIX,
+            rq_job_prefix=JOB_KEY_PREFIX,
             now_ms=now_ms(),
-            now_rq=utcformat(at),
-            now_s=at.timestamp(),
+            now_rq=at.text,
+            now_s=at.s,
             execution_id=target.execution_id,
             running_state=JobState.RUNNING.value,
             completed_state=JobState.COMPLETED.value,
@@ -437,24 +453,24 @@ class JobOutcomes:
     def requeue_failed(
         self,
         job_id: str,
+        cls: PromptClass,
+        priority: Priority,
         *,
         registry_key: str,
-        backlog_key: str,
-        dispatch_key: str,
-        rq_job_prefix: str,
         items: Sequence[RequeueItem],
     ) -> list[str]:
-        """Move failed prompts of one class back to the job's backlog, atomically: each prompt only
-        if it is still in the failed registry (so concurrent retries cannot run it twice), none if
-        the job was cancelled or deleted. Returns the ids that moved; a refused job raises."""
+        """Move failed prompts of class ``cls`` (from RQ's failed registry ``registry_key``) back to
+        the job's backlog, atomically: each prompt only if it is still in the failed registry (so
+        concurrent retries cannot run it twice), none if the job was cancelled or deleted. Returns
+        the ids that moved; a refused job raises."""
         args = RequeueFailedArgs(
             job_key=self.keys.job(job_id),
             breakdown=self.keys.job_breakdown(job_id),
             registry=registry_key,
-            backlog=backlog_key,
-            dispatch_set=dispatch_key,
+            backlog=self.keys.job_backlog(job_id, cls),
+            dispatch_set=self.keys.dispatch_jobs(cls, priority),
             paused=self.keys.paused_jobs(),
-            rq_job_prefix=rq_job_prefix,
+            rq_job_prefix=JOB_KEY_PREFIX,
             job_id=job_id,
             completed_state=JobState.COMPLETED.value,
             cancelled_state=JobState.CANCELLED.value,
@@ -464,7 +480,7 @@ class JobOutcomes:
                     item.rq_id,
                     item.meta,
                     "" if item.retries_left is None else str(item.retries_left),
-                    f"|{item.label}|{item.cls}",
+                    BreakdownField("failed", item.label, item.cls).encode(),
                 )
                 for item in items
             ),
@@ -474,8 +490,8 @@ class JobOutcomes:
             raise JobStateError(
                 f"job {job_id} was cancelled or deleted; submit its dataset again under a new job id"
             )
-        if moved and items:
-            self.redis.publish(self.keys.wake_channel(), items[0].cls)
+        if moved:
+            self.redis.publish(self.keys.wake_channel(), cls.value)
         return as_texts(moved)
 
     def forget_failure_reports(self, job_id: str, rq_ids: Sequence[str]) -> None:
@@ -483,6 +499,12 @@ class JobOutcomes:
         for start in range(0, len(rq_ids), RETRY_FORGET_SLICE):
             chunk = tuple(rq_ids[start : start + RETRY_FORGET_SLICE])
             self._forget(ForgetReportsArgs(reports=self.keys.job_failed(job_id), rq_ids=chunk))
+
+    def failure_reasons(self, job_id: str) -> dict[str, str]:
+        """RQ id -> the reason its failure report gives, of every report the job keeps."""
+        raw = self.redis.lrange(self.keys.job_failed(job_id), 0, -1)
+        reports = (json.loads(item) for item in raw)
+        return {str(r.get("rq_id")): str(r.get("reason", "unknown")) for r in reports}
 
     def failed_reports(self, job_id: str, limit: int) -> list[dict[str, Any]]:
         raw = self.redis.lrange(self.keys.job_failed(job_id), 0, limit - 1)

@@ -19,6 +19,7 @@ from typing import Any, cast
 from redis import Redis
 from redis.client import Pipeline
 
+from datagen.clock import now_ms
 from datagen.control.job_index import JobIndex
 from datagen.control.job_outcomes import (
     FAILED_REPORTS_CAP,
@@ -30,7 +31,7 @@ from datagen.control.job_outcomes import (
 from datagen.control.keys import SEEN_SEGMENTS, BreakdownField, Keys, partition_label
 from datagen.control.leases import Fencing, LeaseLostError
 from datagen.control.lua import KEY, LuaScript, ScriptArgs
-from datagen.control.progress import JobProgress, now_ms, progress_from_hash
+from datagen.control.progress import JobProgress, progress_from_hash
 from datagen.control.redistext import as_text, as_texts
 from datagen.errors import JobNotFoundError, JobStateError
 from datagen.spec import JobSpec
@@ -43,7 +44,6 @@ __all__ = [
     "JobProgress",
     "JobStore",
     "RequeueItem",
-    "now_ms",
 ]
 
 
@@ -68,6 +68,15 @@ def ingest_fence_value(incarnation: str, token: str) -> str:
     the one ingestion run that may (a rebuild's, or one that took the job's ingestion over);
     the bare incarnation for the run a submit starts. Written the same way by ingest_take.lua."""
     return f"{incarnation}{FENCE_SEPARATOR}{token}" if token else incarnation
+
+
+def fence_admits(held: bytes | str | None, incarnation: str) -> bool:
+    """Whether an ingest fence's value admits a run of ``incarnation`` (any run's: the bare
+    incarnation, or it with a run's token); as ingest_take.lua reads it."""
+    if held is None or not incarnation:
+        return False
+    value = as_text(held)
+    return value == incarnation or value.startswith(f"{incarnation}{FENCE_SEPARATOR}")
 
 
 # The scripts' arguments: named and ordered as the signature of datagen/control/lua/<script>.lua.
@@ -434,6 +443,24 @@ class JobStore:
             {"finished_at_ms": at, "cancelled_at_ms": at},
             fence="drop",
         )
+
+    def forget_keys(self, job_id: str, *, keep_hash: bool = False) -> None:
+        """Remove the job's own keys, and the job from the index, the paused and aborting sets and
+        every dispatch set (`datagen.control.rq_jobs.RqJobs.forget` removes its RQ jobs around
+        this); ``keep_hash``: its hash stays, and its place in the index."""
+        keys = self.keys.job_keys(job_id)
+        if keep_hash:
+            keys.remove(self.keys.job(job_id))
+        with self.redis.pipeline() as pipe:
+            pipe.unlink(*keys)
+            if not keep_hash:
+                pipe.zrem(self.keys.jobs_index(), job_id)
+            pipe.srem(self.keys.paused_jobs(), job_id)
+            pipe.srem(self.keys.aborting_jobs(), job_id)
+            for cls in PromptClass:
+                for priority in Priority:
+                    pipe.zrem(self.keys.dispatch_jobs(cls, priority), job_id)
+            pipe.execute()
 
     def set_storage_error(self, job_id: str, error: str | None) -> None:
         """A worker cannot commit this job's records (None: it can again)."""

@@ -1,4 +1,8 @@
-"""The RQ job payload: one small JSON dict per prompt, token ids packed as base64 uint32 LE."""
+"""The RQ job payload: one small JSON dict per prompt, token ids packed as base64 uint32 LE.
+
+Only this module reads or writes the payload's keys: `PromptPayload` strictly (the prompt a worker
+runs), `ParsedPayload` leniently (what counting a failed or cancelled prompt needs, even of a
+malformed one)."""
 
 from __future__ import annotations
 
@@ -9,12 +13,32 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from datagen.control.keys import UNKNOWN_LABEL
 from datagen.errors import FatalError
 from datagen.states import PromptClass
 
-__all__ = ["Conversation", "ParsedPayload", "PromptPayload", "pack_ids", "parse_payload", "unpack_ids"]
+__all__ = [
+    "Conversation",
+    "ParsedPayload",
+    "PromptLabels",
+    "PromptPayload",
+    "counts_in",
+    "pack_ids",
+    "parse_payload",
+    "unpack_ids",
+]
 
 _UINT32 = "I"
+# The payload's keys.
+_JOB = "job"
+_SAMPLE_ID = "sample_id"
+_TURN = "turn"
+_CLS = "cls"
+_PARTITION = "partition"
+_INCARNATION = "inc"
+_CONVERSATION = "conversation"
+# The partition of a payload written before payloads carried one.
+DEFAULT_PARTITION = "default"
 
 
 def pack_ids(ids: Sequence[int]) -> str:
@@ -87,39 +111,61 @@ class PromptPayload:
 
     def to_json(self) -> dict[str, Any]:
         body = {
-            "job": self.job,
-            "sample_id": self.sample_id,
-            "turn": self.turn,
+            _JOB: self.job,
+            _SAMPLE_ID: self.sample_id,
+            _TURN: self.turn,
             "gen": self.gen,
-            "cls": self.cls.value,
+            _CLS: self.cls.value,
             "prompt_ids": pack_ids(self.prompt_ids),
             "max_new_tokens": self.max_new_tokens,
-            "partition": self.partition,
+            _PARTITION: self.partition,
         }
         if self.conversation is not None:
-            body["conversation"] = self.conversation.to_json()
+            body[_CONVERSATION] = self.conversation.to_json()
         if self.incarnation:
-            body["inc"] = self.incarnation
+            body[_INCARNATION] = self.incarnation
         return body
 
     @classmethod
     def from_json(cls, raw: Any) -> PromptPayload:
         try:
-            conversation = raw.get("conversation")
+            conversation = raw.get(_CONVERSATION)
             return cls(
-                job=str(raw["job"]),
-                sample_id=str(raw["sample_id"]),
-                turn=int(raw["turn"]),
+                job=str(raw[_JOB]),
+                sample_id=str(raw[_SAMPLE_ID]),
+                turn=int(raw[_TURN]),
                 gen=int(raw["gen"]),
-                cls=PromptClass(raw["cls"]),
+                cls=PromptClass(raw[_CLS]),
                 prompt_ids=unpack_ids(raw["prompt_ids"]),
                 max_new_tokens=int(raw["max_new_tokens"]),
-                partition=str(raw.get("partition", "default")),
+                partition=str(raw.get(_PARTITION, DEFAULT_PARTITION)),
                 conversation=Conversation.from_json(conversation) if conversation is not None else None,
-                incarnation=str(raw.get("inc", "")),
+                incarnation=str(raw.get(_INCARNATION, "")),
             )
         except (AttributeError, KeyError, TypeError, ValueError) as exc:
             raise FatalError(f"malformed prompt payload in RQ job: {exc!r}") from exc
+
+
+def counts_in(incarnation: str, current: str | None) -> bool:
+    """The incarnation rule: whether a prompt that carries ``incarnation`` ('' for none: a prompt
+    older than incarnations) counts in a job whose incarnation is ``current`` (None: the job is
+    gone; `datagen.control.jobs.JobStore.incarnation`). The same rule as ``job_incarnation`` and
+    ``counts_in`` in ``datagen/control/lua/lib.lua``, which the count and ack scripts apply."""
+    return current is not None and (incarnation == "" or incarnation == current)
+
+
+@dataclass(frozen=True)
+class PromptLabels:
+    """Where a prompt counts in its job (`datagen.control.job_outcomes.JobOutcomes.count_failed` and
+    ``count_cancelled`` take them as keywords): its partition and class (``unknown`` when its
+    payload does not say) and the incarnation it belongs to ('' for none)."""
+
+    partition: str = UNKNOWN_LABEL
+    cls: str = UNKNOWN_LABEL
+    incarnation: str = ""
+
+    def kwargs(self) -> dict[str, str]:
+        return {"partition": self.partition, "cls": self.cls, "incarnation": self.incarnation}
 
 
 @dataclass(frozen=True)
@@ -127,9 +173,10 @@ class ParsedPayload:
     """A claimed RQ job's payload, read once by the worker that runs it (`parse_payload`).
 
     ``prompt`` is None when the payload is malformed, and ``error`` says how: the worker fails such a
-    prompt. Its job is still read leniently, and ``raw`` kept for the failure and cancel counts
-    (`workers.claim.failures`, which reads any payload as the reaper does), so that even a malformed
-    prompt is counted on the job it names."""
+    prompt. What the failure and cancel counts need (its job, `labels`, the sample and turn its
+    failure report names) is still read leniently from ``raw``, here and nowhere else, so that
+    even a malformed prompt (or an RQ job that is no prompt: ``raw`` empty) is counted on the job
+    it names."""
 
     prompt: PromptPayload | None
     error: FatalError | None
@@ -142,11 +189,30 @@ class ParsedPayload:
             raise self.error or FatalError("malformed prompt payload in RQ job")
         return self.prompt
 
+    @property
+    def labels(self) -> PromptLabels:
+        raw = self.raw
+        return PromptLabels(
+            partition=str(raw.get(_PARTITION, UNKNOWN_LABEL)),
+            cls=str(raw.get(_CLS, UNKNOWN_LABEL)),
+            incarnation=str(raw.get(_INCARNATION, "")),
+        )
+
+    @property
+    def sample_id(self) -> Any:
+        """The sample id as stored (None when the payload has none)."""
+        return self.raw.get(_SAMPLE_ID)
+
+    @property
+    def turn(self) -> Any:
+        return self.raw.get(_TURN)
+
 
 def parse_payload(raw: object) -> ParsedPayload:
-    """``raw``: the RQ job's first argument (`workers.claim.rqbridge.payload_of`), None when it has none."""
+    """``raw``: the RQ job's first argument (`datagen.control.rq_format.payload_of`), None when it
+    has none."""
     fields: Mapping[str, Any] = raw if isinstance(raw, dict) else {}
-    job = fields.get("job")
+    job = fields.get(_JOB)
     try:
         return ParsedPayload(PromptPayload.from_json(raw), None, str(job), fields)
     except FatalError as exc:

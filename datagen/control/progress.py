@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import json
-import time
 from dataclasses import dataclass
 from typing import Any
 
+from datagen.clock import now_ms
 from datagen.states import JobState
 
-__all__ = ["INT_FIELDS", "JobProgress", "now_ms", "progress_from_hash"]
+__all__ = ["INT_FIELDS", "JobProgress", "progress_from_hash"]
 
 INT_FIELDS = (
     "rows",
@@ -29,10 +29,6 @@ INT_FIELDS = (
     "first_record_at_ms",
     "tail_from_ms",
 )
-
-
-def now_ms() -> int:
-    return int(time.time() * 1000)
 
 
 @dataclass(frozen=True)

@@ -13,13 +13,13 @@ outage; :func:`out_of_memory_error` is the one translation into
 from __future__ import annotations
 
 import threading
-import time
 from dataclasses import dataclass
 from typing import Any
 
 from redis import Redis
 from redis.exceptions import OutOfMemoryError, RedisError, ResponseError
 
+from datagen.clock import now_ms
 from datagen.control.redistext import as_text
 from datagen.errors import RedisOutOfMemoryError
 
@@ -104,7 +104,7 @@ class RefusedWrites:
     def note(self) -> None:
         with self._lock:
             self.count += 1
-            self.last_at_ms = int(time.time() * 1000)
+            self.last_at_ms = now_ms()
 
     def recent_s(self, now_ms: int) -> float | None:
         """Seconds since the last refusal if it is within `RECENT_REFUSAL_S`, else None."""

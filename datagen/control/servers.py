@@ -26,7 +26,6 @@ it does not know (a newer release's) and defaults those it lacks (an older one's
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Mapping
 from enum import StrEnum
 from typing import Any, Self, cast
@@ -35,6 +34,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from redis import Redis
 from redis.typing import EncodableT, FieldT
 
+from datagen.clock import now_ms
 from datagen.control.keys import Keys
 from datagen.control.redistext import as_text
 from datagen.states import ServerState
@@ -248,11 +248,11 @@ def live_servers(redis: Redis, keys: Keys, *, max_age_s: float = LIVE_WINDOW_S) 
         for name in names:
             pipe.hgetall(keys.server_workers(name))
         replies = pipe.execute()
-    now_ms = int(time.time() * 1000)
+    at_ms = now_ms()
     live = {}
     for name, raw in zip(names, replies, strict=True):
         views = decode_views(raw).values()
-        if any(shares_server(v, now_ms, max_age_s=max_age_s) for v in views):
+        if any(shares_server(v, at_ms, max_age_s=max_age_s) for v in views):
             live[name] = servers[name].to_json()
     return live
 

@@ -18,9 +18,10 @@ dropping them would cut the long tail of generation lengths out of the training 
 stays available in ``speculators`` and ``parquet``. They are dropped by default in ``conversations``,
 whose text trainers re-render the turn as a finished one.
 
-Memory stays flat for any job size except for the dedupe set (about 90 bytes a record) and, for
-``conversations``, the input index (about 130 bytes a prompt); a shuffle holds one bucket of about
-64 MiB (see :mod:`datagen.export.shuffle`). ``bench/export.py`` measures all three.
+Memory stays flat for any job size except for the dedupe set (a digest a record) and, for
+``conversations``, the input index (a digest and a file offset a prompt); a shuffle holds one bucket
+of ``SHUFFLE_BUCKET_BYTES`` (see :mod:`datagen.export.shuffle`). ``bench/export.py`` measures all three
+(bench/README.md).
 
 Modules, in pipeline order: ``rows`` (dedupe, filters, clipping), ``shuffle`` (the bucket shuffle),
 ``formats`` (token-id formats and their output files), ``conversations`` (the text format),
@@ -32,8 +33,6 @@ from datagen.export.pipeline import (
     ExportFormat,
     ExportOptions,
     export_job,
-    export_specforge,
-    iter_unique_rows,
 )
 from datagen.export.rows import DropReason, ExportStats
 from datagen.records.reader import export_id, total_records
@@ -46,7 +45,5 @@ __all__ = [
     "ExportStats",
     "export_id",
     "export_job",
-    "export_specforge",
-    "iter_unique_rows",
     "total_records",
 ]

@@ -3,8 +3,8 @@ assistant turn, for trainers that take text and re-tokenize it.
 
 Records do not hold the messages, so they are read back from the job's uploaded input
 (``jobs/<job>/input/*.jsonl``). `InputIndex` makes one pass over the input and keeps, per prompt,
-a 16-byte digest of ``(sample_id, turn)`` and the line's file and byte offset (about 120 bytes a
-prompt); each record's line is then read again with a seek and parsed with
+a 16-byte digest of ``(sample_id, turn)`` and the line's file and byte offset (its cost per prompt:
+bench/README.md); each record's line is then read again with a seek and parsed with
 `datagen.prompts.dataset.iter_prompts`, so no record or message list is held. Where two uploads hold the
 same prompt, the first (oldest file) wins, as at ingestion.
 

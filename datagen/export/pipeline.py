@@ -1,6 +1,4 @@
-"""`export_job`: the stages of an export (see :mod:`datagen.export`) wired together, and the simple
-API (`iter_unique_rows`, `export_specforge`) kept for callers that predate the formats.
-"""
+"""`export_job`: the stages of an export (see :mod:`datagen.export`) wired together."""
 
 from __future__ import annotations
 
@@ -9,7 +7,6 @@ from collections.abc import Callable, Generator, Iterable, Iterator
 from contextlib import closing, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TextIO
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -24,7 +21,7 @@ from datagen.export.formats import (
     parquet_table,
     specforge_lines,
 )
-from datagen.export.rows import ROW_COLUMNS, ExportStats, RowFilter, RowFilterOptions, filtered_batches
+from datagen.export.rows import ExportStats, RowFilter, RowFilterOptions, filtered_batches
 from datagen.export.shuffle import bucket_count, shuffled_batches
 from datagen.export.tokens import load_job_tokens
 from datagen.records.storage import Storage
@@ -35,8 +32,6 @@ __all__ = [
     "ExportFormat",
     "ExportOptions",
     "export_job",
-    "export_specforge",
-    "iter_unique_rows",
 ]
 
 DEFAULT_MIN_SUPERVISED_TOKENS = 1
@@ -199,35 +194,4 @@ def export_job(
             finally:
                 close()
     stats.files = [str(p) for p in files]
-    return stats
-
-
-# -- the simple API kept for callers that predate the formats ---------------------------------------
-
-
-def iter_unique_rows(storage: Storage, job_id: str, stats: ExportStats) -> Iterator[dict[str, Any]]:
-    """Every first record per key as a dict of the exported columns, unfiltered."""
-    row_filter = RowFilter(RowFilterOptions(min_supervised_tokens=0), stats)
-    for batch in filtered_batches(storage, job_id, row_filter):
-        yield from batch.select(ROW_COLUMNS).to_pylist()
-
-
-def export_specforge(
-    storage: Storage,
-    job_id: str,
-    out: TextIO,
-    *,
-    on_row: Callable[[int], None] | None = None,
-) -> ExportStats:
-    """Write ``{"id", "input_ids", "loss_mask"}`` JSONL, SpecForge's pre-tokenized input, to a text
-    stream, with the default options."""
-    stats = ExportStats()
-    row_filter = RowFilter(ExportOptions().filter_options(ExportFormat.SPECFORGE), stats)
-    for batch in filtered_batches(storage, job_id, row_filter):
-        for line in specforge_lines(batch):
-            out.write(line.decode("utf-8"))
-            stats.written += 1
-            if on_row is not None:
-                on_row(stats.written)
-        stats.tokens += _count_tokens(batch)
     return stats

@@ -1,8 +1,8 @@
 """The streaming front half of every export: committed record batches → deduplicated, filtered and
 clipped batches, one storage batch (`datagen.records.reader.BATCH_ROWS` records) in memory at a time.
 
-The one memory cost that grows with the job is the dedupe set (`datagen.records.reader.SeenKeys`: about
-90 bytes a key).
+The one memory cost that grows with the job is the dedupe set (`datagen.records.reader.SeenKeys`: one
+digest a key; its cost is in bench/README.md).
 """
 
 from __future__ import annotations

@@ -16,7 +16,8 @@ import numpy as np
 
 from datagen.errors import ConfigError
 from datagen.prompts.preflight import GENERATION_CONFIG_NAME, read_stop_ids
-from datagen.prompts.tokenization import PromptRenderer, canonical_kwargs_json, get_renderer
+from datagen.prompts.provenance import canonical_kwargs_json
+from datagen.prompts.tokenization import PromptRenderer, get_renderer
 from datagen.records.storage import Storage
 
 __all__ = ["GENERATION_CONFIG_NAME", "TOOL_CALL_TOKENS", "JobTokens", "load_job_tokens", "read_stop_ids"]

@@ -14,8 +14,8 @@
 Both kinds look up an in-process :class:`SeenIndex`: sorted runs of 64-bit keys (the exact digest,
 and one key per band) in numpy arrays, merged as they grow (a log-structured merge), so a row
 costs ``12 + 12 x bands`` bytes of coordinator memory and a lookup is a few binary searches. The
-library's own LSH index (``RMinHashLSH``) keeps the signatures too: about 900 bytes a row at 64
-permutations (measured), 9 GB for 10M rows, which is why only the signature comes from it.
+library's own LSH index (``RMinHashLSH``) keeps the signatures too, many times these bytes a row
+(bench/README.md), which is why only the signature comes from it.
 
 What a job has seen persists in Redis as packed records (:func:`pack_records`): 12 bytes a row
 for ``exact``, ``12 + 8 x bands`` for ``near``, appended in each chunk's transaction and read back

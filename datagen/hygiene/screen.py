@@ -18,14 +18,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from datagen.errors import InvalidSpecError
-from datagen.hygiene.decontam import (
-    BenchmarkIndex,
-    BenchmarkSet,
-    Contamination,
-    check_sets,
-    index_of,
-    sets_sha256,
-)
+from datagen.hygiene.benchmark_sets import BenchmarkSet, check_sets, sets_sha256
+from datagen.hygiene.decontam import BenchmarkIndex, Contamination, index_of
 from datagen.hygiene.dedup import (
     NearParams,
     SeenIndex,

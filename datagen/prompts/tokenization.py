@@ -5,10 +5,11 @@ There is one path from a conversation to tokens (DESIGN decision 1)::
     tokenizer.apply_chat_template(messages, tools=..., add_generation_prompt=True, tokenize=True,
                                   return_dict=False, chat_template=..., **chat_template_kwargs)
 
-`PromptRenderer` owns a loaded tokenizer plus the template and kwargs of one job. Loading a tokenizer
-takes over a second, so `get_renderer` keeps a few of them, loaded once each even when many threads
-ask at the same moment. Spec problems (tokenizer, template,
-kwargs) raise `InvalidSpecError`; a row the template refuses raises `InvalidRowError`.
+`PromptRenderer` owns a loaded tokenizer plus the template and kwargs of one job, and says which files
+and text made its ids (`datagen.prompts.provenance`). Loading a tokenizer is slow next to rendering a
+row (see bench/README.md), so `get_renderer` keeps a few of them, loaded once each even when many
+threads ask at the same moment. Spec problems (tokenizer, template, kwargs) raise `InvalidSpecError`;
+a row the template refuses raises `InvalidRowError`.
 
 Names are resolved by `datagen.prompts.sources.resolve_source`, the function the coordinator's allowlist
 check uses. Each row is first rendered in a budgeted sandbox (`datagen.prompts.template_budget`: output
@@ -17,7 +18,6 @@ size and render time) and only then by transformers, which stays the one source 
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import json
 import threading
@@ -32,6 +32,12 @@ import jinja2.ext
 
 from datagen.errors import InvalidRowError, InvalidSpecError
 from datagen.prompts.loaders import check_template_syntax, load_tokenizer, preload_libraries, read_template
+from datagen.prompts.provenance import (
+    TOKENIZER_FILE_NAMES,
+    canonical_kwargs_json,
+    text_sha256,
+    tokenizer_sha256,
+)
 from datagen.prompts.sources import SourceKind, resolve_source
 from datagen.prompts.special_text import SpecialTextFinder, special_text_reason
 from datagen.prompts.template_budget import BudgetedTemplate
@@ -45,8 +51,6 @@ __all__ = [
     "PromptRenderer",
     "SpecialIds",
     "bundled_tokenizer_path",
-    "canonical_kwargs_json",
-    "clear_renderer_cache",
     "default_chat_template_path",
     "get_renderer",
     "preload_libraries",
@@ -64,19 +68,6 @@ THINK_END_TOKEN = "</think>"
 _PROBE_MESSAGES: list[dict[str, object]] = [{"role": "user", "content": "Hello."}]
 # Names transformers also passes a message's reasoning under (it fills them from one another).
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
-# Files that define a tokenizer; the ones present are hashed for the job manifest.
-_TOKENIZER_FILE_NAMES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "added_tokens.json",
-    "tokenizer.model",
-    "vocab.json",
-    "vocab.txt",
-    "merges.txt",
-    "chat_template.jinja",
-    "chat_template.json",
-)
 # apply_chat_template's own parameters: a chat_template_kwargs key with one of these names would
 # change how the call behaves instead of reaching the template.
 _RESERVED_KWARGS = frozenset(
@@ -123,15 +114,6 @@ def bundled_tokenizer_path() -> str:
 def default_chat_template_path() -> Path:
     """The DeepSeek-R1-style template shipped with this package."""
     return Path(__file__).resolve().parent.parent / "templates" / DEFAULT_TEMPLATE_NAME
-
-
-def canonical_kwargs_json(chat_template_kwargs: Mapping[str, object] | None) -> str:
-    """The one JSON text for a kwargs mapping, so equal kwargs share a `get_renderer` cache entry."""
-    return json.dumps(dict(chat_template_kwargs or {}), sort_keys=True, separators=(",", ":"))
-
-
-def _sha256_text(text: str) -> str:
-    return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
 def _check_kwargs(chat_template_kwargs: Mapping[str, object] | None) -> dict[str, object]:
@@ -185,7 +167,7 @@ class PromptRenderer:
             else None
         )
         self._tokenizer_source = resolve_source(tokenizer, SourceKind.TOKENIZER)
-        self._tokenizer = load_tokenizer(self._tokenizer_source, trust_remote_code, _TOKENIZER_FILE_NAMES)
+        self._tokenizer = load_tokenizer(self._tokenizer_source, trust_remote_code, TOKENIZER_FILE_NAMES)
         self._effective_template = self._resolve_template()
         self._budgeted: dict[str, BudgetedTemplate] = {}
         self._special_finder: SpecialTextFinder | None = None
@@ -272,7 +254,6 @@ class PromptRenderer:
         messages: Sequence[Mapping[str, object]],
         tools: Sequence[Mapping[str, object]] | None,
         *,
-        tokenize: bool,
         add_generation_prompt: bool = True,
     ) -> object:
         self._check_budget(messages, tools, add_generation_prompt)
@@ -281,7 +262,7 @@ class PromptRenderer:
                 [dict(m) for m in messages],
                 tools=None if tools is None else [dict(t) for t in tools],
                 add_generation_prompt=add_generation_prompt,
-                tokenize=tokenize,
+                tokenize=True,
                 return_dict=False,
                 chat_template=self._template_text,
                 **self.chat_template_kwargs,
@@ -298,15 +279,7 @@ class PromptRenderer:
         tools: Sequence[Mapping[str, object]] | None = None,
     ) -> list[int]:
         """The prompt token ids, generation prompt included."""
-        return _flat_ids(self._apply(messages, tools, tokenize=True))
-
-    def render_text(
-        self,
-        messages: Sequence[Mapping[str, object]],
-        tools: Sequence[Mapping[str, object]] | None = None,
-    ) -> str:
-        """The rendered prompt as text, for debugging and decoded checks."""
-        return str(self._apply(messages, tools, tokenize=False))
+        return _flat_ids(self._apply(messages, tools))
 
     def special_text(
         self,
@@ -349,9 +322,7 @@ class PromptRenderer:
 
     def _generation_prompt_ids(self) -> list[int]:
         if self._generation_prompt is None:
-            without = _flat_ids(
-                self._apply(_PROBE_MESSAGES, None, tokenize=True, add_generation_prompt=False)
-            )
+            without = _flat_ids(self._apply(_PROBE_MESSAGES, None, add_generation_prompt=False))
             with_prompt = self.render(_PROBE_MESSAGES)
             if with_prompt[: len(without)] != without or len(with_prompt) == len(without):
                 raise InvalidSpecError(
@@ -361,32 +332,9 @@ class PromptRenderer:
             self._generation_prompt = with_prompt[len(without) :]
         return list(self._generation_prompt)
 
-    def _tokenizer_files(self) -> list[Path]:
-        source = self._tokenizer_source
-        if source.path is not None:
-            local = Path(source.path)
-            return [local / name for name in _TOKENIZER_FILE_NAMES if (local / name).is_file()]
-        from huggingface_hub import try_to_load_from_cache
-
-        found = (try_to_load_from_cache(source.location, name) for name in _TOKENIZER_FILE_NAMES)
-        return [Path(p) for p in found if isinstance(p, str)]
-
-    def _tokenizer_sha256(self) -> str:
-        digest = hashlib.sha256()
-        files = self._tokenizer_files()
-        for path in files:
-            digest.update(path.name.encode("utf-8") + b"\0")
-            digest.update(hashlib.sha256(path.read_bytes()).digest())
-        if not files:  # no files found (unusual loader): fall back to the vocabulary itself
-            digest.update(json.dumps(self._tokenizer.get_vocab(), sort_keys=True).encode("utf-8"))
-        return digest.hexdigest()
-
     def identity(self) -> dict[str, str]:
-        """Provenance for a job manifest: which tokenizer files and which template text made the ids.
-
-        ``tokenizer_sha256`` hashes each present tokenizer file (name, then the sha256 of its bytes)
-        in a fixed order; ``chat_template_sha256`` is the sha256 of the template's UTF-8 text.
-        """
+        """Provenance for a job manifest: which tokenizer files and which template text made the ids
+        (`datagen.prompts.provenance`)."""
         with self._lazy_lock:
             return self._identity_of()
 
@@ -394,9 +342,9 @@ class PromptRenderer:
         if self._identity is None:
             self._identity = {
                 "tokenizer": self.tokenizer_name,
-                "tokenizer_sha256": self._tokenizer_sha256(),
+                "tokenizer_sha256": tokenizer_sha256(self._tokenizer_source, self._tokenizer),
                 "chat_template": self.chat_template_path or "tokenizer",
-                "chat_template_sha256": _sha256_text(self._effective_template),
+                "chat_template_sha256": text_sha256(self._effective_template),
                 "chat_template_kwargs": canonical_kwargs_json(self.chat_template_kwargs),
                 "vocab_size": str(self.vocab_size),
             }
@@ -448,11 +396,6 @@ class _RendererCache:
 
 
 _RENDERERS = _RendererCache(RENDERER_CACHE_SIZE)
-
-
-def clear_renderer_cache() -> None:
-    """Forget every cached renderer (a changed template file is read again on next use)."""
-    _RENDERERS.clear()
 
 
 def get_renderer(

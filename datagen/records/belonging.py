@@ -1,12 +1,12 @@
 """Whether a job's manifest and ending markers belong to it: storage is the truth, but a file copied
 or planted into a job's folder is not the job's.
 
-A manifest names its job (``job_id``, since the first release) and its incarnation. An ending marker
-(``deleted.json``, ``cancelled.json``: `datagen.records.storage.Storage.write_ending`) names its job,
-which ending it is, and the incarnation it ends. A file that names another job (or, for a marker,
-another ending) is refused: a rebuild neither starts from it nor drops a job for it, and the reader
-names the file. A marker of another incarnation than the manifest's is an earlier job's when it is
-older than the manifest (outdated, ignored without a word), and refused otherwise.
+A manifest names its job (``job_id``, since the first release) and its incarnation. An ending
+marker (``deleted.json``, ``cancelled.json``: `datagen.records.manifests.JobManifests.write_ending`)
+names its job, which ending it is, and the incarnation it ends. A file that names another job (or,
+for a marker, another ending) is refused: a rebuild neither starts from it nor drops a job for it,
+and the reader names the file. A marker of another incarnation than the manifest's is an earlier
+job's when it is older than the manifest (outdated, ignored without a word), and refused otherwise.
 
 Files written before they named their job stay readable: a manifest without ``job_id`` is read as is
 (no release wrote one; a tool's or a test's), and a marker without it counts when its incarnation is

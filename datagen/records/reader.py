@@ -3,8 +3,8 @@
 - Order: `iter_committed_batches` reads shards in commit order (`Storage.iter_record_batches`: each
   commit's ``committed_at_ms``, then its shard name), decoding only the columns asked for.
 - Dedupe: processing is at-least-once, so a key ``(sample_id, turn, gen)`` may have been committed
-  twice; the first record read wins. `SeenKeys` holds a 16-byte digest per key (`key_digest`), about
-  90 bytes a key with the set's own overhead (measured by ``bench/export.py``).
+  twice; the first record read wins. `SeenKeys` holds a 16-byte digest per key (`key_digest`; what a
+  key costs with the set's own overhead is measured by ``bench/export.py``, see bench/README.md).
 - Rows: `RowViews` gives a batch's export ids (`export_id`), token slices and loss masks
   (`datagen.records.schema.loss_mask_values`: 0 over the prompt, 1 over the output, after any clipping) as
   numpy views, without a Python list per row.

@@ -1,4 +1,4 @@
-"""What a commit object says about its shard, for `datagen.records.storage`: the shard's Parquet bytes,
+"""What a commit object says about its shard, for `datagen.records.commits`: the shard's Parquet bytes,
 built in memory, and the seal that holds them to their commit object.
 
 A commit object carries its shard's ``size_bytes`` and ``sha256`` (of the bytes written) and

@@ -7,7 +7,7 @@ these functions renders from its source, so the docs cannot drift from the code:
 - ``http``: the coordinator's OpenAPI schema (`service.app.create_app`), plus the routes it leaves out
 - ``settings``: the settings models (`datagen.settings`): every ``DATAGEN_*`` variable
 - ``spec``: the job spec models (`datagen.spec`): every field, ``sampling`` included
-- ``metrics``: the metrics modules (`service/metrics.py`, `workers/metrics.py`, `simulator/metrics.py`),
+- ``metrics``: the metrics modules (`service/metrics.py`, `workers/metrics.py`, `simulator/*/metrics.py`),
   read as source, because the coordinator's job and queue series are declared where a scrape builds them
 - ``alerts``: the alerting rules (`deploy/alerts.yml`)
 - ``readme``: the README, its links rewritten for the site (the home page)
@@ -32,8 +32,8 @@ MARKER = re.compile(r"<!-- generated: ([a-z]+) -->")
 METRICS_MODULES = {
     "coordinator": "service/metrics.py",
     "worker": "workers/metrics.py",
-    "simulator": "simulator/metrics.py",
-    "simulator --api vllm": "simulator/vllm_metrics.py",
+    "simulator": "simulator/sglang/metrics.py",
+    "simulator --api vllm": "simulator/vllm/metrics.py",
 }
 # prometheus_client's classes, and the simulator's helpers that wrap them, by the type they declare.
 _METRIC_CALLS = {

@@ -11,14 +11,8 @@ from pathlib import Path
 import pytest
 
 from datagen.errors import InvalidSpecError
-from datagen.hygiene.decontam import (
-    INDEX_CACHE,
-    MAX_SET_LINE_BYTES,
-    BenchmarkIndex,
-    check_sets,
-    index_of,
-    sets_sha256,
-)
+from datagen.hygiene.benchmark_sets import MAX_SET_LINE_BYTES, check_sets, sets_sha256
+from datagen.hygiene.decontam import INDEX_CACHE, BenchmarkIndex, index_of
 from datagen.hygiene.screen import Hygiene
 from datagen.spec import DEFAULT_NGRAM, JobSpec, validate_spec
 from tests.support.specs import make_spec

@@ -1,11 +1,14 @@
 """The Redis scripts as files (`datagen.control.lua`): each opens with a signature that names its KEYS
-and ARGV, binds them to those names in its first lines and uses only the names after; the Python
-argument objects name the same arguments in the same order; the library's functions are declared
-where they are used; and no Python module carries Lua of its own."""
+and ARGV, the one place they are spelled: the loader binds them to those names, the script uses only
+the names, and the Python argument objects name the same arguments in the same order (checked when
+a script is registered); the library's functions are declared where they are used; what the scripts
+write of RQ's format and of a job's breakdown is what `datagen.control.rq_format` and
+`datagen.control.keys.BreakdownField` say; and no Python module carries Lua of its own."""
 
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
@@ -20,8 +23,19 @@ import workers.claim.reaper
 import workers.claim.rqbridge
 from datagen.control.dispatch import ClaimManyArgs, Dispatch
 from datagen.control.jobs import JobStore
-from datagen.control.keys import UNKNOWN_LABEL, BreakdownField, Keys
-from datagen.control.lua import CONTROL, LIB, USES_LIB, ScriptArgs, source
+from datagen.control.keys import FINISH_PREFIX, OTHER_LABEL, UNKNOWN_LABEL, BreakdownField, Keys
+from datagen.control.lua import (
+    CONTROL,
+    KEY,
+    LIB,
+    USES_LIB,
+    Argument,
+    LuaScript,
+    ScriptArgs,
+    signature,
+    source,
+)
+from datagen.control.rq_format import SCRIPT_WRITES
 from datagen.states import JobState, Priority, PromptClass
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -44,33 +58,18 @@ OWNERS = (
     workers.claim.rqbridge,
 )
 
-SIGNATURE = re.compile(r"^--\s+(KEYS|ARGV)\[(\d+)(\.\.)?\]\s+(\w+)\s+\S")
-BINDING = re.compile(r"^local (\w+) = .*\b(KEYS|ARGV)\[(\d+)\]")
-TAIL_LOOP = re.compile(r"^for i = (\d+), #(KEYS|ARGV)\b")
 ARGUMENTS = re.compile(r"\b(KEYS|ARGV)\b")
-
-
-class Signature:
-    """A script file cut into its signature (the opening comment), its bindings (up to the first
-    blank line) and its body."""
-
-    def __init__(self, path: Path) -> None:
-        lines = path.read_text(encoding="utf-8").splitlines()
-        opening = next(i for i, line in enumerate(lines) if not line.startswith("--"))
-        blank = lines.index("", opening)
-        self.header, self.bindings, self.body = lines[:opening], lines[opening:blank], lines[blank:]
-        # KEYS or ARGV -> [(index, name, variable tail)], in the order written.
-        self.entries: dict[str, list[tuple[int, str, bool]]] = {"KEYS": [], "ARGV": []}
-        for line in self.header:
-            if m := SIGNATURE.match(line):
-                self.entries[m[1]].append((int(m[2]), m[4], bool(m[3])))
-
-    def names(self, kind: str) -> list[str]:
-        return [name for _, name, _ in self.entries[kind]]
 
 
 def _code(lines: list[str]) -> str:
     return "\n".join(line.split("--", 1)[0] for line in lines)
+
+
+def _body(path: Path) -> str:
+    """A script's code past its opening comment."""
+    lines = path.read_text(encoding="utf-8").splitlines()
+    opening = next(i for i, line in enumerate(lines) if not line.startswith("--"))
+    return _code(lines[opening:])
 
 
 def _lib_functions() -> list[str]:
@@ -91,25 +90,21 @@ def _args_types() -> dict[tuple[str, str], type[ScriptArgs]]:
 
 
 @pytest.mark.parametrize(("package", "path"), SCRIPTS, ids=lambda p: getattr(p, "stem", p))
-def test_a_script_opens_with_its_signature_and_uses_only_the_names_it_binds(package: str, path: Path) -> None:
-    script = Signature(path)
-    for kind, entries in script.entries.items():
+def test_a_script_names_its_arguments_once_and_uses_only_those_names(package: str, path: Path) -> None:
+    arguments = signature(path.read_text(encoding="utf-8"))
+    assert arguments, f"{path.name}: a signature"
+    names = [a.name for a in arguments]
+    assert len(set(names)) == len(names), f"{path.name}: each name once"
+    for kind in ("KEYS", "ARGV"):
+        entries = [a for a in arguments if a.kind == kind]
         # Numbered from 1 in order; a variable tail (``ARGV[n..]``) only last.
-        assert [index for index, _, _ in entries] == list(range(1, len(entries) + 1)), (kind, entries)
-        assert not any(tail for _, _, tail in entries[:-1]), (kind, entries)
-        bound = {}
-        for line in script.bindings:
-            if (m := BINDING.match(line)) and m[2] == kind:
-                bound[int(m[3])] = m[1]
-        tails = {
-            int(m[1]) for line in script.bindings if (m := TAIL_LOOP.match(line.strip())) and m[2] == kind
-        }
-        fixed = {index: name for index, name, tail in entries if not tail}
-        assert bound == fixed, f"{path.name}: each {kind}[i] binds to the name its signature gives it"
-        assert tails == {index for index, _, tail in entries if tail}, f"{path.name}: {kind}'s tail"
-        used = {int(i) for i in re.findall(rf"\b{kind}\[(\d+)\]", _code(script.bindings))}
-        assert used <= set(fixed), f"{path.name}: {kind} used without a signature"
-    assert not ARGUMENTS.search(_code(script.body)), f"{path.name}: KEYS or ARGV past its bindings"
+        assert [a.index for a in entries] == list(range(1, len(entries) + 1)), (path.name, kind)
+        assert not any(a.tail for a in entries[:-1]), (path.name, kind)
+    body = _body(path)
+    assert not ARGUMENTS.search(body), f"{path.name}: KEYS or ARGV read past the signature's bindings"
+    # luacheck takes the names as globals, so it cannot see one the script never reads.
+    unused = [name for name in names if not re.search(rf"\b{name}\b", body)]
+    assert not unused, f"{path.name}: named in its signature but never used: {unused}"
 
 
 @pytest.mark.parametrize(("package", "path"), SCRIPTS, ids=lambda p: getattr(p, "stem", p))
@@ -118,7 +113,28 @@ def test_a_script_that_calls_the_library_says_so(package: str, path: Path) -> No
     calls = {name for name in _lib_functions() if re.search(rf"\b{name}\(", _code(text.splitlines()))}
     assert text.startswith(USES_LIB + "\n") == bool(calls), f"{path.name}: {USES_LIB} when it calls {calls}"
     loaded = source(path.stem, package)
-    assert loaded.endswith(text) and (loaded != text) == bool(calls)
+    bindings = "".join(f"{a.binding()}\n" for a in signature(text))
+    library = LIB_FILE.read_text(encoding="utf-8") if calls else ""
+    assert loaded == library + bindings + text
+
+
+def test_the_loader_binds_each_argument_to_its_name(redis_client: redis.Redis) -> None:
+    header = (
+        "-- KEYS[1]   hash           a hash\n"
+        "-- ARGV[1]   label          a text\n"
+        "-- ARGV[2]   count: number  a number\n"
+        "-- ARGV[3..] rest           the rest\n"
+    )
+    arguments = signature(header + "return 1\n")
+    assert arguments == [
+        Argument("KEYS", 1, "hash"),
+        Argument("ARGV", 1, "label"),
+        Argument("ARGV", 2, "count", number=True),
+        Argument("ARGV", 3, "rest", tail=True),
+    ]
+    bindings = "".join(f"{a.binding()}\n" for a in arguments)
+    script = bindings + "return {hash, label, count + 1, #rest, rest[2]}\n"
+    assert redis_client.eval(script, 1, "h", "x", "41", "a", "b", "c") == [b"h", b"x", 42, 3, b"b"]
 
 
 def test_the_library_reads_no_arguments_and_luacheck_knows_its_functions() -> None:
@@ -133,9 +149,25 @@ def test_each_script_has_one_argument_object_that_names_its_signature() -> None:
     found = _args_types()
     assert sorted(found) == sorted((package, path.stem) for package, path in SCRIPTS)
     for (package, name), args_type in found.items():
-        script = Signature(FOLDERS[package] / f"{name}.lua")
+        arguments = signature((FOLDERS[package] / f"{name}.lua").read_text(encoding="utf-8"))
         names = (args_type.key_names(), args_type.arg_names())
-        assert names == (script.names("KEYS"), script.names("ARGV")), name
+        assert names == tuple([a.name for a in arguments if a.kind == kind] for kind in ("KEYS", "ARGV")), (
+            name
+        )
+
+
+@dataclass(frozen=True)
+class _DriftedReleaseArgs(ScriptArgs):
+    script = "release"
+    lock: str = field(metadata=KEY)
+    holder: str  # release.lua's signature names it ``token``
+
+
+def test_an_argument_object_that_drifts_from_its_script_is_refused_at_registration(
+    redis_client: redis.Redis,
+) -> None:
+    with pytest.raises(TypeError, match=r"release\.lua's signature names \['lock'\] and \['token'\]"):
+        LuaScript(redis_client, _DriftedReleaseArgs)
 
 
 def test_no_python_module_carries_lua() -> None:
@@ -171,3 +203,36 @@ def test_the_claim_scripts_priority_sets_are_named_by_the_priority_enum() -> Non
     ]
     script = (FOLDERS[CONTROL] / "claim_many.lua").read_text()
     assert "local sets = {" + ", ".join(f"{p.value} = {p.value}" for p in Priority) + "}" in script
+
+
+def test_the_scripts_write_a_jobs_breakdown_as_breakdown_field_encodes_it(redis_client: redis.Redis) -> None:
+    # One codec on each side: lib.lua's `breakdown_field`, which every script builds its fields
+    # with, and BreakdownField; and the labels the library writes are the keys module's.
+    lib = LIB_FILE.read_text(encoding="utf-8")
+    calls = "breakdown_field(ARGV[1], ARGV[2], ARGV[3]), partition_label({partitions = KEYS[1]}, ARGV[2], {})"
+    field, label = redis_client.eval(
+        f"{lib}return {{{calls}}}", 1, "none", f"{FINISH_PREFIX}stop", "math", "short"
+    )
+    assert field.decode() == BreakdownField(f"{FINISH_PREFIX}stop", "math", "short").encode()
+    assert label.decode() == OTHER_LABEL
+    assert f"'{FINISH_PREFIX}'" in lib and f"'{UNKNOWN_LABEL}'" in lib
+    separators = {
+        path.name: n
+        for _, path in [*SCRIPTS, (CONTROL, LIB_FILE)]
+        if (n := _code(path.read_text(encoding="utf-8").splitlines()).count("'|'"))
+    }
+    assert separators == {LIB_FILE.name: 2}, "only breakdown_field joins a field's parts"
+
+
+def test_the_scripts_write_rq_s_format_as_rq_format_names_it() -> None:
+    # Every HSET of an RQ job hash (``rqkey``) in the scripts writes the fields (and literal statuses)
+    # that `datagen.control.rq_format.SCRIPT_WRITES` lists for it, and no other script writes one.
+    written: dict[str, dict[str, str | None]] = {}
+    for _, path in [*SCRIPTS, (CONTROL, LIB_FILE)]:
+        code = _code(path.read_text(encoding="utf-8").splitlines())
+        for call in re.findall(r"redis\.call\('HSET', rqkey, (.*?)\)", code, re.DOTALL):
+            values = [v.strip() for v in call.split(",")]
+            for name, value in zip(values[::2], values[1::2], strict=True):
+                literal = value.strip("'") if value.startswith("'") else None
+                written.setdefault(path.stem, {})[name.strip("'")] = literal
+    assert written == {script: dict(fields) for script, fields in SCRIPT_WRITES.items()}

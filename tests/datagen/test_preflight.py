@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import redis
 
-from datagen.control.jobs import now_ms
+from datagen.clock import now_ms
 from datagen.control.keys import Keys
 from datagen.control.servers import ServerInfo, live_servers, publish_server, read_servers
 from datagen.errors import PreflightError

@@ -11,6 +11,7 @@ import pytest
 from datagen.errors import InvalidRowError
 from datagen.prompts.template_budget import MAX_RENDER_CHARS, MAX_RENDER_S, BudgetedTemplate
 from datagen.prompts.tokenization import PromptRenderer, bundled_tokenizer_path, default_chat_template_path
+from tests.support.rendering import render_text
 
 # Well under the minute `{{ 'a' * 10000000 }}` took before the budget (tokenizing 10 MB of text).
 FAST_S = 5.0
@@ -101,7 +102,7 @@ def test_the_budget_sandbox_renders_what_transformers_renders(
         "tools": tools,
         "add_generation_prompt": True,
     }
-    assert budgeted.render(variables) == renderer.render_text(messages, tools)
+    assert budgeted.render(variables) == render_text(renderer, messages, tools)
 
 
 def test_the_output_budget_allows_a_long_context() -> None:

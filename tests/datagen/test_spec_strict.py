@@ -17,7 +17,7 @@ from datagen.spec import (
     validate_spec,
 )
 from datagen_cli.specfile import load_spec_file, merge_spec
-from simulator.toolcalls import SUPPORTED_PARSERS
+from simulator.sglang.function_call import SUPPORTED_PARSERS
 
 
 def _nested(depth: int) -> dict[str, Any]:

@@ -66,7 +66,7 @@ def test_an_ending_names_its_job_ending_and_incarnation_and_counts_for_that_inca
 def test_a_marker_that_is_not_the_jobs_is_refused_with_one_log_line(
     storage: Storage, caplog: pytest.LogCaptureFixture, body: object, problem: str
 ) -> None:
-    caplog.set_level(logging.WARNING, logger="datagen.records.storage")
+    caplog.set_level(logging.WARNING, logger="datagen.records.manifests")
     path = _plant(storage, "deleted.json", body)
     assert not storage.ending("j1", "deleted", INC)
     assert not storage.ending("j1", "deleted", INC)  # read again: no second line
@@ -77,7 +77,7 @@ def test_a_marker_that_is_not_the_jobs_is_refused_with_one_log_line(
 def test_an_earlier_incarnations_marker_is_outdated_without_a_word(
     storage: Storage, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.WARNING, logger="datagen.records.storage")
+    caplog.set_level(logging.WARNING, logger="datagen.records.manifests")
     _plant(
         storage, "deleted.json", {"job_id": "j1", "ending": "deleted", "incarnation": "b" * 32, "at_ms": 5}
     )
@@ -97,7 +97,7 @@ def test_a_marker_of_the_previous_release_counts_when_its_incarnation_is_the_man
 def test_a_manifest_naming_another_job_is_refused_by_every_reader_and_its_job_left_out(
     storage: Storage, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.WARNING, logger="datagen.records.storage")
+    caplog.set_level(logging.WARNING, logger="datagen.records.manifests")
     storage.write_manifest("j2", {"job_id": "j2", "incarnation": "c" * 32})
     table = records_to_table([make_record("s", [1, 2, 3], 2)])
     storage.commit_shard("j1", "w-1", table, {"incarnation": INC})

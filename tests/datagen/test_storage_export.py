@@ -1,6 +1,5 @@
 from __future__ import annotations
 
-import io
 import json
 from pathlib import Path
 
@@ -8,10 +7,10 @@ import pyarrow.parquet as pq
 import pytest
 
 from datagen.errors import InvalidSpecError, StorageError
-from datagen.export import export_id, export_specforge
+from datagen.export import ExportFormat, export_id, export_job
 from datagen.records.schema import RECORD_SCHEMA, SCHEMA_VERSION, Record, loss_mask, records_to_table
 from datagen.records.storage import Storage
-from tests.support.records import make_record
+from tests.support.records import make_record, write_manifest_once
 
 
 def _record(
@@ -60,8 +59,8 @@ def test_job_ids_cannot_escape_the_root(tmp_path: Path) -> None:
 
 def test_manifest_is_written_once(tmp_path: Path) -> None:
     storage = Storage(tmp_path)
-    assert storage.write_manifest_once("j", {"v": 1}) == {"v": 1}
-    assert storage.write_manifest_once("j", {"v": 2}) == {"v": 1}
+    assert write_manifest_once(storage, "j", {"v": 1}) == {"v": 1}
+    assert write_manifest_once(storage, "j", {"v": 2}) == {"v": 1}
     assert storage.read_manifest("j") == {"v": 1}
 
 
@@ -70,9 +69,9 @@ def test_specforge_export_dedupes_and_masks(tmp_path: Path) -> None:
     storage.commit_shard("job1", "s1", records_to_table([_record("a"), _record("b", turn=1)]), {})
     # The same prompt committed again by a second worker after a crash: dropped.
     storage.commit_shard("job1", "s2", records_to_table([_record("a", ids=[9, 9, 9, 9])]), {})
-    out = io.StringIO()
-    stats = export_specforge(storage, "job1", out)
-    lines = [json.loads(line) for line in out.getvalue().splitlines()]
+    out = tmp_path / "job1.jsonl"
+    stats = export_job(storage, "job1", ExportFormat.SPECFORGE, out)
+    lines = [json.loads(line) for line in out.read_text("utf-8").splitlines()]
     assert (stats.records, stats.duplicates, stats.written) == (3, 1, 2)
     assert lines[0] == {"id": "a", "input_ids": [0, 128803, 128804, 42, 1], "loss_mask": [0, 0, 0, 1, 1]}
     assert lines[1]["id"] == "b_t1_g0"

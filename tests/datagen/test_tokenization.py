@@ -17,14 +17,15 @@ import huggingface_hub.constants
 import pytest
 
 from datagen.errors import InvalidRowError, InvalidSpecError
+from datagen.prompts.provenance import canonical_kwargs_json
 from datagen.prompts.tokenization import (
     PromptRenderer,
     SpecialIds,
     bundled_tokenizer_path,
-    canonical_kwargs_json,
     default_chat_template_path,
     get_renderer,
 )
+from tests.support.rendering import render_text
 
 BOS, EOS, USER, ASSISTANT, THINK, END_THINK = 0, 1, 128803, 128804, 128821, 128822
 NEWLINE, BLANK_LINE = 201, 271
@@ -123,7 +124,7 @@ def test_bundled_paths_exist() -> None:
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_render_text_matches_hand_written(renderer: PromptRenderer, case: str) -> None:
     messages, tools, expected = CASES[case]
-    assert renderer.render_text(messages, tools) == expected
+    assert render_text(renderer, messages, tools) == expected
 
 
 @pytest.mark.parametrize("case", sorted(EXPECTED_IDS))
@@ -166,7 +167,7 @@ def test_system_prompt_and_tools_together(renderer: PromptRenderer) -> None:
         {"role": "system", "content": "Use tools."},
         {"role": "user", "content": "Hi"},
     ]
-    text = renderer.render_text(messages, [WEATHER_TOOL])
+    text = render_text(renderer, messages, [WEATHER_TOOL])
     assert text.startswith("<｜begin▁of▁sentence｜>Be brief.\n\nUse tools.\n\n## Tools\n\n")
     assert text.endswith('"required": ["city"]}}}<｜User｜>Hi<｜Assistant｜><think>\n')
 
@@ -185,7 +186,7 @@ def test_tool_calls_and_outputs(renderer: PromptRenderer) -> None:
         {"role": "tool", "content": "18C"},
         {"role": "tool", "content": "12:00"},
     ]
-    assert renderer.render_text(messages) == (
+    assert render_text(renderer, messages) == (
         "<｜begin▁of▁sentence｜><｜User｜>Weather?<｜Assistant｜>"
         "<｜tool▁calls▁begin｜>"
         "<｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n"
@@ -209,7 +210,7 @@ def test_thinking_off_appends_an_empty_think_block() -> None:
         chat_template_path=str(default_chat_template_path()),
         chat_template_kwargs={"thinking": False},
     )
-    text = off.render_text([{"role": "user", "content": "Hi!"}])
+    text = render_text(off, [{"role": "user", "content": "Hi!"}])
     assert text == "<｜begin▁of▁sentence｜><｜User｜>Hi!<｜Assistant｜><think>\n\n</think>\n\n"
     assert off.generation_prompt_ids() == [ASSISTANT, THINK, BLANK_LINE, END_THINK, BLANK_LINE]
     assert off.identity()["chat_template_kwargs"] == '{"thinking":false}'

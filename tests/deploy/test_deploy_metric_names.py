@@ -16,8 +16,8 @@ from datagen.control.keys import BreakdownField, Keys
 from datagen.spec import JobSpec
 from service.fleetview import FleetView
 from service.metrics import CoordinatorMetrics
-from simulator.metrics import SimMetrics
-from simulator.vllm_metrics import VllmMetrics
+from simulator.sglang.metrics import SimMetrics
+from simulator.vllm.metrics import VllmMetrics
 from tests.support.deploy import EXPECTED_METRICS, EXPECTED_SGLANG, EXPECTED_VLLM
 from workers.metrics import WorkerMetrics
 

@@ -21,6 +21,7 @@ from datagen.settings import CoordinatorSettings
 from datagen.states import PromptClass
 from service.app import create_app
 from tests.support.ingest import wait_ingested
+from tests.support.rendering import clear_renderer_cache
 from tests.support.specs import CLASS_LIMITS, spec_json
 
 NS = "t"
@@ -240,8 +241,6 @@ def _refused_after_template_change(client: TestClient, tmp_path: Path) -> None:
     assert _post(client, rows, spec=spec, job_id="pinned2").status_code == 202
     wait_ingested(client, "pinned2")
     template.write_text(default_chat_template_path().read_text().replace("## Tools", "## Functions"))
-    from datagen.prompts.tokenization import clear_renderer_cache
-
     clear_renderer_cache()  # a coordinator restart would load the changed file
     response = _post(client, rows, spec=spec, job_id="pinned2")
     assert response.status_code == 400

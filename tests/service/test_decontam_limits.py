@@ -11,7 +11,8 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
-from datagen.hygiene.decontam import INDEX_CACHE, MAX_SET_EXPANSION
+from datagen.hygiene.benchmark_sets import MAX_SET_EXPANSION
+from datagen.hygiene.decontam import INDEX_CACHE
 from datagen.records.storage import Storage
 from datagen.settings import CoordinatorSettings
 from tests.support.ingest import wait_ingested

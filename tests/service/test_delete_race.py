@@ -42,7 +42,7 @@ def test_an_ack_between_the_deletes_steps_leaves_nothing_behind(
     controls = JobControls(redis_client, KEYS, jobs, storage)
     assert controls.cancel(JOB)["dropped"] == 1  # the third prompt, queued; two are in flight
 
-    sweep = controls._delete_rq_jobs
+    sweep = controls.rq_jobs.delete
     acked: list[int] = []
 
     def sweep_then_ack(job_id: str) -> int:
@@ -51,7 +51,7 @@ def test_an_ack_between_the_deletes_steps_leaves_nothing_behind(
             acked.append(_ack(jobs, identity, early))
         return deleted
 
-    controls._delete_rq_jobs = sweep_then_ack  # type: ignore[method-assign]
+    controls.rq_jobs.delete = sweep_then_ack  # type: ignore[method-assign]
     answer = controls.delete(JOB)
     assert acked == [1]  # it counted in the job, which still stood, and finished the prompt in RQ
     # The two in flight went in the first sweep (the cancel dropped the queued one); the ack wrote one

@@ -28,7 +28,7 @@ from tests.support.wait import wait_until
 NS = "pf"
 ROWS = 5
 REBUILD_TIMEOUT_S = 30.0
-STORAGE_LOGGER = "datagen.records.storage"
+STORAGE_LOGGER = "datagen.records.manifests"
 
 
 @pytest.fixture

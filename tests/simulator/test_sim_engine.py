@@ -11,8 +11,8 @@ import pytest
 
 from simulator import SimConfig
 from simulator.engine import Engine, Outcome, SimRequest
-from simulator.metrics import SimMetrics
 from simulator.model import SpecialIds, expected_output
+from simulator.sglang.metrics import SimMetrics
 from tests.support.metrics import metric
 from tests.support.sim import NOT_REACHED, WAIT_POLL_S, WAIT_S
 from tests.support.wait import wait_until_async

@@ -5,10 +5,12 @@ from typing import Any
 
 import pytest
 
+from datagen.states import FinishType as DatagenFinishType
 from simulator.model import (
     DEFAULT_MEAN_ANSWER_TOKENS,
     DEFAULT_MEAN_REASONING_TOKENS,
     ORDINARY_ID_MIN,
+    FinishType,
     SimOutput,
     SpecialIds,
     apply_stop_token_ids,
@@ -131,6 +133,11 @@ def test_stop_token_ids_cut_at_the_first_match() -> None:
     assert apply_stop_token_ids(full, {7}, max_new_tokens=LONG) is full
     at_limit = apply_stop_token_ids(full, {target}, max_new_tokens=full.output_ids.index(target) + 1)
     assert at_limit.finish_reason["type"] == "length"
+
+
+def test_finish_types_are_the_ones_datagen_reads() -> None:
+    # The simulator keeps its own copy so that it imports none of our packages.
+    assert {t.name: t.value for t in FinishType} == {t.name: t.value for t in DatagenFinishType}
 
 
 def test_deepseek_default_matches_the_real_tokenizer(deepseek_tokenizer: Any) -> None:

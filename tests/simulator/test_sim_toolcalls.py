@@ -18,17 +18,14 @@ from datagen.prompts.tokenization import (
 )
 from simulator import SimConfig
 from simulator.model import SpecialIds, expected_output, tool_call_ids_for, tool_call_plan
-from simulator.toolcalls import (
-    OfferedTool,
+from simulator.sglang.function_call import (
     ParsedCall,
     ParseResult,
-    ToolCall,
-    ToolCallFormat,
     UnsupportedParserError,
-    format_tool_calls,
-    offered_tools,
     parse_function_call,
 )
+from simulator.toolcalls import OfferedTool, ToolCall, ToolCallFormat, format_tool_calls, offered_tools
+from tests.support.rendering import render_text
 from tests.support.sim import deepseek_tokenizer_dir, running_simulator
 
 SPECIAL = SpecialIds.deepseek_default()
@@ -80,7 +77,7 @@ def render(renderer: PromptRenderer, question: str, tools: list[dict[str, Any]] 
 
 def prompt_with_call(renderer: PromptRenderer, name: str) -> tuple[list[int], ToolCall]:
     """A rendered prompt offering TOOLS whose planned call (seed None) is to ``name``."""
-    offered = offered_tools(renderer.render_text([{"role": "user", "content": "q"}], TOOLS))
+    offered = offered_tools(render_text(renderer, [{"role": "user", "content": "q"}], TOOLS))
     for i in range(500):
         ids = render(renderer, f"question {i}", TOOLS)
         plan = tool_call_plan(ids, None, offered)
@@ -93,13 +90,13 @@ def prompt_with_call(renderer: PromptRenderer, name: str) -> tuple[list[int], To
 
 
 def test_offered_tools_come_from_the_rendered_template(renderer: PromptRenderer) -> None:
-    text = renderer.render_text([{"role": "user", "content": "hi"}], TOOLS)
+    text = render_text(renderer, [{"role": "user", "content": "hi"}], TOOLS)
     assert offered_tools(text) == (
         OfferedTool("get_weather", ("city", "unit")),
         OfferedTool("search", ("q",)),
         OfferedTool("now", ()),
     )
-    assert offered_tools(renderer.render_text([{"role": "user", "content": "hi"}], None)) == ()
+    assert offered_tools(render_text(renderer, [{"role": "user", "content": "hi"}], None)) == ()
 
 
 def test_offered_tools_skip_broken_and_nameless_objects_and_repeats() -> None:
@@ -369,7 +366,7 @@ def test_prompts_without_tools_or_call_are_unchanged(
     tool_sim: tuple[ToolCallFormat, str], renderer: PromptRenderer
 ) -> None:
     _, url = tool_sim
-    offered = offered_tools(renderer.render_text([{"role": "user", "content": "q"}], TOOLS))
+    offered = offered_tools(render_text(renderer, [{"role": "user", "content": "q"}], TOOLS))
     no_call = next(
         ids
         for ids in (render(renderer, f"question {i}", TOOLS) for i in range(100))

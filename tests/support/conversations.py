@@ -3,7 +3,7 @@ must hold, computed without the worker's code.
 
 It renders with transformers' ``apply_chat_template`` directly (not `datagen.prompts.tokenization`),
 builds histories by its own rules (not `workers.run.turns`), and asks the simulator's pure functions
-(`simulator.model`, `simulator.toolcalls`) what the model writes and what SGLang's parser reads.
+(`simulator.model`, `simulator.sglang.function_call`) what the model writes and what SGLang's parser reads.
 Shared by the tests and by ``bench/conversations.py``.
 """
 
@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from simulator.model import SpecialIds, expected_output, tool_call_ids_for
-from simulator.toolcalls import ToolCallFormat, parse_function_call
+from simulator.sglang.function_call import parse_function_call
+from simulator.toolcalls import ToolCallFormat
 
 __all__ = ["ExpectedConversation", "ExpectedTurn", "expected_conversation", "tool_rows"]
 

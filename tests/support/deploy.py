@@ -106,7 +106,7 @@ EXPECTED_METRICS: dict[str, tuple[str, frozenset[str]]] = {
 }
 
 # What the dashboards may read from the inference servers, as the simulator serves it: SGLang's
-# names and labels (simulator/metrics.py) and vLLM's (simulator/vllm_metrics.py).
+# names and labels (simulator/sglang/metrics.py) and vLLM's (simulator/vllm/metrics.py).
 _SGLANG_SCHEDULER = ("model_name", "engine_type", "tp_rank", "pp_rank", "moe_ep_rank")
 _SGLANG_TOKENIZER = ("model_name", "engine_type")
 EXPECTED_SGLANG: dict[str, tuple[str, frozenset[str]]] = {

@@ -10,10 +10,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from datagen.prompts.tokenization import canonical_kwargs_json, get_renderer
+from datagen.prompts.provenance import canonical_kwargs_json
+from datagen.prompts.tokenization import get_renderer
 from datagen.records.schema import Record, records_to_table
 from datagen.records.storage import Storage
-from tests.support.records import make_record
+from tests.support.records import make_record, write_manifest_once
 from tests.support.specs import job_spec
 
 __all__ = [
@@ -124,7 +125,7 @@ def build_job(
         "tokenizer": render.identity(),
         "servers": {},
     }
-    storage.write_manifest_once(job_id, manifest)
+    write_manifest_once(storage, job_id, manifest)
     lines, seen = [], set()
     for s in samples:
         if s.in_input and s.sample_id not in seen:

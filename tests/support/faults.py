@@ -31,7 +31,7 @@ from rq import Queue
 from rq.registry import FailedJobRegistry, StartedJobRegistry
 
 from datagen.control.keys import Keys
-from datagen.export import ExportStats, iter_unique_rows
+from datagen.export.rows import ExportStats, RowFilter, RowFilterOptions, filtered_batches
 from datagen.prompts.tokenization import bundled_tokenizer_path, default_chat_template_path, get_renderer
 from datagen.records.storage import Storage
 from datagen.states import PromptClass
@@ -305,7 +305,8 @@ def check_final_state(
     """Assert the end state every fault case must reach; print and return the figures first."""
     job = stack.job(job_id)
     records = all_records(stack.storage, job_id)
-    unique = list(iter_unique_rows(stack.storage, job_id, ExportStats()))
+    first_per_key = RowFilter(RowFilterOptions(min_supervised_tokens=0), ExportStats())
+    unique = [r for b in filtered_batches(stack.storage, job_id, first_per_key) for r in b.to_pylist()]
     state = FinalState(
         records, len(unique), len(records) - len(unique), job, Counter(r["server"] for r in records)
     )

@@ -1,12 +1,14 @@
-"""Records as workers commit them, with plausible values for the columns a test does not care about."""
+"""Records as workers commit them, with plausible values for the columns a test does not care about,
+and a manifest written as tools write one."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from datagen.records.schema import Record
+from datagen.records.storage import Storage
 
-__all__ = ["make_record"]
+__all__ = ["make_record", "write_manifest_once"]
 
 
 def make_record(sample_id: str, input_ids: list[int], prompt_len: int, **fields: Any) -> Record:
@@ -36,3 +38,12 @@ def make_record(sample_id: str, input_ids: list[int], prompt_len: int, **fields:
         **fields,
     }
     return Record(sample_id=sample_id, input_ids=input_ids, prompt_len=prompt_len, **values)
+
+
+def write_manifest_once(storage: Storage, job_id: str, manifest: dict[str, Any]) -> dict[str, Any]:
+    """Write the manifest unless one exists; return the one in force."""
+    existing = storage.read_manifest(job_id)
+    if existing is not None:
+        return existing
+    storage.write_manifest(job_id, manifest)
+    return manifest

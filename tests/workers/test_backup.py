@@ -20,12 +20,14 @@ from datagen.control.jobs import JobStore
 from datagen.errors import RetryableError
 from datagen.records.storage import Storage
 from datagen.states import PromptClass
-from simulator._service import REQUEST_STATE_WAIT_TIMEOUT_S
+from simulator.sglang._service import REQUEST_STATE_WAIT_TIMEOUT_S
 from tests.support.metrics import metric_value
 from tests.support.sim import running_simulator
 from tests.support.wait import wait_until_async
 from tests.support.workers import KEYS, NOT_MET, ingest, records, settings, start, stop
-from workers.engines.sglang import ClientTimeouts, GenerateResult, SGLangClient
+from workers.engines.base import GenerateResult
+from workers.engines.http import ClientTimeouts
+from workers.engines.sglang import SGLangClient
 from workers.fleet.servers import Fleet, Server
 from workers.metrics import WorkerMetrics
 from workers.run.backup import Backups

@@ -19,7 +19,8 @@ from service.fleetview import FleetView
 from tests.support.sim import running_simulator
 from tests.support.wait import wait_until_async
 from tests.support.workers import KEYS, NOT_MET, ingest, settings, start, stop
-from workers.engines.sglang import ClientTimeouts, SGLangClient
+from workers.engines.http import ClientTimeouts
+from workers.engines.sglang import SGLangClient
 from workers.fleet.health import HealthProbe
 from workers.fleet.kv_control import KvControl
 from workers.fleet.servers import Fleet, Server

@@ -27,7 +27,8 @@ from tests.support.records import make_record
 from tests.support.sim import running_simulator
 from tests.support.specs import job_spec
 from tests.support.workers import fast_worker_settings
-from workers.engines.sglang import ClientTimeouts, SGLangClient
+from workers.engines.http import ClientTimeouts
+from workers.engines.sglang import SGLangClient
 from workers.fleet.servers import Server, ServerSpec
 from workers.metrics import WorkerMetrics
 from workers.run.conversation import NEXT_TURN_ATTEMPTS, Conversations, ConversationStop

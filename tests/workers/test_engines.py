@@ -29,7 +29,8 @@ from tests.support.sim import running_simulator
 from tests.support.specs import job_spec
 from tests.support.wait import wait_until_async
 from tests.support.workers import NOT_MET, WAIT_S, fast_worker_settings
-from workers.engines.sglang import ClientTimeouts, SGLangClient
+from workers.engines.http import ClientTimeouts
+from workers.engines.sglang import SGLangClient
 from workers.engines.vllm import VllmClient
 from workers.fleet.kv_control import KvControl
 from workers.fleet.servers import Server, ServerSpec

@@ -10,12 +10,13 @@ from rq.job import Job, JobStatus
 from datagen.control.dispatch import Dispatch
 from datagen.control.jobs import JobStore
 from datagen.control.payload import ParsedPayload, parse_payload
+from datagen.control.rq_format import payload_of
 from datagen.errors import FatalError
 from datagen.records.storage import Storage
 from datagen.states import PromptClass
 from service.lifecycle import JobControls
 from tests.support.workers import KEYS, ingest, short_identity
-from workers.claim.rqbridge import InFlight, QueueIdentity, payload_of
+from workers.claim.rqbridge import InFlight, QueueIdentity
 from workers.metrics import WorkerMetrics
 from workers.run.conversation import Conversations
 from workers.run.finish import Acks, Finisher

@@ -13,7 +13,8 @@ from datagen.states import PromptClass
 from service.fleetview import FleetView
 from tests.support.sim import running_simulator
 from tests.support.workers import KEYS, ingest, records, settings, start, stop
-from workers.engines.sglang import ClientTimeouts, SGLangClient
+from workers.engines.http import ClientTimeouts
+from workers.engines.sglang import SGLangClient
 from workers.fleet.servers import Fleet, Server
 from workers.metrics import WorkerMetrics
 

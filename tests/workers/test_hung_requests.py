@@ -14,7 +14,8 @@ import pytest
 
 from datagen.errors import ServerUnavailableError
 from datagen.states import PromptClass
-from workers.engines.sglang import ClientTimeouts, SGLangClient
+from workers.engines.http import ClientTimeouts
+from workers.engines.sglang import SGLangClient
 from workers.fleet.servers import Fleet, Server
 from workers.metrics import WorkerMetrics
 from workers.run.backup import HUNG_MARGIN, Backups

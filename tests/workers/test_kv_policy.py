@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from workers.fleet.kv_policy import Decision, KvSignals, decide, parse_kv_signals, restarted
+from workers.engines.base import KvSignals
+from workers.engines.sglang_replies import parse_kv_signals
+from workers.fleet.kv_policy import Decision, decide, restarted
 
 # Written after SGLang's exposition (shared/reference/sglang-contract.md §5): colon names, DP ranks.
 COLON_PAGE = """\

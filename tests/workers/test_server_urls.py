@@ -2,7 +2,7 @@
 fragment. The worker refuses one at startup with one line that names the fix and not the secret,
 so no log line, error message, metric label or published view (``GET /servers``) can show it, and
 a password in a URL can never stand in for the server's API key (httpx would send it as basic auth
-in place of the bearer key). :func:`workers.fleet.servers.shown_url` renders a server URL wherever one is
+in place of the bearer key). :func:`workers.engines.urls.shown_url` renders a server URL wherever one is
 shown."""
 
 from __future__ import annotations
@@ -19,8 +19,9 @@ from datagen_cli.local.redis_server import free_port
 from workers.engines.detect import EngineProbe
 from workers.engines.http import ClientTimeouts
 from workers.engines.sglang import SGLangClient
+from workers.engines.urls import shown_url, url_secret
 from workers.engines.vllm import VllmClient
-from workers.fleet.servers import ServerSpec, shown_url, url_secret
+from workers.fleet.servers import ServerSpec
 
 SECRET = "PASSWORD"
 CREDENTIALS_FIX = "put credentials in DATAGEN_SERVER_API_KEYS ({name}=KEY), not in the URL"

@@ -26,14 +26,10 @@ from datagen.errors import (
     ServerUnavailableError,
 )
 from datagen.states import FinishType
-from workers.engines.sglang import (
-    ClientTimeouts,
-    Finish,
-    GenerateResult,
-    SGLangClient,
-    _split,
-    parse_generate_response,
-)
+from workers.engines.base import Finish, GenerateResult
+from workers.engines.http import ClientTimeouts, _split
+from workers.engines.sglang import SGLangClient
+from workers.engines.sglang_replies import parse_finish, parse_generate_response
 
 Handler = Callable[[httpx.Request], httpx.Response]
 
@@ -304,7 +300,7 @@ async def generate_with(handler: Handler, **kwargs: Any) -> GenerateResult:
     ],
 )
 def test_finish_parses_every_shape_of_the_contract(raw: object, expected: Finish) -> None:
-    assert Finish.parse(raw) == expected
+    assert parse_finish(raw) == expected
 
 
 @pytest.mark.parametrize(
@@ -323,11 +319,11 @@ def test_finish_parses_every_shape_of_the_contract(raw: object, expected: Finish
     ],
 )
 def test_finish_to_json_gives_back_the_sglang_shape(raw: dict[str, object]) -> None:
-    assert Finish.parse(raw).to_json() == raw
+    assert parse_finish(raw).to_json() == raw
 
 
 def test_finish_to_json_of_a_waiting_queue_abort_has_the_full_abort_shape() -> None:
-    finish = Finish.parse({"type": "abort", "message": "Abort in waiting queue"})
+    finish = parse_finish({"type": "abort", "message": "Abort in waiting queue"})
     assert finish.to_json() == {
         "type": "abort",
         "message": "Abort in waiting queue",
@@ -360,7 +356,7 @@ def test_finish_to_json_of_a_waiting_queue_abort_has_the_full_abort_shape() -> N
 )
 def test_finish_rejects_anything_else(raw: object) -> None:
     with pytest.raises(ServerError):
-        Finish.parse(raw)
+        parse_finish(raw)
 
 
 # -- parse_generate_response -----------------------------------------------------------------------

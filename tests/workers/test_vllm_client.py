@@ -20,9 +20,12 @@ from datagen.errors import (
     ServerError,
     ServerUnavailableError,
 )
-from datagen.states import FinishType
-from workers.engines.sglang import ClientTimeouts
+from datagen.states import FinishType, PromptClass
+from workers.engines.base import ToolCallParsing
+from workers.engines.http import ClientTimeouts
 from workers.engines.vllm import VllmClient, vllm_request
+from workers.fleet.servers import Server
+from workers.run.conversation import tool_call_parsing
 
 BASE_URL = "http://vllm:8000"
 RID = "eng-j-abc-t0-g0.a1.tag"
@@ -290,5 +293,7 @@ async def test_kv_signals_sum_vllms_gauges_over_engines() -> None:
 
 async def test_tool_call_parsing_is_left_to_sglang_servers() -> None:
     async with client_for(answering(404, {"detail": "Not Found"})) as client:
+        assert not isinstance(client, ToolCallParsing)
+        server = Server("v0", client, max_limits=dict.fromkeys(PromptClass, 1))
         with pytest.raises(ServerError, match="needs an SGLang server in the fleet"):
-            await client.parse_function_call("text", "qwen25", [], timeout_s=5)
+            tool_call_parsing(server)

@@ -29,9 +29,10 @@ from datagen.backoff import Backoff
 from datagen.control.dispatch import Dispatch
 from datagen.control.payload import ParsedPayload, parse_payload
 from datagen.control.redismemory import is_out_of_memory
+from datagen.control.rq_format import payload_of
 from datagen.settings import OUTAGE_RETRY_FIRST_S, OUTAGE_RETRY_MAX_S
 from datagen.states import PromptClass
-from workers.claim.rqbridge import InFlight, QueueIdentity, payload_of
+from workers.claim.rqbridge import InFlight, QueueIdentity
 from workers.claim.wake import WAKE_COALESCE_S, Wakeups
 from workers.fleet.servers import Fleet
 from workers.fleet.sync import FleetSync

@@ -32,19 +32,21 @@ from dataclasses import dataclass, field
 
 from redis import Redis, RedisError
 from rq.exceptions import NoSuchJobError
-from rq.job import Job, JobStatus
+from rq.job import Job
 from rq.queue import Queue
 from rq.utils import utcparse
 from rq.worker import BaseWorker
 from rq.worker_registration import clean_worker_registry
 
+from datagen.control.job_outcomes import failure_report
 from datagen.control.jobs import JobStore
 from datagen.control.keys import Keys
 from datagen.control.lua import KEY, LuaScript, ScriptArgs
+from datagen.control.payload import parse_payload
 from datagen.control.redistext import as_text, as_texts
+from datagen.control.rq_format import payload_of, rq_id_of_member
 from datagen.states import PromptClass
-from workers.claim.failures import failure_report, prompt_labels
-from workers.claim.rqbridge import fail_job, payload_of
+from workers.claim.rqbridge import fail_job, requeue_at_front
 from workers.metrics import WorkerMetrics
 
 __all__ = ["ReapResult", "Reaper"]
@@ -168,7 +170,7 @@ class Reaper:
             expiry = self._claim_lapsed(ClaimLapsedArgs(started=registry.key, member=member, cutoff=cutoff))
             if expiry is None:
                 continue  # beaten, finished meanwhile, or another reaper took it
-            rq_id = member.split(":", 1)[0]
+            rq_id = rq_id_of_member(member)
             self._recover(queue, rq_id, float(expiry) - self.heartbeat_ttl_s, result)
 
     def _reap_intermediate(self, queue: Queue, result: ReapResult) -> None:
@@ -176,7 +178,7 @@ class Reaper:
         seen_key = self.keys.reaper_seen(queue.name)
         seen_before = set(as_texts(self.redis.smembers(seen_key)))
         started = {
-            m.split(":", 1)[0] for m in as_texts(self.redis.zrange(queue.started_job_registry.key, 0, -1))
+            rq_id_of_member(m) for m in as_texts(self.redis.zrange(queue.started_job_registry.key, 0, -1))
         }
         stuck = (listed & seen_before) - started
         for rq_id in stuck:
@@ -201,8 +203,8 @@ class Reaper:
             job = Job.fetch(rq_id, connection=self.redis, serializer=queue.serializer)
         except NoSuchJobError:
             return
-        payload = payload_of(job) or {}
-        job_id = payload.get("job")
+        parsed = parse_payload(payload_of(job))
+        job_id = parsed.job
         left = job.retries_left or 0
         charged = not self._beat_since(job.worker_name, last_beat_s)
         with self.redis.pipeline() as pipe:
@@ -210,16 +212,13 @@ class Reaper:
                 message = "gave up: the prompt was running in too many workers that died (max_worker_losses)"
                 fail_job(job, message, pipe, worker_name=self.owner)
                 if job_id is not None:
-                    report = failure_report(rq_id, payload, reason=WORKER_LOST, message=message)
-                    self.jobs.outcomes.count_failed(pipe, job_id, rq_id, report, **prompt_labels(payload))
+                    report = failure_report(rq_id, parsed, reason=WORKER_LOST, message=message)
+                    self.jobs.outcomes.count_failed(pipe, job_id, rq_id, report, **parsed.labels.kwargs())
                 result.failed += 1
             else:
-                if charged:
-                    pipe.hset(job.key, "retries_left", left - 1)
-                else:
+                if not charged:
                     result.uncharged += 1
-                job.set_status(JobStatus.QUEUED, pipeline=pipe)
-                queue.push_job_id(rq_id, pipeline=pipe, at_front=True)
+                requeue_at_front(job, queue, pipe, retries_left=left - 1 if charged else None)
                 pipe.publish(self.keys.wake_channel(), self._class_of(queue))
                 if job_id is not None:
                     self.jobs.outcomes.handed_back(pipe, job_id, rq_id)
@@ -255,8 +254,9 @@ class Reaper:
             if job_id is None or not self.redis.sismember(self.keys.job_running(job_id), rq_id):
                 continue
             message = "abandoned by a dead worker and failed by RQ's registry cleanup (max_worker_losses)"
+            unknown = parse_payload(None)
             with self.redis.pipeline() as pipe:
-                report = failure_report(rq_id, {}, reason=WORKER_LOST, message=message)
-                self.jobs.outcomes.count_failed(pipe, job_id, rq_id, report, **prompt_labels({}))
+                report = failure_report(rq_id, unknown, reason=WORKER_LOST, message=message)
+                self.jobs.outcomes.count_failed(pipe, job_id, rq_id, report, **unknown.labels.kwargs())
                 pipe.execute()
             result.failed += 1

@@ -22,7 +22,6 @@ from redis import Redis
 from redis.client import Pipeline
 from rq import Queue
 from rq.job import Job, JobStatus
-from rq.serializers import JSONSerializer
 from rq.utils import now
 from rq.worker import BaseWorker, WorkerStatus
 from rq.worker_registration import clean_worker_registry
@@ -30,9 +29,18 @@ from rq.worker_registration import clean_worker_registry
 from datagen.control.dispatch import Claimant, Dispatch
 from datagen.control.jobs import AckTarget
 from datagen.control.lua import KEY, LuaScript, ScriptArgs
+from datagen.control.payload import parse_payload
+from datagen.control.rq_format import META, RETRIES_LEFT, SERIALIZER, failure_meta, started_member
 from datagen.states import PromptClass
 
-__all__ = ["InFlight", "QueueIdentity", "fail_job", "heartbeat_ttl_s", "payload_of", "refuse_stock_rq_worker"]
+__all__ = [
+    "InFlight",
+    "QueueIdentity",
+    "fail_job",
+    "heartbeat_ttl_s",
+    "refuse_stock_rq_worker",
+    "requeue_at_front",
+]
 
 log = logging.getLogger(__name__)
 
@@ -48,9 +56,10 @@ def refuse_stock_rq_worker(payload: dict[str, Any]) -> None:
 
     The datagen worker reads the payload and never calls it; a stock ``rq worker`` pointed at our
     queues would, and fails loudly instead of generating without group commit and retries."""
+    parsed = parse_payload(payload)
     raise RuntimeError(
         "datagen prompt jobs must be run by `datagen worker`, not by a stock `rq worker` "
-        f"(job {payload.get('job')!r}, sample {payload.get('sample_id')!r})"
+        f"(job {parsed.job!r}, sample {parsed.sample_id!r})"
     )
 
 
@@ -94,7 +103,7 @@ class QueueIdentity(BaseWorker):
             [queue_name],
             name=name,
             connection=connection,
-            serializer=JSONSerializer,
+            serializer=SERIALIZER,
             worker_ttl=self._ttl_s,
             job_monitoring_interval=max(1, int(heartbeat_interval_s)),
         )
@@ -175,7 +184,7 @@ class QueueIdentity(BaseWorker):
             job._status = JobStatus.STARTED
             job.worker_name = self.name
             job.started_at = job.last_heartbeat = claimed.started_at
-            item = InFlight(job, queue, f"{claimed.rq_id}:{self.execution_id}")
+            item = InFlight(job, queue, started_member(claimed.rq_id, self.execution_id))
             self.in_flight.add(item)
             items.append(item)
         return items
@@ -190,8 +199,11 @@ class QueueIdentity(BaseWorker):
         for item in items:
             self.in_flight.discard(item)
 
-    def finish_failure(self, item: InFlight, message: str, hook: FinishHook | None) -> None:
-        """Put the job in RQ's failed registry with ``message`` as its exception text.
+    def finish_failure(
+        self, item: InFlight, message: str, hook: FinishHook | None, *, reason: str | None = None
+    ) -> None:
+        """Put the job in RQ's failed registry with ``message`` as its exception text, and
+        ``reason`` (what ``datagen retry --reason`` filters on) in its meta.
 
         Not ``handle_job_failure``: that would spend the job's RQ retries, which are kept for dead
         workers (``workers/claim/reaper.py``), and it commits in two steps, where our counters must move
@@ -200,6 +212,8 @@ class QueueIdentity(BaseWorker):
         job = item.job
         job.ended_at = now()
         with self.connection.pipeline() as pipe:
+            if reason is not None:
+                pipe.hset(job.key, META, failure_meta(job, reason))
             fail_job(job, message, pipe, worker_name=self.name)
             pipe.zrem(item.queue.started_job_registry.key, item.member)
             self.increment_failed_job_count(pipe)
@@ -233,8 +247,7 @@ class QueueIdentity(BaseWorker):
         """Return an unfinished job to the front of its queue without charging an attempt."""
         with self.connection.pipeline() as pipe:
             pipe.zrem(item.queue.started_job_registry.key, item.member)
-            item.job.set_status(JobStatus.QUEUED, pipeline=pipe)
-            item.queue.push_job_id(item.job.id, pipeline=pipe, at_front=True)
+            requeue_at_front(item.job, item.queue, pipe)
             if self.wake_channel:
                 pipe.publish(self.wake_channel, self.cls_value)
             if hook is not None:
@@ -274,7 +287,10 @@ def fail_job(job: Job, message: str, pipe: Pipeline, *, worker_name: str) -> Non
     job._handle_failure(message, pipe, worker_name=worker_name)
 
 
-def payload_of(job: Job) -> dict[str, Any] | None:
-    """The prompt payload dict of a datagen RQ job, or None for anything else."""
-    payload = job.args[0] if job.args else None
-    return payload if isinstance(payload, dict) else None
+def requeue_at_front(job: Job, queue: Queue, pipe: Pipeline, *, retries_left: int | None = None) -> None:
+    """Queue ``job`` again at the front of ``queue``, in ``pipe``: a prompt handed back, or a dead
+    worker's requeued by the reaper (``retries_left``: its worker-loss budget now, None to keep it)."""
+    if retries_left is not None:
+        pipe.hset(job.key, RETRIES_LEFT, retries_left)
+    job.set_status(JobStatus.QUEUED, pipeline=pipe)
+    queue.push_job_id(job.id, pipeline=pipe, at_front=True)

@@ -1,9 +1,11 @@
-"""Which engine a server runs, asked of the server itself: :class:`DetectingEngine`.
+"""Which engine a server runs, asked of the server itself: :class:`DetectingEngine`, and the one
+place that builds an engine's client (:func:`build_engine`), so that nothing above the seam imports
+an engine.
 
-The worker gives every server a :class:`DetectingEngine`. When the server comes up (the health
-probe reads its facts) it asks the server which engine it is, builds that engine's client and
-delegates everything to it from then on; a server restarted as the other engine is noticed at its
-next come-up. How it tells them apart (``docs/reference/vllm-contract.md`` section 7):
+The worker gives every server the :class:`DetectingEngine` of :func:`build_engine`. When the server
+comes up (the health probe reads its facts) it asks the server which engine it is, builds that
+engine's client and delegates everything to it from then on; a server restarted as the other engine
+is noticed at its next come-up. How it tells them apart (``docs/reference/vllm-contract.md`` section 7):
 
 1. ``GET /v1/models``: both engines serve it, with ``owned_by`` ``"sglang"`` or ``"vllm"``;
 2. else ``GET /model_info`` answering 200 is SGLang (vLLM has no such route);
@@ -20,16 +22,17 @@ import logging
 from collections.abc import Callable, Mapping, Sequence
 
 import httpx
+from pydantic import SecretStr
 
 from datagen.errors import ConfigError, DatagenError, PreflightError, ServerError, ServerUnavailableError
 from datagen.states import EngineChoice
-from workers.engines.base import Engine, GenerateResult, ParsedCalls, ServerFacts
-from workers.engines.http import DEFAULT_CONTROL_TIMEOUT_S, PooledClient
-from workers.engines.sglang_replies import error_message
-from workers.fleet.kv_policy import KvSignals
-from workers.fleet.servers import shown_url
+from workers.engines.base import Engine, GenerateResult, KvSignals, ServerFacts, error_message
+from workers.engines.http import DEFAULT_CONTROL_TIMEOUT_S, ClientTimeouts, PooledClient
+from workers.engines.sglang import SGLangClient
+from workers.engines.urls import shown_url
+from workers.engines.vllm import VllmClient
 
-__all__ = ["DetectingEngine", "EngineProbe", "detect_engine"]
+__all__ = ["DetectingEngine", "EngineProbe", "build_engine", "detect_engine"]
 
 log = logging.getLogger(__name__)
 
@@ -108,7 +111,9 @@ class DetectingEngine:
         """The engine in use; ``auto`` until the server has been asked."""
         return self._client.engine if self._client is not None else EngineChoice.AUTO
 
-    def _require(self) -> Engine:
+    def current(self) -> Engine:
+        """The client this server's engine is delegated to; ServerUnavailableError until the
+        server has said which engine it runs."""
         if self._client is None:
             raise ServerUnavailableError(
                 f"server {self.name} ({shown_url(self.base_url)}) has not said which engine it runs "
@@ -163,7 +168,7 @@ class DetectingEngine:
         rid: str,
         read_timeout_s: float | None = None,
     ) -> GenerateResult:
-        return await self._require().generate(
+        return await self.current().generate(
             input_ids, sampling_params, rid=rid, read_timeout_s=read_timeout_s
         )
 
@@ -174,9 +179,26 @@ class DetectingEngine:
         return await self._client.health(timeout_s=timeout_s)
 
     async def kv_signals(self, *, timeout_s: float) -> KvSignals:
-        return await self._require().kv_signals(timeout_s=timeout_s)
+        return await self.current().kv_signals(timeout_s=timeout_s)
 
-    async def parse_function_call(
-        self, text: str, parser: str, tools: Sequence[Mapping[str, object]], *, timeout_s: float
-    ) -> ParsedCalls:
-        return await self._require().parse_function_call(text, parser, tools, timeout_s=timeout_s)
+
+def build_engine(
+    name: str,
+    base_url: str,
+    *,
+    choice: EngineChoice,
+    timeouts: ClientTimeouts,
+    max_connections: int,
+    api_key: str | SecretStr | None = None,
+) -> DetectingEngine:
+    """The engine of one server: ``choice`` forced, or ``auto`` to ask the server. Its client gets
+    ``max_connections`` for generation; the probe, the control pool alone."""
+
+    def build(engine: EngineChoice) -> Engine:
+        client_class = VllmClient if engine is EngineChoice.VLLM else SGLangClient
+        return client_class(
+            name, base_url, timeouts=timeouts, max_connections=max_connections, api_key=api_key
+        )
+
+    probe = EngineProbe(name, base_url, timeouts=timeouts, max_connections=1, api_key=api_key)
+    return DetectingEngine(name, choice=choice, build=build, probe=probe)

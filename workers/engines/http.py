@@ -27,8 +27,8 @@ from datagen.errors import (
     ServerUnavailableError,
 )
 from datagen.settings import DEFAULT_CONNECT_TIMEOUT_S
-from workers.engines.sglang_replies import ERROR_TEXT_MAX_CHARS
-from workers.fleet.servers import shown_url, url_secret
+from workers.engines.base import ERROR_TEXT_MAX_CHARS
+from workers.engines.urls import shown_url, url_secret
 
 __all__ = [
     "CONTROL_CONNECTIONS",
@@ -151,6 +151,10 @@ class PooledClient:
     @property
     def _label(self) -> str:
         return f"{self.name!r} ({shown_url(self.base_url)})"
+
+    def current(self) -> Self:
+        """This client answers for its server itself (:meth:`workers.engines.base.Engine.current`)."""
+        return self
 
     # -- lifecycle ---------------------------------------------------------------------------------
 

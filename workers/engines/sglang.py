@@ -34,41 +34,17 @@ import httpx
 
 from datagen.errors import DatagenError, ServerError
 from datagen.states import EngineChoice, FinishType
-from workers.engines.base import ServerFacts
-from workers.engines.http import (
-    DEFAULT_CONTROL_TIMEOUT_S,
-    DEFAULT_POOL_TIMEOUT_S,
-    DEFAULT_READ_TIMEOUT_S,
-    DEFAULT_WRITE_TIMEOUT_S,
-    GENERATE_POOL_CONNECTIONS,
-    ClientTimeouts,
-    PooledClient,
-)
-from workers.engines.http import _split as _split  # the tests' import of it from here
+from workers.engines.base import GenerateResult, KvSignals, ParsedCalls, ServerFacts, is_int
+from workers.engines.http import DEFAULT_CONTROL_TIMEOUT_S, PooledClient
 from workers.engines.sglang_replies import (
-    Finish,
-    GenerateResult,
-    ParsedCalls,
     abort_error,
-    is_int,
     parse_function_call_response,
     parse_generate_response,
+    parse_kv_signals,
     status_error,
 )
-from workers.fleet.kv_policy import KvSignals, parse_kv_signals
 
-__all__ = [
-    "DEFAULT_CONTROL_TIMEOUT_S",
-    "DEFAULT_POOL_TIMEOUT_S",
-    "DEFAULT_READ_TIMEOUT_S",
-    "DEFAULT_WRITE_TIMEOUT_S",
-    "GENERATE_POOL_CONNECTIONS",
-    "ClientTimeouts",
-    "Finish",
-    "GenerateResult",
-    "SGLangClient",
-    "parse_generate_response",
-]
+__all__ = ["SGLangClient"]
 
 logger = logging.getLogger(__name__)
 
@@ -84,7 +60,8 @@ PARSE_FUNCTION_CALL_PATH = "/parse_function_call"
 
 class SGLangClient(PooledClient):
     """One SGLang server (:class:`workers.engines.http.PooledClient`'s pools, ``/generate`` taking the
-    large ones): the SGLang side of :class:`workers.engines.base.Engine`."""
+    large ones): the SGLang side of :class:`workers.engines.base.Engine`, and a
+    :class:`workers.engines.base.ToolCallParsing` (``/parse_function_call``)."""
 
     engine = EngineChoice.SGLANG
     kind = "SGLang"

@@ -1,51 +1,63 @@
 """SGLang's replies read strictly: ``/generate``'s ``output_ids`` and ``meta_info`` (finish reasons in
-every shape SGLang sends), and error statuses and bodies turned into the project's errors, as the
-table in :mod:`workers.engines.sglang` draws them. Pure functions over what the client received."""
+every shape SGLang sends), ``/parse_function_call``'s calls, the ``/metrics`` names the KV controller
+reads, and error statuses and bodies turned into the project's errors, as the table in
+:mod:`workers.engines.sglang` draws them. Pure functions over what the client received."""
 
 from __future__ import annotations
 
 import json
 import logging
 from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import TypeGuard
 
 import httpx
 
 from datagen.errors import (
     BadRequestError,
-    ConfigError,
     DatagenError,
     DuplicateRequestError,
     GenerationAbortedError,
-    RequestTimeoutError,
     ServerError,
-    ServerUnavailableError,
 )
 from datagen.states import FinishType
+from workers.engines.base import (
+    ERROR_TEXT_MAX_CHARS,
+    Finish,
+    GenerateResult,
+    KvSignals,
+    ParsedCalls,
+    ToolCall,
+    classify_status,
+    error_message,
+    is_int,
+)
+from workers.engines.kv_metrics import KvMetricNames, read_kv_signals
 
 __all__ = [
-    "Finish",
-    "GenerateResult",
-    "ParsedCalls",
-    "ToolCall",
+    "KV_METRICS",
     "abort_error",
-    "classify_status",
-    "error_message",
+    "parse_finish",
     "parse_function_call_response",
     "parse_generate_response",
+    "parse_kv_signals",
     "status_error",
 ]
 
 logger = logging.getLogger(__name__)
 
-ERROR_TEXT_MAX_CHARS = 1000
 DUPLICATE_RID_MARKER = "Duplicate request ID"
 
-
-def is_int(value: object) -> TypeGuard[int]:
-    # bool is an int subclass; JSON true is never a token id or a count.
-    return isinstance(value, int) and not isinstance(value, bool)
+# The /metrics names (``sglang:`` or ``sglang_``, without ``_total``) the KV controller reads.
+KV_METRICS = KvMetricNames(
+    prefixes=("sglang:", "sglang_"),
+    fields={
+        "token_usage": "token_usage",
+        "num_queue_reqs": "num_queue_reqs",
+        "num_running_reqs": "num_running_reqs",
+        "num_retracted_requests": "retracted_total",
+        "max_total_num_tokens": "max_total_num_tokens",
+        "num_requests": "requests_total",
+    },
+)
 
 
 def _optional_int(mapping: Mapping[str, object], key: str) -> int | None:
@@ -85,75 +97,31 @@ def _parse_matched(raw: Mapping[str, object]) -> int | str:
     raise ServerError(f"finish_reason stop needs an int, list[int] or str 'matched', got {dict(raw)!r}")
 
 
-@dataclass(frozen=True)
-class Finish:
-    """SGLang's ``meta_info.finish_reason`` of a finished request.
-
-    ``matched`` is set for ``stop`` (a token id, or the stop string or regex), ``length`` for ``length``
-    (the max_new_tokens reached), ``message``/``status_code``/``err_type`` for ``abort``.
-    """
-
-    type: FinishType
-    matched: int | str | None = None
-    length: int | None = None
-    message: str | None = None
-    status_code: int | None = None
-    err_type: str | None = None
-
-    @classmethod
-    def parse(cls, raw: object) -> Finish:
-        """Read every shape SGLang emits; raise ServerError on anything else, ``null`` included."""
-        if raw is None:
-            # Only streamed chunks before the last one carry null, and this client never streams.
-            raise ServerError("finish_reason is null: the reply is an unfinished streaming chunk")
-        if not isinstance(raw, dict):
-            raise ServerError(f"finish_reason must be an object, got {raw!r}")
-        kind = raw.get("type")
-        if kind == FinishType.STOP:
-            return cls(type=FinishType.STOP, matched=_parse_matched(raw))
-        if kind == FinishType.LENGTH:
-            length = _optional_int(raw, "length")
-            if length is None:
-                raise ServerError(f"finish_reason length needs an integer 'length', got {raw!r}")
-            return cls(type=FinishType.LENGTH, length=length)
-        if kind == FinishType.ABORT:
-            # A waiting-queue abort carries only type and message.
-            return cls(
-                type=FinishType.ABORT,
-                message=_optional_str(raw, "message"),
-                status_code=_optional_int(raw, "status_code"),
-                err_type=_optional_str(raw, "err_type"),
-            )
-        raise ServerError(f"unknown finish_reason type {kind!r} in {raw!r}; expected stop, length or abort")
-
-    def to_json(self) -> dict[str, object]:
-        """The shape SGLang's ``to_json()`` gives, for storing or logging as-is."""
-        if self.type is FinishType.STOP:
-            return {"type": "stop", "matched": self.matched}
-        if self.type is FinishType.LENGTH:
-            return {"type": "length", "length": self.length}
-        return {
-            "type": "abort",
-            "message": self.message,
-            "status_code": self.status_code,
-            "err_type": self.err_type,
-        }
-
-
-@dataclass(frozen=True)
-class GenerateResult:
-    """One finished ``/generate`` call. ``output_ids`` are the generated tokens only, never the prompt,
-    and end with the EOS or stop token when ``finish.type`` is stop."""
-
-    rid: str
-    output_ids: list[int]
-    finish: Finish
-    prompt_tokens: int | None  # absent when the request was aborted in the waiting queue
-    completion_tokens: int
-    cached_tokens: int
-    e2e_latency_s: float | None
-    num_retractions: int
-    weight_version: str | None
+def parse_finish(raw: object) -> Finish:
+    """``meta_info.finish_reason`` of a finished request, in every shape SGLang emits; ServerError on
+    anything else, ``null`` included. :meth:`Finish.to_json` gives the same shape back."""
+    if raw is None:
+        # Only streamed chunks before the last one carry null, and this client never streams.
+        raise ServerError("finish_reason is null: the reply is an unfinished streaming chunk")
+    if not isinstance(raw, dict):
+        raise ServerError(f"finish_reason must be an object, got {raw!r}")
+    kind = raw.get("type")
+    if kind == FinishType.STOP:
+        return Finish(type=FinishType.STOP, matched=_parse_matched(raw))
+    if kind == FinishType.LENGTH:
+        length = _optional_int(raw, "length")
+        if length is None:
+            raise ServerError(f"finish_reason length needs an integer 'length', got {raw!r}")
+        return Finish(type=FinishType.LENGTH, length=length)
+    if kind == FinishType.ABORT:
+        # A waiting-queue abort carries only type and message.
+        return Finish(
+            type=FinishType.ABORT,
+            message=_optional_str(raw, "message"),
+            status_code=_optional_int(raw, "status_code"),
+            err_type=_optional_str(raw, "err_type"),
+        )
+    raise ServerError(f"unknown finish_reason type {kind!r} in {raw!r}; expected stop, length or abort")
 
 
 def _parse_output_ids(body: Mapping[str, object]) -> list[int]:
@@ -191,7 +159,7 @@ def parse_generate_response(body: object, *, rid: str) -> GenerateResult:
         raise ServerError(f"expected a JSON object, got {type(body).__name__}")
     output_ids = _parse_output_ids(body)
     meta = _parse_meta(body)
-    finish = Finish.parse(meta.get("finish_reason"))
+    finish = parse_finish(meta.get("finish_reason"))
     completion_tokens = _optional_int(meta, "completion_tokens")
     if completion_tokens is None:
         raise ServerError("meta_info.completion_tokens is missing")
@@ -226,28 +194,6 @@ def parse_generate_response(body: object, *, rid: str) -> GenerateResult:
 # --------------------------------------------------------------------------------------------------
 
 
-def error_message(response: httpx.Response) -> str:
-    """The server's own message from either SGLang error shape, else the body text."""
-    try:
-        body = response.json()
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        body = None
-    if isinstance(body, dict):
-        error = body.get("error")
-        if isinstance(error, dict) and isinstance(error.get("message"), str):
-            return str(error["message"])  # {"error": {"message": ...}} from a ValueError
-        if isinstance(body.get("message"), str):
-            return str(body["message"])  # {"object": "error", "message": ...}
-        if "detail" in body:
-            return str(body["detail"])  # FastAPI's own errors: {"detail": "Not Found"}
-        if isinstance(error, str):
-            return error  # {"error": "Unauthorized"} from the API-key middleware
-    text = response.text.strip()
-    if not text:
-        return "(empty body)"
-    return text if len(text) <= ERROR_TEXT_MAX_CHARS else text[:ERROR_TEXT_MAX_CHARS] + "…"
-
-
 def status_error(response: httpx.Response, *, server: str, what: str) -> DatagenError:
     status = response.status_code
     message = error_message(response)
@@ -257,24 +203,6 @@ def status_error(response: httpx.Response, *, server: str, what: str) -> Datagen
             f"{said}. An earlier attempt with this rid is still running; retry later"
         )
     return classify_status(status, said, not_found="The URL is probably not an SGLang server")
-
-
-def classify_status(status: int, said: str, *, not_found: str) -> DatagenError:
-    """An HTTP error status as the project's error, the same for every engine: ``said`` names the
-    request, the server and its message; ``not_found`` is what a 404 most likely means there."""
-    if status in (401, 403):
-        return ConfigError(f"{said}. The server wants an API key: set the one it was started with --api-key")
-    if status == 404:
-        return ServerError(f"{said}. {not_found}; check the server's base URL")
-    if status == 408:
-        return RequestTimeoutError(f"{said}. Retry")
-    if status in (429, 503):
-        return ServerUnavailableError(f"{said}. The server is busy, starting or shutting down; retry later")
-    if status >= 500:
-        return ServerError(f"{said}. Retry; if it repeats, read the server's log")
-    if 400 <= status < 500:
-        return BadRequestError(f"{said}. The request must change; retrying it cannot succeed")
-    return ServerError(f"{said}. Unexpected status for this endpoint")
 
 
 def abort_error(result: GenerateResult, *, server: str) -> DatagenError:
@@ -289,25 +217,8 @@ def abort_error(result: GenerateResult, *, server: str) -> DatagenError:
 
 
 # --------------------------------------------------------------------------------------------------
-# The client
+# Tool calls and metrics
 # --------------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class ToolCall:
-    """One call SGLang's tool-call parser found: the function's name and its arguments (the JSON
-    object the model wrote; its text when that is not an object)."""
-
-    name: str
-    arguments: dict[str, object] | str
-
-
-@dataclass(frozen=True)
-class ParsedCalls:
-    """``POST /parse_function_call``'s reply: the text around the calls, and the calls in order."""
-
-    normal_text: str
-    calls: tuple[ToolCall, ...]
 
 
 def _arguments(parameters: object) -> dict[str, object] | str:
@@ -340,3 +251,8 @@ def parse_function_call_response(body: object) -> ParsedCalls:
             raise ServerError(f"/parse_function_call reply has a call without a name: {raw!r}")
         calls.append(ToolCall(name=name, arguments=_arguments(raw.get("parameters", "{}"))))
     return ParsedCalls(normal_text=body["normal_text"], calls=tuple(calls))
+
+
+def parse_kv_signals(text: str) -> KvSignals:
+    """The KV controller's inputs from SGLang's ``/metrics`` page (:data:`KV_METRICS`)."""
+    return read_kv_signals(text, KV_METRICS)

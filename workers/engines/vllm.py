@@ -5,7 +5,9 @@ vLLM 0.33.0), non-streaming, one prompt per call: ``prompt`` as a list of ids (t
 BOS, no chat template), ``return_token_ids`` so the choice carries the generated ids, and every
 sampling field sent explicitly, since vLLM fills the missing ones from the model's
 ``generation_config.json``. It reads ``/health``, ``/v1/models`` (``max_model_len``, the model) and
-``/metrics``. Errors, as :mod:`workers.engines.vllm_replies` translates them::
+``/metrics``. It parses no tool calls, having no route for it, so it is no
+:class:`workers.engines.base.ToolCallParsing`. Errors, as :mod:`workers.engines.vllm_replies`
+translates them::
 
     httpx.TimeoutException                  RequestTimeoutError
     httpx.TransportError                    ServerUnavailableError
@@ -28,11 +30,14 @@ import httpx
 
 from datagen.errors import BadRequestError, DatagenError, ServerError
 from datagen.states import EngineChoice, FinishType
-from workers.engines.base import GenerateResult, ParsedCalls, ServerFacts
+from workers.engines.base import GenerateResult, KvSignals, ServerFacts, is_int
 from workers.engines.http import DEFAULT_CONTROL_TIMEOUT_S, PooledClient
-from workers.engines.sglang_replies import is_int
-from workers.engines.vllm_replies import abort_error, parse_completion_response, status_error
-from workers.fleet.kv_policy import VLLM_PREFIXES, VLLM_SIGNALS, KvSignals, parse_kv_signals
+from workers.engines.vllm_replies import (
+    abort_error,
+    parse_completion_response,
+    parse_kv_signals,
+    status_error,
+)
 
 __all__ = ["VllmClient", "vllm_request"]
 
@@ -152,13 +157,4 @@ class VllmClient(PooledClient):
         response = await self._send("GET", METRICS_PATH, what=what, phase_timeouts=timeout)
         if response.status_code != 200:
             raise self._status_error(response, what=what)
-        return parse_kv_signals(response.text, prefixes=VLLM_PREFIXES, signals=VLLM_SIGNALS)
-
-    async def parse_function_call(
-        self, text: str, parser: str, tools: Sequence[Mapping[str, object]], *, timeout_s: float
-    ) -> ParsedCalls:
-        # Retryable, so that a conversation's next try goes to another server of the fleet.
-        raise ServerError(
-            f"vLLM server {self._label} has no tool-call parser route (SGLang's /parse_function_call): "
-            "a job with tool_call_parser needs an SGLang server in the fleet"
-        )
+        return parse_kv_signals(response.text)

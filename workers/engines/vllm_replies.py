@@ -1,6 +1,7 @@
 """vLLM's replies read strictly (``docs/reference/vllm-contract.md``): a ``/v1/completions`` choice's
-``token_ids`` and ``finish_reason``, turned into the record's finish, and error statuses turned into
-the project's errors. Pure functions over what :class:`workers.engines.vllm.VllmClient` received."""
+``token_ids`` and ``finish_reason``, turned into the record's finish, the ``/metrics`` names the KV
+controller reads, and error statuses turned into the project's errors. Pure functions over what
+:class:`workers.engines.vllm.VllmClient` received."""
 
 from __future__ import annotations
 
@@ -15,11 +16,26 @@ from datagen.errors import (
     ServerError,
 )
 from datagen.states import FinishType
-from workers.engines.sglang_replies import Finish, GenerateResult, classify_status, error_message, is_int
+from workers.engines.base import Finish, GenerateResult, KvSignals, classify_status, error_message, is_int
+from workers.engines.kv_metrics import KvMetricNames, read_kv_signals
 
-__all__ = ["abort_error", "parse_completion_response", "status_error"]
+__all__ = ["KV_METRICS", "abort_error", "parse_completion_response", "parse_kv_signals", "status_error"]
 
 logger = logging.getLogger(__name__)
+
+# The /metrics names (``vllm:`` or ``vllm_``, without ``_total``) the KV controller reads. vLLM's
+# preemption is a retraction (the request loses its KV blocks and recomputes them later); requests
+# served are summed over ``finished_reason``. vLLM has no KV capacity gauge.
+KV_METRICS = KvMetricNames(
+    prefixes=("vllm:", "vllm_"),
+    fields={
+        "kv_cache_usage_perc": "token_usage",
+        "num_requests_waiting": "num_queue_reqs",
+        "num_requests_running": "num_running_reqs",
+        "num_preemptions": "retracted_total",
+        "request_success": "requests_total",
+    },
+)
 
 
 def _choice(body: object) -> Mapping[str, object]:
@@ -114,3 +130,9 @@ def abort_error(result: GenerateResult, *, server: str) -> DatagenError:
         f"vLLM server {server} aborted request {result.rid!r} after {len(result.output_ids)} tokens "
         "(finish_reason abort). Retry, here or on another server"
     )
+
+
+def parse_kv_signals(text: str) -> KvSignals:
+    """The KV controller's inputs from vLLM's ``/metrics`` page (:data:`KV_METRICS`); ranks are
+    told apart by its ``engine`` label."""
+    return read_kv_signals(text, KV_METRICS)

@@ -22,7 +22,7 @@ import logging
 
 from redis import Redis, RedisError
 
-from datagen.control.jobs import now_ms
+from datagen.clock import now_ms
 from datagen.control.keys import Keys
 from datagen.control.servers import ServerInfo, live_servers, publish_server
 from datagen.errors import ConfigError, DatagenError, PreflightError, RequestTimeoutError, RetryableError

@@ -18,13 +18,14 @@ import time
 
 from redis import Redis, RedisError
 
-from datagen.control.jobs import now_ms
+from datagen.clock import now_ms
 from datagen.control.keys import Keys
 from datagen.control.redistext import as_text
 from datagen.control.servers import ControllerPhase, ServerControl, read_control
 from datagen.errors import DatagenError
 from datagen.settings import DEFAULT_CONTROLLER_INITIAL_TARGET, DEFAULT_CONTROLLER_SLOW_START_INTERVAL_S
-from workers.fleet.kv_policy import KvSignals, decide, restarted
+from workers.engines.base import KvSignals
+from workers.fleet.kv_policy import decide, restarted
 from workers.fleet.servers import Server
 from workers.metrics import WorkerMetrics
 

@@ -26,38 +26,23 @@ the worker's next requests arrive; more only parks work where it cannot move.
 - less than the setpoint waiting, the target in use (running + waiting near it) and KV usage with
   headroom: grow by the shortfall or 5 %, whichever is more.
 
-Measured on the project's simulator (``bench/README.md``, "Fourth pass" and "Fifth pass"), whose
-pool turns over in about a second: the first rules (a queue of one at most, cut to what runs) ran
-24.5 to 25.0 requests where 27 fit, and the user's whole run came to 0.90 of a plain client's. With
-a floor of four for the setpoint, not two, the steady state came to 0.958 of a fixed limit's in the
-same runs, not 0.937 (the whole run, 1.7 % behind that fixed limit's, did not move; against a plain
-client it came to 0.94-0.98, mean 0.959); the server queue p95 stays 0.27 to 0.47 of the running
-requests.
+How the setpoint and slow start were measured, and what they changed, is in ``bench/README.md``
+("Fourth pass" and "Fifth pass").
 
-It reads the server's ``/metrics`` in either name form (``sglang:`` or ``sglang_``; for vLLM
-``vllm:kv_cache_usage_perc``, ``num_requests_running``, ``num_requests_waiting`` and
-``num_preemptions_total``, a preemption counting as a retraction), summing over data-parallel
-ranks. A counter that went down (requests served, retractions) means the server
+It takes :class:`workers.engines.base.KvSignals` only: each engine reads them from its own
+``/metrics`` (:mod:`workers.engines.kv_metrics`), a preemption counting as a retraction, summed
+over data-parallel ranks. A counter that went down (requests served, retractions) means the server
 restarted, which starts slow start again.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
 from dataclasses import dataclass
 
-from prometheus_client.parser import text_string_to_metric_families
+from workers.engines.base import KvSignals
 
-__all__ = [
-    "VLLM_PREFIXES",
-    "VLLM_SIGNALS",
-    "Decision",
-    "KvSignals",
-    "decide",
-    "parse_kv_signals",
-    "restarted",
-]
+__all__ = ["Decision", "decide", "restarted"]
 
 RETRACTION_BACKOFF = 0.7
 GROWTH = 0.05
@@ -69,94 +54,6 @@ BINDING_FRACTION = 0.9
 # Slow start's growth per sample: 1.5 rather than TCP's 2, so that the step that finds the
 # server's limit parks at most a third of what runs in its queue.
 SLOW_START_GROWTH = 1.5
-
-# Metric name (without prefix and ``_total``) -> KvSignals field, per engine.
-SGLANG_SIGNALS = {
-    "token_usage": "token_usage",
-    "num_queue_reqs": "num_queue_reqs",
-    "num_running_reqs": "num_running_reqs",
-    "num_retracted_requests": "retracted_total",
-    "max_total_num_tokens": "max_total_num_tokens",
-    "num_requests": "requests_total",
-}
-# vLLM's preemption is SGLang's retraction (the request loses its KV blocks and recomputes them
-# later); requests served are summed over ``finished_reason``. vLLM has no KV capacity gauge.
-VLLM_SIGNALS = {
-    "kv_cache_usage_perc": "token_usage",
-    "num_requests_waiting": "num_queue_reqs",
-    "num_requests_running": "num_running_reqs",
-    "num_preemptions": "retracted_total",
-    "request_success": "requests_total",
-}
-SGLANG_PREFIXES = ("sglang:", "sglang_")
-VLLM_PREFIXES = ("vllm:", "vllm_")
-
-
-@dataclass(frozen=True)
-class KvSignals:
-    token_usage: float | None = None
-    num_queue_reqs: float = 0.0
-    num_running_reqs: float = 0.0
-    retracted_total: float | None = None
-    max_total_num_tokens: float | None = None
-    requests_total: float | None = None  # requests the server has served since it started
-
-    def to_json(self) -> dict[str, float | None]:
-        return {
-            "token_usage": self.token_usage,
-            "num_queue_reqs": self.num_queue_reqs,
-            "num_running_reqs": self.num_running_reqs,
-            "retracted_total": self.retracted_total,
-            "max_total_num_tokens": self.max_total_num_tokens,
-            "requests_total": self.requests_total,
-        }
-
-    @classmethod
-    def from_json(cls, values: dict[str, float | None]) -> KvSignals:
-        """The inverse of :meth:`to_json`; unknown keys (an older or newer worker) are ignored."""
-        return cls(**{k: v for k, v in values.items() if k in cls.__dataclass_fields__})  # type: ignore[arg-type]
-
-
-def _signal_name(family: str, prefixes: tuple[str, ...], signals: Mapping[str, str]) -> str | None:
-    for prefix in prefixes:
-        if family.startswith(prefix):
-            name = family[len(prefix) :]
-            return signals.get(name.removesuffix("_total"))
-    return None
-
-
-def parse_kv_signals(
-    text: str,
-    *,
-    prefixes: tuple[str, ...] = SGLANG_PREFIXES,
-    signals: Mapping[str, str] = SGLANG_SIGNALS,
-) -> KvSignals:
-    """The controller's inputs from a Prometheus text page; absent signals stay None/0.
-
-    Counts are summed over data-parallel ranks (SGLang's ``dp_rank``, vLLM's ``engine`` label);
-    KV usage, a fraction per rank, is the fullest rank's.
-    """
-    values: dict[str, list[float]] = {}
-    for family in text_string_to_metric_families(text):
-        field = _signal_name(family.name, prefixes, signals)
-        if field is None:
-            continue
-        for sample in family.samples:
-            if sample.name.endswith(("_created", "_bucket", "_count", "_sum")):
-                continue
-            values.setdefault(field, []).append(float(sample.value))
-    usage = values.get("token_usage")
-    retracted = values.get("retracted_total")
-    capacity = values.get("max_total_num_tokens")
-    requests = values.get("requests_total")
-    return KvSignals(
-        token_usage=max(usage) if usage else None,
-        num_queue_reqs=sum(values.get("num_queue_reqs", [0.0])),
-        num_running_reqs=sum(values.get("num_running_reqs", [0.0])),
-        retracted_total=sum(retracted) if retracted else None,
-        max_total_num_tokens=sum(capacity) if capacity else None,
-        requests_total=sum(requests) if requests else None,
-    )
 
 
 @dataclass(frozen=True)

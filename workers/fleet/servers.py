@@ -26,32 +26,20 @@ from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, cast
-from urllib.parse import urlsplit
 
 from pydantic import SecretStr
 
 from datagen.errors import ConfigError
 from datagen.states import EngineChoice, PromptClass, ServerState
 from workers.engines.base import Engine
+from workers.engines.urls import default_name, engine_prefix, shown_url, url_secret
 from workers.metrics import WorkerMetrics
 
-__all__ = ["Fleet", "Server", "ServerSpec", "shown_url", "url_secret", "with_api_keys"]
+__all__ = ["Fleet", "Server", "ServerSpec", "with_api_keys"]
 
 log = logging.getLogger(__name__)
 
 _NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
-# What a server URL may not hold (its credentials, or a query string or fragment that may hold a
-# token), and what to do instead; {name} is the server's name.
-_CREDENTIALS_FIX = (
-    "put credentials in DATAGEN_SERVER_API_KEYS ({name}=KEY), not in the URL; the worker sends a "
-    "server's key as a bearer token, the one the server was started with --api-key"
-)
-_QUERY_FIX = (
-    "a server URL takes no query string or fragment; give {shown}, and put a token in "
-    "DATAGEN_SERVER_API_KEYS ({name}=KEY)"
-)
-# Shown for a URL whose secret cannot be told apart from the rest (an '@' after a '?' or '#').
-_HIDDEN = "***"
 # How long a sample waits for the server that serves its prompt's other samples.
 AFFINITY_WAIT_S = 2.0
 # Prompts remembered for affinity (their samples are enqueued together, so recent ones suffice).
@@ -334,8 +322,8 @@ class ServerSpec:
         if not sep:
             url, name = value, ""
         url = url.strip().rstrip("/")
-        engine, url = _engine_prefix(url)
-        default = _default_name(url)
+        engine, url = engine_prefix(url)
+        default = default_name(url)
         if default is None:
             raise ValueError(
                 f"server {shown_url(value)!r}: expected NAME=http://host:port or http://host:port (the "
@@ -362,37 +350,6 @@ class ServerSpec:
         return specs
 
 
-def shown_url(url: str) -> str:
-    """``url`` as every log line, message and published view shows a server: without its
-    ``user:password@`` part, query string and fragment, any of which may hold a secret.
-
-    Works on any text, parsed or not: everything up to the last ``@`` and from the first ``?`` or
-    ``#`` is dropped; where an ``@`` follows a ``?`` or ``#`` (a query holding an ``@``, or a password
-    holding a ``?``) nothing after the scheme is shown.
-    """
-    scheme, sep, rest = url.partition("://")
-    if not sep:
-        scheme, rest = "", url
-    start = rest.rfind("@") + 1
-    end = min((i for i in (rest.find("?"), rest.find("#")) if i >= 0), default=len(rest))
-    return f"{scheme}{sep}{rest[start:end] if end >= start else _HIDDEN}"
-
-
-def url_secret(url: str, *, name: str = "") -> str | None:
-    """Why ``url`` cannot be a server's URL, and what to do instead, when it may carry a secret
-    (an ``@``, ``?`` or ``#`` anywhere); None when it carries none. The message names the server
-    ``name``, else the name a bare URL gets (``host-port``), and never shows the secret."""
-    if "@" in url:
-        fix = _CREDENTIALS_FIX
-    elif "?" in url or "#" in url:
-        fix = _QUERY_FIX
-    else:
-        return None
-    shown = shown_url(url.strip())
-    name = name or _default_name(_engine_prefix(shown)[1]) or ""
-    return f"server {name or shown}: " + fix.format(name=name or "NAME", shown=shown)
-
-
 def _refuse_secret(value: str) -> None:
     """ValueError (:func:`url_secret`'s message) when ``NAME=URL`` or a bare URL carries a secret."""
     name, sep, url = value.partition("=")
@@ -401,27 +358,6 @@ def _refuse_secret(value: str) -> None:
     secret = url_secret(url if named else value, name=name if named else "")
     if secret is not None:
         raise ValueError(secret)
-
-
-def _engine_prefix(url: str) -> tuple[EngineChoice, str]:
-    """The engine a ``vllm+`` or ``sglang+`` scheme names (else ``auto``) and the URL without it."""
-    prefix, plus, rest = url.partition("+")
-    if plus and prefix in (EngineChoice.SGLANG, EngineChoice.VLLM):
-        return EngineChoice(prefix), rest
-    return EngineChoice.AUTO, url
-
-
-def _default_name(url: str) -> str | None:
-    """``host-port``, the name of a server given by its bare URL; None when ``url`` is not an
-    ``http(s)://host[:port]`` URL whose port is a number."""
-    try:
-        parsed = urlsplit(url)
-        port = parsed.port
-    except ValueError:  # a port that is no number, or a broken [IPv6] host
-        return None
-    if parsed.scheme not in ("http", "https") or not parsed.hostname:
-        return None
-    return f"{parsed.hostname}-{port or (443 if parsed.scheme == 'https' else 80)}"
 
 
 def with_api_keys(specs: list[ServerSpec], keys: Mapping[str, SecretStr]) -> list[ServerSpec]:

@@ -18,8 +18,8 @@ import time
 
 from redis import Redis, RedisError
 
+from datagen.clock import now_ms
 from datagen.control.epoch import EpochChange, EpochWatch
-from datagen.control.jobs import now_ms
 from datagen.control.keys import Keys
 from datagen.control.redistext import as_texts
 from datagen.control.servers import (

@@ -27,20 +27,27 @@ from typing import Any
 
 from datagen.control.payload import PromptPayload
 from datagen.control.turns import history_note, stop_note
-from datagen.errors import DatagenError, FatalError, InvalidRowError, JobNotFoundError
+from datagen.errors import DatagenError, FatalError, InvalidRowError, JobNotFoundError, ServerError
 from datagen.prompts.tokenization import PromptRenderer, renderer_for
 from datagen.records.schema import Record
 from datagen.records.storage import Storage
 from datagen.spec import JobSpec
 from datagen.states import FinishType, StopReason, ToolMismatch
-from workers.engines.sglang_replies import ParsedCalls
+from workers.engines.base import ParsedCalls, ToolCallParsing
 from workers.fleet.servers import Server
 from workers.metrics import WorkerMetrics
 from workers.run.jobinfo import JobInfo, JobInfos
 from workers.run.redisretry import while_redis_down
 from workers.run.turns import assistant_turn, dataset_call_names, history_text, next_turn
 
-__all__ = ["NEXT_TURN_ATTEMPTS", "ConversationStop", "Conversations", "NextTurn", "note_of"]
+__all__ = [
+    "NEXT_TURN_ATTEMPTS",
+    "ConversationStop",
+    "Conversations",
+    "NextTurn",
+    "note_of",
+    "tool_call_parsing",
+]
 
 log = logging.getLogger(__name__)
 
@@ -183,7 +190,8 @@ class Conversations:
         retries (one may be restarting)."""
         ordered = sorted(self.servers, key=lambda s: (not s.up, s.name != server_name))
         server = ordered[attempt % len(ordered)]
-        return await server.client.parse_function_call(text, parser, tools, timeout_s=PARSE_TIMEOUT_S)
+        engine = tool_call_parsing(server)
+        return await engine.parse_function_call(text, parser, tools, timeout_s=PARSE_TIMEOUT_S)
 
     async def record_stop(self, payload: PromptPayload, stop: ConversationStop) -> None:
         """Store the stop (retried; a storage outage costs the note, never the turn) and count it."""
@@ -211,3 +219,16 @@ class Conversations:
                 )
                 await asyncio.sleep(self.backoff_s[min(attempt, len(self.backoff_s) - 1)])
         log.error("gave up storing the stop of conversation %s: %s", payload.sample_id, stop.message)
+
+
+def tool_call_parsing(server: Server) -> ToolCallParsing:
+    """The engine that parses ``server``'s tool calls: its own, when its engine can. Otherwise a
+    ServerError, retryable, so that the next try goes to another server of the fleet."""
+    engine = server.client.current()
+    if not isinstance(engine, ToolCallParsing):
+        raise ServerError(
+            f"server {server.name} runs {engine.engine}, which has no tool-call parser route "
+            "(SGLang's /parse_function_call): a job with tool_call_parser needs an SGLang server "
+            "in the fleet"
+        )
+    return engine

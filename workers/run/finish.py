@@ -28,17 +28,17 @@ import redis
 from redis.client import Pipeline
 from rq.job import Job, JobStatus
 
+from datagen.clock import now_ms
 from datagen.control.dispatch import Dispatch
-from datagen.control.enqueue import EnqueueOptions, queued_job_fields
-from datagen.control.job_outcomes import QueuedTurn
-from datagen.control.jobs import AckItem, JobStore, now_ms
-from datagen.control.keys import Keys, prompt_key
-from datagen.control.payload import ParsedPayload, PromptPayload
+from datagen.control.enqueue import queued_turn
+from datagen.control.job_outcomes import QueuedTurn, failure_report
+from datagen.control.jobs import AckItem, JobStore
+from datagen.control.keys import Keys
+from datagen.control.payload import ParsedPayload, PromptPayload, counts_in
 from datagen.errors import JobNotFoundError, RetryableError
 from datagen.records.schema import Record
-from datagen.settings import DEFAULT_FAILURE_TTL_S, DEFAULT_MAX_WORKER_LOSSES, DEFAULT_RESULT_TTL_S
+from datagen.settings import DEFAULT_RESULT_TTL_S
 from datagen.states import PromptClass
-from workers.claim.failures import failure_report, prompt_labels
 from workers.claim.rqbridge import InFlight, QueueIdentity
 from workers.metrics import WorkerMetrics
 from workers.run.conversation import Conversations, ConversationStop, NextTurn, note_of
@@ -145,9 +145,6 @@ def ack_item(
     )
 
 
-log = logging.getLogger(__name__)
-
-
 class Finisher:
     def __init__(
         self,
@@ -239,17 +236,7 @@ class Finisher:
         except JobNotFoundError:
             return None
         queue = self.identities[following.cls].queue
-        rq_id, fields = queued_job_fields(queue, self.keys, following, _enqueue_options(item.job))
-        return QueuedTurn(
-            rq_id=rq_id,
-            fields=fields,
-            member=prompt_key(following.sample_id, following.turn, following.gen),
-            cls=following.cls,
-            priority=priority,
-            prompt_tokens=len(following.prompt_ids),
-            queue_key=queue.key,
-            queues_key=queue.redis_queues_keys,
-        )
+        return queued_turn(queue, self.keys, following, priority=priority, after=item.job)
 
     def _observe(self, record: Record) -> None:
         metrics = self.metrics
@@ -275,23 +262,19 @@ class Finisher:
         self.metrics.failures.labels(reason).inc()
         log.warning("failed %s: %s", item.job.id, message)
         job_id = parsed.job
-        report = failure_report(item.job.id, parsed.raw, reason=reason, message=message)
-        item.job.meta["failure_reason"] = reason  # what `datagen retry --reason` filters on
+        report = failure_report(item.job.id, parsed, reason=reason, message=message)
 
         def hook(pipe: Pipeline) -> None:
-            pipe.hset(item.job.key, "meta", item.job.serializer.dumps(item.job.meta))
             if job_id is not None:
-                self.jobs.outcomes.count_failed(
-                    pipe, job_id, item.job.id, report, **prompt_labels(parsed.raw)
-                )
+                self.jobs.outcomes.count_failed(pipe, job_id, item.job.id, report, **parsed.labels.kwargs())
 
-        identity.finish_failure(item, message, hook)
+        identity.finish_failure(item, message, hook, reason=reason)
 
     def cancelled(self, identity: QueueIdentity, item: InFlight, parsed: ParsedPayload, job_id: str) -> None:
         if self._gone(parsed):
             self.drop_stale(identity, item)
             return
-        labels = prompt_labels(parsed.raw)
+        labels = parsed.labels.kwargs()
 
         def hook(pipe: Pipeline) -> None:
             self.jobs.outcomes.count_cancelled(pipe, job_id, item.job.id, **labels)
@@ -306,12 +289,13 @@ class Finisher:
         log.info("dropped %s: its job was deleted while it ran", item.job.id)
 
     def _gone(self, parsed: ParsedPayload) -> bool:
-        """Whether the prompt's job was deleted, or its id reused, while it ran. RQ's transitions
+        """Whether the prompt's job was deleted, or its id reused, while it ran: the prompt no longer
+        counts in it (`datagen.control.payload.counts_in`, the count scripts' rule). RQ's transitions
         write the prompt's RQ hash unconditionally: they would write a deleted job's back (kept for
         a TTL, or for good) or change the new job's prompt of the same RQ id (failed, or queued twice)."""
         if parsed.job is None or parsed.prompt is None:
             return False
-        return self.jobs.incarnation(parsed.job) != parsed.prompt.incarnation
+        return not counts_in(parsed.prompt.incarnation, self.jobs.incarnation(parsed.job))
 
     def hand_back(self, identity: QueueIdentity, item: InFlight, parsed: ParsedPayload) -> None:
         """Return an unfinished prompt to the front of its queue; if Redis is down, the reaper will."""
@@ -326,16 +310,6 @@ class Finisher:
             identity.hand_back(item, hook)
         except redis.RedisError as exc:
             log.error("cannot hand %s back (Redis unreachable): the reaper will: %s", item.job.id, exc)
-
-
-def _enqueue_options(job: Job) -> EnqueueOptions:
-    """The coordinator's enqueue settings, as stored on the job that precedes the new one."""
-    stored = job.meta.get("enqueue") or {}
-    return EnqueueOptions(
-        result_ttl_s=int(stored.get("result_ttl_s", job.result_ttl or DEFAULT_RESULT_TTL_S)),
-        failure_ttl_s=int(stored.get("failure_ttl_s", job.failure_ttl or DEFAULT_FAILURE_TTL_S)),
-        max_worker_losses=int(stored.get("max_worker_losses", DEFAULT_MAX_WORKER_LOSSES)),
-    )
 
 
 def is_final(job: Job) -> bool:

@@ -25,13 +25,14 @@ from typing import Any
 
 from rq.job import Job
 
-from datagen.control.jobs import now_ms
+from datagen.clock import now_ms
 from datagen.control.payload import PromptPayload
+from datagen.control.rq_format import ATTEMPTS
 from datagen.errors import ConfigError, FatalError, RetryableError, ServerUnavailableError
 from datagen.records.schema import Record
 from datagen.settings import WorkerSettings
 from datagen.states import PromptClass
-from workers.engines.sglang import GenerateResult
+from workers.engines.base import GenerateResult
 from workers.fleet.health import API_KEY_HINT
 from workers.fleet.servers import Fleet, Server
 from workers.metrics import WorkerMetrics
@@ -73,7 +74,7 @@ class Generator:
         spec = job_info.spec
         # Samples of one prompt prefer one server, whose prefix cache then serves them.
         affinity = f"{payload.job}/{payload.sample_id}/{payload.turn}" if spec.samples > 1 else None
-        attempts = int(job.meta.get("attempts", 0))
+        attempts = int(job.meta.get(ATTEMPTS, 0))
         started_at_ms = now_ms()
         tries = 0
         failed_on: set[str] = set()  # servers where this prompt timed out, got a 5xx or was aborted
@@ -155,7 +156,7 @@ class Generator:
             log.info("retrying %s elsewhere (server %s down): %s", job.id, server.name, error)
             return attempts
         attempts += 1
-        job.meta["attempts"] = attempts
+        job.meta[ATTEMPTS] = attempts
         await while_redis_down(job.save_meta)
         if attempts >= self.settings.max_attempts:
             raise FatalError(f"gave up after {attempts} attempts: {error}") from error

@@ -26,7 +26,7 @@ from typing import Any
 from datagen.control.payload import Conversation
 from datagen.control.turns import history, next_turn
 from datagen.prompts.tokenization import PromptRenderer
-from workers.engines.sglang_replies import ToolCall
+from workers.engines.base import ToolCall
 
 __all__ = ["assistant_turn", "dataset_call_names", "history", "history_text", "next_turn"]
 

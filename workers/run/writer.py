@@ -38,7 +38,8 @@ from dataclasses import dataclass
 import redis
 
 from datagen.backoff import Backoff
-from datagen.control.jobs import now_ms
+from datagen.clock import now_ms
+from datagen.control.payload import counts_in
 from datagen.errors import JobNotFoundError, StorageError
 from datagen.records.schema import Record, records_to_table
 from datagen.records.storage import Storage
@@ -379,8 +380,9 @@ class RecordWriter:
             raise
 
     def _check_live(self, job_id: str, incarnation: str) -> None:
-        """Refuse records of a job deleted meanwhile (or of an earlier job of a reused id), before
-        and after the shard is written. Whatever is left over (a delete that kept its files)
+        """Refuse records of a job deleted meanwhile (or of an earlier job of a reused id: records
+        that no longer count in it, `datagen.control.payload.counts_in`), before and after the
+        shard is written. Whatever is left over (a delete that kept its files)
         stays out of exports all the same: its commit names the old incarnation."""
         if self.current_incarnation is None:
             return
@@ -388,7 +390,7 @@ class RecordWriter:
             current = self.current_incarnation(job_id)
         except redis.RedisError:
             return  # unknown now; the commit's incarnation still keeps exports right
-        if current is None or current != incarnation:
+        if not counts_in(incarnation, current):
             raise JobNotFoundError(f"job {job_id} was deleted or replaced by a new job of the same id")
 
     async def close(self, deadline_s: float) -> bool:

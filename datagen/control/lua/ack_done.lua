@@ -21,36 +21,24 @@
 -- ARGV[5]   partitions_suffix  ... in its labelled partitions'
 -- ARGV[6]   now_ms             now (ms)
 -- ARGV[7]   now_rq             now in RQ's time format
--- ARGV[8]   now_s              now (epoch s)
+-- ARGV[8]   now_s: number      now (epoch s)
 -- ARGV[9]   execution_id       the execution id of the started-registry members
 -- ARGV[10]  running_state      the state of a job whose prompts run
 -- ARGV[11]  completed_state    the state a job moves to when its last prompt ends
 -- ARGV[12..] prompts           8 per prompt: RQ id, job id, the job incarnation it belongs to ('' for
 --                              none), output tokens, partition, class, finish reason, result TTL (s)
-local started = KEYS[1]
-local finished = KEYS[2]
-local rq_job_prefix = ARGV[1]
-local job_prefix = ARGV[2]
-local running_suffix = ARGV[3]
-local breakdown_suffix = ARGV[4]
-local partitions_suffix = ARGV[5]
-local now_ms = ARGV[6]
-local now_rq = ARGV[7]
-local now_s = tonumber(ARGV[8])
-local execution_id = ARGV[9]
-local running_state = ARGV[10]
-local completed_state = ARGV[11]
-local prompts = {}
-for i = 12, #ARGV, 8 do
-  prompts[#prompts + 1] = {
-    rq_id = ARGV[i], job_id = ARGV[i + 1], incarnation = ARGV[i + 2], output_tokens = tonumber(ARGV[i + 3]),
-    partition = ARGV[i + 4], cls = ARGV[i + 5], finish = ARGV[i + 6], result_ttl_s = tonumber(ARGV[i + 7]),
+
+local acked = {}
+for i = 1, #prompts, 8 do
+  acked[#acked + 1] = {
+    rq_id = prompts[i], job_id = prompts[i + 1], incarnation = prompts[i + 2],
+    output_tokens = tonumber(prompts[i + 3]), partition = prompts[i + 4], cls = prompts[i + 5],
+    finish = prompts[i + 6], result_ttl_s = tonumber(prompts[i + 7]),
   }
 end
-
-if #prompts == 0 then return 0 end
+if #acked == 0 then return 0 end
 local groups, order, members = {}, {}, {}
-for _, prompt in ipairs(prompts) do
+for _, prompt in ipairs(acked) do
   members[#members + 1] = prompt.rq_id .. ':' .. execution_id
   if not groups[prompt.job_id] then
     groups[prompt.job_id] = {}

@@ -28,7 +28,7 @@
 -- ARGV[1]   rq_job_prefix    RQ job key prefix (`rq:job:`)
 -- ARGV[2]   now_ms           now (ms)
 -- ARGV[3]   now_rq           now in RQ's time format
--- ARGV[4]   now_s            now (epoch s)
+-- ARGV[4]   now_s: number    now (epoch s)
 -- ARGV[5]   execution_id     the execution id of the started-registry member
 -- ARGV[6]   running_state    the state of a job whose prompts run
 -- ARGV[7]   completed_state  the state a job moves to when its last prompt ends
@@ -36,53 +36,17 @@
 -- ARGV[9]   rq_id            the acknowledged turn's RQ id
 -- ARGV[10]  job_id           its job
 -- ARGV[11]  incarnation      the job incarnation it belongs to ('' for none)
--- ARGV[12]  output_tokens    its output tokens
+-- ARGV[12]  output_tokens: number  its output tokens
 -- ARGV[13]  partition        its partition (the next turn's too)
 -- ARGV[14]  cls              its class
 -- ARGV[15]  finish           its finish reason
--- ARGV[16]  result_ttl_s     its RQ result TTL (s)
+-- ARGV[16]  result_ttl_s: number  its RQ result TTL (s)
 -- ARGV[17]  queue_key        the next turn's RQ queue key
 -- ARGV[18]  next_member      the next turn's prompt key in the guard set
 -- ARGV[19]  next_rq_id       the next turn's RQ id
 -- ARGV[20]  next_cls         the next turn's class
--- ARGV[21]  next_tokens      the next turn's prompt tokens
+-- ARGV[21]  next_tokens: number  the next turn's prompt tokens
 -- ARGV[22..] next_fields     the next turn's RQ job hash: field, value, field, value, ...
-local started = KEYS[1]
-local finished = KEYS[2]
-local job_key = KEYS[3]
-local running = KEYS[4]
-local breakdown = KEYS[5]
-local partitions = KEYS[6]
-local enqueued = KEYS[7]
-local next_rq_key = KEYS[8]
-local backlog = KEYS[9]
-local dispatch_set = KEYS[10]
-local queues = KEYS[11]
-local paused = KEYS[12]
-local wake = KEYS[13]
-local rq_job_prefix = ARGV[1]
-local now_ms = ARGV[2]
-local now_rq = ARGV[3]
-local now_s = tonumber(ARGV[4])
-local execution_id = ARGV[5]
-local running_state = ARGV[6]
-local completed_state = ARGV[7]
-local cancelled_state = ARGV[8]
-local rq_id = ARGV[9]
-local job_id = ARGV[10]
-local incarnation = ARGV[11]
-local output_tokens = tonumber(ARGV[12])
-local partition = ARGV[13]
-local cls = ARGV[14]
-local finish = ARGV[15]
-local result_ttl_s = tonumber(ARGV[16])
-local queue_key = ARGV[17]
-local next_member = ARGV[18]
-local next_rq_id = ARGV[19]
-local next_cls = ARGV[20]
-local next_tokens = tonumber(ARGV[21])
-local next_fields = {}
-for i = 22, #ARGV do next_fields[#next_fields + 1] = ARGV[i] end
 
 local prompt = {
   rq_id = rq_id, incarnation = incarnation, output_tokens = output_tokens, partition = partition, cls = cls,
@@ -108,7 +72,7 @@ if redis.call('SADD', enqueued, next_member) == 1 then
   end
   redis.call('HINCRBY', job_key, 'accepted', 1)
   redis.call('HINCRBY', job_key, 'prompt_tokens', next_tokens)
-  redis.call('HINCRBY', breakdown, 'accepted|' .. label .. '|' .. next_cls, 1)
+  redis.call('HINCRBY', breakdown, breakdown_field('accepted', label, next_cls), 1)
 end
 count_in_job(job, 'done', done, tokens, fields, now_ms)
 complete_if_ended(job, running_state, completed_state, now_ms)

@@ -12,22 +12,10 @@
 -- KEYS[5]   wake             the wake channel
 -- KEYS[6]   paused           the paused jobs
 -- ARGV[1]   job_id           the job id
--- ARGV[2]   slice            RQ ids per RPUSH (Lua's unpack has a stack limit)
+-- ARGV[2]   slice: number    RQ ids per RPUSH (Lua's unpack has a stack limit)
 -- ARGV[3]   cls              the class
 -- ARGV[4]   cancelled_state  the state of a cancelled job
 -- ARGV[5..] rq_ids           the prompts' RQ ids
-local job_key = KEYS[1]
-local backlog = KEYS[2]
-local dispatch_set = KEYS[3]
-local breakdown = KEYS[4]
-local wake = KEYS[5]
-local paused = KEYS[6]
-local job_id = ARGV[1]
-local slice = tonumber(ARGV[2])
-local cls = ARGV[3]
-local cancelled_state = ARGV[4]
-local rq_ids = {}
-for i = 5, #ARGV do rq_ids[#rq_ids + 1] = ARGV[i] end
 
 local n = #rq_ids
 if n <= 0 then return 0 end

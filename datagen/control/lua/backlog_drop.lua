@@ -6,14 +6,8 @@
 -- KEYS[2]  job_key        the job's hash
 -- KEYS[3]  breakdown      its breakdown hash
 -- ARGV[1]  rq_job_prefix  RQ job key prefix (`rq:job:`)
--- ARGV[2]  count          how many at most
+-- ARGV[2]  count: number  how many at most
 -- ARGV[3]  cls            the class
-local backlog = KEYS[1]
-local job_key = KEYS[2]
-local breakdown = KEYS[3]
-local rq_job_prefix = ARGV[1]
-local count = tonumber(ARGV[2])
-local cls = ARGV[3]
 
 local ids = redis.call('LPOP', backlog, count)
 if not ids then return 0 end

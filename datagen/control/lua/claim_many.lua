@@ -33,47 +33,22 @@
 -- ARGV[1]    job_prefix        job key prefix (the job id follows)
 -- ARGV[2]    backlog_suffix    what follows a job's key in its backlog's of the class
 -- ARGV[3]    window_ttl_s      the window bucket's TTL (s)
--- ARGV[4]    rq_list_scan      how many of RQ's list a claim looks at, at most
+-- ARGV[4]    rq_list_scan: number  how many of RQ's list a claim looks at, at most
 -- ARGV[5]    rq_id_prefix      RQ id prefix (`{ns}-`; the job id follows it up to the next `-`)
 -- ARGV[6]    rq_job_prefix     RQ job key prefix (`rq:job:`)
--- ARGV[7]    want              how many prompts at most
+-- ARGV[7]    want: number      how many prompts at most
 -- ARGV[8]    heartbeat_expiry  the started-registry score (the heartbeat's expiry, epoch s)
 -- ARGV[9]    now_rq            now in RQ's time format
 -- ARGV[10]   worker_name       the worker's RQ name
 -- ARGV[11]   execution_id      the execution id of its started-registry members
 -- ARGV[12]   running_suffix    what follows a job's key in its running set's
--- ARGV[13]   epoch_floor       the worker's epoch floor
+-- ARGV[13]   epoch_floor: number  the worker's epoch floor
 -- ARGV[14..] skip              job ids this worker passes over (too many of their records wait for a
 --                              commit here)
-local queue = KEYS[1]
-local paused = KEYS[2]
-local high = KEYS[3]
-local normal = KEYS[4]
-local low = KEYS[5]
-local window = KEYS[6]
-local started = KEYS[7]
-local epoch = KEYS[8]
-local job_prefix = ARGV[1]
-local backlog_suffix = ARGV[2]
-local window_ttl_s = ARGV[3]
-local rq_list_scan = tonumber(ARGV[4])
-local rq_id_prefix = ARGV[5]
-local rq_job_prefix = ARGV[6]
-local want = tonumber(ARGV[7])
-local heartbeat_expiry = ARGV[8]
-local now_rq = ARGV[9]
-local worker_name = ARGV[10]
-local execution_id = ARGV[11]
-local running_suffix = ARGV[12]
-local epoch_floor = tonumber(ARGV[13])
-local skip = {}
-local nskip = 0
-for i = 14, #ARGV do
-  skip[ARGV[i]] = true
-  nskip = nskip + 1
-end
 
 if tonumber(redis.call('HGET', epoch, 'seq') or '0') < epoch_floor then return {} end
+local skipped = {}
+for _, job in ipairs(skip) do skipped[job] = true end
 local sets = {high = high, normal = normal, low = low}
 local function job_of(id)
   local rest = string.sub(id, #rq_id_prefix + 1)
@@ -86,7 +61,7 @@ for _ = 1, rq_list_scan do
   local id = redis.call('LPOP', queue)
   if not id then break end
   local job = job_of(id)
-  if job ~= '' and (skip[job] or redis.call('SISMEMBER', paused, job) == 1) then
+  if job ~= '' and (skipped[job] or redis.call('SISMEMBER', paused, job) == 1) then
     redis.call('LPUSH', job_prefix .. job .. backlog_suffix, id)
     rejoin(sets[redis.call('HGET', job_prefix .. job, 'priority') or 'normal'] or normal, paused, job)
   else
@@ -126,7 +101,7 @@ for _, set in ipairs({high, normal, low}) do
   while #ids < want do
     local need = want - #ids
     local jobs = {}
-    local page = need + nskip
+    local page = need + #skip
     local offset = 0
     while #jobs < need do
       local entries = redis.call('ZRANGE', set, offset, offset + page - 1, 'WITHSCORES')
@@ -134,7 +109,7 @@ for _, set in ipairs({high, normal, low}) do
       for i = 1, #entries, 2 do
         if #jobs >= need then break end
         local job = entries[i]
-        if not skip[job] then
+        if not skipped[job] then
           local jobkey = job_prefix .. job
           local left = redis.call('LLEN', jobkey .. backlog_suffix)
           if left == 0 then

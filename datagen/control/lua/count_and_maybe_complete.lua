@@ -11,36 +11,18 @@
 -- KEYS[4]  breakdown        its breakdown hash
 -- KEYS[5]  partitions       its labelled partitions
 -- ARGV[1]  counter          the counter the prompt moves: done, failed or cancelled
--- ARGV[2]  increment        how many prompts it adds (0: none)
--- ARGV[3]  output_tokens    their output tokens
+-- ARGV[2]  increment: number  how many prompts it adds (0: none)
+-- ARGV[3]  output_tokens: number  their output tokens
 -- ARGV[4]  now_ms           now (ms)
 -- ARGV[5]  rq_id            the RQ id that leaves the running set ('' for none)
 -- ARGV[6]  report           a failure report to keep, JSON ('' for none)
--- ARGV[7]  report_cap       how many failure reports the job keeps
+-- ARGV[7]  report_cap: number  how many failure reports the job keeps
 -- ARGV[8]  partition        the prompt's partition
 -- ARGV[9]  cls              its class
 -- ARGV[10] finish           its finish reason ('' for none)
 -- ARGV[11] incarnation      the job incarnation it belongs to ('' for none)
 -- ARGV[12] running_state    the state of a job whose prompts run
 -- ARGV[13] completed_state  the state a job moves to when its last prompt ends
-local job_key = KEYS[1]
-local running = KEYS[2]
-local reports = KEYS[3]
-local breakdown = KEYS[4]
-local partitions = KEYS[5]
-local counter = ARGV[1]
-local increment = tonumber(ARGV[2])
-local output_tokens = tonumber(ARGV[3])
-local now_ms = ARGV[4]
-local rq_id = ARGV[5]
-local report = ARGV[6]
-local report_cap = tonumber(ARGV[7])
-local partition = ARGV[8]
-local cls = ARGV[9]
-local finish = ARGV[10]
-local incarnation = ARGV[11]
-local running_state = ARGV[12]
-local completed_state = ARGV[13]
 
 local job = {key = job_key, running = running, breakdown = breakdown, partitions = partitions}
 local current = job_incarnation(job)

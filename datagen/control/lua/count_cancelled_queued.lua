@@ -5,11 +5,7 @@
 -- KEYS[1]  job_key    the job's hash
 -- KEYS[2]  breakdown  its breakdown hash
 -- ARGV[1]  cls        the prompts' class
--- ARGV[2]  n          how many
-local job_key = KEYS[1]
-local breakdown = KEYS[2]
-local cls = ARGV[1]
-local n = tonumber(ARGV[2])
+-- ARGV[2]  n: number  how many
 
 count_cancelled_queued(job_key, breakdown, cls, n)
 return n

@@ -17,18 +17,6 @@
 -- ARGV[5]   mode           'replace', or '' to create only if no job of the id exists
 -- ARGV[6]   lease_token    the rebuild's lease token ('' for none: no lease is checked)
 -- ARGV[7..] fields         field, value, field, value, ... of the job's hash
-local job_key = KEYS[1]
-local index = KEYS[2]
-local fence = KEYS[3]
-local lease = KEYS[4]
-local job_id = ARGV[1]
-local created_at_ms = ARGV[2]
-local incarnation = ARGV[3]
-local fence_value = ARGV[4]
-local mode = ARGV[5]
-local lease_token = ARGV[6]
-local fields = {}
-for i = 7, #ARGV do fields[#fields + 1] = ARGV[i] end
 
 if lease_token ~= '' and redis.call('GET', lease) ~= lease_token then return -1 end
 local state = redis.call('HGET', job_key, 'state')

@@ -6,14 +6,9 @@
 --
 -- KEYS[1]  epoch    the epoch hash
 -- ARGV[1]  new_id   the id to write if the epoch has none
--- ARGV[2]  floor    the caller's floor
--- ARGV[3]  jump     how far past the higher of the two the counter goes
+-- ARGV[2]  floor: number  the caller's floor
+-- ARGV[3]  jump: number  how far past the higher of the two the counter goes
 -- ARGV[4]  rebuilt  '1' when the caller rebuilt what Redis lost, else ''
-local epoch = KEYS[1]
-local new_id = ARGV[1]
-local floor = tonumber(ARGV[2])
-local jump = tonumber(ARGV[3])
-local rebuilt = ARGV[4]
 
 local id = redis.call('HGET', epoch, 'id')
 local seq = tonumber(redis.call('HGET', epoch, 'seq') or '0')

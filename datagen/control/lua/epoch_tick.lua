@@ -5,10 +5,7 @@
 --
 -- KEYS[1]  epoch        the epoch hash
 -- ARGV[1]  expected_id  the id the caller knows
--- ARGV[2]  floor        the caller's floor
-local epoch = KEYS[1]
-local expected_id = ARGV[1]
-local floor = tonumber(ARGV[2])
+-- ARGV[2]  floor: number  the caller's floor
 
 local id = redis.call('HGET', epoch, 'id')
 local seq = tonumber(redis.call('HGET', epoch, 'seq') or '0')

@@ -3,14 +3,13 @@
 --
 -- KEYS[1]   reports  the job's failure reports
 -- ARGV[1..] rq_ids   the RQ ids whose reports go
-local reports = KEYS[1]
-local rq_ids = {}
-for i = 1, #ARGV do rq_ids[ARGV[i]] = true end
 
+local going = {}
+for _, rq_id in ipairs(rq_ids) do going[rq_id] = true end
 local kept = {}
 for _, raw in ipairs(redis.call('LRANGE', reports, 0, -1)) do
   local ok, report = pcall(cjson.decode, raw)
-  if not (ok and type(report) == 'table' and rq_ids[report['rq_id']]) then kept[#kept + 1] = raw end
+  if not (ok and type(report) == 'table' and going[report['rq_id']]) then kept[#kept + 1] = raw end
 end
 redis.call('DEL', reports)
 for i = 1, #kept, 1000 do redis.call('RPUSH', reports, unpack(kept, i, math.min(i + 999, #kept))) end

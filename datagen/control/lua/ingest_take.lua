@@ -6,9 +6,6 @@
 -- KEYS[1]  fence        the job's ingest fence
 -- ARGV[1]  incarnation  the incarnation the new run ingests
 -- ARGV[2]  token        the new run's token
-local fence = KEYS[1]
-local incarnation = ARGV[1]
-local token = ARGV[2]
 
 local held = redis.call('GET', fence)
 if not held or incarnation == '' then return false end

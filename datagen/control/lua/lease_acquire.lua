@@ -5,10 +5,6 @@
 -- ARGV[1]  token      the new holder's token
 -- ARGV[2]  ttl_ms     its time to live (ms)
 -- ARGV[3]  over_done  1: a done marker counts as free
-local lease = KEYS[1]
-local token = ARGV[1]
-local ttl_ms = ARGV[2]
-local over_done = ARGV[3]
 
 local held = redis.call('GET', lease)
 if held and not (over_done == '1' and string.sub(held, 1, 5) == 'done:') then return {0, held} end

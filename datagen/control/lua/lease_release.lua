@@ -4,10 +4,7 @@
 --
 -- KEYS[1]  lease    the lease
 -- ARGV[1]  token    the holder's token
--- ARGV[2]  done_ms  how long the done marker stays (0: none)
-local lease = KEYS[1]
-local token = ARGV[1]
-local done_ms = tonumber(ARGV[2])
+-- ARGV[2]  done_ms: number  how long the done marker stays (0: none)
 
 if redis.call('GET', lease) ~= token then return 0 end
 if done_ms > 0 then

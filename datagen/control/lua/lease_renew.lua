@@ -3,9 +3,6 @@
 -- KEYS[1]  lease   the lease
 -- ARGV[1]  token   the holder's token
 -- ARGV[2]  ttl_ms  its new time to live (ms)
-local lease = KEYS[1]
-local token = ARGV[1]
-local ttl_ms = ARGV[2]
 
 if redis.call('GET', lease) == token then return redis.call('PEXPIRE', lease, ttl_ms) end
 return 0

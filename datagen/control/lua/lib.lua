@@ -65,16 +65,24 @@ local function partition_label(job, partition, known)
   return 'other'
 end
 
+-- The field of a job's breakdown hash that counts `counter` for one partition label and class:
+-- `counter|label|class`, the form `datagen.control.keys.BreakdownField` encodes and decodes (every
+-- script builds its fields here; tests/datagen/test_lua_files.py holds the two together).
+local function breakdown_field(counter, label, cls)
+  return counter .. '|' .. label .. '|' .. cls
+end
+
 -- Adds to `fields` (breakdown field -> increment) what `n` prompts of one label and class, counted
 -- as `counter`, add: the counter, their output tokens, and one per finish reason ('' for none).
 local function tally(fields, counter, label, cls, n, tokens, finish)
-  local suffix = '|' .. label .. '|' .. cls
-  fields[counter .. suffix] = (fields[counter .. suffix] or 0) + n
+  local field = breakdown_field(counter, label, cls)
+  fields[field] = (fields[field] or 0) + n
   if tokens ~= 0 then
-    fields['output_tokens' .. suffix] = (fields['output_tokens' .. suffix] or 0) + tokens
+    field = breakdown_field('output_tokens', label, cls)
+    fields[field] = (fields[field] or 0) + tokens
   end
   if finish ~= '' then
-    local field = 'finish:' .. finish .. suffix
+    field = breakdown_field('finish:' .. finish, label, cls)
     fields[field] = (fields[field] or 0) + 1
   end
 end
@@ -179,5 +187,5 @@ end
 -- so it counts as 'unknown'.
 local function count_cancelled_queued(jobkey, breakdown, cls, n)
   redis.call('HINCRBY', jobkey, 'cancelled', n)
-  redis.call('HINCRBY', breakdown, 'cancelled|unknown|' .. cls, n)
+  redis.call('HINCRBY', breakdown, breakdown_field('cancelled', 'unknown', cls), n)
 end

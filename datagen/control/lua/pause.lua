@@ -4,10 +4,6 @@
 -- KEYS[1]   paused  the paused jobs
 -- KEYS[2..] sets    every dispatch set (each class and priority)
 -- ARGV[1]   job_id  the job id
-local paused = KEYS[1]
-local sets = {}
-for i = 2, #KEYS do sets[#sets + 1] = KEYS[i] end
-local job_id = ARGV[1]
 
 redis.call('SADD', paused, job_id)
 for _, set in ipairs(sets) do redis.call('ZREM', set, job_id) end

@@ -2,8 +2,6 @@
 --
 -- KEYS[1]  lock   the lock
 -- ARGV[1]  token  the holder's token
-local lock = KEYS[1]
-local token = ARGV[1]
 
 if redis.call('GET', lock) == token then return redis.call('DEL', lock) end
 return 0

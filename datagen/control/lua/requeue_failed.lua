@@ -16,36 +16,22 @@
 -- ARGV[4]   cancelled_state  the state of a cancelled job
 -- ARGV[5]   running_state    the state a completed job moves back to
 -- ARGV[6..] prompts          4 per prompt: RQ id, its new RQ meta (serialized), retries left ('' to
---                            keep), its breakdown suffix ('|label|class')
-local job_key = KEYS[1]
-local breakdown = KEYS[2]
-local registry = KEYS[3]
-local backlog = KEYS[4]
-local dispatch_set = KEYS[5]
-local paused = KEYS[6]
-local rq_job_prefix = ARGV[1]
-local job_id = ARGV[2]
-local completed_state = ARGV[3]
-local cancelled_state = ARGV[4]
-local running_state = ARGV[5]
-local prompts = {}
-for i = 6, #ARGV, 4 do
-  prompts[#prompts + 1] = {
-    rq_id = ARGV[i], meta = ARGV[i + 1], retries_left = ARGV[i + 2], suffix = ARGV[i + 3],
-  }
-end
+--                            keep), the breakdown field it counted failed in
 
 local state = redis.call('HGET', job_key, 'state')
 if not state or state == cancelled_state then return -1 end
 local moved = {}
-for _, prompt in ipairs(prompts) do
+for i = 1, #prompts, 4 do
+  local prompt = {
+    rq_id = prompts[i], meta = prompts[i + 1], retries_left = prompts[i + 2], failed_field = prompts[i + 3],
+  }
   if redis.call('ZREM', registry, prompt.rq_id) == 1 then
     local rqkey = rq_job_prefix .. prompt.rq_id
     redis.call('HSET', rqkey, 'status', 'queued', 'meta', prompt.meta)
     if prompt.retries_left ~= '' then redis.call('HSET', rqkey, 'retries_left', prompt.retries_left) end
     redis.call('PERSIST', rqkey)
     redis.call('RPUSH', backlog, prompt.rq_id)
-    redis.call('HINCRBY', breakdown, 'failed' .. prompt.suffix, -1)
+    redis.call('HINCRBY', breakdown, prompt.failed_field, -1)
     moved[#moved + 1] = prompt.rq_id
   end
 end

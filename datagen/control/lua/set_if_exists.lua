@@ -3,9 +3,6 @@
 -- KEYS[1]  hash_key    the hash
 -- ARGV[1]  field_name  the field
 -- ARGV[2]  value       its value
-local hash_key = KEYS[1]
-local field_name = ARGV[1]
-local value = ARGV[2]
 
 if redis.call('EXISTS', hash_key) == 0 then return 0 end
 return redis.call('HSET', hash_key, field_name, value)

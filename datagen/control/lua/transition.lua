@@ -11,14 +11,6 @@
 --                     more), 'arm' (ingestion may enqueue for the job's incarnation)
 -- ARGV[4]   token     this call's token
 -- ARGV[5..] fields    field, value, field, value, ... to set with the move
-local job_key = KEYS[1]
-local fence = KEYS[2]
-local sources = ARGV[1]
-local target = ARGV[2]
-local fence_op = ARGV[3]
-local token = ARGV[4]
-local fields = {}
-for i = 5, #ARGV do fields[#fields + 1] = ARGV[i] end
 
 local state = redis.call('HGET', job_key, 'state')
 if not state then return 0 end

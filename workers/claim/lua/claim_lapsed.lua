@@ -4,10 +4,7 @@
 --
 -- KEYS[1]  started  an RQ started registry
 -- ARGV[1]  member   the member (`<rq id>:<execution id>`)
--- ARGV[2]  cutoff   the cutoff (epoch s)
-local started = KEYS[1]
-local member = ARGV[1]
-local cutoff = tonumber(ARGV[2])
+-- ARGV[2]  cutoff: number  the cutoff (epoch s)
 
 local score = redis.call('ZSCORE', started, member)
 if not score or tonumber(score) > cutoff then return false end

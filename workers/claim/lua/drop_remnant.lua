@@ -2,7 +2,6 @@
 -- it did.
 --
 -- KEYS[1]  rq_job_key  the RQ job hash
-local rq_job_key = KEYS[1]
 
 if redis.call('HEXISTS', rq_job_key, 'data') == 0 then return redis.call('DEL', rq_job_key) end
 return 0

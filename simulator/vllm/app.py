@@ -1,9 +1,8 @@
-"""The simulator speaking vLLM's OpenAI-compatible HTTP contract (``SimConfig(api="vllm")``).
+"""vLLM's routes and error bodies, as vLLM 0.33.0 has them, so a client can tell the engines apart.
 
-Routes, as vLLM 0.33.0 serves them: ``POST /v1/completions``, ``GET /v1/models``, ``/health``,
-``/version`` and ``/metrics``. Every other path, SGLang's ``/generate``, ``/server_info`` and
-``/model_info`` included, answers FastAPI's 404 ``{"detail": "Not Found"}`` as a real vLLM does,
-so a client can tell the engines apart. Errors have vLLM's shape
+The routes: ``POST /v1/completions``, ``GET /v1/models``, ``/health``, ``/version`` and
+``/metrics``. Every other path, SGLang's ``/generate``, ``/server_info`` and ``/model_info``
+included, answers FastAPI's 404 ``{"detail": "Not Found"}`` as a real vLLM does. Errors have vLLM's shape
 ``{"error": {"message", "type", "param", "code"}}``; a client that disconnects aborts its
 requests at once (vLLM's ``with_cancellation``).
 
@@ -15,22 +14,19 @@ completions, LoRA, the prefix cache, and the fault and warmup options of the SGL
 from __future__ import annotations
 
 import asyncio
-import hmac
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import asynccontextmanager
 from http import HTTPStatus
 from typing import Any
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from prometheus_client import CONTENT_TYPE_LATEST
 
-from simulator._vllm_protocol import CompletionRequest, VllmError
-from simulator._vllm_service import VllmServer
 from simulator.config import SimConfig
+from simulator.frontend import create_frontend_app
+from simulator.vllm._protocol import CompletionRequest, VllmError
+from simulator.vllm._service import VllmServer
 
 __all__ = ["VLLM_VERSION", "create_vllm_app"]
 
@@ -45,37 +41,18 @@ _MAX_ERROR_INPUT_CHARS = 200
 def create_vllm_app(config: SimConfig) -> FastAPI:
     """A FastAPI app simulating one vLLM server; its engine runs inside the app lifespan."""
     server = VllmServer(config)
-
-    @asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        await server.start()
-        try:
-            yield
-        finally:
-            await server.close()
-
-    app = FastAPI(title="simulated vLLM", lifespan=lifespan, openapi_url=None)
-    app.state.sim = server
-    if config.api_key is not None:
-        _require_api_key(app, config.api_key.get_secret_value())
-    app.add_exception_handler(RequestValidationError, _validation_error)
-    app.add_exception_handler(VllmError, _vllm_error)
-    app.include_router(_completion_routes(server))
-    app.include_router(_info_routes(server))
-    return app
+    return create_frontend_app(
+        server,
+        title="simulated vLLM",
+        guards=_guarded,
+        exception_handlers={RequestValidationError: _validation_error, VllmError: _vllm_error},
+        routers=[_completion_routes(server), _info_routes(server)],
+    )
 
 
-def _require_api_key(app: FastAPI, api_key: str) -> None:
-    expected = f"Bearer {api_key}".encode()
-
-    @app.middleware("http")
-    async def authenticate(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
-        if request.method == "OPTIONS" or not request.url.path.startswith(_GUARDED_PREFIXES):
-            return await call_next(request)
-        given = request.headers.get("authorization", "").encode()
-        if not hmac.compare_digest(given, expected):
-            return JSONResponse({"error": "Unauthorized"}, status_code=401)
-        return await call_next(request)
+def _guarded(path: str) -> bool:
+    # vLLM's --api-key guards only its API prefixes, /health and /metrics left open.
+    return path.startswith(_GUARDED_PREFIXES)
 
 
 # -- error bodies (vllm/entrypoints/serve/exception_handling) -----------------------------------
@@ -200,9 +177,5 @@ def _info_routes(server: VllmServer) -> APIRouter:
             "permission": [permission],
         }
         return {"object": "list", "data": [card]}
-
-    @router.get("/metrics")
-    async def metrics() -> Response:
-        return Response(server.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
     return router

@@ -16,8 +16,11 @@ from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any
 
-from simulator._service import _load_tokenizer, placeholder_text
-from simulator._vllm_protocol import (
+from simulator.config import SimConfig
+from simulator.engine import Outcome, SimRequest
+from simulator.frontend import Frontend
+from simulator.model import SimOutput
+from simulator.vllm._protocol import (
     DEFAULT_MAX_TOKENS,
     CompletionRequest,
     VllmError,
@@ -29,10 +32,7 @@ from simulator._vllm_protocol import (
     effective_max_tokens,
     vllm_expected_output,
 )
-from simulator.config import SimConfig
-from simulator.engine import Engine, Outcome, SimRequest
-from simulator.model import SimOutput, SpecialIds, tool_call_ids_for
-from simulator.vllm_metrics import VllmMetrics
+from simulator.vllm.metrics import VllmMetrics
 
 __all__ = ["VllmServer"]
 
@@ -50,24 +50,11 @@ class _Planned:
     output: VllmOutput
 
 
-class VllmServer:
-    """State shared by the routes of one vLLM-speaking app: config, engine, metrics, tokenizer."""
+class VllmServer(Frontend[VllmMetrics]):
+    """The shared front end, speaking vLLM."""
 
     def __init__(self, config: SimConfig) -> None:
-        self.config = config
-        self.metrics = VllmMetrics(config.served_model_name)
-        self.engine = Engine(config, self.metrics)
-        self.tokenizer: Any | None = None
-        self.special = SpecialIds.deepseek_default()
-
-    async def start(self) -> None:
-        if self.config.tokenizer_path:
-            self.tokenizer = await asyncio.to_thread(_load_tokenizer, self.config.tokenizer_path)
-            self.special = SpecialIds.from_tokenizer(self.tokenizer)
-        self.engine.start()
-
-    async def close(self) -> None:
-        await self.engine.close()
+        super().__init__(config, VllmMetrics(config.served_model_name))
 
     # -- /v1/completions -------------------------------------------------------------------
 
@@ -107,7 +94,7 @@ class VllmServer:
         if self.tokenizer is None:
             raise VllmError(_NO_TOKENIZER_MESSAGE, param="prompt")
         # Completions add the tokenizer's special tokens (add_special_tokens defaults to true).
-        return [list(self.tokenizer(text)["input_ids"]) for text in prompt]
+        return [self.tokenize(text) for text in prompt]
 
     def _plan(self, req: CompletionRequest, prompts: list[list[int]], request_id: str) -> list[_Planned]:
         max_model_len = self.config.context_len
@@ -136,11 +123,6 @@ class VllmServer:
         self, ids: list[int], req: CompletionRequest, *, max_tokens: int, seed: int | None
     ) -> VllmOutput:
         cfg = self.config
-        tool_call_ids: list[int] = []
-        if cfg.tool_call_format is not None and self.tokenizer is not None:
-            tool_call_ids = tool_call_ids_for(
-                ids, seed=seed, tokenizer=self.tokenizer, tool_call_format=cfg.tool_call_format
-            )
         return vllm_expected_output(
             ids,
             max_tokens=max_tokens,
@@ -150,7 +132,7 @@ class VllmServer:
             stop_token_ids=req.stop_token_ids or (),
             mean_reasoning_tokens=cfg.mean_reasoning_tokens,
             mean_answer_tokens=cfg.mean_answer_tokens,
-            tool_call_ids=tool_call_ids,
+            tool_call_ids=self.tool_call_ids(ids, seed=seed),
         )
 
     # -- response bodies -------------------------------------------------------------------
@@ -217,11 +199,8 @@ class VllmServer:
             token_ids[:-1] if finish is VllmFinish.STOP and not req.include_stop_str_in_output else token_ids
         )
         skip_special = True if req.skip_special_tokens is None else req.skip_special_tokens
-        if self.tokenizer is not None:
-            text: str = self.tokenizer.decode(
-                ids,
-                skip_special_tokens=skip_special,
-                spaces_between_special_tokens=req.spaces_between_special_tokens,
-            )
-            return text
-        return placeholder_text(ids, self.special, skip_special_tokens=skip_special)
+        return self.detokenize(
+            ids,
+            skip_special_tokens=skip_special,
+            spaces_between_special_tokens=req.spaces_between_special_tokens,
+        )

@@ -8,11 +8,9 @@ scheduler; tokenizer-side series carry only ``model_name`` and ``engine_type``.
 
 from __future__ import annotations
 
-from typing import Protocol
-
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-__all__ = ["EngineMetrics", "SimMetrics"]
+__all__ = ["SimMetrics"]
 
 _ENGINE_TYPE = "unified"
 _RANK = "0"
@@ -31,27 +29,6 @@ _QUEUE_BUCKETS = (
     0.0, 0.1, 0.2, 0.5, 1, 2, 3, 4, 5, 10, 15, 20, 30, 40, 50, 60, 70, 80, 90, 100, 200,
     300, 400, 500, 600, 1200, 1800, 2400,
 )  # fmt: skip
-
-
-class EngineMetrics(Protocol):
-    """What the engine records, whichever server's names the series carry (``simulator.vllm_metrics``)."""
-
-    token_usage: Gauge
-    num_used_tokens: Gauge
-    num_running_reqs: Gauge
-    num_queue_reqs: Gauge
-    gen_throughput: Gauge
-    num_retracted_requests: Counter
-    queue_time_seconds: Histogram
-    prompt_tokens: Counter
-    generation_tokens: Counter
-    num_requests: Counter
-    num_aborted_requests: Counter
-    e2e_request_latency_seconds: Histogram
-    time_to_first_token_seconds: Histogram
-    inter_token_latency_seconds: Histogram
-
-    def set_constants(self, *, max_total_num_tokens: int, context_len: int) -> None: ...
 
 
 class SimMetrics:

@@ -1,22 +1,24 @@
-"""One simulated server: turns validated ``/generate`` calls into engine requests and answers.
+"""One simulated SGLang server: turns validated ``/generate`` calls into engine requests and answers.
 
-The HTTP layer (``simulator.app``) stays thin; this module owns the flow SGLang's tokenizer
+The HTTP layer (``simulator.sglang.app``) stays thin; this module owns the flow SGLang's tokenizer
 manager has: normalize, claim rids, validate each prompt, dispatch, wait, build the body.
 """
 
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from fastapi import HTTPException, Request
 
-from simulator._faults import QUEUE_FULL_MESSAGE, Fault, FaultPlanner
-from simulator._protocol import (
+from simulator.config import SimConfig
+from simulator.engine import OOM_MESSAGE, Outcome, SimRequest
+from simulator.frontend import Frontend
+from simulator.model import FinishType, SimOutput, apply_stop_token_ids, expected_output
+from simulator.sglang._faults import QUEUE_FULL_MESSAGE, Fault, FaultPlanner
+from simulator.sglang._protocol import (
     GenerateReqInput,
     NormalizedRequest,
     RequestError,
@@ -24,15 +26,10 @@ from simulator._protocol import (
     normalize_request,
     validate_prompt,
 )
-from simulator.chaos import Chaos
-from simulator.config import SimConfig
-from simulator.engine import OOM_MESSAGE, Engine, Outcome, SimRequest
-from simulator.metrics import SimMetrics
-from simulator.model import SimOutput, SpecialIds, apply_stop_token_ids, expected_output, tool_call_ids_for
+from simulator.sglang.chaos import Chaos
+from simulator.sglang.metrics import SimMetrics
 
-__all__ = ["SimServer", "placeholder_text"]
-
-logger = logging.getLogger(__name__)
+__all__ = ["REQUEST_STATE_WAIT_TIMEOUT_S", "SimServer"]
 
 # SGLang polls for client disconnects this often (SGLANG_REQUEST_STATE_WAIT_TIMEOUT).
 REQUEST_STATE_WAIT_TIMEOUT_S = 4.0
@@ -48,28 +45,18 @@ class _Planned:
     input_ids: list[int]
 
 
-class SimServer:
-    """State shared by the routes of one app: config, engine, metrics and the tokenizer."""
+class SimServer(Frontend[SimMetrics]):
+    """The shared front end plus SGLang's own state: faults, the warmup window and chaos."""
 
     def __init__(self, config: SimConfig) -> None:
-        self.config = config
-        self.metrics = SimMetrics(config.served_model_name)
-        self.engine = Engine(config, self.metrics)
-        self.tokenizer: Any | None = None
-        self.special = SpecialIds.deepseek_default()
+        super().__init__(config, SimMetrics(config.served_model_name))
         self._faults = FaultPlanner(config)
         self._ready_at = 0.0
         self.chaos = Chaos()
 
     async def start(self) -> None:
-        if self.config.tokenizer_path:
-            self.tokenizer = await asyncio.to_thread(_load_tokenizer, self.config.tokenizer_path)
-            self.special = SpecialIds.from_tokenizer(self.tokenizer)
+        await super().start()
         self._ready_at = time.monotonic() + self.config.starting_s
-        self.engine.start()
-
-    async def close(self) -> None:
-        await self.engine.close()
 
     @property
     def is_ready(self) -> bool:
@@ -84,7 +71,7 @@ class SimServer:
         """Raises ``RequestError`` (400), ``ServerBug`` (500 text) or ``HTTPException``."""
         if self.chaos.hang_generate:
             await asyncio.Event().wait()  # until the server shuts down
-        norm = normalize_request(obj, tokenize=self._tokenize if self.tokenizer is not None else None)
+        norm = normalize_request(obj, tokenize=self.tokenize if self.tokenizer is not None else None)
         for rid in norm.rids:
             if self.engine.in_flight(rid):
                 raise RequestError(f"Duplicate request ID detected: {rid}")
@@ -141,19 +128,11 @@ class SimServer:
             mean_reasoning_tokens=self.config.mean_reasoning_tokens,
             mean_answer_tokens=self.config.mean_answer_tokens,
             ignore_eos=sp.ignore_eos,
-            tool_call_ids=self._tool_call_ids(input_ids, sp),
+            tool_call_ids=self.tool_call_ids(input_ids, seed=sp.sampling_seed),
         )
         if sp.stop_token_ids and not sp.ignore_eos:
             output = apply_stop_token_ids(output, sp.stop_token_ids, max_new_tokens=max_new)
         return output, max_new
-
-    def _tool_call_ids(self, input_ids: list[int], sp: SamplingParams) -> list[int]:
-        fmt = self.config.tool_call_format
-        if fmt is None or self.tokenizer is None:
-            return []
-        return tool_call_ids_for(
-            input_ids, seed=sp.sampling_seed, tokenizer=self.tokenizer, tool_call_format=fmt
-        )
 
     def _inject_faults(self, planned: list[_Planned]) -> None:
         for item in planned:
@@ -194,7 +173,7 @@ class SimServer:
             # _handle_abort_req: no prompt_tokens or cached_tokens.
             meta: dict[str, Any] = {
                 "id": req.rid,
-                "finish_reason": {"type": "abort", "message": "Abort in waiting queue"},
+                "finish_reason": {"type": FinishType.ABORT.value, "message": "Abort in waiting queue"},
                 "weight_version": self.config.weight_version,
                 "e2e_latency": e2e_latency,
                 "completion_tokens": 0,
@@ -204,7 +183,7 @@ class SimServer:
         output_ids = req.output_ids
         if req.outcome is Outcome.ABORTED_RUNNING:
             finish: dict[str, Any] = {
-                "type": "abort",
+                "type": FinishType.ABORT.value,
                 "message": "Aborted",
                 "status_code": None,
                 "err_type": None,
@@ -241,40 +220,14 @@ class SimServer:
     def _text(self, output_ids: list[int], finish: dict[str, Any], sp: SamplingParams) -> str:
         ids = output_ids
         # DetokenizerManager.trim_matched_stop drops a matched stop token from the text only.
-        if finish.get("type") == "stop" and isinstance(finish.get("matched"), int) and not sp.no_stop_trim:
+        if (
+            finish.get("type") == FinishType.STOP
+            and isinstance(finish.get("matched"), int)
+            and not sp.no_stop_trim
+        ):
             ids = ids[:-1]
-        if self.tokenizer is not None:
-            text: str = self.tokenizer.decode(
-                ids,
-                skip_special_tokens=sp.skip_special_tokens,
-                spaces_between_special_tokens=sp.spaces_between_special_tokens,
-            )
-            return text
-        return placeholder_text(ids, self.special, skip_special_tokens=sp.skip_special_tokens)
-
-    def _tokenize(self, text: str) -> list[int]:
-        assert self.tokenizer is not None
-        ids: list[int] = self.tokenizer(text)["input_ids"]
-        return ids
-
-
-def _load_tokenizer(path: str) -> Any:
-    # Imported lazily: transformers is slow to import and most simulators never need it.
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(path)
-
-
-def placeholder_text(ids: Sequence[int], special: SpecialIds, *, skip_special_tokens: bool) -> str:
-    """The text of ``ids`` without a tokenizer (either API's mode): one readable piece per id,
-    </think> kept as the marker it is."""
-    pieces = []
-    for token in ids:
-        if token == special.think_end_id:
-            pieces.append("</think>")
-        elif token in special.excluded_ids or token == special.eos_id:
-            if not skip_special_tokens:
-                pieces.append(f"<|special:{token}|>")
-        else:
-            pieces.append(f" t{token}")
-    return "".join(pieces)
+        return self.detokenize(
+            ids,
+            skip_special_tokens=sp.skip_special_tokens,
+            spaces_between_special_tokens=sp.spaces_between_special_tokens,
+        )
