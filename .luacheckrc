@@ -12,7 +12,7 @@ local lib = {
   "complete_if_ended", "finish_in_rq", "ack_in_job", "rejoin", "count_cancelled_queued",
 }
 
--- A script's arguments: the loader (datagen/control/lua.py, `source`) binds each name its signature
+-- A script's arguments: the loader (datagen/control/scripts.py, `source`) binds each name its signature
 -- gives a KEYS[i] or ARGV[i] (the comment the file opens with) to a local before the script, so the
 -- script sees those names as globals it cannot change too. Read here from the same signature.
 local function arguments(path)

@@ -32,7 +32,8 @@ from datagen.control.keys import UNKNOWN_LABEL, BreakdownField
 from datagen.control.payload import Conversation, PromptPayload
 from datagen.errors import InvalidRowError
 from datagen.prompts.dataset import Prompt, RowError, iter_prompts
-from datagen.prompts.tokenization import PromptRenderer, special_text_reason
+from datagen.prompts.special_text import special_text_reason
+from datagen.prompts.tokenization import PromptRenderer
 from datagen.spec import JobSpec
 from datagen.states import MultiTurnMode, PromptClass, SpecialTextPolicy
 from service.rowids import RowId

@@ -34,7 +34,7 @@ from datagen.errors import (
     http_status,
     status_error_class,
 )
-from datagen.records.storage import validate_job_id
+from datagen.records.layout import validate_job_id
 from datagen.settings import CoordinatorSettings
 from datagen.spec import parse_spec_json
 from datagen.states import JobState, Priority, PromptClass

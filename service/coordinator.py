@@ -28,7 +28,8 @@ from datagen.errors import (
 from datagen.prompts.loaders import preload_libraries
 from datagen.prompts.preflight import preflight_submit
 from datagen.prompts.tokenization import renderer_for
-from datagen.records.storage import Storage, validate_job_id
+from datagen.records.layout import validate_job_id
+from datagen.records.storage import Storage
 from datagen.settings import CoordinatorSettings
 from datagen.spec import JobSpec
 from datagen.states import JobState, RebuildReason

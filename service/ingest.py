@@ -38,7 +38,8 @@ from datagen.control.servers import fleet_context_len
 from datagen.errors import DatagenError, JobNotFoundError, StorageError
 from datagen.hygiene.screen import Hygiene, HygieneRow, Verdicts
 from datagen.prompts.dataset import Prompt, RowError
-from datagen.prompts.tokenization import PromptRenderer, renderer_for, special_text_reason
+from datagen.prompts.special_text import special_text_reason
+from datagen.prompts.tokenization import PromptRenderer, renderer_for
 from datagen.records.storage import Storage
 from datagen.spec import JobSpec
 from datagen.states import DedupMode, JobState, PromptClass

@@ -24,7 +24,7 @@ from datagen.hygiene.screen import check_benchmarks
 from datagen.prompts.preflight import PreflightResult, preflight_submit
 from datagen.prompts.sources import SourceKind, resolve_source
 from datagen.prompts.tokenization import PromptRenderer, renderer_for
-from datagen.records.storage import validate_job_id
+from datagen.records.layout import validate_job_id
 from datagen.settings import CoordinatorSettings
 from datagen.spec import JobSpec
 from service.allowlist import check_allowed

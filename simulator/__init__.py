@@ -5,7 +5,7 @@ exactly what a simulator returned for a prompt; with ``tool_call_format`` set, p
 ``tool_call_ids=tool_call_ids_for(...)`` (``tool_call_plan`` says which call that is).
 ``vllm_expected_output`` is the same model under vLLM's finish rule, for a simulator speaking vLLM.
 
-One engine, model and config are shared; ``simulator.sglang`` and ``simulator.vllm`` each own one
+One scheduler, model and config are shared; ``simulator.sglang`` and ``simulator.vllm`` each own one
 contract and never import each other, so neither can pass for the other by accident.
 """
 

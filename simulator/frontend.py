@@ -21,8 +21,8 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import SecretStr
 
 from simulator.config import SimConfig
-from simulator.engine import Engine, EngineMetrics
 from simulator.model import SpecialIds, tool_call_ids_for
+from simulator.scheduler import Engine, EngineMetrics
 
 __all__ = ["ExceptionHandler", "Frontend", "ServedMetrics", "create_frontend_app"]
 

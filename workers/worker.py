@@ -33,7 +33,7 @@ from datagen.control.jobs import JobStore
 from datagen.control.keys import Keys
 from datagen.control.startup import claim_storage_async, connect_redis_async
 from datagen.errors import ConfigError
-from datagen.prompts.tokenization import preload_libraries
+from datagen.prompts.loaders import preload_libraries
 from datagen.records.storage import Storage
 from datagen.settings import DEFAULT_METRICS_PORT, WorkerSettings
 from datagen.states import EngineChoice, PromptClass

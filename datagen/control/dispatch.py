@@ -37,9 +37,9 @@ from redis.client import Pipeline
 from datagen.control.epoch import EpochWatch
 from datagen.control.jobs import JobStore
 from datagen.control.keys import Keys
-from datagen.control.lua import KEY, LuaScript, ScriptArgs
 from datagen.control.redistext import as_text, as_texts
 from datagen.control.rq_format import JOB_KEY_PREFIX, rq_now
+from datagen.control.scripts import KEY, LuaScript, ScriptArgs
 from datagen.states import JobState, Priority, PromptClass
 
 __all__ = ["SHARE_WINDOW_S", "Claimant", "Claimed", "Dispatch", "JobShare"]

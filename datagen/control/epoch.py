@@ -36,8 +36,8 @@ from dataclasses import dataclass, field
 from redis import Redis
 
 from datagen.control.keys import Keys
-from datagen.control.lua import KEY, LuaScript, ScriptArgs
 from datagen.control.redistext import as_text
+from datagen.control.scripts import KEY, LuaScript, ScriptArgs
 
 __all__ = ["SETTLE_JUMP", "EpochChange", "EpochWatch"]
 

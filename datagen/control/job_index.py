@@ -14,7 +14,7 @@ from redis import Redis
 from datagen.control.keys import Keys
 from datagen.control.redistext import as_text, as_texts
 from datagen.errors import InvalidRequestError
-from datagen.records.storage import JOB_ID_PATTERN
+from datagen.records.layout import JOB_ID_PATTERN
 from datagen.states import JobState
 
 __all__ = ["JobIndex"]

@@ -20,10 +20,10 @@ from redis.client import Pipeline
 
 from datagen.clock import now_ms
 from datagen.control.keys import BreakdownField, Keys
-from datagen.control.lua import KEY, LuaScript, ScriptArgs
 from datagen.control.payload import ParsedPayload
 from datagen.control.redistext import as_texts
 from datagen.control.rq_format import JOB_KEY_PREFIX, rq_now
+from datagen.control.scripts import KEY, LuaScript, ScriptArgs
 from datagen.errors import JobStateError
 from datagen.states import JobState, Priority, PromptClass
 

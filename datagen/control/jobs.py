@@ -30,9 +30,9 @@ from datagen.control.job_outcomes import (
 )
 from datagen.control.keys import SEEN_SEGMENTS, BreakdownField, Keys, partition_label
 from datagen.control.leases import Fencing, LeaseLostError
-from datagen.control.lua import KEY, LuaScript, ScriptArgs
 from datagen.control.progress import JobProgress, progress_from_hash
 from datagen.control.redistext import as_text, as_texts
+from datagen.control.scripts import KEY, LuaScript, ScriptArgs
 from datagen.errors import JobNotFoundError, JobStateError
 from datagen.spec import JobSpec
 from datagen.states import JobState, Priority, PromptClass

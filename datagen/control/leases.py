@@ -30,8 +30,8 @@ from typing import NamedTuple
 
 from redis import Redis, RedisError
 
-from datagen.control.lua import KEY, LuaScript, ScriptArgs
 from datagen.control.redistext import as_text
+from datagen.control.scripts import KEY, LuaScript, ScriptArgs
 from datagen.errors import JobStateError
 
 __all__ = ["DONE_PREFIX", "LEASE_TTL_MS", "Fencing", "HeldLease", "LeaseLostError", "Leases", "done_token"]

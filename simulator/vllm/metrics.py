@@ -3,7 +3,7 @@
 vLLM 0.33.0 declares them in ``vllm/v1/metrics/loggers.py`` (``PrometheusStatLogger``) with the
 labels ``model_name`` (the served model name) and ``engine`` (the engine index, ``"0"`` here), and
 the buckets of ``vllm/v1/metrics/buckets.py``. The engine writes the same attributes it writes for
-SGLang (``simulator.engine.EngineMetrics``); the series vLLM has no counterpart for (SGLang's
+SGLang (``simulator.scheduler.EngineMetrics``); the series vLLM has no counterpart for (SGLang's
 rounded ``token_usage``, ``gen_throughput``, ``num_used_tokens``, its request counters) go to a
 registry that is never served. ``vllm:request_success_total`` needs the finish reason, which only
 the HTTP layer knows, so it counts stop and length there; aborts come from the engine.

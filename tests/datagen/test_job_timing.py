@@ -7,8 +7,8 @@ import redis
 
 from datagen.control.job_outcomes import COUNT_STATES
 from datagen.control.keys import Keys
-from datagen.control.lua import source
 from datagen.control.progress import JobProgress
+from datagen.control.scripts import source
 from datagen.states import JobState
 
 NS = "timing"

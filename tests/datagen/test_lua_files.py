@@ -1,4 +1,4 @@
-"""The Redis scripts as files (`datagen.control.lua`): each opens with a signature that names its KEYS
+"""The Redis scripts as files (`datagen.control.scripts`): each opens with a signature that names its KEYS
 and ARGV, the one place they are spelled: the loader binds them to those names, the script uses only
 the names, and the Python argument objects name the same arguments in the same order (checked when
 a script is registered); the library's functions are declared where they are used; what the scripts
@@ -24,7 +24,8 @@ import workers.claim.rqbridge
 from datagen.control.dispatch import ClaimManyArgs, Dispatch
 from datagen.control.jobs import JobStore
 from datagen.control.keys import FINISH_PREFIX, OTHER_LABEL, UNKNOWN_LABEL, BreakdownField, Keys
-from datagen.control.lua import (
+from datagen.control.rq_format import SCRIPT_WRITES
+from datagen.control.scripts import (
     CONTROL,
     KEY,
     LIB,
@@ -35,7 +36,6 @@ from datagen.control.lua import (
     signature,
     source,
 )
-from datagen.control.rq_format import SCRIPT_WRITES
 from datagen.states import JobState, Priority, PromptClass
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
+from datagen.prompts.special_text import special_text_reason
 from datagen.prompts.tokenization import (
     PromptRenderer,
     bundled_tokenizer_path,
     default_chat_template_path,
-    special_text_reason,
 )
 from datagen.records.storage import Storage
 from datagen.report import build_report

@@ -19,7 +19,7 @@ from redis.retry import Retry
 from datagen.control.enqueue import EnqueueOptions
 from datagen.control.jobs import JobStore
 from datagen.control.keys import Keys
-from datagen.control.lua import source
+from datagen.control.scripts import source
 from datagen.records.storage import Storage
 from datagen.settings import CoordinatorSettings
 from datagen.states import JobState, PromptClass

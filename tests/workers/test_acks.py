@@ -10,7 +10,7 @@ from rq.job import JobStatus
 
 from datagen.control.dispatch import Dispatch
 from datagen.control.jobs import JobStore
-from datagen.control.lua import source
+from datagen.control.scripts import source
 from datagen.records.storage import Storage
 from datagen.states import JobState, PromptClass
 from tests.support.workers import KEYS, ingest

@@ -41,10 +41,10 @@ from rq.worker_registration import clean_worker_registry
 from datagen.control.job_outcomes import failure_report
 from datagen.control.jobs import JobStore
 from datagen.control.keys import Keys
-from datagen.control.lua import KEY, LuaScript, ScriptArgs
 from datagen.control.payload import parse_payload
 from datagen.control.redistext import as_text, as_texts
 from datagen.control.rq_format import payload_of, rq_id_of_member
+from datagen.control.scripts import KEY, LuaScript, ScriptArgs
 from datagen.states import PromptClass
 from workers.claim.rqbridge import fail_job, requeue_at_front
 from workers.metrics import WorkerMetrics

@@ -28,9 +28,9 @@ from rq.worker_registration import clean_worker_registry
 
 from datagen.control.dispatch import Claimant, Dispatch
 from datagen.control.jobs import AckTarget
-from datagen.control.lua import KEY, LuaScript, ScriptArgs
 from datagen.control.payload import parse_payload
 from datagen.control.rq_format import META, RETRIES_LEFT, SERIALIZER, failure_meta, started_member
+from datagen.control.scripts import KEY, LuaScript, ScriptArgs
 from datagen.states import PromptClass
 
 __all__ = [

@@ -1,4 +1,4 @@
--- The rules that several scripts share, written once. The loader (datagen/control/lua.py) puts this
+-- The rules that several scripts share, written once. The loader (datagen/control/scripts.py) puts this
 -- file before each script whose first line is `--! uses lib`. Redis lets a script define no
 -- globals, so every rule is a local function of the script it is put before (.luacheckrc names
 -- them as the scripts' read-only globals). No function here reads KEYS or ARGV: a script passes

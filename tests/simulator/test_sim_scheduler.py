@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 
 from simulator import SimConfig
-from simulator.engine import Engine, Outcome, SimRequest
 from simulator.model import SpecialIds, expected_output
+from simulator.scheduler import Engine, Outcome, SimRequest
 from simulator.sglang.metrics import SimMetrics
 from tests.support.metrics import metric
 from tests.support.sim import NOT_REACHED, WAIT_POLL_S, WAIT_S
