@@ -120,7 +120,7 @@ def worker_env(
 ) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(ENV_PREFIX)}
     if tree is not None:
-        # The baseline's workers import the other checkout's packages (``-m datagen`` from there).
+        # The baseline's workers import the other checkout's packages (its command line, from there).
         env["PYTHONPATH"] = str(tree)
     env.update(
         {
@@ -136,9 +136,16 @@ def worker_env(
     return env
 
 
+def cli_module(env: dict[str, str]) -> str:
+    """The command line's package in the tree the workers run from: ``datagen_cli``, or ``datagen``
+    in a checkout from before it moved out of the core (issue 37)."""
+    tree = env.get("PYTHONPATH")
+    return "datagen" if tree and not (Path(tree) / "datagen_cli").is_dir() else "datagen_cli"
+
+
 def run_workers(k: int, env: dict[str, str], log: Path) -> tuple[float, float]:
     """K burst workers; returns (wall seconds, their summed CPU seconds)."""
-    command = [sys.executable, "-m", "datagen_cli", "worker", "--burst"]
+    command = [sys.executable, "-m", cli_module(env), "worker", "--burst"]
     cwd = env.get("PYTHONPATH")
     with open(log, "ab") as out:
         started = time.perf_counter()
@@ -175,7 +182,7 @@ def idle_commands_per_s(
     client: redis.Redis, env: dict[str, str], idle_s: float, log: Path
 ) -> tuple[float, str]:
     """Redis commands per second of one long-running worker with nothing queued."""
-    command = [sys.executable, "-m", "datagen_cli", "worker"]
+    command = [sys.executable, "-m", cli_module(env), "worker"]
     with open(log, "ab") as out:
         proc = subprocess.Popen(
             command, env=env, cwd=env.get("PYTHONPATH"), stdout=out, stderr=subprocess.STDOUT

@@ -42,8 +42,8 @@ __all__ = [
 # Hygiene defaults, here because the spec's fields default to them (`datagen.hygiene` applies them).
 DEFAULT_NGRAM = 13
 MIN_ITEM_WORDS = 5
-# Measured on tests/support/planted.py (copies with case, spacing and punctuation edited and 2 of
-# 15-60 words replaced): 0.5 finds 40 of 40 with no clean row flagged, 0.6 finds 38, 0.7 finds 32.
+# The highest threshold that finds every planted near-copy of tests/support/planted.py with no clean
+# row flagged (figures: bench/README.md, "Figures the code no longer carries").
 DEFAULT_NEAR_THRESHOLD = 0.5
 # Built-in benchmark set name -> (package, resource inside it, gzip?).
 BUILTIN_SETS: dict[str, tuple[str, str, bool]] = {

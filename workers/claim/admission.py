@@ -44,11 +44,11 @@ log = logging.getLogger(__name__)
 # While requests end one by one, a claim waits for freed slots to gather, until a capacity /
 # CLAIM_BATCH_DIVISOR of them are free or CLAIM_GATHER_FRACTION of a typical request's wall time
 # has passed (within CLAIM_GATHER_MIN_S..CLAIM_GATHER_MAX_S): one claim then starts several
-# prompts. Redis pays mostly per claim (measured: ~100 us of script and ~130 us of socket work
-# per call against ~25 us per prompt), so a busy node's claims of one or two prompts cost it 2-4x
-# what claims of tens do. A slot refilled 2 % of a request later costs at most ~1 % of its time
-# (bench/README.md, "Third pass": no difference measured against 5 ms), and nothing while the
-# server holds a queue of its own longer than the window's completions.
+# prompts. Redis pays mostly per claim, not per prompt, so a busy node's claims of one or two
+# prompts cost it several times what claims of tens do; a slot refilled a small share of a request
+# later costs at most about half that share of its time, and nothing while the server holds a queue
+# of its own longer than the window's completions (figures: bench/README.md, "Figures the code no
+# longer carries").
 CLAIM_GATHER_FRACTION = 0.02
 CLAIM_GATHER_MIN_S = 0.005
 CLAIM_GATHER_MAX_S = 0.1
