@@ -73,9 +73,9 @@ class FinishType(StrEnum):
 
 
 class ServerState(StrEnum):
-    """A server's state: as one worker publishes it (``up``, ``down``, ``paused``, ``refused``,
-    ``draining``), and as the coordinator shows it over the live workers' views (``unknown`` when no
-    live worker lists it)."""
+    """A server's state: as one worker publishes it (``up``, ``down``, ``refused``, ``draining``),
+    and as the coordinator shows it over the live workers' views and its own pause set (``paused``;
+    ``unknown`` when no live worker lists it)."""
 
     UP = "up"
     DOWN = "down"

@@ -5,8 +5,8 @@
 - ``_fleet_wait``: ``submit``'s wait for a coordinator and workers that are still starting
 - ``serve``: the long-lived processes: ``coordinator``, ``worker``, ``sim``
 - ``submit``: ``spec`` and ``submit``
-- ``steer``: watch and steer jobs: ``status``, ``pause``, ``resume``, ``cancel``, ``retry``, ``recover``,
-  ``delete``
+- ``watch``: watch jobs: ``status``, ``wait``
+- ``steer``: steer jobs: ``pause``, ``resume``, ``cancel``, ``retry``, ``recover``, ``delete``
 - ``waiting``: the one-line progress of a job that ``submit --wait`` and the demo print
 - ``data``: a job's stored records: ``export``, ``report``
 - ``demo``: ``demo``
@@ -22,7 +22,7 @@ from datagen_cli._app import app, main
 
 # Each module registers its commands on `app` when imported; this order is the order of `datagen --help`.
 # isort: off
-from datagen_cli import serve, submit, steer, data, demo  # noqa: F401
+from datagen_cli import serve, submit, watch, steer, data, demo  # noqa: F401
 # isort: on
 
 __all__ = ["app", "main"]

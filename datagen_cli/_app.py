@@ -29,7 +29,11 @@ app = typer.Typer(
     no_args_is_help=True,
     pretty_exceptions_enable=False,
     rich_markup_mode=None,
-    help="Exact-token EAGLE-3 training data from SGLang.",
+    help=(
+        "Exact-token EAGLE-3 training data from SGLang or vLLM servers.\n\n"
+        "A job's tokenizer (such as /models/DeepSeek-R1 below) must be under a path or hub id listed in "
+        "the coordinator's DATAGEN_TOKENIZER_ALLOWLIST; the bundled DeepSeek tokenizer always is."
+    ),
 )
 console = Console(stderr=True)
 

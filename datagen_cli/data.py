@@ -127,7 +127,7 @@ def export(
     JSON summary on stdout: rows written, duplicates, rows dropped by reason, shards skipped.
     Exit 0; 1 when --skip-unreadable left a shard out; 3 on an error.
     """
-    from datagen.export import ExportOptions, export_job, total_records
+    from datagen.export import ExportOptions, check_exportable, export_job, total_records
 
     fmt = format
     options = ExportOptions(
@@ -141,6 +141,7 @@ def export(
         skip_unreadable=skip_unreadable,
     )
     store = _job_storage(job_id, storage)
+    check_exportable(store, job_id, fmt)  # a refusal comes at once, before any bar is drawn
     started = time.monotonic()
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=console) as bar:

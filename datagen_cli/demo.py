@@ -19,7 +19,7 @@ from datagen_cli._app import app, console, examples
 def demo(
     data_dir: Annotated[
         Path, typer.Option(help="directory for the records and the processes' logs (logs/)")
-    ] = Path("./datagen-data"),
+    ] = Path("./datagen-demo"),
     dataset: Annotated[
         Path | None,
         typer.Option(help="JSONL dataset (default: the ~300 packaged demo prompts, examples/prompts.jsonl)"),

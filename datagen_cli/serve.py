@@ -2,6 +2,7 @@
 
 Each imports its process's package (service, workers, simulator) inside the function, so importing
 ``datagen`` never imports them; pyproject.toml's import-linter contract names exactly these imports.
+Each takes ``--config FILE`` (`datagen_cli.configfile`): flags, then the environment, then the file.
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ import ipaddress
 import logging
 import socket
 from collections.abc import Iterator
-from typing import Annotated, Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from pydantic import ValidationError
@@ -27,23 +29,42 @@ from datagen.settings import (
     DEFAULT_SHORT_CONCURRENCY,
     DEFAULT_STORAGE,
     CoordinatorSettings,
+    FileValues,
     WorkerSettings,
     describe_invalid,
     load,
 )
 from datagen.states import EngineChoice
 from datagen_cli._app import app, examples
+from datagen_cli.configfile import ConfigOption, read_config
+
+if TYPE_CHECKING:
+    import uvicorn
+
+log = logging.getLogger(__name__)
 
 # Libraries that log every request at INFO; our own one-line-per-prompt log is enough.
 _QUIET_LOGGERS = ("httpx", "rq.worker", "rq.queue")
 REDIS_URL_HELP = "Redis URL, redis:// or rediss:// (this or DATAGEN_REDIS_URL is required)"
 STORAGE_HELP = f"storage root: a directory or s3:// URL (DATAGEN_STORAGE, default {DEFAULT_STORAGE})"
+# simulator.config's defaults, for `sim --help` (the simulator is imported only when it runs).
+DEFAULT_SIM_PORT = 30000
+DEFAULT_SIM_HOST = "127.0.0.1"
+# `sim` flags named differently in simulator.config.SimConfig (--max-lag-ms is converted to seconds).
+SIM_FIELDS = {"tokenizer": "tokenizer_path", "kv_tokens": "max_total_num_tokens", "max_lag_ms": "max_lag_s"}
+MS_PER_S = 1000
 
 
 def _logging(level: str) -> None:
     logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     for name in _QUIET_LOGGERS:
         logging.getLogger(name).setLevel(max(logging.WARNING, logging.getLogger().level))
+
+
+def _url(sock: socket.socket) -> str:
+    """``http://host:port`` of a bound socket (the port it got when asked for port 0)."""
+    host, port = sock.getsockname()[:2]
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
 def _loopback(host: str) -> bool:
@@ -59,9 +80,11 @@ def _loopback(host: str) -> bool:
     epilog=examples(
         "datagen coordinator --redis-url redis://127.0.0.1:6379/0",
         "DATAGEN_REDIS_URL=redis://10.0.0.2:6379/0 datagen coordinator --port 8001",
+        "datagen coordinator --config coordinator.yaml",
     )
 )
 def coordinator(
+    ctx: typer.Context,
     host: Annotated[
         str | None,
         typer.Option(
@@ -75,10 +98,12 @@ def coordinator(
     ] = None,
     redis_url: Annotated[str | None, typer.Option(help=REDIS_URL_HELP)] = None,
     storage: Annotated[str | None, typer.Option(help=STORAGE_HELP)] = None,
+    config: ConfigOption = None,
 ) -> None:
     """Run the coordinator HTTP API.
 
-    It waits for Redis and storage at startup.
+    It waits for Redis and storage at startup. Any DATAGEN_* setting may also come from --config
+    FILE (YAML); a flag wins over the environment, which wins over the file.
     """
     import uvicorn
 
@@ -86,7 +111,10 @@ def coordinator(
     from datagen.records.storage import Storage
     from service.app import create_app
 
-    settings = load(CoordinatorSettings, host=host, port=port, redis_url=redis_url, storage=storage)
+    from_file = read_config(ctx, config, CoordinatorSettings)
+    settings = load(
+        CoordinatorSettings, from_file.settings, host=host, port=port, redis_url=redis_url, storage=storage
+    )
     redis_url = settings.require_redis_url()
     if not _loopback(settings.host) and not settings.api_token and not settings.allow_insecure_bind:
         raise ConfigError(
@@ -100,13 +128,33 @@ def coordinator(
         # Before the server starts, so that a refusal is one line rather than a failed startup.
         connect_redis(redis_url, settings.startup_timeout_s).close()
         claim_storage(Storage(settings.storage), settings.namespace, settings.startup_timeout_s)
-        config = uvicorn.Config(
+        server_config = uvicorn.Config(
             create_app(settings), host=settings.host, port=settings.port, log_level=settings.log_level.lower()
         )
-        server = uvicorn.Server(config)
-        server.run(sockets=[sock])
-    if not server.started:
+        started = _serve(
+            server_config, f"coordinator listening on {_url(sock)}: the HTTP API, /healthz and /metrics", sock
+        )
+    if not started:
         raise ConfigError("the coordinator did not start; its log above says why")
+
+
+def _serve(
+    config: uvicorn.Config, line: str, sock: socket.socket, server_class: type[uvicorn.Server] | None = None
+) -> bool:
+    """Run uvicorn (``server_class``, default ``uvicorn.Server``) on ``sock`` until stopped, logging
+    ``line`` (where it listens, what it serves) once it accepts connections: after the app's
+    start-up, which may wait (a coordinator's reconcile). Returns whether it started."""
+    import uvicorn
+
+    class Announced(server_class or uvicorn.Server):  # type: ignore[misc]  # a base chosen at run time
+        async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+            await super().startup(sockets=sockets)
+            if self.started:
+                log.info("%s", line)
+
+    server = Announced(config)
+    server.run(sockets=[sock])
+    return server.started
 
 
 @contextlib.contextmanager
@@ -140,9 +188,11 @@ def _listener(host: str, port: int, option: str) -> Iterator[socket.socket]:
         "datagen worker --server g0=http://gpu0:30000 --server g1=http://gpu1:30000",
         "datagen worker --server http://127.0.0.1:30000 --burst --metrics-port 0",
         "datagen worker --server g0=http://gpu0:30000 --server vllm+http://gpu1:8000",
+        "datagen worker --config worker.yaml --metrics-port 9401",
     )
 )
 def worker(
+    ctx: typer.Context,
     server: Annotated[
         list[str] | None,
         typer.Option(
@@ -186,18 +236,23 @@ def worker(
     ] = False,
     redis_url: Annotated[str | None, typer.Option(help=REDIS_URL_HELP)] = None,
     storage: Annotated[str | None, typer.Option(help=STORAGE_HELP)] = None,
+    config: ConfigOption = None,
 ) -> None:
     """Run a worker: queued prompts to SGLang or vLLM, records to storage.
 
     It sends the queued prompts to its SGLang or vLLM servers (each server's engine is asked of
     the server unless --engine or its URL names it) and stores the records; it waits for Redis
-    and storage at startup.
+    and storage at startup. Any DATAGEN_* setting, and `server` and `burst`, may also come from
+    --config FILE (YAML); a flag wins over the environment, which wins over the file.
     """
     from workers.fleet.servers import ServerSpec, with_api_keys
     from workers.worker import Worker
 
+    from_file = read_config(ctx, config, WorkerSettings)
+    burst = from_file.flag(ctx, "burst")
     settings = load(
         WorkerSettings,
+        from_file.settings,
         engine=engine,
         short_concurrency=short_concurrency,
         long_concurrency=long_concurrency,
@@ -224,11 +279,15 @@ def worker(
     epilog=examples(
         "datagen sim --port 30000 --tokenizer /models/DeepSeek-R1",
         "datagen sim --time-scale 0.01 --fail-503-rate 0.05",
+        "datagen sim --config sim.yaml --port 30001",
     )
 )
 def sim(
-    port: Annotated[int, typer.Option(help="port (SGLang's default is 30000)")] = 30000,
-    host: Annotated[str, typer.Option(help="bind address")] = "127.0.0.1",
+    ctx: typer.Context,
+    port: Annotated[
+        int | None, typer.Option(help=f"port (default {DEFAULT_SIM_PORT}, SGLang's default)")
+    ] = None,
+    host: Annotated[str | None, typer.Option(help=f"bind address (default {DEFAULT_SIM_HOST})")] = None,
     tokenizer: Annotated[str | None, typer.Option(help="tokenizer path for special ids and text")] = None,
     context_len: Annotated[int | None, typer.Option(help="model context length in tokens")] = None,
     kv_tokens: Annotated[int | None, typer.Option(help="KV-cache capacity (max_total_num_tokens)")] = None,
@@ -265,39 +324,37 @@ def sim(
     api: Annotated[
         str | None, typer.Option(help="sglang (default) or vllm: whose HTTP contract the simulator speaks")
     ] = None,
+    config: Annotated[
+        Path | None,
+        typer.Option(
+            exists=True,
+            dir_okay=False,
+            help="YAML file of `flag: value` lines (port, kv_tokens or kv-tokens, ...); a flag given on the "
+            "command line wins over the file",
+        ),
+    ] = None,
 ) -> None:
     """Run a simulated SGLang or vLLM server.
 
     The real contract (SGLang's /generate, or vLLM's /v1/completions with --api vllm), a simulated
-    GPU.
+    GPU. It reads no DATAGEN_* variables; its flags may also come from --config FILE (YAML).
     """
-    import uvicorn
-
     from simulator.config import SimConfig
-    from simulator.server import uvicorn_config
+    from simulator.server import SimServer, describe, uvicorn_config
 
-    given: dict[str, Any] = {
-        "port": port,
-        "host": host,
-        "tokenizer_path": tokenizer,
-        "context_len": context_len,
-        "max_total_num_tokens": kv_tokens,
-        "time_scale": time_scale,
-        "reserve_fraction": reserve_fraction,
-        "max_lag_s": None if max_lag_ms is None else max_lag_ms / 1000,
-        "mean_reasoning_tokens": mean_reasoning_tokens,
-        "mean_answer_tokens": mean_answer_tokens,
-        "tool_call_format": tool_call_format,
-        "fail_503_rate": fail_503_rate,
-        "fail_500_rate": fail_500_rate,
-        "abort_rate": abort_rate,
-        "starting_s": starting_s,
-        "api_key": api_key,
-        "api": api,
-    }
+    from_file = read_config(ctx, config)
+    flags = {SIM_FIELDS.get(n, n): from_file.flag(ctx, n) for n in ctx.params if n != "config"}
+    if flags["max_lag_s"] is not None:
+        flags["max_lag_s"] /= MS_PER_S
+    given = {k: v for k, v in flags.items() if v is not None}
+    # A refusal names each value's flag, or its key in the file.
+    in_file = {SIM_FIELDS.get(n, n) for n in from_file.used_flags(ctx)}
+    file_values = FileValues(from_file.path, {k: str(v) for k, v in given.items() if k in in_file})
     try:
-        config = SimConfig(**{k: v for k, v in given.items() if v is not None})
+        sim_config = SimConfig(**given)
     except ValidationError as exc:
-        raise ConfigError(f"invalid simulator options: {describe_invalid(exc, given)}") from exc
-    with _listener(config.host, config.port, "--port") as sock:
-        uvicorn.Server(uvicorn_config(config)).run(sockets=[sock])
+        problems = describe_invalid(exc, {k: v for k, v in given.items() if k not in in_file}, file_values)
+        raise ConfigError(f"invalid simulator options: {problems}") from exc
+    _logging("info")
+    with _listener(sim_config.host, sim_config.port, "--port") as sock:
+        _serve(uvicorn_config(sim_config), describe(sim_config, _url(sock)), sock, SimServer)

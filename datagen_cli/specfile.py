@@ -22,7 +22,8 @@ chat_template: null
 trust_remote_code: false
 # Passed to the chat template as variables (e.g. thinking / enable_thinking).
 chat_template_kwargs: {}
-# SGLang sampling_params, under SGLang's names. max_new_tokens is set per class below.
+# Sampling parameters under SGLang's names (a vLLM server gets them under its own). max_new_tokens is
+# set per class below.
 sampling:
   temperature: 0.6
   top_p: 0.95

@@ -10,7 +10,6 @@ from rich.console import Console
 
 from datagen.errors import ConfigError
 from datagen.settings import (
-    DEFAULT_COORDINATOR_URL,
     DEFAULT_LONG_MAX_NEW_TOKENS,
     DEFAULT_LONG_THRESHOLD_TOKENS,
     DEFAULT_SHORT_MAX_NEW_TOKENS,
@@ -20,7 +19,8 @@ from datagen.settings import (
 )
 from datagen.states import Priority
 from datagen_cli._app import app, console, examples
-from datagen_cli.waiting import EXIT_ALL_DONE, EXIT_SOME_FAILED, wait_for_job
+from datagen_cli._options import CoordinatorOption, ProgressEverySOption
+from datagen_cli.waiting import wait_for_job_exit
 
 
 def _spec_from_options(
@@ -91,10 +91,7 @@ def submit(
             help="job spec file (YAML or JSON; `datagen spec` prints one); flags override its fields",
         ),
     ] = None,
-    coordinator: Annotated[
-        str | None,
-        typer.Option(help=f"coordinator URL (DATAGEN_COORDINATOR_URL, default {DEFAULT_COORDINATOR_URL})"),
-    ] = None,
+    coordinator: CoordinatorOption = None,
     chat_template: Annotated[
         Path | None, typer.Option(help="chat template file (Jinja) replacing the tokenizer's own")
     ] = None,
@@ -128,13 +125,20 @@ def submit(
         typer.Option(help="the model's context length in tokens (default: what the workers report)"),
     ] = None,
     temperature: Annotated[
-        float | None, typer.Option(help="sampling temperature sent to SGLang (default 0.6)")
+        float | None,
+        typer.Option(help="sampling temperature sent to the server, SGLang or vLLM (default 0.6)"),
     ] = None,
     top_p: Annotated[
-        float | None, typer.Option(help="nucleus sampling top_p sent to SGLang, in (0, 1] (default 0.95)")
+        float | None,
+        typer.Option(
+            help="nucleus sampling top_p sent to the server, SGLang or vLLM, in (0, 1] (default 0.95)"
+        ),
     ] = None,
     seed: Annotated[
-        int | None, typer.Option(help="sampling_seed sent to SGLang: reproducible outputs (default: none)")
+        int | None,
+        typer.Option(
+            help="sampling seed sent to the server, SGLang or vLLM: reproducible outputs (default: none)"
+        ),
     ] = None,
     priority: Annotated[
         Priority | None, typer.Option(help="higher work is always dispatched first (default normal)")
@@ -151,6 +155,7 @@ def submit(
             show_default=False, help="show progress and wait until the job ends; the exit code says how"
         ),
     ] = False,
+    progress_every_s: ProgressEverySOption = None,
     dry_run: Annotated[
         bool,
         typer.Option(show_default=False, help="render a sample of rows and show them; enqueue nothing"),
@@ -167,12 +172,18 @@ def submit(
     """Submit a dataset and print the job id.
 
     A fleet that is still starting is waited for (--wait-for-servers-s). With --wait: exit 0 when
-    all prompts are done, 1 if some failed, 2 if the job failed.
+    all prompts are done, 1 if some failed, 2 if the job failed; `datagen wait JOB` watches it
+    again later.
     """
     from datagen_cli._fleet_wait import submit_when_ready
     from datagen_cli.client import CoordinatorClient
 
-    settings = load(ClientSettings, coordinator_url=coordinator, wait_for_servers_s=wait_for_servers_s)
+    settings = load(
+        ClientSettings,
+        coordinator_url=coordinator,
+        wait_for_servers_s=wait_for_servers_s,
+        progress_interval_s=progress_every_s,
+    )
     spec = _spec_from_options(
         spec_file,
         tokenizer,
@@ -203,24 +214,15 @@ def submit(
         )
         typer.echo(job["id"])
         if wait:
-            code = wait_for_job(client, job["id"], console)
-            raise typer.Exit(_unless_nothing_accepted(client, job["id"], code, settings.coordinator_url))
-
-
-def _unless_nothing_accepted(client: Any, job_id: str, code: int, coordinator_url: str) -> int:
-    """A job whose every row was rejected generated nothing: that is not success."""
-    if code != EXIT_ALL_DONE:
-        return code
-    job = client.job(job_id)
-    if job["total"] or not job["rejected"]:
-        return code
-    console.print(
-        f"no prompt was accepted: all {job['rejected']} rows were rejected; see why with "
-        f"curl {coordinator_url.rstrip('/')}/jobs/{job_id}/errors?kind=rejected",
-        style="red",
-        markup=False,
-    )
-    return EXIT_SOME_FAILED
+            raise typer.Exit(
+                wait_for_job_exit(
+                    client,
+                    job["id"],
+                    console,
+                    coordinator_url=settings.coordinator_url,
+                    progress_every_s=settings.progress_interval_s,
+                )
+            )
 
 
 def _print_dry_run(preview: dict[str, Any]) -> None:

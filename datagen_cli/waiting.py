@@ -1,4 +1,8 @@
-"""``submit --wait`` (and the demo): a progress line until a job ends, and the exit code it ends with.
+"""``submit --wait``, ``wait`` (and the demo): a progress line until a job ends, and the exit code it
+ends with.
+
+On a terminal the line is redrawn in place; elsewhere (a log, nohup, CI) it is printed at the first
+answer, every ``progress_every_s`` and at the end, as tqdm does in a log.
 
 The line fits the console: where the fields do not fit, whole fields drop out, least useful first
 (the time to the first record and the tail time, the job id, then the elapsed time, the bar, tokens
@@ -9,7 +13,7 @@ state always stay.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
@@ -21,21 +25,31 @@ from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
+from datagen.settings import DEFAULT_PROGRESS_INTERVAL_S
 from datagen.states import JobState
 
 if TYPE_CHECKING:
     from datagen_cli.client import CoordinatorClient
 
-__all__ = ["EXIT_ALL_DONE", "EXIT_JOB_FAILED", "EXIT_SOME_FAILED", "JobLine", "wait_for_job"]
+__all__ = [
+    "EXIT_ALL_DONE",
+    "EXIT_JOB_FAILED",
+    "EXIT_SOME_FAILED",
+    "JobLine",
+    "wait_for_job",
+    "wait_for_job_exit",
+]
 
 EXIT_ALL_DONE = 0
 EXIT_SOME_FAILED = 1
 EXIT_JOB_FAILED = 2
 WAIT_POLL_S = 1.0
+MIN_POLL_S = 0.05
 REFRESH_PER_S = 4
 BAR_MIN_WIDTH = 10
 BAR_MAX_WIDTH = 40
 JOB_ID_SHOWN = 12
+# Seconds between the plain progress lines when the console is not a terminal.
 _ENDED = (JobState.COMPLETED, JobState.FAILED, JobState.CANCELLED)
 
 
@@ -59,6 +73,7 @@ class JobLine:
     job_id: str
     job: dict[str, Any] | None = None
     started_s: float = field(default_factory=time.monotonic)
+    bar: bool = True  # a log (not a terminal) shows no bar
 
     def _fields(self) -> list[_Field]:
         """Every field, in display order."""
@@ -69,7 +84,7 @@ class JobLine:
         total = f"{job.get('total', 0)}" if known_total else "?"
         fields = [
             _Field(10, f"job {self.job_id[:JOB_ID_SHOWN]}", style="bold"),
-            _Field(30, bar=True),
+            *([_Field(30, bar=True)] if self.bar else []),
             _Field(100, f"{finished}/{total}"),
             _Field(90, state, detail=True),
             _Field(80, f"failed {job.get('failed', 0)}", detail=True),
@@ -143,21 +158,62 @@ def _width(fields: list[_Field]) -> int:
     return sum(widths) + len(widths) - 1
 
 
-def wait_for_job(client: CoordinatorClient, job_id: str, console: Console) -> int:
-    """Show a progress line until the job ends; return the exit code of ``submit --wait``."""
-    line = JobLine(job_id)
-    with Live(line, console=console, refresh_per_second=REFRESH_PER_S, transient=False) as live:
-        while True:
-            asked_s = time.monotonic()
-            # A long poll: the coordinator answers as soon as the job ends, so the command exits
-            # then, not at the next poll; otherwise after WAIT_POLL_S, to refresh the line.
-            job = client.job(job_id, wait_s=WAIT_POLL_S)
-            line.job = job
-            live.refresh()
-            if job["state"] in _ENDED:
-                break
-            # A coordinator of a release without the long poll answers at once.
-            time.sleep(max(0.0, WAIT_POLL_S - (time.monotonic() - asked_s)))
+def _poll_until_ended(
+    client: CoordinatorClient,
+    job_id: str,
+    line: JobLine,
+    show: Callable[[], None],
+    poll_s: Callable[[], float] = lambda: WAIT_POLL_S,
+) -> None:
+    """Poll the job into ``line``, calling ``show`` after each answer, until it ends; each poll
+    takes ``poll_s()`` unless the job ends first."""
+    while True:
+        asked_s, wait_s = time.monotonic(), poll_s()
+        # A long poll: the coordinator answers as soon as the job ends, so the command exits
+        # then, not at the next poll; otherwise after wait_s, to refresh the line.
+        line.job = job = client.job(job_id, wait_s=wait_s)
+        show()
+        if job["state"] in _ENDED:
+            return
+        # A coordinator of a release without the long poll answers at once.
+        time.sleep(max(0.0, wait_s - (time.monotonic() - asked_s)))
+
+
+def _poll_into_log(
+    client: CoordinatorClient, job_id: str, console: Console, line: JobLine, every_s: float
+) -> None:
+    """The line at the first answer, every ``every_s`` and at the end, for a console that is not a
+    terminal (where a live line shows nothing until the end). A poll ends by the next line's time."""
+    next_s = time.monotonic()
+
+    def show() -> None:
+        nonlocal next_s
+        ended = line.job is not None and line.job["state"] in _ENDED
+        if ended or time.monotonic() >= next_s:
+            console.print(line)
+            next_s = time.monotonic() + every_s
+
+    def poll_s() -> float:
+        return min(WAIT_POLL_S, max(MIN_POLL_S, next_s - time.monotonic()))
+
+    _poll_until_ended(client, job_id, line, show, poll_s)
+
+
+def wait_for_job(
+    client: CoordinatorClient,
+    job_id: str,
+    console: Console,
+    *,
+    progress_every_s: float = DEFAULT_PROGRESS_INTERVAL_S,
+) -> int:
+    """Show the job's progress until it ends; return the exit code of ``submit --wait``."""
+    line = JobLine(job_id, bar=console.is_terminal)
+    if console.is_terminal:
+        with Live(line, console=console, refresh_per_second=REFRESH_PER_S, transient=False) as live:
+            _poll_until_ended(client, job_id, line, live.refresh)
+    else:
+        _poll_into_log(client, job_id, console, line, progress_every_s)
+    job = line.job or {}
     if job["state"] != JobState.COMPLETED:
         console.print(f"[red]job {job_id} {job['state']}: {job.get('error') or ''}")
         return EXIT_JOB_FAILED
@@ -165,3 +221,28 @@ def wait_for_job(client: CoordinatorClient, job_id: str, console: Console) -> in
         console.print(f"[yellow]{job['failed']} prompts failed; see GET /jobs/{job_id}/errors?kind=failed")
         return EXIT_SOME_FAILED
     return EXIT_ALL_DONE
+
+
+def wait_for_job_exit(
+    client: CoordinatorClient,
+    job_id: str,
+    console: Console,
+    *,
+    coordinator_url: str,
+    progress_every_s: float = DEFAULT_PROGRESS_INTERVAL_S,
+) -> int:
+    """:func:`wait_for_job` for ``submit --wait`` and ``wait``: a job whose every row was rejected
+    generated nothing, and that is not success."""
+    code = wait_for_job(client, job_id, console, progress_every_s=progress_every_s)
+    if code != EXIT_ALL_DONE:
+        return code
+    job = client.job(job_id)
+    if job["total"] or not job["rejected"]:
+        return code
+    console.print(
+        f"no prompt was accepted: all {job['rejected']} rows were rejected; see why with "
+        f"curl {coordinator_url.rstrip('/')}/jobs/{job_id}/errors?kind=rejected",
+        style="red",
+        markup=False,
+    )
+    return EXIT_SOME_FAILED

@@ -57,6 +57,8 @@ class Chunk:
     rejected: list[dict[str, Any]] = field(default_factory=list)
     flagged: list[dict[str, Any]] = field(default_factory=list)
     ids: dict[int, RowId] = field(default_factory=dict)
+    # Line -> digest of its bytes (`service.rowids.LineDigests`): what a rejected row is known by.
+    line_digests: dict[int, str] = field(default_factory=dict)
     rows: int = 0
     last_line: int = 0
 

@@ -19,7 +19,15 @@ from datagen.clock import now_ms
 from datagen.control.dispatch import Dispatch
 from datagen.control.keys import Keys
 from datagen.control.redistext import as_texts
-from datagen.control.servers import ServerView, read_control, read_servers, read_views, seen_recently
+from datagen.control.servers import (
+    ServerView,
+    published_names,
+    read_control,
+    read_servers,
+    read_views,
+    remembered,
+    seen_recently,
+)
 from datagen.errors import UnknownServerError
 from datagen.states import PromptClass, ServerState
 
@@ -77,7 +85,8 @@ class FleetView:
 
     # Servers ------------------------------------------------------------------------------------
     def server_names(self) -> list[str]:
-        known = set(read_servers(self.redis, self.keys))
+        """The servers some worker published a view of within ``VIEWS_TTL_S``, and paused ones."""
+        known = published_names(self.redis, self.keys, sorted(read_servers(self.redis, self.keys)))
         known |= set(as_texts(self.redis.smembers(self.keys.paused_servers())))
         return sorted(known)
 
@@ -90,6 +99,8 @@ class FleetView:
         if info is None and not paused:
             known = ", ".join(self.server_names()) or "none"
             raise UnknownServerError(f"no worker has reported a server named {name!r}; known: {known}")
+        # A name some worker reported once is answered when asked for, with the workers that still
+        # publish it (none: its state is unknown), though the list (`server_names`) leaves it out.
         workers = self._workers(name)
         live = [w.view for w in workers if not w.stale]
         control = read_control(self.redis, self.keys, name)
@@ -113,9 +124,11 @@ class FleetView:
     def _workers(self, name: str) -> list[_WorkerView]:
         now = now_ms()
         return [
-            # A stale view is shown but does not count towards totals (datagen.control.servers.LIVE_WINDOW_S).
+            # A stale view is shown but does not count towards totals (datagen.control.servers.LIVE_WINDOW_S);
+            # one past VIEWS_TTL_S (a worker that died long ago) is not shown.
             _WorkerView(worker, view, stale=not seen_recently(view, now))
             for worker, view in sorted(read_views(self.redis, self.keys, name).items())
+            if remembered(view, now)
         ]
 
     def set_server_paused(self, name: str, paused: bool) -> dict[str, Any]:

@@ -22,7 +22,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, cast
 
 from redis import Redis, RedisError
 
@@ -55,7 +55,16 @@ from service.admit import (
 )
 from service.committed import Committed, Settled, settle_committed
 from service.metrics import CoordinatorMetrics
-from service.rowids import check_row_ids, repeated_lines, row_id
+from service.rowids import (
+    LineDigests,
+    check_row_ids,
+    counted_before,
+    rejected_field,
+    repeated_lines,
+    reread_lines,
+    row_id,
+    upload_tag,
+)
 
 __all__ = ["IngestOptions", "Ingestor"]
 
@@ -246,10 +255,12 @@ class Ingestor:
         # Only the first chunk has a deadline; None once it is out (or when chunks are small anyway).
         deadline = time.monotonic() + self.options.first_chunk_s if size < most else None
         with self._open(job_id, source) as stream:
-            for item, conversation in chunk_items(stream, spec, start_line):
+            lines = LineDigests(stream)
+            for item, conversation in chunk_items(cast(BinaryIO, lines), spec, start_line):
                 if stop.is_set():
                     log.info("job %s: ingestion paused at line %d (shutdown)", job_id, chunk.last_line)
                     return False
+                chunk.line_digests[item.line] = lines.digest(item.line)
                 self._add(chunk, item, conversation, job_id, spec, renderer, context_len, incarnation)
                 full = len(chunk.prompts) + len(chunk.rejected) >= size
                 if full or (deadline is not None and chunk.prompts and time.monotonic() >= deadline):
@@ -395,8 +406,9 @@ class Ingestor:
         if chunk.rows == 0:
             return
         self._check_cancelled(job_id)
-        new_ids, repeats = self._check_ids(job_id, chunk)
+        new_ids, repeats, reread = self._check_ids(job_id, chunk)
         verdicts = self._judge(hygiene, chunk, repeats)
+        new_rejected, reread = self._leave_out_reread(job_id, chunk, reread)
         members = [prompt_key(p.sample_id, p.turn, p.gen) for _, p in chunk.prompts]
         # A row enqueued before is in the rows hash (`repeats`: same id, same content). Jobs made
         # before rows were remembered kept one guard entry per prompt in the enqueued set instead.
@@ -414,11 +426,13 @@ class Ingestor:
             self.storage.write_flagged(job_id, chunk.input_name, chunk.flagged)
         fresh_payloads = [p for _, p, _ in fresh]
         settled = settle_committed(self.storage, job_id, fresh_payloads, committed, spec)
+        # Rows an earlier upload counted (a resubmission re-reads them) count nothing again.
+        reread_prompts = sum(1 for item, _ in chunk.prompts if item.line in reread)
         counts = {
-            "rows": chunk.rows,
+            "rows": chunk.rows - len(reread),
             "rejected": len(chunk.rejected),
             "accepted": len(fresh) + settled.later_turns,
-            "skipped": len(chunk.prompts) - len(fresh),
+            "skipped": len(chunk.prompts) - len(fresh) - reread_prompts,
             "prompt_tokens": sum(len(p.prompt_ids) for p in [*fresh_payloads, *settled.continued]),
             "flagged": len(chunk.flagged),
             "done": settled.done,
@@ -427,7 +441,16 @@ class Ingestor:
         self._wait_for_room(job_id, [*settled.enqueue, *settled.continued], stop)
         records = verdicts.record_bytes(hygiene.bands) if verdicts is not None else b""
         self._commit(
-            job_id, spec, chunk, fresh_payloads, counts, new_ids, records, incarnation, settled, fence
+            job_id,
+            spec,
+            chunk,
+            fresh_payloads,
+            counts,
+            {**new_ids, **new_rejected},
+            records,
+            incarnation,
+            settled,
+            fence,
         )
         if verdicts is not None:
             hygiene.keep(verdicts)
@@ -473,15 +496,17 @@ class Ingestor:
         if landing is Landing.FENCED:
             raise _Cancelled
 
-    def _check_ids(self, job_id: str, chunk: Chunk) -> tuple[dict[str, str], set[int]]:
+    def _check_ids(self, job_id: str, chunk: Chunk) -> tuple[dict[str, str], set[int], set[int]]:
         """Reject rows that reuse an earlier row's id with other content; returns the ids this chunk
-        uses first, to remember, and the lines that repeat an earlier upload's row (`service.rowids`)."""
+        uses first, to remember, the lines that repeat an earlier row, and those of them that repeat
+        an earlier upload's row (`service.rowids`)."""
         if not chunk.ids:
-            return {}, set()
+            return {}, set(), set()
         stored = self.jobs.first_rows(job_id, sorted({r.sample_key for r in chunk.ids.values()}))
         upload = chunk.input_name.removesuffix(".jsonl")
         new, refused = check_row_ids(chunk.ids, stored, upload=upload)
         repeats = repeated_lines(chunk.ids, stored)
+        reread = reread_lines(chunk.ids, stored, upload=upload)
         if refused:
             chunk.prompts = [(i, p) for i, p in chunk.prompts if i.line not in refused]
             chunk.flagged = [f for f in chunk.flagged if f["line"] not in refused]
@@ -490,7 +515,27 @@ class Ingestor:
                 for line, reason in refused.items()
             ]
             chunk.rejected.sort(key=lambda r: r["line"])
-        return new, repeats
+        return new, repeats, reread
+
+    def _leave_out_reread(
+        self, job_id: str, chunk: Chunk, reread: set[int]
+    ) -> tuple[dict[str, str], set[int]]:
+        """Leave out of the chunk's counts and reports the rows an earlier upload counted already:
+        ``reread`` (repeats of an earlier upload's row, by id) and rejected rows whose line, bytes
+        and all, an earlier upload rejected. Returns the rows guard's entries for the chunk's newly
+        rejected rows, and every re-read line."""
+        fields = {
+            r["line"]: rejected_field(r["line"], chunk.line_digests.get(r["line"], ""))
+            for r in chunk.rejected
+        }
+        stored = self.jobs.first_rows(job_id, sorted(set(fields.values()))) if fields else {}
+        before = counted_before(fields.values(), stored, upload=chunk.input_name)
+        reread = reread | {line for line, name in fields.items() if name in before}
+        if reread:
+            chunk.rejected = [r for r in chunk.rejected if r["line"] not in reread]
+            chunk.flagged = [f for f in chunk.flagged if f["line"] not in reread]
+        tag = upload_tag(chunk.input_name)
+        return {fields[r["line"]]: tag for r in chunk.rejected}, reread
 
     @staticmethod
     def _judge(hygiene: Hygiene, chunk: Chunk, repeats: set[int]) -> Verdicts | None:

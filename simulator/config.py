@@ -25,6 +25,7 @@ __all__ = [
     "DEFAULT_MAX_TOTAL_NUM_TOKENS",
     "DEFAULT_PORT",
     "DEFAULT_PREFILL_S_PER_TOKEN",
+    "DEFAULT_REPORT_INTERVAL_S",
     "DEFAULT_SERVED_MODEL_NAME",
     "DEFAULT_WEIGHT_VERSION",
     "SimApi",
@@ -50,6 +51,8 @@ DEFAULT_DECODE_STEP_BASE_S = 0.02
 DEFAULT_DECODE_STEP_PER_REQ_S = 2e-4
 DEFAULT_WEIGHT_VERSION = "default"  # SGLang's --weight-version default
 DEFAULT_LOG_LEVEL = "warning"
+# How often a simulator that served requests logs how many (`simulator.frontend`).
+DEFAULT_REPORT_INTERVAL_S = 10.0
 
 
 class SimApi(StrEnum):
@@ -71,6 +74,7 @@ class SimConfig(BaseModel):
     weight_version: str = DEFAULT_WEIGHT_VERSION
     tokenizer_path: str | None = None
     log_level: str = DEFAULT_LOG_LEVEL
+    report_interval_s: float = Field(default=DEFAULT_REPORT_INTERVAL_S, gt=0.0)
     # SGLang's --api-key: every path but /health* and /metrics* wants "Authorization: Bearer <key>".
     api_key: SecretStr | None = None
 

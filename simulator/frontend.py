@@ -5,12 +5,18 @@ shapes, metric names and which paths an API key guards. :class:`Frontend` is the
 share (engine, metrics, tokenizer) and :func:`create_frontend_app` the app around it: the engine
 runs inside the app's lifespan, ``app.state.sim`` is the front end (tests reach the engine through
 it), and the bearer-token check is one middleware told which paths the server guards.
+
+A simulator says what it serves: every ``report_interval_s`` in which requests came, one log line
+counts them by route and status (:class:`RequestTally`), with the requests running and waiting.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
+import logging
+from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from typing import Any, Generic, Protocol, TypeVar
@@ -19,12 +25,21 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import SecretStr
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from simulator.config import SimConfig
 from simulator.model import SpecialIds, tool_call_ids_for
 from simulator.scheduler import Engine, EngineMetrics
 
-__all__ = ["ExceptionHandler", "Frontend", "ServedMetrics", "create_frontend_app"]
+__all__ = [
+    "ExceptionHandler",
+    "Frontend",
+    "RequestTally",
+    "ServedMetrics",
+    "create_frontend_app",
+]
+
+log = logging.getLogger(__name__)
 
 ExceptionHandler = Callable[[Request, Exception], Awaitable[Response]]
 
@@ -47,6 +62,7 @@ class Frontend(Generic[MetricsT]):
         self.engine = Engine(config, metrics)
         self.tokenizer: Any | None = None
         self.special = SpecialIds.deepseek_default()
+        self.tally = RequestTally()
 
     async def start(self) -> None:
         if self.config.tokenizer_path:
@@ -95,9 +111,13 @@ def create_frontend_app(
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await frontend.start()
+        reporter = asyncio.create_task(_report(frontend), name="simulator-report")
         try:
             yield
         finally:
+            reporter.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await reporter
             await frontend.close()
 
     app = FastAPI(title=title, lifespan=lifespan, openapi_url=None)
@@ -110,7 +130,66 @@ def create_frontend_app(
     for router in routers:
         app.include_router(router)
     app.include_router(_metrics_route(frontend))
+    app.add_middleware(_Counting, tally=frontend.tally)  # outermost: a 401 is counted too
     return app
+
+
+class RequestTally:
+    """Requests answered since the last report, by method, route and status."""
+
+    def __init__(self) -> None:
+        self.counts: Counter[tuple[str, str, int]] = Counter()
+
+    def take(self) -> Counter[tuple[str, str, int]]:
+        """The counts so far; the tally starts again from none."""
+        counts, self.counts = self.counts, Counter()
+        return counts
+
+
+class _Counting:
+    """Pure ASGI (no per-request task, unlike ``@app.middleware``): counts each answered request."""
+
+    def __init__(self, app: ASGIApp, tally: RequestTally) -> None:
+        self.app = app
+        self.tally = tally
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status = 0  # none sent: the request was dropped (a shutdown, a client gone)
+
+        async def sending(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, sending)
+        finally:
+            self.tally.counts[(scope["method"], scope["path"], status)] += 1
+
+
+async def _report(frontend: Frontend[Any]) -> None:
+    interval_s = frontend.config.report_interval_s
+    while True:
+        await asyncio.sleep(interval_s)
+        counts = frontend.tally.take()
+        if not counts:
+            continue
+        by_route = ", ".join(
+            f"{method} {path} {status or 'dropped'} x{n}"
+            for (method, path, status), n in sorted(counts.items())
+        )
+        log.info(
+            "served %d requests in the last %g s (%s); %d running, %d waiting",
+            sum(counts.values()),
+            interval_s,
+            by_route,
+            frontend.engine.num_running,
+            frontend.engine.num_queued,
+        )
 
 
 def _require_api_key(app: FastAPI, api_key: SecretStr, guards: Callable[[str], bool]) -> None:

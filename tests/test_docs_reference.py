@@ -42,12 +42,28 @@ def test_every_setting_of_every_process_is_in_the_configuration_reference(hook: 
     from datagen.settings import ClientSettings, CoordinatorSettings, WorkerSettings, known_variables
 
     text = hook.settings_reference()
+    hooks = set()
     for model in (CoordinatorSettings, WorkerSettings, ClientSettings):
-        for name in model.model_fields:
+        for name, info in model.model_fields.items():
+            if hook.is_test_hook(info):
+                hooks.add(f"DATAGEN_{name.upper()}")
+                continue
             assert f"`DATAGEN_{name.upper()}`" in text, f"{model.__name__}.{name} is not in the reference"
-    # The variables a process accepts are exactly those the reference lists.
-    listed = set(re.findall(r"`(DATAGEN_[A-Z0-9_]+)`", text))
-    assert listed == known_variables()
+    # The variables a process accepts are exactly those the reference lists, and the test hooks.
+    listed = {row.split("`")[1] for row in text.splitlines()[2:]}
+    assert listed == known_variables() - hooks
+    assert hooks, "the settings mark no test hook: DATAGEN_TEST_ACK_DELAY_S is one"
+
+
+def test_every_variable_in_the_configuration_reference_has_a_description(hook: ModuleType) -> None:
+    rows = hook.settings_reference().splitlines()[2:]
+    assert len(rows) == len(hook.settings_variables())
+    # A row is `| variable | type | default | bounds | read by | description |`.
+    empty = [row.split("`")[1] for row in rows if not row.rstrip()[:-1].rsplit("|", 1)[1].strip()]
+    assert not empty, (
+        f"variables without a description (add one to their Field in datagen/settings.py): {empty}"
+    )
+    assert "TEST_" not in hook.settings_reference(), "a test hook is in the configuration reference"
 
 
 def test_every_job_spec_field_is_in_the_spec_reference(hook: ModuleType) -> None:

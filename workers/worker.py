@@ -43,6 +43,7 @@ from workers.claim.rqbridge import QueueIdentity, heartbeat_ttl_s
 from workers.claim.wake import Wakeups
 from workers.engines.detect import build_engine
 from workers.engines.http import ClientTimeouts
+from workers.engines.urls import shown_url
 from workers.fleet.health import HealthProbe
 from workers.fleet.kv_control import KvControl
 from workers.fleet.servers import Fleet, Server, ServerSpec
@@ -170,9 +171,11 @@ class Worker:
         self.admission = self._admission()
         self._start_loops(probes)
         log.info(
-            "worker %s started: servers up %s, queues %s, metrics %s",
+            "worker %s started: servers %s, queues %s, metrics %s",
             self.name,
-            [s.name for s in self.fleet.servers if s.up],
+            ", ".join(
+                f"{s.name}={shown_url(s.client.base_url)} ({s.state.value})" for s in self.fleet.servers
+            ),
             [i.queue.name for i in self.identities.values()],
             f"http://{self.metrics_address}/metrics" if self.metrics_address else "off",
         )

@@ -61,6 +61,9 @@ SEEN_READ_BYTES = 8 * 1024 * 1024
 CREATE_REFUSED = -1
 # Between the incarnation and an ingestion run's token in a job's ingest fence.
 FENCE_SEPARATOR = "/"
+# A job hash's field: what a completed job was when a resubmission reopened it (`restart_ingest`;
+# read by `complete_if_ended` in lua/lib.lua).
+COMPLETED_BEFORE = "completed_before"
 
 
 def ingest_fence_value(incarnation: str, token: str) -> str:
@@ -348,12 +351,14 @@ class JobStore:
         pipe.hset(key, "ingest_line", line)
 
     def first_rows(self, job_id: str, sample_keys: list[str]) -> dict[str, str]:
-        """What :meth:`remember_rows` stored for these sample keys (absent: no row used them yet)."""
+        """What :meth:`remember_rows` stored for these sample keys, or rejected rows' fields
+        (`service.rowids.rejected_field`) (absent: no row used them yet)."""
         raw = self.redis.hmget(self.keys.job_rows(job_id), sample_keys)
         return {k: as_text(v) for k, v in zip(sample_keys, raw, strict=True) if v is not None}
 
     def remember_rows(self, pipe: Pipeline, job_id: str, rows: dict[str, str]) -> None:
-        """Sample key -> ``<content digest>:<line>:<upload>`` of the row that first used the id."""
+        """Sample key -> ``<content digest>:<line>:<upload>`` of the row that first used the id; a
+        rejected row's field -> its upload."""
         if rows:
             pipe.hset(self.keys.job_rows(job_id), mapping=cast(dict[Any, Any], rows))
 
@@ -428,9 +433,27 @@ class JobStore:
         return bool(self._transition(args, client=pipe))
 
     def restart_ingest(self, job_id: str) -> None:
-        """A resubmission to the job: it ingests again (not a cancelled job: that stays cancelled)."""
+        """A resubmission to the job: it ingests again (not a cancelled job: that stays cancelled).
+
+        A completed job keeps what it was at its completion in ``completed_before`` (``<finished_at_ms>
+        <accepted> <output_tokens>``): if it completes again with nothing new run, it keeps that
+        completion time (`complete_if_ended` in lib.lua), so re-attaching to a job by resubmitting its
+        dataset moves none of its rates or its tail."""
+        key = self.keys.job(job_id)
+        state, finished, accepted, tokens = self.redis.hmget(
+            key, ["state", "finished_at_ms", "accepted", "output_tokens"]
+        )
+        target = JobState.INGESTING
+        reopened: dict[str, str | int] = {"finished_at_ms": 0}
+        if state is not None and as_text(state) == JobState.COMPLETED and int(finished or 0):
+            before = f"{int(finished or 0)} {int(accepted or 0)} {int(tokens or 0)}"
+            completed = (JobState.COMPLETED,)
+            if self.transition(
+                job_id, completed, target, {**reopened, COMPLETED_BEFORE: before}, fence="arm"
+            ):
+                return
         sources = (JobState.INGESTING, JobState.RUNNING, JobState.COMPLETED, JobState.FAILED)
-        if not self.transition(job_id, sources, JobState.INGESTING, {"finished_at_ms": 0}, fence="arm"):
+        if not self.transition(job_id, sources, target, {**reopened, COMPLETED_BEFORE: ""}, fence="arm"):
             raise JobStateError(f"job {job_id} was cancelled or deleted meanwhile; submit under a new job id")
 
     def cancel(self, job_id: str) -> bool:

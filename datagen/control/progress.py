@@ -62,14 +62,20 @@ class JobProgress:
     rebuilt: dict[str, Any] | None = None
     # The class whose backlog ingestion waits to have room in (`service.ingest`); None when it does not.
     waiting_for_room: str | None = None
+    # A completed job that a resubmission reopened and that has run nothing new since: when it
+    # completed (`JobStore.restart_ingest`); its rates and tail stay those of then. 0 otherwise.
+    completed_before_ms: int = 0
 
     @property
     def queued(self) -> int:
         return max(0, self.accepted - self.done - self.failed - self.cancelled - self.in_flight)
 
+    def end_ms(self, at_ms: int | None = None) -> int:
+        """Where the job's rates and tail are measured to: its completion, else ``at_ms`` or now."""
+        return self.finished_at_ms or self.completed_before_ms or (at_ms if at_ms is not None else now_ms())
+
     def elapsed_s(self, at_ms: int | None = None) -> float:
-        end = self.finished_at_ms or (at_ms if at_ms is not None else now_ms())
-        return max(1e-3, (end - self.created_at_ms) / 1000)
+        return max(1e-3, (self.end_ms(at_ms) - self.created_at_ms) / 1000)
 
     def time_to_first_record_s(self) -> float | None:
         """Seconds from the job's creation to its first record; None before it has one."""
@@ -82,8 +88,7 @@ class JobProgress:
         reached 95 % to the job's end (or ``at_ms``/now while it runs); None before the tail starts."""
         if not self.tail_from_ms:
             return None
-        end = self.finished_at_ms or (at_ms if at_ms is not None else now_ms())
-        return max(0.0, (end - self.tail_from_ms) / 1000)
+        return max(0.0, (self.end_ms(at_ms) - self.tail_from_ms) / 1000)
 
     def to_json(self, at_ms: int | None = None) -> dict[str, Any]:
         elapsed_s = self.elapsed_s(at_ms)
@@ -157,4 +162,16 @@ def progress_from_hash(job_id: str, raw: dict[bytes, bytes], running: int, pause
         tail_from_ms=ints["tail_from_ms"],
         rebuilt=json.loads(fields["rebuilt"]) if fields.get("rebuilt") else None,
         waiting_for_room=fields.get("waiting_for_room") or None,
+        completed_before_ms=_completed_before_ms(fields.get("completed_before"), ints),
     )
+
+
+def _completed_before_ms(raw: str | None, ints: dict[str, int]) -> int:
+    """The completion time in ``completed_before`` (``<finished_at_ms> <accepted> <output_tokens>``,
+    `JobStore.restart_ingest`) while the job's accepted prompts and output tokens are still those of
+    then; else 0 (as `complete_if_ended` in lua/lib.lua decides at the job's next completion)."""
+    parts = (raw or "").split()
+    if len(parts) != 3 or not all(p.isdigit() for p in parts):
+        return 0
+    at_ms, accepted, tokens = (int(p) for p in parts)
+    return at_ms if (accepted, tokens) == (ints["accepted"], ints["output_tokens"]) else 0

@@ -5,11 +5,13 @@ stored and decodes it:
 
 - :class:`ServerInfo` in ``servers_index`` (one hash, one JSON entry per server name): what the
   server said about itself when a worker last accepted or refused it. Entries are never deleted,
-  so a server that no worker uses any more keeps its entry.
+  so a server that no worker uses any more keeps its entry; what is shown is only the servers
+  some worker still publishes a view of (:func:`published_names`).
 - :class:`ServerView` in ``server_workers(name)`` (one hash per server, one JSON entry per worker):
   that worker's view of the server, refreshed every ``control_interval_s``; a view whose ``state``
   is ``refused`` says why in ``refused``. A view older than ``LIVE_WINDOW_S`` is stale
-  (:func:`seen_recently`).
+  (:func:`seen_recently`); one older than ``VIEWS_TTL_S`` is forgotten (:func:`remembered`): a
+  worker that stops withdraws its views, one that dies leaves them to age out.
 - :class:`ServerControl` in ``server_control(name)`` (a plain hash): the shared in-flight target
   that the worker holding the server's controller lease writes, with the KV signals behind it.
 
@@ -41,6 +43,7 @@ from datagen.states import ServerState
 
 __all__ = [
     "LIVE_WINDOW_S",
+    "VIEWS_TTL_S",
     "ControllerPhase",
     "ServerControl",
     "ServerInfo",
@@ -49,9 +52,11 @@ __all__ = [
     "fleet_context_len",
     "live_servers",
     "publish_server",
+    "published_names",
     "read_control",
     "read_servers",
     "read_views",
+    "remembered",
     "seen_recently",
     "shares_server",
 ]
@@ -63,6 +68,10 @@ __all__ = [
 # rule for every reader: the workers sharing slots, the coordinator's ``GET /servers`` and the
 # pre-flight checks' live servers.
 LIVE_WINDOW_S = 10.0
+# How long a worker's view of a server is remembered after its last refresh: the TTL of the views
+# hash (each publish sets it again), and the age past which ``GET /servers`` drops a dead worker's
+# view, and a server that no worker publishes any more, from its list.
+VIEWS_TTL_S = 300
 
 # ``model_path`` is a field of ours, not pydantic's ``model_`` namespace.
 _STORED = ConfigDict(frozen=True, extra="ignore", protected_namespaces=())
@@ -198,6 +207,11 @@ def seen_recently(view: ServerView, now_ms: int, *, max_age_s: float = LIVE_WIND
     return view.seen_at_ms is not None and view.seen_at_ms >= now_ms - int(max_age_s * 1000)
 
 
+def remembered(view: ServerView, now_ms: int) -> bool:
+    """Whether a worker's view of a server is recent enough to show (:data:`VIEWS_TTL_S`)."""
+    return seen_recently(view, now_ms, max_age_s=VIEWS_TTL_S)
+
+
 def shares_server(view: ServerView, now_ms: int, *, max_age_s: float = LIVE_WINDOW_S) -> bool:
     """Whether a worker's view says it uses the server: live, and not refused (a server that is down
     but still listed counts: it will be back)."""
@@ -233,6 +247,22 @@ def read_views(redis: Redis, keys: Keys, name: str) -> dict[str, ServerView]:
 
 def read_control(redis: Redis, keys: Keys, name: str) -> ServerControl:
     return ServerControl.decode(cast(dict[bytes, bytes], redis.hgetall(keys.server_control(name))))
+
+
+def published_names(redis: Redis, keys: Keys, names: list[str]) -> set[str]:
+    """Those of ``names`` that some worker has published a view of within :data:`VIEWS_TTL_S`
+    (live or stale): a name a worker gave once, a server of a worker that exited or died long ago,
+    is no longer one of the fleet's servers."""
+    with redis.pipeline(transaction=False) as pipe:
+        for name in names:
+            pipe.hgetall(keys.server_workers(name))
+        replies = pipe.execute()
+    at_ms = now_ms()
+    return {
+        name
+        for name, raw in zip(names, replies, strict=True)
+        if any(remembered(view, at_ms) for view in decode_views(raw).values())
+    }
 
 
 def live_servers(redis: Redis, keys: Keys, *, max_age_s: float = LIVE_WINDOW_S) -> dict[str, dict[str, Any]]:

@@ -25,13 +25,15 @@ of ``SHUFFLE_BUCKET_BYTES`` (see :mod:`datagen.export.shuffle`). ``bench/export.
 
 Modules, in pipeline order: ``rows`` (dedupe, filters, clipping), ``shuffle`` (the bucket shuffle),
 ``formats`` (token-id formats and their output files), ``conversations`` (the text format),
-``tokens`` (the job's tokenizer), ``pipeline`` (`export_job`, the stages wired together).
+``tokens`` (the job's tokenizer), ``pipeline`` (`export_job`, the stages wired together, and
+`check_exportable`, which refuses from the manifest alone before anything is read).
 """
 
 from datagen.export.pipeline import (
     DEFAULT_MIN_SUPERVISED_TOKENS,
     ExportFormat,
     ExportOptions,
+    check_exportable,
     export_job,
 )
 from datagen.export.rows import DropReason, ExportStats
@@ -43,6 +45,7 @@ __all__ = [
     "ExportFormat",
     "ExportOptions",
     "ExportStats",
+    "check_exportable",
     "export_id",
     "export_job",
     "total_records",

@@ -31,6 +31,7 @@ __all__ = [
     "DEFAULT_MIN_SUPERVISED_TOKENS",
     "ExportFormat",
     "ExportOptions",
+    "check_exportable",
     "export_job",
 ]
 
@@ -84,6 +85,28 @@ def _ordered(
         yield from shuffled_batches(batches, seed=options.shuffle_seed, buckets=buckets, tmp_dir=Path(tmp))
 
 
+def _multi_turn_mode(storage: Storage, job_id: str) -> MultiTurnMode:
+    manifest = storage.read_manifest(job_id) or {}
+    return MultiTurnMode(manifest.get("spec", {}).get("multi_turn", MultiTurnMode.LAST.value))
+
+
+def check_exportable(storage: Storage, job_id: str, fmt: ExportFormat) -> None:
+    """Refuse, from the job's manifest alone, an export that could not be written (before any read).
+
+    Raises `ConfigError` (one line) for a ``conversations`` export of a multi-turn ``all`` job.
+    """
+    if fmt is not ExportFormat.CONVERSATIONS:
+        return
+    mode = _multi_turn_mode(storage, job_id)
+    if mode is not MultiTurnMode.LAST:
+        # Turn k+1 was rendered from the model's own turn k; the input holds the dataset's turn k.
+        raise ConfigError(
+            f"job {job_id} ran in multi-turn mode {mode.value!r}: its later turns follow the regenerated "
+            "earlier turns, which the conversations export does not rebuild yet; export a token format "
+            "(specforge, speculators, parquet), which is exact for every turn"
+        )
+
+
 def _line_writer(
     fmt: ExportFormat, storage: Storage, job_id: str, options: ExportOptions, stats: ExportStats
 ) -> tuple[Callable[[pa.RecordBatch], Iterable[bytes]], Callable[[], None]]:
@@ -93,16 +116,7 @@ def _line_writer(
     tokens = load_job_tokens(storage, job_id, options.tokenizer)
     if fmt is ExportFormat.SPECULATORS:
         return SpeculatorsFormatter(tokens).lines, lambda: None
-    manifest = storage.read_manifest(job_id) or {}
-    mode = MultiTurnMode(manifest.get("spec", {}).get("multi_turn", MultiTurnMode.LAST.value))
-    if mode is not MultiTurnMode.LAST:
-        # Turn k+1 was rendered from the model's own turn k; the input holds the dataset's turn k.
-        raise ConfigError(
-            f"job {job_id} ran in multi-turn mode {mode.value!r}: its later turns follow the regenerated "
-            "earlier turns, which the conversations export does not rebuild yet; export a token format "
-            "(specforge, speculators, parquet), which is exact for every turn"
-        )
-    index = InputIndex(storage, job_id, mode)
+    index = InputIndex(storage, job_id, _multi_turn_mode(storage, job_id))
     return ConversationFormatter(tokens, index, stats).lines, index.close
 
 
@@ -176,6 +190,7 @@ def export_job(
 
     ``on_progress`` is called with ("read", records read) and ("written", rows written).
     """
+    check_exportable(storage, job_id, fmt)
     options = options or ExportOptions()
     progress = on_progress or _no_progress
     stats = ExportStats()

@@ -273,12 +273,24 @@ def resolve_stop_ids(spec: JobSpec, renderer: PromptRenderer, vocab_size: int | 
 # -- at submit ----------------------------------------------------------------------------------
 
 
+def _is_bundled(tokenizer: str) -> bool:
+    """Whether ``tokenizer`` is the project's bundled DeepSeek tokenizer (`deepseek-tokenizer`): a
+    directory of the project's own, with no config.json by design, not worth a warning at every
+    dry run."""
+    from datagen.prompts.tokenization import bundled_tokenizer_path
+
+    try:
+        return Path(tokenizer).expanduser().resolve() == Path(bundled_tokenizer_path()).resolve()
+    except (DatagenError, OSError):
+        return False
+
+
 def preflight_submit(spec: JobSpec, renderer: PromptRenderer, servers: Servers) -> PreflightResult:
     """Every check a job must pass at submit; ``servers`` are the live ones (``live_servers``)."""
     check_servers_agree(servers)
     warnings = check_spec_against_servers(spec, servers)
     vocab_size = model_vocab_size(spec)
-    if vocab_size is None:
+    if vocab_size is None and not _is_bundled(spec.tokenizer):
         warnings.append(
             f"the model's vocabulary size is unknown (no vocab_size in the spec, no {MODEL_CONFIG_NAME} "
             "next to the tokenizer), so token ids are not checked against it"

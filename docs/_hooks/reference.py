@@ -5,7 +5,8 @@ these functions renders from its source, so the docs cannot drift from the code:
 
 - ``cli``: the Typer app (`datagen_cli.app`): commands, arguments, options, help and defaults
 - ``http``: the coordinator's OpenAPI schema (`service.app.create_app`), plus the routes it leaves out
-- ``settings``: the settings models (`datagen.settings`): every ``DATAGEN_*`` variable
+- ``settings``: the settings models (`datagen.settings`): every ``DATAGEN_*`` variable with its
+  ``Field`` description, but the tests' hooks (``TEST_HOOK``)
 - ``spec``: the job spec models (`datagen.spec`): every field, ``sampling`` included
 - ``metrics``: the metrics modules (`service/metrics.py`, `workers/metrics.py`, `simulator/*/metrics.py`),
   read as source, because the coordinator's job and queue series are declared where a scrape builds them
@@ -246,13 +247,24 @@ def settings_models() -> dict[str, type[Any]]:
     return {"coordinator": CoordinatorSettings, "worker": WorkerSettings, "CLI": ClientSettings}
 
 
+def is_test_hook(info: Any) -> bool:
+    """A field the tests set (``TEST_HOOK`` in its ``json_schema_extra``): not for operators."""
+    from datagen.settings import TEST_HOOK
+
+    extra = info.json_schema_extra
+    return isinstance(extra, dict) and bool(extra.get(TEST_HOOK))
+
+
 def settings_variables() -> dict[str, tuple[str, Any, list[str]]]:
-    """``DATAGEN_*`` name -> (field name, the field's info, the processes that read it)."""
+    """``DATAGEN_*`` name -> (field name, the field's info, the processes that read it), test hooks
+    left out."""
     from datagen.settings import ENV_PREFIX
 
     found: dict[str, tuple[str, Any, list[str]]] = {}
     for process, model in settings_models().items():
         for name, info in model.model_fields.items():
+            if is_test_hook(info):
+                continue
             variable = ENV_PREFIX + name.upper()
             found.setdefault(variable, (name, info, []))[2].append(process)
     return found

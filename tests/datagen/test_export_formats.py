@@ -5,6 +5,9 @@ ids are written by hand from the real DeepSeek tokenizer."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +45,8 @@ from tests.support.export_jobs import (
     read_jsonl,
 )
 from tests.support.records import make_record
+
+REFUSAL_WITHIN_S = 1.0
 
 
 def renderer() -> Any:
@@ -203,6 +208,28 @@ def test_conversations_refuse_multi_turn_all_jobs(storage: Storage, tmp_path: Pa
         export_job(storage, JOB, ExportFormat.CONVERSATIONS, tmp_path / "out" / "c.jsonl")
     assert not (tmp_path / "out").exists()  # nothing written, not even a temporary file
     export_job(storage, JOB, ExportFormat.SPECFORGE, tmp_path / "out" / "s.jsonl")
+
+
+def test_cli_refuses_conversations_of_a_multi_turn_all_job_at_once(storage: Storage, tmp_path: Path) -> None:
+    """Issue 39: refused from the manifest in one line, before any progress bar or tokenizer load."""
+    build_job(storage, [Sample("hi", REASONED)], spec={"multi_turn": "all"})
+    args = ["export", JOB, "--storage", str(storage.root), "--format", "conversations"]
+    args += ["--out", str(tmp_path / "c.jsonl")]
+    started = time.monotonic()
+    result = CliRunner().invoke(app, args)
+    elapsed_s = time.monotonic() - started
+    assert isinstance(result.exception, ConfigError), result.output
+    assert elapsed_s < REFUSAL_WITHIN_S
+    assert result.output == ""  # no bar drawn, not even its last frame
+    shell = subprocess.run(
+        [sys.executable, "-m", "datagen_cli", *args], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert shell.returncode == 3 and shell.stdout == ""
+    [line] = shell.stderr.splitlines()
+    assert (
+        line.startswith(f"error: job {JOB} ran in multi-turn mode 'all'") and "export a token format" in line
+    )
+    assert not (tmp_path / "c.jsonl").exists()
 
 
 def test_parquet_export_loads_with_datasets(mixed_job: Storage, tmp_path: Path) -> None:

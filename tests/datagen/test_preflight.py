@@ -225,7 +225,17 @@ def test_preflight_submit_returns_what_the_job_runs_with(tokenizer_path: str, tm
     servers = {"a": _server(context_len=8192), "b": _server(context_len=4096)}
     result = preflight_submit(spec, renderer_for(spec), servers)
     assert (result.context_len, result.stop_ids, result.vocab_size) == (4096, [EOS], None)
-    assert len(result.warnings) == 1 and "vocabulary size is unknown" in result.warnings[0]
+    # The project's own bundled tokenizer has no config.json by design: no warning for it.
+    assert result.warnings == []
+
+    bare = _copy_tokenizer(tokenizer_path, tmp_path / "bare")
+    spec = job_spec(NO_CONTEXT_LEN, tokenizer=bare, weight_version="v1")
+    result = preflight_submit(spec, renderer_for(spec), servers)
+    assert result.vocab_size is None
+    assert result.warnings == [
+        "the model's vocabulary size is unknown (no vocab_size in the spec, no config.json next to the "
+        "tokenizer), so token ids are not checked against it"
+    ]
 
     copy = _copy_tokenizer(tokenizer_path, tmp_path / "tok", config={"vocab_size": TOKENIZER_IDS})
     spec = job_spec(NO_CONTEXT_LEN, tokenizer=copy, context_len=16384)

@@ -55,6 +55,13 @@ FOREIGN_FLAGS = {
     "--requirepass": "redis-server --requirepass",
     "--appendonly": "redis-server --appendonly, in compose.yaml",
     "--appendfsync": "redis-server --appendfsync, in compose.yaml",
+    "--save": "redis-server --save '', in the README's tour",
+    "--loglevel": "redis-server --loglevel, in the README's tour",
+    "--dir": "redis-server --dir, in docs/operator/running-a-fleet.md",
+    "--local-dir": "huggingface-cli download --local-dir, in docs/operator/real-model.md",
+    "--model-path": "SGLang's server flag (sglang.launch_server), in docs/operator/real-model.md",
+    "--context-length": "SGLang's server flag (sglang.launch_server), in docs/operator/real-model.md",
+    "--disable-radix-cache": "SGLang's server flag (sglang.launch_server), in docs/operator/real-model.md",
 }
 FLAG = re.compile(r"(?<![\w-])--[a-z0-9][a-z0-9-]*")
 FENCE = re.compile(r"^[ \t]*```[^\n]*\n(.*?)^[ \t]*```", re.MULTILINE | re.DOTALL)
@@ -164,3 +171,25 @@ def test_every_flag_the_docs_name_exists() -> None:
         if flag not in known and flag not in FOREIGN_FLAGS
     ]
     assert not missing, "flags no datagen command has:\n" + "\n".join(missing)
+
+
+# Every command that talks to a coordinator (issue 39): all take --coordinator, defined once.
+COORDINATOR_COMMANDS = ("submit", "status", "wait", "pause", "resume", "cancel", "retry", "recover", "delete")
+
+
+@pytest.mark.parametrize("name", COORDINATOR_COMMANDS)
+def test_every_command_that_talks_to_a_coordinator_takes_coordinator(name: str) -> None:
+    text = " ".join(_help((name,)).split())
+    assert (
+        "--coordinator <str> coordinator URL (DATAGEN_COORDINATOR_URL, default http://127.0.0.1:8000)" in text
+    )
+
+
+def test_the_coordinator_option_is_one_definition() -> None:
+    [option] = {
+        param.help
+        for path, command in COMMANDS.items()
+        for param in command.params
+        if param.name == "coordinator"
+    }
+    assert option == "coordinator URL (DATAGEN_COORDINATOR_URL, default http://127.0.0.1:8000)"

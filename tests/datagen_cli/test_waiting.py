@@ -115,3 +115,24 @@ def test_timing_fields_drop_out_whole(width: int) -> None:
     assert ("first record" in line) == ("first record 0.8s" in line), line
     assert ("tail" in line) == ("tail 12.2s" in line), line
     assert set(re.findall(r"\d+", line)) <= RUNNING_NUMBERS | {"0", "8", "12", "2"}
+
+
+# In a log (stderr not a terminal: nohup, CI, a pod log), the line comes without the bar (issue 39).
+def _log_line(job: dict[str, Any], width: int) -> str:
+    console = Console(width=width, record=True, force_terminal=False, color_system=None)
+    console.print(JobLine(JOB_ID, job, started_s=time.monotonic() - ELAPSED_S, bar=False))
+    [line] = console.export_text().splitlines()
+    return line
+
+
+def test_log_line_has_no_bar_and_keeps_the_job_id_where_it_fits() -> None:
+    assert _log_line(DEMO_DONE, 80) == (
+        "job 0123456789ab 273/273 completed · failed 0 · rejected 0 · 2345 tok/s 1:02:05"
+    )
+    assert _log_line(TIMED, 200) == (
+        "job 0123456789ab 12003/27300 running · failed 3 · rejected 12 · 123457 tok/s · ETA 3600s · "
+        "first record 0.8s · tail 12.2s 1:02:05"
+    )
+    assert _log_line(RUNNING, 80) == (
+        "12003/27300 running · failed 3 · rejected 12 · 123457 tok/s · ETA 3600s 1:02:05"
+    )

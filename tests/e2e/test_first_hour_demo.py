@@ -29,7 +29,7 @@ REPO = Path(__file__).resolve().parents[2]
 # Not part of an installable tree: what .gitignore lists, and the repository's own metadata.
 NOT_COPIED = shutil.ignore_patterns(
     ".git", "build", "dist", "*.egg-info", "__pycache__", ".venv", ".mypy_cache", ".ruff_cache",
-    ".pytest_cache", ".coverage", "datagen-data",
+    ".pytest_cache", ".coverage", "datagen-data", "datagen-demo", "train.jsonl", "dump.rdb",
 )  # fmt: skip
 INSTALL_TIMEOUT_S = 180
 DEMO_TIMEOUT_S = 120

@@ -92,12 +92,13 @@ def test_exact_duplicates_are_rejected_across_uploads_and_restarts(
     assert {line: e["reason"] for line, e in _rejected(client, "exact").items()} == {2: "duplicate of line 1"}
 
     with TestClient(create_app(settings)) as restarted:  # a new coordinator reads the seen rows back
-        # Line 1 repeats row "a" (skipped, as before); line 2 is "c" again under a new id.
+        # Line 1 repeats row "a" (not enqueued again, and not counted again: the first upload counted
+        # it); line 2 is "c" again under a new id.
         _post(restarted, [_row("a", "What is the capital of France?"), _row("d", "OTHER.")], "exact")
         job = wait_ingested(restarted, "exact")
         reasons = [(e["line"], e["reason"]) for e in restarted.get("/jobs/exact/errors").json()["errors"]]
     assert reasons == [(2, "duplicate of line 1"), (2, "duplicate of line 3 of an earlier upload")]
-    assert (job["total"], job["skipped"], job["rejected"]) == (2, 1, 2)
+    assert (job["rows"], job["total"], job["skipped"], job["rejected"]) == (4, 2, 0, 2)
 
 
 def test_dedup_off_keeps_every_row(client: TestClient) -> None:

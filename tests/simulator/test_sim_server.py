@@ -4,16 +4,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 
 import httpx
+import pytest
 
 from datagen_cli.local.redis_server import free_port
 from simulator import SimConfig, SpecialIds, expected_output
 from simulator.server import serve
 from tests.support.metrics import metric
 from tests.support.sim import running_simulator
-from tests.support.wait import wait_until_async
+from tests.support.wait import wait_until, wait_until_async
 
 SPECIAL = SpecialIds.deepseek_default()
 
@@ -78,3 +80,24 @@ async def test_300_requests_at_concurrency_64_finish_in_a_few_seconds() -> None:
     # About 6 s alone on two cores and 12-13 s under CI's coverage tracing; a simulator that served
     # requests one at a time would take minutes (each takes about 1.3 s here, 64 at once).
     assert elapsed < 30, f"took {elapsed:.1f}s"
+
+
+def test_a_simulator_logs_what_it_served(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="simulator.frontend")
+    # The five requests go well within the first interval, counted from the start.
+    with running_simulator(time_scale=0.0, report_interval_s=1.0) as url:
+        with httpx.Client(base_url=url, timeout=10) as client:
+            for _ in range(3):
+                assert client.post("/generate", json={"input_ids": [1, 2, 3]}).status_code == 200
+            assert client.get("/health").status_code == 200
+            assert client.post("/generate", json={"input_ids": "no"}).status_code == 400
+
+        def reported() -> list[str]:
+            return [r.getMessage() for r in caplog.records if r.name == "simulator.frontend"]
+
+        said = wait_until(reported, 5, "the simulator's report")
+    assert said[0] == (
+        "served 5 requests in the last 1 s (GET /health 200 x1, POST /generate 200 x3, POST /generate "
+        "400 x1); 0 running, 0 waiting"
+    )
+    assert len(said) == 1  # nothing more while no request came

@@ -6,5 +6,7 @@ specs as clients submit them. ``sim``: the simulator served over real HTTP. ``me
 fast worker settings, jobs ingested by hand, a worker started and stopped. ``ingest``, ``records``,
 ``export_jobs``: jobs and records written the way the coordinator and the workers write them.
 ``faults``, ``e2e``, ``deploy``: the harnesses of those suites. ``planted``, ``conversations``,
-``redisproxy``: test data and a TCP proxy. Ports come from ``datagen_cli.local.redis_server.free_port``.
+``redisproxy``: test data and a TCP proxy. ``calltrace``: the modules a prompt ran through.
+``rendering``: renderer helpers only tests use. ``doc_blocks``: a page's marked shell blocks run in
+order. Ports come from ``datagen_cli.local.redis_server.free_port``.
 """

@@ -107,6 +107,22 @@ async def test_pausing_a_server_moves_new_work_to_the_others(
     assert FleetView(redis_client, KEYS).server("fast")["state"] == "paused"
 
 
+async def test_a_resumed_server_shows_up_before_the_worker_has_seen_the_resume(
+    redis_client: redis.Redis, redis_url: str, storage: Storage, two_speeds: dict[str, str]
+) -> None:
+    fleet_view = FleetView(redis_client, KEYS)
+    redis_client.sadd(KEYS.paused_servers(), "fast")
+    worker = await start(settings(redis_url, storage), two_speeds)
+    try:
+        assert fleet_view.server("fast")["state"] == "paused"
+        # What the worker published while the pause held; it has not read the resume yet.
+        assert [w["state"] for w in fleet_view.server("fast")["workers"]] == ["up"]
+        shown = fleet_view.set_server_paused("fast", False)
+        assert (shown["state"], shown["paused"]) == ("up", False)
+    finally:
+        await stop(worker)
+
+
 def _measured(name: str, client: SGLangClient, latency_s: float, short_limit: int) -> Server:
     server = Server(name, client, max_limits={PromptClass.SHORT: short_limit, PromptClass.LONG: 1})
     server.observe(latency_s, 100)  # 100 output tokens in latency_s

@@ -182,3 +182,25 @@ def test_the_worker_refuses_a_url_with_a_secret_in_one_line(
     assert result.stderr.startswith(line), output
     assert SECRET not in output, output
     assert "sk-s2-7f3a9c" not in output, output
+
+
+def test_two_names_for_one_url_are_refused() -> None:
+    with pytest.raises(ValueError) as refused:
+        ServerSpec.parse_many(["s0=http://127.0.0.1:30000", "http://127.0.0.1:30000/"])
+    assert str(refused.value) == (
+        "servers s0 and 127.0.0.1-30000 are one server (http://127.0.0.1:30000): give each URL once, as "
+        "--server s0=http://127.0.0.1:30000"
+    )
+    # One URL per engine prefix is still one server.
+    with pytest.raises(ValueError, match="servers a and b are one server"):
+        ServerSpec.parse_many(["a=vllm+http://gpu0:8000,b=http://GPU0:8000"])
+
+
+def test_the_worker_refuses_a_second_name_for_a_url_in_one_line(tmp_path: Path) -> None:
+    result = _worker(tmp_path, "--server", "s0=http://127.0.0.1:30000", "--server", "http://127.0.0.1:30000")
+    output = result.stdout + result.stderr
+    assert result.returncode == 3, output
+    assert result.stderr.strip() == (
+        "error: servers s0 and 127.0.0.1-30000 are one server (http://127.0.0.1:30000): give each URL "
+        "once, as --server s0=http://127.0.0.1:30000"
+    ), output

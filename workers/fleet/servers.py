@@ -26,6 +26,7 @@ from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, cast
+from urllib.parse import urlsplit
 
 from pydantic import SecretStr
 
@@ -66,6 +67,8 @@ class Server:
     # Why a pre-flight check keeps the worker off this server (None: accepted or not yet checked).
     refused: str | None = None
     health_timeouts: int = 0
+    # Whether the server was ever up for this worker: its first contact is "up", not "healthy again".
+    was_up: bool = False
     factor: float = 1.0
     share: int = 1
     limits: dict[PromptClass, int] = field(init=False)
@@ -98,8 +101,9 @@ class Server:
 
     @property
     def state(self) -> ServerState:
-        if self.paused:
-            return ServerState.PAUSED
+        """What the server is, a pause aside: the pause is the coordinator's (its set in Redis, which
+        ``GET /servers`` reads), so a view published before the worker saw a resume already says
+        whether the server is up."""
         if self.refused is not None:
             return ServerState.REFUSED
         return ServerState.UP if self.up else ServerState.DOWN
@@ -288,9 +292,18 @@ class Fleet:
         if server.refused is not None:
             log.info("server %s accepted: its pre-flight checks pass now", server.name)
             server.refused = None
-        if not server.up:
+        if not server.up and server.was_up:
             log.info("server %s is healthy again", server.name)
-        server.up = True
+        elif not server.up:
+            log.info(
+                "server %s is up: %s at %s, model %s, context length %s",
+                server.name,
+                server.client.engine.value,
+                shown_url(server.client.base_url),
+                server.model_path,
+                server.context_len,
+            )
+        server.up = server.was_up = True
         self.metrics.server_up.labels(server.name).set(1)
         await self._notify()
 
@@ -347,7 +360,23 @@ class ServerSpec:
         duplicates = sorted({n for n in names if names.count(n) > 1})
         if duplicates:
             raise ValueError(f"server names must be unique; repeated: {', '.join(duplicates)}")
+        _refuse_second_names(specs)
         return specs
+
+
+def _refuse_second_names(specs: list[ServerSpec]) -> None:
+    """ValueError when two names are given for one URL: one server would be published, counted and
+    paused twice, and the second name would linger in ``GET /servers``."""
+    named: dict[str, str] = {}
+    for spec in specs:
+        parts = urlsplit(spec.url)  # scheme and host are case-blind; the path is not
+        key = f"{parts.scheme.lower()}://{parts.netloc.lower()}{parts.path}"
+        if key in named:
+            raise ValueError(
+                f"servers {named[key]} and {spec.name} are one server ({shown_url(spec.url)}): give each "
+                f"URL once, as --server {named[key]}={shown_url(spec.url)}"
+            )
+        named[key] = spec.name
 
 
 def _refuse_secret(value: str) -> None:

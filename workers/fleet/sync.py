@@ -23,6 +23,7 @@ from datagen.control.epoch import EpochChange, EpochWatch
 from datagen.control.keys import Keys
 from datagen.control.redistext import as_texts
 from datagen.control.servers import (
+    VIEWS_TTL_S,
     ServerControl,
     ServerInfo,
     ServerView,
@@ -39,7 +40,7 @@ __all__ = ["FleetSync"]
 log = logging.getLogger(__name__)
 
 # Entries of a server's worker hash vanish when every worker listing it is gone.
-WORKERS_HASH_TTL_S = 300
+WORKERS_HASH_TTL_S = VIEWS_TTL_S
 # An unchanged view is published again this often (the live window, LIVE_WINDOW_S, is 10 s).
 REPUBLISH_S = 3.0
 
@@ -126,9 +127,16 @@ class FleetSync:
 
     def _saw_epoch(self, epoch_id: bytes | None, epoch_seq: bytes | None) -> bool:
         """Act on a change of Redis's epoch; True when this worker's servers were published again."""
+        # None: this worker's first look found no epoch (a new Redis, before any coordinator started).
+        known = self.epoch.id
         change = self.epoch.saw(epoch_id, epoch_seq)
         lost = change is EpochChange.LOST
-        if lost:
+        if lost and known is None:
+            # A coordinator gave a new Redis its epoch: no loss to report, but what this worker
+            # published is written again all the same (Redis may have been emptied meanwhile).
+            log.info("Redis has an epoch now (a coordinator set it); publishing this worker's servers")
+            self.publish_servers()
+        elif lost:
             # Redis lost its data (or is another one): what this worker published is gone with it,
             # and the coordinator refuses submits until some worker publishes its servers again.
             log.warning("Redis lost its data (its epoch changed); publishing this worker's servers again")

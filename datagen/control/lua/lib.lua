@@ -26,7 +26,11 @@
 --   of 0 s at the least), and so does the zero-increment call that `finish_ingest` makes as
 --   ingestion ends (a job 95 % done by then has its tail start at the end of ingestion). A prompt
 --   added later (the next turn of multi-turn `all` mode) does not move it.
--- - A running job completes when all of its accepted prompts have ended.
+-- - A running job completes when all of its accepted prompts have ended, at `finished_at_ms` now;
+--   but a job that a resubmission reopened after its completion (`completed_before`, written by
+--   `JobStore.restart_ingest`: `<finished_at_ms> <accepted> <output_tokens>` then) and that has run
+--   nothing new since (the same accepted prompts and output tokens) keeps its completion time, so
+--   re-attaching by resubmitting moves none of its rates or its tail. The field goes either way.
 -- `job` names one job's keys: {key = its hash, running = its running set, breakdown = its
 -- breakdown hash, partitions = its labelled partitions}.
 
@@ -104,13 +108,22 @@ end
 -- to `completed_state` (its running set goes) when all of its prompts have ended. Answers whether
 -- it completed.
 local function complete_if_ended(job, running_state, completed_state, now_ms)
-  local v = redis.call('HMGET', job.key, 'state', 'done', 'failed', 'cancelled', 'accepted')
+  local v = redis.call('HMGET', job.key, 'state', 'done', 'failed', 'cancelled', 'accepted',
+    'output_tokens', 'completed_before')
   if v[1] ~= running_state then return false end
   local ended = tonumber(v[2] or '0') + tonumber(v[3] or '0') + tonumber(v[4] or '0')
   local accepted = tonumber(v[5] or '0')
   if 20 * ended >= 19 * accepted then redis.call('HSETNX', job.key, 'tail_from_ms', now_ms) end
   if ended < accepted then return false end
-  redis.call('HSET', job.key, 'state', completed_state, 'finished_at_ms', now_ms)
+  local finished_at_ms = now_ms
+  if v[7] then
+    local then_ms, then_accepted, then_tokens = string.match(v[7], '^(%d+) (%d+) (%d+)$')
+    if then_ms and tonumber(then_accepted) == accepted and tonumber(then_tokens) == tonumber(v[6] or '0') then
+      finished_at_ms = then_ms
+    end
+    redis.call('HDEL', job.key, 'completed_before')
+  end
+  redis.call('HSET', job.key, 'state', completed_state, 'finished_at_ms', finished_at_ms)
   redis.call('DEL', job.running)
   return true
 end
