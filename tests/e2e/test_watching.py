@@ -92,9 +92,15 @@ class _Waiter:
             self.lines.append((time.monotonic(), line.rstrip("\n")))
 
     def finish(self) -> tuple[int, str]:
-        """The exit code and stdout, once it exits."""
-        stdout, _ = self.proc.communicate(timeout=JOB_TIMEOUT_S)
+        """The exit code and stdout, once it exits. Not ``communicate()``: it would read stderr too,
+        taking lines (the last progress line) from the reader thread."""
+        assert self.proc.stdout is not None
+        self.proc.wait(timeout=JOB_TIMEOUT_S)
+        stdout = self.proc.stdout.read()  # a job id or two: the pipe never fills
         self._reader.join(timeout=10)
+        self.proc.stdout.close()
+        if self.proc.stderr is not None:
+            self.proc.stderr.close()
         return self.proc.returncode, stdout
 
     def progress(self) -> list[tuple[float, str]]:
