@@ -8,13 +8,17 @@
     │   ├── GenerationAbortedError  finish_reason type "abort" (retraction OOM, waiting-queue abort, ...)
     │   ├── DuplicateRequestError   400 "Duplicate request ID": an earlier attempt is still running
     │   ├── StorageError            writing a shard or manifest failed; records were not committed
+    │   ├── CaptureFileError        a capture server's hidden-states file is missing, late, truncated,
+    │   │                           short, non-finite or not the sequence sent (datagen.features)
     │   ├── BackendUnavailableError the coordinator cannot reach Redis
     │   └── RedisOutOfMemoryError   Redis at maxmemory refuses writes (raise it, or queue less)
     └── FatalError                  retrying cannot help; the prompt or request must change   400
         ├── BadRequestError         400 from SGLang: prompt too long, bad sampling values, ...
         ├── InvalidSpecError        a job spec that cannot run (tokenizer, template, limits)
         │   └── PreflightError      the spec, its tokenizer and the servers do not fit together 409
-        │       └── NoServersYetError no live worker has reported a server yet (a wait may help)
+        │       ├── NoServersYetError no live worker has reported a server yet (a wait may help)
+        │       └── CaptureMismatchError a capture server's files do not fit the job (dtype,
+        │                                layer count, hidden size): that server is set up otherwise
         ├── InvalidRowError         one dataset row that cannot become a prompt
         ├── UploadTooLargeError     an upload over DATAGEN_MAX_UPLOAD_BYTES                    413
         ├── NotFoundError           no such thing                                              404
@@ -44,6 +48,8 @@ __all__ = [
     "AuthError",
     "BackendUnavailableError",
     "BadRequestError",
+    "CaptureFileError",
+    "CaptureMismatchError",
     "ConfigError",
     "CoordinatorUnreachableError",
     "CorruptShardError",
@@ -111,6 +117,13 @@ class StorageError(RetryableError):
     pass
 
 
+class CaptureFileError(RetryableError):
+    """A capture server's hidden-states file that cannot be stored as it is: missing, not finished
+    in time, truncated, shorter than the sequence sent (an abort mid-prefill), holding other token
+    ids, or non-finite values (`datagen.features`). Sending the sequence again writes a new file,
+    so the attempt may be repeated; the message names the file and what is wrong with it."""
+
+
 class BackendUnavailableError(RetryableError):
     """The coordinator's Redis did not answer; the request may be repeated as it was."""
 
@@ -137,6 +150,14 @@ class PreflightError(InvalidSpecError):
 
     The message names what disagrees and what to fix; the coordinator answers 409 Conflict.
     """
+
+
+class CaptureMismatchError(PreflightError):
+    """A capture server's file whose layout does not fit the job: an FP8 file for a bf16 job, a
+    model dtype the job cannot store, another layer count or hidden size. These follow from how
+    the server was started (its connector, ``--dtype``, layer ids, model), so sending the same
+    sequence to it again writes the same kind of file: the worker keeps off that server for the
+    job, like a pre-flight refusal, and does not charge the prompt (`datagen.features`)."""
 
 
 class NoServersYetError(PreflightError):

@@ -229,6 +229,15 @@ class CoordinatorSettings(CommonSettings):
         return [entry.strip() for entry in self.tokenizer_allowlist.split(",") if entry.strip()]
 
 
+# Capture (jobs with features): speculators waits 10 s for the lock; a 32k-token sample on a busy
+# server takes longer to gather and write, so the bound is generous.
+DEFAULT_CAPTURE_LOCK_TIMEOUT_S = 60.0
+DEFAULT_CAPTURE_READ_TIMEOUT_S = 600.0
+DEFAULT_CAPTURE_ORPHAN_AGE_S = 900.0
+DEFAULT_CAPTURE_DIR_MAX_BYTES = 64 * 1024**3
+DEFAULT_CAPTURE_CONCURRENCY = 64
+
+
 class WorkerSettings(CommonSettings):
     servers: str = Field(
         default="",
@@ -240,6 +249,47 @@ class WorkerSettings(CommonSettings):
     engine: EngineChoice = Field(
         default=EngineChoice.AUTO,
         description="sglang, vllm, or auto (asked of each server); a vllm+http:// or sglang+http:// URL wins",
+    )
+    capture_servers: str = Field(
+        default="",
+        description=(
+            "comma list of NAME=URL of vLLM capture servers (`extract_hidden_states`), for jobs with "
+            "`features`; their files are read from `DATAGEN_CAPTURE_DIR`"
+        ),
+    )
+    capture_dir: Path | None = Field(
+        default=None,
+        description=(
+            "the capture servers' `shared_storage_path` as this node sees it (the worker reads and deletes "
+            "their files there); needed with capture servers"
+        ),
+    )
+    capture_lock_timeout_s: float = Field(
+        default=DEFAULT_CAPTURE_LOCK_TIMEOUT_S,
+        gt=0,
+        description="how long a capture server may take to write its file after answering",
+    )
+    capture_read_timeout_s: float = Field(
+        default=DEFAULT_CAPTURE_READ_TIMEOUT_S, gt=0, description="read timeout of one capture request"
+    )
+    capture_orphan_age_s: float = Field(
+        default=DEFAULT_CAPTURE_ORPHAN_AGE_S,
+        gt=0,
+        description=(
+            "files in the capture directory no request of this worker waits for are deleted at this age "
+            "(aborted and timed-out requests leave them)"
+        ),
+    )
+    capture_dir_max_bytes: int = Field(
+        default=DEFAULT_CAPTURE_DIR_MAX_BYTES,
+        ge=0,
+        description="no new capture is sent while the capture directory holds more than this (0: no cap)",
+    )
+    capture_concurrency: int = Field(
+        default=DEFAULT_CAPTURE_CONCURRENCY,
+        ge=1,
+        le=10_000,
+        description="most capture requests in flight per capture server",
     )
     short_concurrency: int = Field(
         default=DEFAULT_SHORT_CONCURRENCY,

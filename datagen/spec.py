@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from enum import StrEnum
 from typing import Annotated, Any
 
 from pydantic import (
@@ -246,6 +247,52 @@ class SamplingParams(BaseModel):
         return params
 
 
+class FeatureDtype(StrEnum):
+    BF16 = "bf16"
+    FP8 = "fp8"
+
+
+# vLLM numbers layers 0 (the embeddings) to N (the last layer's output); no model has 1,000.
+MAX_LAYER_ID = 999
+MAX_FEATURE_LAYERS = 16
+
+
+class FeaturesSpec(BaseModel):
+    """The target's hidden states to capture for every record (``datagen.features``): at which
+    layers (vLLM's ids: k is the residual stream after k decoder layers) and stored how."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    layers: list[Annotated[StrictInt, Field(ge=0, le=MAX_LAYER_ID)]] = Field(
+        min_length=1,
+        max_length=MAX_FEATURE_LAYERS,
+        description="vLLM layer ids the capture servers were launched with (any order, no repeats)",
+    )
+    dtype: FeatureDtype = Field(
+        default=FeatureDtype.BF16,
+        description="bf16 as the server writes it, or fp8 (e4m3, one fp32 scale per token)",
+    )
+    retain_bytes: StrictInt | None = Field(
+        default=None,
+        ge=1,
+        description=(
+            "budget of stored features not yet consumed by `datagen pull --consume`: at it, capture waits "
+            "(none: no budget)"
+        ),
+    )
+
+    @field_validator("layers")
+    @classmethod
+    def _distinct_layers(cls, value: list[int]) -> list[int]:
+        repeated = sorted({layer for layer in value if value.count(layer) > 1})
+        if repeated:
+            raise ValueError(
+                f"layer ids {repeated} repeat; vLLM captures each layer once, so list each id once"
+            )
+        # Stored ascending, as vLLM writes the layer axis.
+        return sorted(value)
+
+
 class JobSpec(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -332,6 +379,10 @@ class JobSpec(BaseModel):
         ge=MIN_ITEM_WORDS,
         le=MAX_DECONTAM_NGRAM,
         description="words in the n-grams a user turn must share with a benchmark prompt",
+    )
+    features: FeaturesSpec | None = Field(
+        default=None,
+        description="capture the target's hidden states of every record on vLLM capture servers",
     )
 
     @model_validator(mode="after")

@@ -41,6 +41,8 @@ class ExportFormat(StrEnum):
     SPECULATORS = "speculators"
     CONVERSATIONS = "conversations"
     PARQUET = "parquet"
+    # A job with features: speculators' offline training layout (a dataset and its hidden states).
+    SPECULATORS_OFFLINE = "speculators-offline"
 
     @property
     def drops_truncated_by_default(self) -> bool:
@@ -70,6 +72,14 @@ class FinishType(StrEnum):
     STOP = "stop"
     LENGTH = "length"
     ABORT = "abort"
+
+
+class ServerRole(StrEnum):
+    """What a worker sends a server: prompts to generate from, or finished records whose hidden
+    states it captures (vLLM ``extract_hidden_states``, jobs with ``features``)."""
+
+    GENERATE = "generate"
+    CAPTURE = "capture"
 
 
 class ServerState(StrEnum):

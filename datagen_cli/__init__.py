@@ -9,6 +9,7 @@
 - ``steer``: steer jobs: ``pause``, ``resume``, ``cancel``, ``retry``, ``recover``, ``delete``
 - ``waiting``: the one-line progress of a job that ``submit --wait`` and the demo print
 - ``data``: a job's stored records: ``export``, ``report``
+- ``pull``: ``pull``, a job's records (and features) into a directory as they commit
 - ``demo``: ``demo``
 - ``local``: the processes a laptop runs for the demo and the tests (a private Redis, children
   with their logs)
@@ -22,7 +23,7 @@ from datagen_cli._app import app, main
 
 # Each module registers its commands on `app` when imported; this order is the order of `datagen --help`.
 # isort: off
-from datagen_cli import serve, submit, watch, steer, data, demo  # noqa: F401
+from datagen_cli import serve, submit, watch, steer, data, pull, demo  # noqa: F401
 # isort: on
 
 __all__ = ["app", "main"]

@@ -125,6 +125,12 @@ class CoordinatorClient:
         params = {"files": "true"} if files else {}
         return self._request("DELETE", f"/jobs/{job_id}", params=params)
 
+    def consume_features(self, job_id: str, names: Sequence[str]) -> dict[str, Any]:
+        """``POST /jobs/{id}/features/consume``: these features files of the job are pulled, so storage
+        may free them; ``removed``, ``bytes`` and ``retained_bytes`` in the answer (a name already
+        removed counts 0: the call may be repeated)."""
+        return self._request("POST", f"/jobs/{job_id}/features/consume", json={"files": list(names)})
+
     def _request(self, method: str, path: str, **kwargs: Any) -> Any:
         try:
             response = self._http.request(method, path, **kwargs)

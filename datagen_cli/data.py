@@ -3,7 +3,8 @@
 All three hold every shard to its commit object (size, sha256, row count) before using a row of it.
 A shard that differs stops ``export`` and ``report`` with one line naming it (exit 3);
 ``export --skip-unreadable`` leaves it out instead, names it on stderr and exits 1 (see
-`EXIT_SHARDS_SKIPPED`); ``verify`` lists every bad shard and exits 1 when there is one.
+`EXIT_SHARDS_SKIPPED`); ``verify`` lists every bad shard (and features file) and exits 1 when there
+is one.
 """
 
 from __future__ import annotations
@@ -24,12 +25,13 @@ from datagen.states import ExportFormat
 from datagen_cli._app import EXIT_CHECK_FAILED, app, console, examples
 
 if TYPE_CHECKING:
+    from datagen.records.reader import Verification
     from datagen.records.storage import Storage
 
 # `export --skip-unreadable` that left a shard out: the export is written, but not whole. The same
 # code as a failed `report` check or `submit --wait` with failed prompts: done, with something to see.
 EXIT_SHARDS_SKIPPED = EXIT_CHECK_FAILED
-# `verify` that found a bad shard.
+# `verify` that found a bad shard or features file.
 EXIT_BAD_SHARDS = EXIT_CHECK_FAILED
 JOB_ID_HELP = "the job's id, as submit printed it"
 STORAGE_HELP = f"storage root: a directory or s3:// URL (DATAGEN_STORAGE, default {DEFAULT_STORAGE})"
@@ -65,11 +67,15 @@ def _report_skipped(job_id: str, skipped: list[CorruptShardError]) -> None:
         "datagen export JOB_ID --out train.jsonl",
         "datagen export JOB_ID --format parquet --out train/ --shuffle-seed 0",
         "datagen export JOB_ID --format conversations --out chats.jsonl",
+        "datagen export JOB_ID --format speculators-offline --out train/",
     )
 )
 def export(
     job_id: Annotated[str, typer.Argument(help=JOB_ID_HELP)],
-    out: Annotated[Path, typer.Option(help="output file; a directory for parquet and with --shard-size")],
+    out: Annotated[
+        Path,
+        typer.Option(help="output file; a directory for parquet, speculators-offline and with --shard-size"),
+    ],
     format: Annotated[
         ExportFormat, typer.Option("--format", help="the training-file format")
     ] = ExportFormat.SPECFORGE,
@@ -207,9 +213,11 @@ def verify(
     """Verify a job's stored shards against their commit objects.
 
     Each committed shard must be there, of the size, sha256 and row count its commit object says,
-    and readable Parquet. Needs only the storage (no Redis, no coordinator).
+    and readable Parquet; in a job with features, each features file a record names must be there,
+    of the size and sha256 the record says. Needs only the storage (no Redis, no coordinator).
 
-    Prints one line per bad shard and a summary. Exit 0 when every shard is good, 1 when one is not.
+    Prints one line per bad shard (and bad features file) and a summary. Exit 0 when everything is
+    good, 1 when something is not.
     """
     from datagen.records.reader import verify_job
 
@@ -230,4 +238,21 @@ def verify(
         f"job {job_id}: {result.shards - len(result.bad)} shards, {result.records} rows verified; "
         f"{len(result.bad)} bad{unsealed}"
     )
-    raise typer.Exit(EXIT_BAD_SHARDS if result.bad else 0)
+    _print_features(job_id, result)
+    raise typer.Exit(0 if result.ok else EXIT_BAD_SHARDS)
+
+
+def _print_features(job_id: str, result: Verification) -> None:
+    """`verify`'s lines on features files: each bad one (the first few), then a summary."""
+    if not result.features and not result.features_none:
+        return
+    for problem in result.feature_problems:
+        typer.echo(f"bad features file: {problem}")
+    problems = result.features_missing + result.features_bad
+    if problems > len(result.feature_problems):
+        typer.echo(f"… and {problems - len(result.feature_problems)} more bad features files")
+    good = result.features - problems
+    typer.echo(
+        f"job {job_id}: {good} features files verified; {result.features_missing} missing, "
+        f"{result.features_bad} bad; {result.features_none} records without features"
+    )

@@ -50,6 +50,10 @@ STORAGE_HELP = f"storage root: a directory or s3:// URL (DATAGEN_STORAGE, defaul
 # simulator.config's defaults, for `sim --help` (the simulator is imported only when it runs).
 DEFAULT_SIM_PORT = 30000
 DEFAULT_SIM_HOST = "127.0.0.1"
+DEFAULT_CAPTURE_NUM_LAYERS = 32
+DEFAULT_CAPTURE_HIDDEN_SIZE = 64
+DEFAULT_CAPTURE_WRITE_DELAY_MS = 20.0
+DEFAULT_CAPTURE_SLOW_WRITE_S = 12.0
 # `sim` flags named differently in simulator.config.SimConfig (--max-lag-ms is converted to seconds).
 SIM_FIELDS = {"tokenizer": "tokenizer_path", "kv_tokens": "max_total_num_tokens", "max_lag_ms": "max_lag_s"}
 MS_PER_S = 1000
@@ -189,6 +193,7 @@ def _listener(host: str, port: int, option: str) -> Iterator[socket.socket]:
         "datagen worker --server http://127.0.0.1:30000 --burst --metrics-port 0",
         "datagen worker --server g0=http://gpu0:30000 --server vllm+http://gpu1:8000",
         "datagen worker --config worker.yaml --metrics-port 9401",
+        "datagen worker --config worker-with-capture.yaml",
     )
 )
 def worker(
@@ -230,6 +235,21 @@ def worker(
             f"{DEFAULT_METRICS_PORT})"
         ),
     ] = None,
+    capture_server: Annotated[
+        list[str] | None,
+        typer.Option(
+            metavar="<[name=]url>",
+            help="vLLM capture server (extract_hidden_states) for jobs with features, NAME=URL or URL; "
+            "repeatable (DATAGEN_CAPTURE_SERVERS, comma-separated); needs --capture-dir",
+        ),
+    ] = None,
+    capture_dir: Annotated[
+        Path | None,
+        typer.Option(
+            help="the capture servers' shared_storage_path as this node sees it (DATAGEN_CAPTURE_DIR); "
+            "the worker reads, stores and deletes their files there"
+        ),
+    ] = None,
     burst: Annotated[
         bool,
         typer.Option(show_default=False, help="exit when the queues are empty (default: run until stopped)"),
@@ -259,6 +279,7 @@ def worker(
         metrics_port=metrics_port,
         redis_url=redis_url,
         storage=storage,
+        capture_dir=capture_dir,
     )
     settings.require_redis_url()
     values = list(server or []) or [settings.servers]
@@ -270,9 +291,18 @@ def worker(
         raise ConfigError(
             "no SGLang or vLLM server given: use --server NAME=URL (repeatable) or DATAGEN_SERVERS"
         )
-    specs = with_api_keys(specs, settings.server_keys())
+    capture_values = list(capture_server or []) or [settings.capture_servers]
+    try:
+        capture_specs = ServerSpec.parse_many([v for v in capture_values if v])
+    except ValueError as exc:
+        raise ConfigError(f"--capture-server: {exc}") from exc
+    keys = settings.server_keys()
+    specs = with_api_keys(specs, {k: v for k, v in keys.items() if k not in {c.name for c in capture_specs}})
+    capture_specs = with_api_keys(
+        capture_specs, {k: v for k, v in keys.items() if k not in {c.name for c in specs}}
+    )
     _logging(settings.log_level)
-    asyncio.run(Worker(settings, specs, burst=burst).main())
+    asyncio.run(Worker(settings, specs, capture_servers=capture_specs, burst=burst).main())
 
 
 @app.command(
@@ -280,6 +310,7 @@ def worker(
         "datagen sim --port 30000 --tokenizer /models/DeepSeek-R1",
         "datagen sim --time-scale 0.01 --fail-503-rate 0.05",
         "datagen sim --config sim.yaml --port 30001",
+        "datagen sim --api vllm --capture-dir /tmp/hs --capture-layers 2,16,29,32",
     )
 )
 def sim(
@@ -323,6 +354,58 @@ def sim(
     ] = None,
     api: Annotated[
         str | None, typer.Option(help="sglang (default) or vllm: whose HTTP contract the simulator speaks")
+    ] = None,
+    capture_dir: Annotated[
+        str | None,
+        typer.Option(
+            help="with --api vllm: capture hidden states into this directory, as vLLM's "
+            "extract_hidden_states with ExampleHiddenStatesConnector (its shared_storage_path)"
+        ),
+    ] = None,
+    capture_layers: Annotated[
+        str | None,
+        typer.Option(
+            help="captured layer ids, comma-separated (eagle_aux_hidden_state_layer_ids; "
+            "default speculators' 2,N/2,N-3,N)"
+        ),
+    ] = None,
+    capture_num_layers: Annotated[
+        int | None,
+        typer.Option(help=f"the captured model's layer count N (default {DEFAULT_CAPTURE_NUM_LAYERS})"),
+    ] = None,
+    capture_hidden_size: Annotated[
+        int | None, typer.Option(help=f"the captured hidden size (default {DEFAULT_CAPTURE_HIDDEN_SIZE})")
+    ] = None,
+    capture_dtype: Annotated[
+        str | None, typer.Option(help="bf16 (default) or fp8 (speculators' FP8HiddenStatesConnector file)")
+    ] = None,
+    capture_write_delay_ms: Annotated[
+        float | None,
+        typer.Option(
+            help="how long after the response a captured file is written "
+            f"(default {DEFAULT_CAPTURE_WRITE_DELAY_MS:g})"
+        ),
+    ] = None,
+    capture_fault_5xx: Annotated[
+        float | None, typer.Option(help="fraction of capturing requests answered 500, with no file or lock")
+    ] = None,
+    capture_fault_nofile: Annotated[
+        float | None, typer.Option(help="fraction whose lock is released with no file written (a crash)")
+    ] = None,
+    capture_fault_truncate: Annotated[
+        float | None, typer.Option(help="fraction whose file is cut short (a failed write)")
+    ] = None,
+    capture_fault_short: Annotated[
+        float | None, typer.Option(help="fraction whose hidden_states has fewer rows than token_ids")
+    ] = None,
+    capture_fault_slow: Annotated[
+        float | None, typer.Option(help="fraction whose writer holds the lock --capture-slow-write-s first")
+    ] = None,
+    capture_slow_write_s: Annotated[
+        float | None,
+        typer.Option(
+            help=f"how long a slow writer holds the lock (default {DEFAULT_CAPTURE_SLOW_WRITE_S:g})"
+        ),
     ] = None,
     config: Annotated[
         Path | None,

@@ -71,6 +71,10 @@ dedup_threshold: 0.5
 # under DATAGEN_TOKENIZER_ALLOWLIST; a row sharing a run of decontaminate_n words with one is rejected.
 decontaminate: []
 decontaminate_n: 13
+# The target's hidden states for every record, captured on vLLM capture servers (docs/user/features.md):
+# null: tokens only. Else layers (vLLM ids, e.g. [2, 16, 29, 32]), dtype (bf16 or fp8) and retain_bytes
+# (stored features not yet consumed by `datagen pull --consume` at which capture waits; null: no budget).
+features: null
 """
 
 

@@ -17,6 +17,7 @@ from datagen.settings import (
     ClientSettings,
     load,
 )
+from datagen.spec import FeatureDtype
 from datagen.states import Priority
 from datagen_cli._app import app, console, examples
 from datagen_cli._options import CoordinatorOption, ProgressEverySOption
@@ -160,6 +161,18 @@ def submit(
         bool,
         typer.Option(show_default=False, help="render a sample of rows and show them; enqueue nothing"),
     ] = False,
+    features_layers: Annotated[
+        str | None,
+        typer.Option(
+            metavar="<ids>",
+            help="capture the target's hidden states at these vLLM layer ids for every record, e.g. "
+            "2,16,29,32 (`features.layers` in --spec); needs capture servers (docs/features.md)",
+        ),
+    ] = None,
+    features_dtype: Annotated[
+        FeatureDtype | None,
+        typer.Option(help="how features are stored: bf16 as captured, or fp8 (default bf16)"),
+    ] = None,
     wait_for_servers_s: Annotated[
         float | None,
         typer.Option(
@@ -199,6 +212,8 @@ def submit(
         },
         {"temperature": temperature, "top_p": top_p, "sampling_seed": seed},
     )
+    if features_layers is not None or features_dtype is not None:
+        spec["features"] = _features(spec.get("features"), features_layers, features_dtype)
     with CoordinatorClient(settings.coordinator_url, api_token=settings.api_token) as client:
         if dry_run:
             _print_dry_run(client.dry_run(dataset, spec))
@@ -223,6 +238,25 @@ def submit(
                     progress_every_s=settings.progress_interval_s,
                 )
             )
+
+
+def _features(base: object, layers: str | None, dtype: FeatureDtype | None) -> dict[str, Any]:
+    """The spec's ``features`` with the flags on top (the spec validates them at submit)."""
+    features: dict[str, Any] = dict(base) if isinstance(base, dict) else {}
+    if layers is not None:
+        try:
+            features["layers"] = [int(part) for part in layers.split(",") if part.strip()]
+        except ValueError as exc:
+            raise ConfigError(
+                f"--features-layers {layers!r}: give comma-separated layer ids, e.g. 2,16,29,32"
+            ) from exc
+    if dtype is not None:
+        features["dtype"] = dtype.value
+    if "layers" not in features:
+        raise ConfigError(
+            "--features-dtype needs layers: --features-layers IDS, or `features.layers` in --spec"
+        )
+    return features
 
 
 def _print_dry_run(preview: dict[str, Any]) -> None:

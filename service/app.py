@@ -17,7 +17,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import BeforeValidator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StringConstraints
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -46,6 +46,8 @@ __all__ = ["create_app"]
 log = logging.getLogger(__name__)
 
 MAX_ERRORS_LIMIT = 10_000
+# Names one consume call may carry (`datagen pull` sends 1,000 at a time).
+MAX_CONSUMED_FILES = 10_000
 DEFAULT_ERRORS_LIMIT = 1000
 REDIS_SOCKET_TIMEOUT_S = 10.0
 # A validation answer names at most this many problems.
@@ -263,6 +265,14 @@ def _install_routes(app: FastAPI) -> None:
     _install_fleet_routes(app, guarded)
 
 
+class ConsumedFeatures(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    files: list[Annotated[str, StringConstraints(min_length=1, max_length=200)]] = Field(
+        max_length=MAX_CONSUMED_FILES, description="feature file names, as records name them (features_file)"
+    )
+
+
 def _install_job_controls(app: FastAPI, guarded: list[Any]) -> None:
     @app.post("/jobs/{job_id}/cancel", dependencies=guarded)
     def cancel_job(
@@ -282,6 +292,12 @@ def _install_job_controls(app: FastAPI, guarded: list[Any]) -> None:
     @app.post("/jobs/{job_id}/resume", dependencies=guarded)
     def resume_job(coord: Coord, job_id: JobId) -> dict[str, Any]:
         return coord.controls.resume(job_id)
+
+    @app.post("/jobs/{job_id}/features/consume", dependencies=guarded)
+    def consume_features(coord: Coord, job_id: JobId, body: ConsumedFeatures) -> dict[str, Any]:
+        """Delete feature files a pull wrote out (`datagen pull --consume`), freeing the job's
+        features budget; a name already deleted counts nothing (safe to send again)."""
+        return coord.consume_features(job_id, body.files)
 
     @app.post("/jobs/{job_id}/retry", dependencies=guarded)
     def retry_job(
@@ -316,10 +332,11 @@ def _install_job_reads(app: FastAPI, guarded: list[Any]) -> None:
         coord: Coord,
         job_id: JobId,
         kind: Annotated[
-            Literal["rejected", "failed", "flagged", "stopped"],
+            Literal["rejected", "failed", "flagged", "stopped", "capture"],
             Query(
-                description="rejected rows, failed prompts, rows accepted with a warning, or "
-                "conversations (multi_turn all) that stopped before their last turn"
+                description="rejected rows, failed prompts, rows accepted with a warning, "
+                "conversations (multi_turn all) that stopped before their last turn, or records whose "
+                "features (hidden states) were not captured"
             ),
         ] = "rejected",
         limit: Annotated[int, Query(ge=1, le=MAX_ERRORS_LIMIT), QueryInt] = DEFAULT_ERRORS_LIMIT,
@@ -330,6 +347,8 @@ def _install_job_reads(app: FastAPI, guarded: list[Any]) -> None:
             return {"kind": kind, "errors": coord.flagged(job_id, limit)}
         if kind == "stopped":
             return {"kind": kind, "errors": coord.stopped(job_id, limit)}
+        if kind == "capture":
+            return {"kind": kind, "errors": coord.capture_errors(job_id, limit)}
         coord.jobs.progress(job_id)
         return {"kind": kind, "errors": coord.jobs.outcomes.failed_reports(job_id, limit)}
 

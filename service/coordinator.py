@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import re
 from collections.abc import Iterator
 from typing import IO, Any
 
@@ -19,6 +20,7 @@ from datagen.control.keys import Keys
 from datagen.control.leases import Leases
 from datagen.control.servers import live_servers
 from datagen.errors import (
+    InvalidRequestError,
     InvalidSpecError,
     JobNotFoundError,
     JobStateError,
@@ -29,6 +31,7 @@ from datagen.prompts.loaders import preload_libraries
 from datagen.prompts.preflight import preflight_submit
 from datagen.prompts.tokenization import renderer_for
 from datagen.records.layout import validate_job_id
+from datagen.records.schema import has_features
 from datagen.records.storage import Storage
 from datagen.settings import CoordinatorSettings
 from datagen.spec import JobSpec
@@ -48,6 +51,9 @@ from service.watch import RedisWatch
 __all__ = ["Coordinator"]
 
 log = logging.getLogger(__name__)
+
+# What a worker names a stored features file (`workers.run.capture`): one path segment.
+_FEATURE_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]{0,180}\.safetensors")
 
 COPY_CHUNK_BYTES = 1024 * 1024
 
@@ -257,6 +263,44 @@ class Coordinator:
         """Conversations that ended before their last turn, and why (`workers.run.conversation`)."""
         self.jobs.progress(job_id)  # 404 for an unknown job
         return list(itertools.islice(self.storage.iter_stopped(job_id), limit))
+
+    def capture_errors(self, job_id: str, limit: int) -> list[dict[str, Any]]:
+        """Committed records of a job with features whose features were not stored, and why
+        (`workers.run.capture`): too long for every capture server, or every try failed."""
+        self.jobs.progress(job_id)  # 404 for an unknown job
+        found: list[dict[str, Any]] = []
+        for commit in self.storage.list_commits(job_id):
+            parquet = self.storage.read_shard(job_id, commit)
+            if not has_features(parquet.schema_arrow):
+                continue  # written before features existed, or without them
+            for batch in parquet.iter_batches(columns=["sample_id", "turn", "gen", "features_error"]):
+                for row in batch.to_pylist():
+                    if row["features_error"] is not None:
+                        found.append({**row, "error": row.pop("features_error")})
+                        if len(found) >= limit:
+                            return found
+        return found
+
+    def consume_features(self, job_id: str, names: list[str]) -> dict[str, Any]:
+        """Delete feature files a pull has written out and count them off the job's budget."""
+        self.jobs.progress(job_id)  # 404 for an unknown job
+        for name in names:
+            if not _FEATURE_NAME.fullmatch(name):
+                raise InvalidRequestError(
+                    f"{name[:80]!r} is not a feature file's name: send the records' features_file values"
+                )
+        removed = freed = 0
+        for name in names:
+            size = self.storage.feature_size(job_id, name)
+            if size is None:
+                continue  # consumed before (a retried call), or never stored
+            self.storage.remove_feature(job_id, name)
+            removed += 1
+            freed += size
+        retained = (
+            self.jobs.add_retained_features(job_id, -freed) if freed else self.jobs.retained_features(job_id)
+        )
+        return {"removed": removed, "bytes": freed, "retained_bytes": retained or 0}
 
     def flagged(self, job_id: str, limit: int) -> list[dict[str, Any]]:
         """Rows accepted with a warning (content that spells special tokens' text)."""

@@ -7,7 +7,7 @@ which build it explicitly; nothing is read from the environment.
 from __future__ import annotations
 
 from enum import StrEnum
-from typing import Self
+from typing import Any, Self
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationInfo, field_validator, model_validator
 
@@ -15,6 +15,10 @@ from simulator.model import DEFAULT_MEAN_ANSWER_TOKENS, DEFAULT_MEAN_REASONING_T
 from simulator.toolcalls import ToolCallFormat
 
 __all__ = [
+    "DEFAULT_CAPTURE_HIDDEN_SIZE",
+    "DEFAULT_CAPTURE_NUM_LAYERS",
+    "DEFAULT_CAPTURE_SLOW_WRITE_S",
+    "DEFAULT_CAPTURE_WRITE_DELAY_MS",
     "DEFAULT_CLIP_MAX_NEW_TOKENS",
     "DEFAULT_CONTEXT_LEN",
     "DEFAULT_DECODE_STEP_BASE_S",
@@ -28,8 +32,10 @@ __all__ = [
     "DEFAULT_REPORT_INTERVAL_S",
     "DEFAULT_SERVED_MODEL_NAME",
     "DEFAULT_WEIGHT_VERSION",
+    "CaptureDtype",
     "SimApi",
     "SimConfig",
+    "default_capture_layers",
 ]
 
 DEFAULT_HOST = "127.0.0.1"
@@ -53,6 +59,13 @@ DEFAULT_WEIGHT_VERSION = "default"  # SGLang's --weight-version default
 DEFAULT_LOG_LEVEL = "warning"
 # How often a simulator that served requests logs how many (`simulator.frontend`).
 DEFAULT_REPORT_INTERVAL_S = 10.0
+# Hidden-state capture (vLLM 0.33.0's extract_hidden_states method and file connector).
+DEFAULT_CAPTURE_NUM_LAYERS = 32  # Llama-3.1-8B's layer count
+DEFAULT_CAPTURE_HIDDEN_SIZE = 64  # small, so CI files stay a few KiB (a real 8B model has 4096)
+# A real server writes on the engine step after the response; 0 would hide a client that skips the lock.
+DEFAULT_CAPTURE_WRITE_DELAY_MS = 20.0
+# A slow writer outlasts speculators' 10 s lock wait.
+DEFAULT_CAPTURE_SLOW_WRITE_S = 12.0
 
 
 class SimApi(StrEnum):
@@ -60,6 +73,18 @@ class SimApi(StrEnum):
 
     SGLANG = "sglang"
     VLLM = "vllm"
+
+
+class CaptureDtype(StrEnum):
+    """How a captured file stores ``hidden_states``."""
+
+    BF16 = "bf16"  # vLLM's ExampleHiddenStatesConnector with a bf16 model
+    FP8 = "fp8"  # speculators' FP8HiddenStatesConnector: float8_e4m3fn plus per-token scales
+
+
+def default_capture_layers(num_layers: int) -> tuple[int, ...]:
+    """speculators' layer ids for a target of ``num_layers`` layers: ``[2, N//2, N-3, N]``."""
+    return (2, num_layers // 2, num_layers - 3, num_layers)
 
 
 class SimConfig(BaseModel):
@@ -105,6 +130,22 @@ class SimConfig(BaseModel):
     abort_rate: float = Field(default=0.0, ge=0.0, le=1.0)
     starting_s: float = Field(default=0.0, ge=0.0)
 
+    # Hidden-state capture, on when capture_dir (the connector's shared_storage_path) is set.
+    capture_dir: str | None = None
+    capture_num_layers: int = Field(default=DEFAULT_CAPTURE_NUM_LAYERS, ge=1)
+    # eagle_aux_hidden_state_layer_ids; None: speculators' default for capture_num_layers.
+    capture_layers: tuple[int, ...] | None = None
+    capture_hidden_size: int = Field(default=DEFAULT_CAPTURE_HIDDEN_SIZE, ge=1)
+    capture_dtype: CaptureDtype = CaptureDtype.BF16
+    capture_write_delay_ms: float = Field(default=DEFAULT_CAPTURE_WRITE_DELAY_MS, ge=0.0)
+    capture_slow_write_s: float = Field(default=DEFAULT_CAPTURE_SLOW_WRITE_S, ge=0.0)
+    # Capture faults: one uniform draw per request, so their bands must fit in [0, 1] together.
+    capture_fault_5xx: float = Field(default=0.0, ge=0.0, le=1.0)
+    capture_fault_nofile: float = Field(default=0.0, ge=0.0, le=1.0)
+    capture_fault_truncate: float = Field(default=0.0, ge=0.0, le=1.0)
+    capture_fault_short: float = Field(default=0.0, ge=0.0, le=1.0)
+    capture_fault_slow: float = Field(default=0.0, ge=0.0, le=1.0)
+
     @model_validator(mode="after")
     def _check_fault_rates(self) -> Self:
         # The three faults share one uniform draw per request, so their bands must fit in [0, 1].
@@ -128,6 +169,47 @@ class SimConfig(BaseModel):
             raise ValueError("with api=vllm, context_len must not exceed max_total_num_tokens")
         return self
 
+    @model_validator(mode="after")
+    def _check_capture(self) -> Self:
+        capture_options = sorted(
+            name for name in self.model_fields_set if name.startswith("capture_") and name != "capture_dir"
+        )
+        if self.capture_dir is None:
+            if capture_options:
+                raise ValueError(f"{', '.join(capture_options)} need capture_dir (--capture-dir)")
+            return self
+        if self.api is not SimApi.VLLM:
+            raise ValueError("hidden-state capture (capture_dir) is simulated only with api=vllm")
+        if self.capture_layers is None:
+            default = default_capture_layers(self.capture_num_layers)
+            problem = _layer_problem(default, self.capture_num_layers)
+            if problem:
+                raise ValueError(f"the default layers {list(default)}: {problem}; give capture_layers")
+        if sum(rate for _, rate in self.capture_fault_rates) > 1.0:
+            raise ValueError("the capture_fault_* rates must not add up to more than 1.0")
+        return self
+
+    @field_validator("capture_layers", mode="before")
+    @classmethod
+    def _split_capture_layers(cls, value: Any) -> Any:
+        # The command line and the config file spell the ids "2,16,29,32".
+        if isinstance(value, str):
+            return tuple(part.strip() for part in value.split(",")) if value.strip() else ()
+        if isinstance(value, int):
+            return (value,)
+        return value
+
+    @field_validator("capture_layers")
+    @classmethod
+    def _check_capture_layers(
+        cls, value: tuple[int, ...] | None, info: ValidationInfo
+    ) -> tuple[int, ...] | None:
+        if value is not None:
+            problem = _layer_problem(value, info.data.get("capture_num_layers", DEFAULT_CAPTURE_NUM_LAYERS))
+            if problem:
+                raise ValueError(problem)
+        return value
+
     @field_validator("tool_call_format")
     @classmethod
     def _check_tool_calls(cls, value: ToolCallFormat | None, info: ValidationInfo) -> ToolCallFormat | None:
@@ -140,6 +222,23 @@ class SimConfig(BaseModel):
         return value
 
     @property
+    def capture_layer_ids(self) -> tuple[int, ...]:
+        """The captured layer ids in file order: ascending, each once."""
+        given = self.capture_layers or default_capture_layers(self.capture_num_layers)
+        return tuple(sorted(set(given)))
+
+    @property
+    def capture_fault_rates(self) -> tuple[tuple[str, float], ...]:
+        """Each capture fault's name and rate, in the order their bands are laid out."""
+        return (
+            ("5xx", self.capture_fault_5xx),
+            ("nofile", self.capture_fault_nofile),
+            ("truncate", self.capture_fault_truncate),
+            ("short", self.capture_fault_short),
+            ("slow", self.capture_fault_slow),
+        )
+
+    @property
     def max_req_len(self) -> int:
         """Longest prompt+output a request may reach (SGLang's scheduler ``max_req_len``)."""
         return min(self.context_len - 1, self.max_total_num_tokens - 1)
@@ -148,3 +247,23 @@ class SimConfig(BaseModel):
     def max_req_input_len(self) -> int:
         """Longest prompt the scheduler accepts (``get_worker_info`` keeps 5 tokens spare)."""
         return self.max_req_len - 5
+
+
+def _layer_problem(layer_ids: tuple[int, ...], num_layers: int) -> str | None:
+    """Why vLLM would refuse these eagle_aux_hidden_state_layer_ids, or None.
+
+    A real server refuses an empty list at start and fails on the first forward for a duplicate or
+    an id past the last layer; the simulator refuses all three at start.
+    """
+    if not layer_ids:
+        return "name at least one layer id (eagle_aux_hidden_state_layer_ids must not be empty)"
+    twice = sorted({layer for layer in layer_ids if layer_ids.count(layer) > 1})
+    if twice:
+        return f"layer id {twice[0]} is given twice; vLLM captures each layer once"
+    outside = [layer for layer in layer_ids if not 0 <= layer <= num_layers]
+    if outside:
+        return (
+            f"layer id {outside[0]} is outside 0..{num_layers} (0 is the embeddings, {num_layers} the "
+            "last layer; set capture_num_layers for a deeper model)"
+        )
+    return None

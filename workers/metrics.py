@@ -158,3 +158,35 @@ class WorkerMetrics:
         self.commit_errors = Counter(
             "datagen_worker_commit_errors", "Shard commits that failed and will be retried", registry=r
         )
+        # Hidden-state capture (jobs with features, `workers.run.capture`).
+        self.captured_tokens = Counter(
+            "datagen_worker_captured_tokens",
+            "Tokens whose hidden states were captured, checked and stored",
+            ["server"],
+            registry=r,
+        )
+        self.feature_bytes = Counter(
+            "datagen_worker_feature_bytes",
+            "Bytes of features stored (after any FP8 conversion)",
+            ["server"],
+            registry=r,
+        )
+        self.captures = Counter(
+            "datagen_worker_captures",
+            "Capture tries by outcome: stored, retried (a file failed its checks, a 5xx), gave_up, too_long",
+            ["server", "outcome"],
+            registry=r,
+        )
+        self.capture_dir_bytes = Gauge(
+            "datagen_worker_capture_dir_bytes", "Bytes in the capture directory at the last sweep", registry=r
+        )
+        self.capture_orphans_removed = Counter(
+            "datagen_worker_capture_orphans_removed",
+            "Files no request waits for (aborted, timed out) deleted from the capture directory",
+            registry=r,
+        )
+        self.capture_waiting = Gauge(
+            "datagen_worker_capture_waiting",
+            "Captures waiting because the capture directory is over its byte cap",
+            registry=r,
+        )

@@ -36,7 +36,7 @@ from datagen.errors import ConfigError
 from datagen.prompts.loaders import preload_libraries
 from datagen.records.storage import Storage
 from datagen.settings import DEFAULT_METRICS_PORT, WorkerSettings
-from datagen.states import EngineChoice, PromptClass
+from datagen.states import EngineChoice, PromptClass, ServerRole
 from workers.claim.admission import Admission, Slots
 from workers.claim.reaper import Reaper
 from workers.claim.rqbridge import QueueIdentity, heartbeat_ttl_s
@@ -46,10 +46,11 @@ from workers.engines.http import ClientTimeouts
 from workers.engines.urls import shown_url
 from workers.fleet.health import HealthProbe
 from workers.fleet.kv_control import KvControl
-from workers.fleet.servers import Fleet, Server, ServerSpec
+from workers.fleet.servers import CAPTURE_CLASS, Fleet, Server, ServerSpec
 from workers.fleet.sync import FleetSync
 from workers.metrics import WorkerMetrics
 from workers.run.backup import Backups
+from workers.run.capture import Capturer
 from workers.run.conversation import Conversations
 from workers.run.finish import Acks, Finisher
 from workers.run.generate import Generator
@@ -73,11 +74,21 @@ class Worker:
         settings: WorkerSettings,
         servers: list[ServerSpec],
         *,
+        capture_servers: list[ServerSpec] | None = None,
         burst: bool = False,
         install_signal_handlers: bool = True,
     ) -> None:
         if not servers:
             raise ValueError("give at least one SGLang or vLLM server (--server NAME=URL)")
+        self.capture_specs = list(capture_servers or [])
+        if self.capture_specs and settings.capture_dir is None:
+            raise ConfigError(
+                "capture servers need --capture-dir (DATAGEN_CAPTURE_DIR): the directory their files are "
+                "written to (the connector's shared_storage_path) as this node sees it"
+            )
+        names = [spec.name for spec in [*servers, *self.capture_specs]]
+        if repeated := sorted({n for n in names if names.count(n) > 1}):
+            raise ConfigError(f"server names must be unique across --server and --capture-server: {repeated}")
         self.settings = settings
         self.server_specs = servers
         self.burst = burst
@@ -136,7 +147,14 @@ class Worker:
         self.wakeups = Wakeups(self.settings.require_redis_url(), self.keys.wake_channel())
         for identity in self.identities.values():
             identity.register()
-        self.fleet = Fleet([self._make_server(spec) for spec in self.server_specs], self.metrics)
+        self.fleet = Fleet(
+            [self._make_server(spec) for spec in self.server_specs]
+            + [self._make_server(spec, ServerRole.CAPTURE) for spec in self.capture_specs],
+            self.metrics,
+        )
+        self.capturer = Capturer(
+            self.settings, self.fleet, self.storage, self.metrics, tag=self.tag, jobs=self.jobs
+        )
         probes = [self._probe(server) for server in self.fleet.servers]
         await asyncio.gather(*(probe.probe() for probe in probes))
         self.sync = FleetSync(
@@ -252,7 +270,7 @@ class Worker:
             acks,
             conversations,
         )
-        prompts = PromptRunner(self.slots, self.jobs, generator, self.writer, finisher)
+        prompts = PromptRunner(self.slots, self.jobs, generator, self.writer, finisher, self.capturer)
         return Admission(
             self.slots,
             self.identities,
@@ -265,7 +283,8 @@ class Worker:
             wakeups=self.wakeups,
             on_claim_empty=backups.on_claim_empty,
             on_claimed=backups.on_claimed,
-            uncommitted=lambda: self.writer.pending,
+            # Records waiting for their features count too: they are not committed yet either.
+            uncommitted=lambda: self.writer.pending + self.capturer.pending,
             max_uncommitted_records=self.settings.max_uncommitted_records,
             crowded_jobs=self.writer.crowded_jobs,
         )
@@ -280,6 +299,7 @@ class Worker:
             interval_s=settings.health_interval_s,
             timeout_s=settings.health_timeout_s,
             timeouts_to_down=settings.health_timeouts_to_down,
+            capture_probe=self.capturer.probe,
         )
 
     def _start_loops(self, probes: list[HealthProbe]) -> None:
@@ -302,29 +322,40 @@ class Worker:
             *(p.run() for p in probes),
         ]
         loops += [control.run() for control in self._kv_controls]
+        if self.capturer.dir is not None:
+            loops.append(self.capturer.sweep_loop())
         self._background = [asyncio.create_task(loop) for loop in loops]
         if self.install_signal_handlers:
             loop = asyncio.get_running_loop()
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.add_signal_handler(sig, self._on_signal)
 
-    def _make_server(self, spec: ServerSpec) -> Server:
+    def _make_server(self, spec: ServerSpec, role: ServerRole = ServerRole.GENERATE) -> Server:
         settings = self.settings
         timeouts = ClientTimeouts(connect_s=settings.connect_timeout_s, read_s=settings.long_read_timeout_s)
         choice = settings.engine if spec.engine is EngineChoice.AUTO else spec.engine
+        if role is ServerRole.CAPTURE:
+            # Only vLLM captures over HTTP; asking would accept an SGLang server the probe then refuses.
+            choice = EngineChoice.VLLM if spec.engine is EngineChoice.AUTO else spec.engine
         client = build_engine(
             spec.name,
             spec.url,
             choice=choice,
             timeouts=timeouts,
-            max_connections=settings.short_concurrency + settings.long_concurrency,
+            max_connections=(
+                settings.capture_concurrency
+                if role is ServerRole.CAPTURE
+                else settings.short_concurrency + settings.long_concurrency
+            ),
             api_key=spec.api_key or settings.api_key,
         )
         limits = {
             PromptClass.SHORT: settings.short_concurrency,
             PromptClass.LONG: settings.long_concurrency,
         }
-        return Server(spec.name, client, max_limits=limits, up=False)
+        if role is ServerRole.CAPTURE:
+            limits = {cls: 0 for cls in PromptClass} | {CAPTURE_CLASS: settings.capture_concurrency}
+        return Server(spec.name, client, max_limits=limits, up=False, role=role)
 
     async def run(self) -> None:
         await self.admission.run()

@@ -127,6 +127,18 @@ class SetIfExistsArgs(ScriptArgs):
     value: str
 
 
+@dataclass(frozen=True)
+class IncrIfExistsArgs(ScriptArgs):
+    script = "incr_if_exists"
+    hash_key: str = field(metadata=KEY)
+    field_name: str
+    delta: int
+
+
+# The job hash's field: bytes of features stored and not yet consumed by a pull (`features.retain_bytes`).
+RETAINED_FEATURES = "features_retained_bytes"
+
+
 class JobStore:
     def __init__(self, redis: Redis, keys: Keys) -> None:
         self.redis = redis
@@ -134,6 +146,7 @@ class JobStore:
         self._create = LuaScript(redis, CreateArgs)
         self._transition = LuaScript(redis, TransitionArgs)
         self._set_if_exists = LuaScript(redis, SetIfExistsArgs)
+        self._incr_if_exists = LuaScript(redis, IncrIfExistsArgs)
         self._ingest_take = LuaScript(redis, IngestTakeArgs)
         # How the job's prompts end: a part of its own, on the same hash and keys.
         self.outcomes = JobOutcomes(redis, keys)
@@ -495,6 +508,18 @@ class JobStore:
             # must not bring the job's hash back.
             message = f"{error} (since {now_ms()} ms)"
             self._set_if_exists(SetIfExistsArgs(hash_key=key, field_name="storage_error", value=message))
+
+    def add_retained_features(self, job_id: str, delta_bytes: int) -> int | None:
+        """Count ``delta_bytes`` more (or fewer) feature bytes stored and not yet consumed; the new
+        total, or None for a job that no longer exists (never brought back)."""
+        args = IncrIfExistsArgs(
+            hash_key=self.keys.job(job_id), field_name=RETAINED_FEATURES, delta=delta_bytes
+        )
+        value = int(cast(int, self._incr_if_exists(args)))
+        return None if value < 0 else value
+
+    def retained_features(self, job_id: str) -> int:
+        return int(self.redis.hget(self.keys.job(job_id), RETAINED_FEATURES) or 0)
 
     def set_waiting_for_room(self, job_id: str, cls: PromptClass | None) -> None:
         """Ingestion waits for room in the job's backlog of ``cls`` (None: it does not wait)."""

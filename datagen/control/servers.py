@@ -103,6 +103,10 @@ class ServerInfo(_JsonRecord):
     model_path: str | None = None
     weight_version: str | None = None
     seen_at_ms: int | None = None
+    # ``capture`` for a capture server (jobs with features), with what its probe's file held:
+    # ``{"layers", "hidden_size", "dtype"}``; None (older entries too) for a generation server.
+    role: str | None = None
+    capture: dict[str, Any] | None = None
 
 
 class ServerView(_JsonRecord):

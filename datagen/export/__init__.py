@@ -25,8 +25,10 @@ of ``SHUFFLE_BUCKET_BYTES`` (see :mod:`datagen.export.shuffle`). ``bench/export.
 
 Modules, in pipeline order: ``rows`` (dedupe, filters, clipping), ``shuffle`` (the bucket shuffle),
 ``formats`` (token-id formats and their output files), ``conversations`` (the text format),
-``tokens`` (the job's tokenizer), ``pipeline`` (`export_job`, the stages wired together, and
-`check_exportable`, which refuses from the manifest alone before anything is read).
+``features_offline`` (``speculators-offline``: a job with features, as speculators' trainer reads
+it offline: a dataset and each row's hidden-states file), ``tokens`` (the job's tokenizer),
+``pipeline`` (`export_job`, the stages wired together, and `check_exportable`, which refuses from
+the manifest alone before anything is read).
 """
 
 from datagen.export.pipeline import (

@@ -13,6 +13,12 @@ import pyarrow.compute as pc
 
 from datagen.errors import ConfigError, StorageError
 from datagen.export.conversations import ConversationFormatter, InputIndex
+from datagen.export.features_offline import (
+    FeaturesExportStats,
+    OfflineSink,
+    check_features_job,
+    feature_batches,
+)
 from datagen.export.formats import (
     PARQUET_SCHEMA,
     JsonlSink,
@@ -93,8 +99,12 @@ def _multi_turn_mode(storage: Storage, job_id: str) -> MultiTurnMode:
 def check_exportable(storage: Storage, job_id: str, fmt: ExportFormat) -> None:
     """Refuse, from the job's manifest alone, an export that could not be written (before any read).
 
-    Raises `ConfigError` (one line) for a ``conversations`` export of a multi-turn ``all`` job.
+    Raises `ConfigError` (one line) for a ``conversations`` export of a multi-turn ``all`` job, and
+    a ``speculators-offline`` export of a job without features (or without the datasets package).
     """
+    if fmt is ExportFormat.SPECULATORS_OFFLINE:
+        check_features_job(storage, job_id)
+        return
     if fmt is not ExportFormat.CONVERSATIONS:
         return
     mode = _multi_turn_mode(storage, job_id)
@@ -160,8 +170,32 @@ def _write_jsonl(
         return sink.finish()
 
 
+def _write_offline(
+    batches: Iterable[pa.RecordBatch],
+    storage: Storage,
+    job_id: str,
+    out: Path,
+    options: ExportOptions,
+    stats: ExportStats,
+    progress: ProgressCallback,
+) -> list[Path]:
+    # Whole sequences: a clipped row would no longer match the hidden states stored for it.
+    if options.max_length is not None:
+        raise ConfigError(
+            "--max-length cannot clip a speculators-offline export: its hidden states are stored "
+            "for whole sequences (speculators' trainer cuts to --total-seq-len itself)"
+        )
+    if options.shard_size is not None:
+        raise ConfigError("--shard-size does not apply to speculators-offline: datasets shards its own files")
+    sink = OfflineSink(storage, job_id, out, stats)
+    with _aborting(sink, out):
+        for batch in batches:
+            sink.write(batch, lambda n: progress("written", n))
+        return sink.finish()
+
+
 @contextmanager
-def _aborting(sink: ParquetSink | JsonlSink, out: Path) -> Iterator[None]:
+def _aborting(sink: ParquetSink | JsonlSink | OfflineSink, out: Path) -> Iterator[None]:
     """Remove a half-written export on any error; a failed write says where it failed."""
     try:
         yield
@@ -186,22 +220,26 @@ def export_job(
     *,
     on_progress: ProgressCallback | None = None,
 ) -> ExportStats:
-    """Export one job; ``out`` is a file (JSONL) or a directory (sharded JSONL, Parquet).
+    """Export one job; ``out`` is a file (JSONL) or a directory (sharded JSONL, Parquet,
+    speculators-offline).
 
     ``on_progress`` is called with ("read", records read) and ("written", rows written).
     """
     check_exportable(storage, job_id, fmt)
     options = options or ExportOptions()
     progress = on_progress or _no_progress
-    stats = ExportStats()
+    offline = fmt is ExportFormat.SPECULATORS_OFFLINE
+    stats = FeaturesExportStats() if offline else ExportStats()
     row_filter = RowFilter(options.filter_options(fmt), stats)
-    filtered = filtered_batches(
+    filtered = (feature_batches if offline else filtered_batches)(
         storage, job_id, row_filter, lambda n: progress("read", n), skip_unreadable=options.skip_unreadable
     )
     # closing(): a failed export removes the shuffle's temporary files at once, not at garbage collection.
     with closing(_ordered(filtered, storage, job_id, options, out)) as batches:
         if fmt is ExportFormat.PARQUET:
             files = _write_parquet(batches, out, options, stats, progress)
+        elif offline:
+            files = _write_offline(batches, storage, job_id, out, options, stats, progress)
         else:
             lines, close = _line_writer(fmt, storage, job_id, options, stats)
             try:

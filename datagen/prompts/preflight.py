@@ -199,6 +199,53 @@ def require_context_len(spec: JobSpec, servers: Servers) -> int:
 # -- vocabulary and stop ids --------------------------------------------------------------------
 
 
+CAPTURE_ROLE = "capture"
+CAPTURE_START_HINT = (
+    "start a vLLM server with extract_hidden_states and a file connector (docs/features.md) and a "
+    "worker with --capture-server NAME=URL --capture-dir DIR"
+)
+
+
+def check_features(spec: JobSpec, servers: Servers) -> None:
+    """A job with features needs a capture server that writes its layer count in a dtype it can
+    store: PreflightError (409) with what to start, before anything is enqueued."""
+    if spec.features is None:
+        return
+    capturers = {name: info for name, info in servers.items() if info.get("role") == CAPTURE_ROLE}
+    if not capturers:
+        raise PreflightError(
+            f"the job asks for features (hidden states at layers {spec.features.layers}) but no live "
+            f"worker lists a capture server; {CAPTURE_START_HINT}"
+        )
+    # Shapes are published once a server's probe file was read; one not read yet may still fit.
+    shapes = {
+        name: info["capture"] for name, info in capturers.items() if isinstance(info.get("capture"), dict)
+    }
+    if not shapes or len(shapes) < len(capturers):
+        return
+    wanted = len(spec.features.layers)
+    fitting = [
+        name
+        for name, shape in shapes.items()
+        if shape.get("layers") == wanted
+        and not (spec.features.dtype == "bf16" and shape.get("dtype") == FP8_FILE_DTYPE)
+    ]
+    if not fitting:
+        listing = ", ".join(
+            f"{name} ({shape.get('layers')} layers, {shape.get('dtype')})"
+            for name, shape in sorted(shapes.items())
+        )
+        raise PreflightError(
+            f"no capture server writes {wanted} layers in a dtype a {spec.features.dtype} job can store: "
+            f"{listing}; launch one with eagle_aux_hidden_state_layer_ids {spec.features.layers} "
+            "(and the file connector for a bf16 job, not the FP8 one), or change the job's features"
+        )
+
+
+# The safetensors dtype of speculators' FP8 connector's files.
+FP8_FILE_DTYPE = "F8_E4M3"
+
+
 def model_vocab_size(spec: JobSpec) -> int | None:
     """``spec.vocab_size``, else ``vocab_size`` of a config.json next to the tokenizer; None if unknown."""
     if spec.vocab_size is not None:
@@ -288,6 +335,7 @@ def _is_bundled(tokenizer: str) -> bool:
 def preflight_submit(spec: JobSpec, renderer: PromptRenderer, servers: Servers) -> PreflightResult:
     """Every check a job must pass at submit; ``servers`` are the live ones (``live_servers``)."""
     check_servers_agree(servers)
+    check_features(spec, servers)
     warnings = check_spec_against_servers(spec, servers)
     vocab_size = model_vocab_size(spec)
     if vocab_size is None and not _is_bundled(spec.tokenizer):

@@ -10,6 +10,10 @@ Layout (one folder per job under the root)::
     jobs/<job>/commits/<shard>.json             one per committed shard (with its incarnation and its
                                                 shard's size, sha256 and row count); a shard without it
                                                 is not data
+    jobs/<job>/features/<name>.safetensors      a job with features: one record's hidden states, stored
+                                                before the record that names it is committed (its size
+                                                and sha256 in the record); one that no committed record
+                                                names is a leftover (`datagen.records.features`)
     jobs/<job>/rejected/<upload>-<line>.jsonl   rows of one ingestion chunk that could not become prompts
     jobs/<job>/flagged/<upload>-<line>.jsonl    rows of one chunk accepted with a warning
     jobs/<job>/stopped/<digest>-g<gen>.jsonl    multi-turn ``all``: why a conversation stopped before
@@ -32,6 +36,8 @@ from datagen.errors import DatagenError, InvalidSpecError, StorageError
 from datagen.records.files import ObjectFiles
 
 __all__ = [
+    "FEATURES_FOLDER",
+    "FEATURE_SUFFIX",
     "INPUT_SUFFIX",
     "JOB_ID_PATTERN",
     "LEGACY_REJECTED",
@@ -50,6 +56,8 @@ SHARD_PATTERN = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
 # One path segment: no separator, and no leading dot (so never "." or "..").
 _NAME_PATTERN = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9_.-]{0,199}$")
 INPUT_SUFFIX = ".jsonl"
+FEATURES_FOLDER = "features"
+FEATURE_SUFFIX = ".safetensors"
 LEGACY_REJECTED = "rejected.jsonl"
 # At the storage root: the Redis namespace whose jobs live here.
 NAMESPACE_MARKER = "datagen-namespace.json"

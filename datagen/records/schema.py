@@ -4,8 +4,10 @@ A record holds the exact sequence the model saw and produced, ``input_ids = prom
 output_ids``; the loss mask is derived (0 over the first ``prompt_len`` ids, 1 after), so it is
 not stored twice. ``schema_version`` changes whenever a column changes meaning or is added.
 
-Versions: 1, the first; 2 adds ``next_turn`` (multi-turn ``all`` mode: what follows the turn, written
-with its commit, `datagen.control.turns`). Readers select the columns they use, so shards of both
+Versions: 1, the first; 2 adds ``next_turn`` (multi-turn ``all`` mode: what follows the turn,
+written with its commit, `datagen.control.turns`); 3 adds the ``features_*`` columns (a job with
+hidden-state features: the stored file of this record's features, its size and sha256, or why it
+has none). Readers select the columns they use, so shards of both
 versions read alike; a version-1 shard has no ``next_turn`` (`has_next_turn`).
 """
 
@@ -19,19 +21,25 @@ import numpy as np
 import pyarrow as pa
 
 __all__ = [
+    "FEATURES_FILE",
+    "FEATURE_COLUMNS",
     "NEXT_TURN",
     "RECORD_SCHEMA",
     "SCHEMA_VERSION",
     "Record",
+    "has_features",
     "has_next_turn",
     "loss_mask",
     "loss_mask_values",
     "records_to_table",
 ]
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 # The column a version-2 record adds.
 NEXT_TURN = "next_turn"
+# The columns a version-3 record adds (all null in a job without features).
+FEATURES_FILE = "features_file"
+FEATURE_COLUMNS = (FEATURES_FILE, "features_bytes", "features_sha256", "features_error")
 
 RECORD_SCHEMA = pa.schema(
     [
@@ -62,6 +70,12 @@ RECORD_SCHEMA = pa.schema(
         pa.field("started_at_ms", pa.int64(), nullable=False),
         pa.field("finished_at_ms", pa.int64(), nullable=False),
         pa.field(NEXT_TURN, pa.string()),
+        # The record's features: the file's name in the job's features folder (`datagen.records.
+        # features`), its size and sha256 as stored; or, where capture gave up on this record, why.
+        pa.field(FEATURES_FILE, pa.string()),
+        pa.field("features_bytes", pa.int64()),
+        pa.field("features_sha256", pa.string()),
+        pa.field("features_error", pa.string()),
     ]
 )
 
@@ -95,6 +109,12 @@ class Record:
     # Multi-turn ``all`` mode: what follows this turn, as JSON (`datagen.control.turns`); None after
     # a conversation's last turn and in every other mode.
     next_turn: str | None = None
+    # A job with features: the stored file of this record's hidden states (`FEATURE_COLUMNS`), or
+    # ``features_error`` where it has none (too long for every capture server, every try failed).
+    features_file: str | None = None
+    features_bytes: int | None = None
+    features_sha256: str | None = None
+    features_error: str | None = None
 
     @property
     def output_len(self) -> int:
@@ -106,6 +126,11 @@ class Record:
 
 
 _FIELDS = tuple(f.name for f in fields(Record))
+
+
+def has_features(schema: pa.Schema) -> bool:
+    """Whether a shard of this schema can name feature files (version 3 on)."""
+    return FEATURES_FILE in schema.names
 
 
 def has_next_turn(schema: pa.Schema) -> bool:

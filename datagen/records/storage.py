@@ -10,6 +10,8 @@ object store on multi-node setups): `Storage`, and the job-id rule its paths and
 - `datagen.records.commits`: committed records (a shard, then its commit object, which seals it), read
   back in commit order, each shard held to its seal first;
 - `datagen.records.inputs`: the uploads, rejected and flagged rows, stopped conversations;
+- `datagen.records.features`: a job's hidden-state feature files, one per record, each stored
+  before the record that names it is committed;
 
 on the bytes of `datagen.records.files` (objects written whole, so an object store serves as well
 as a directory).
@@ -18,10 +20,12 @@ as a directory).
 from __future__ import annotations
 
 from datagen.records.commits import CommittedShards
+from datagen.records.features import FeatureFiles
 from datagen.records.inputs import JobInputs
 
 __all__ = ["Storage"]
 
 
-class Storage(CommittedShards, JobInputs):
-    """A storage root: every job's uploads, manifests, committed records and notes on its rows."""
+class Storage(CommittedShards, JobInputs, FeatureFiles):
+    """A storage root: every job's uploads, manifests, committed records, feature files and notes on
+    its rows."""

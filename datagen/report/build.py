@@ -29,7 +29,12 @@ One streaming pass over the committed records (one batch in memory, fixed-bin hi
   ``flagged_rows``              warn    rows accepted with a warning (``special_text: warn``: content
                                         that spells special tokens, encoded as their ids;
                                         ``jobs/<job>/flagged/``)
+  ``features_missing``          warn    a job with features: records committed without them (too long
+                                        for every capture server, or every try failed)
   ============================  ======  ================================================================
+
+A job with features gets a section of its own (`datagen.report.features`): records with features
+stored, their bytes and bytes per token, and why the others have none.
 
 Only the first record per key is counted and checked. The duplicate sets hold a 16-byte digest per
 record (keys and sequences: about 180 bytes a record together); everything else is fixed-size. When
@@ -52,6 +57,7 @@ from datagen.export.tokens import JobTokens, load_job_tokens
 from datagen.records.reader import RowViews, SeenKeys, iter_committed_batches
 from datagen.records.storage import Storage
 from datagen.report.conversations import ConversationTally
+from datagen.report.features import FEATURE_REPORT_COLUMNS, FeatureTally
 from datagen.report.stats import LengthHistogram
 from datagen.states import FinishType, MultiTurnMode
 
@@ -156,6 +162,8 @@ class JobReport:
     checks: dict[str, Check] = field(default_factory=dict)
     # Multi-turn ``all`` jobs only (None otherwise).
     conversation_tally: ConversationTally | None = None
+    # Jobs with features only (None otherwise).
+    features: FeatureTally | None = None
 
     @property
     def conversations(self) -> ConversationTally | None:
@@ -191,6 +199,7 @@ class JobReport:
             },
             "checks": [check.to_json() for check in self.checks.values()],
             **({"conversations": conversations.to_json()} if conversations is not None else {}),
+            **({"features": self.features.to_json()} if self.features is not None else {}),
         }
 
 
@@ -287,6 +296,12 @@ class _Scanner:
             histogram.add((lengths - prompt_lens)[selected])
         if report.conversation_tally is not None:
             report.conversation_tally.add_rows(columns["sample_id"], columns["turn"], columns["gen"], new)
+        if report.features is not None:
+            missing_before = report.features.missing
+            report.features.add(batch, new, lengths, rows.ids)
+            check = report.checks["features_missing"]
+            check.found += report.features.missing - missing_before
+            check.examples = report.features.examples[:MAX_EXAMPLES]
 
 
 def _read_rejected(storage: Storage, job_id: str, report: JobReport) -> None:
@@ -323,10 +338,23 @@ def build_report(
     tokens = load_job_tokens(storage, job_id, tokenizer)
     manifest = storage.read_manifest(job_id) or {}
     report = JobReport(job_id=job_id, checks=_checks(tokens))
-    if (manifest.get("spec") or {}).get("multi_turn") == MultiTurnMode.ALL:
+    spec = manifest.get("spec") or {}
+    if spec.get("multi_turn") == MultiTurnMode.ALL:
         report.conversation_tally = ConversationTally(MAX_EXAMPLES)
+    columns = list(_COLUMNS)
+    features = spec.get("features")
+    if isinstance(features, dict):
+        report.features = FeatureTally(
+            list(features.get("layers") or []), str(features.get("dtype")), MAX_EXAMPLES
+        )
+        report.checks["features_missing"] = Check(
+            "features_missing",
+            "records committed without features (GET /jobs/{id}/errors?kind=capture says why)",
+            CheckStatus.WARN,
+        )
+        columns += FEATURE_REPORT_COLUMNS
     scanner = _Scanner(report, tokens)
-    for batch in iter_committed_batches(storage, job_id, _COLUMNS):
+    for batch in iter_committed_batches(storage, job_id, columns):
         scanner.add(batch)
         if on_read is not None:
             on_read(report.records)

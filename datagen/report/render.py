@@ -73,6 +73,14 @@ class ConversationsView(Protocol):
     def regenerated_share(self) -> float: ...
 
 
+class FeaturesView(Protocol):
+    """What the views show of a ``datagen.report.features.FeatureTally``."""
+
+    @property
+    def reasons(self) -> Counter[str]: ...
+    def summary(self) -> str: ...
+
+
 class ReportView(Protocol):
     """What the views show of a ``datagen.report.JobReport``."""
 
@@ -98,6 +106,8 @@ class ReportView(Protocol):
     def checks(self) -> Mapping[str, CheckView]: ...
     @property
     def conversations(self) -> ConversationsView | None: ...
+    @property
+    def features(self) -> FeaturesView | None: ...
     @property
     def failed(self) -> bool: ...
     def to_json(self) -> dict[str, Any]: ...
@@ -189,6 +199,10 @@ def print_report(report: ReportView, console: Console) -> None:
     console.print(_bars("output lengths", _combined_outputs(report)))
     if report.conversations is not None:
         _print_conversations(report.conversations, console)
+    if report.features is not None:
+        console.print(f"[bold]features[/bold]: {report.features.summary()}", markup=True, highlight=False)
+        for reason, n in report.features.reasons.most_common(EXAMPLES_SHOWN):
+            console.print(f"  without features, {n:,}: {reason}", markup=False)
     checks = Table("check", "status", "found", "what", title="checks")
     for check in report.checks.values():
         examples = "; ".join(check.examples[:EXAMPLES_SHOWN])
@@ -276,6 +290,7 @@ def _html(report: ReportView, plots: dict[str, bytes]) -> str:
         f"<h2>Lengths (tokens)</h2>"
         f"{_html_table(['', 'records', 'min', 'mean', 'p50 ≤', 'p90 ≤', 'max'], lengths)}"
         f"{_html_conversations(report)}"
+        f"{_html_features(report)}"
         f"{images}</body></html>"
     )
 
@@ -287,6 +302,15 @@ def _html_conversations(report: ReportView) -> str:
     stopped = [[reason, f"{n:,}", "; ".join(examples)] for reason, n, examples in _stopped_rows(c)]
     table = _html_table(["reason", "conversations", "examples"], stopped) if stopped else ""
     return f"<h2>Conversations</h2><p>{html.escape(_conversation_summary(c))}</p>{table}"
+
+
+def _html_features(report: ReportView) -> str:
+    f = report.features
+    if f is None:
+        return ""
+    reasons = [[reason, f"{n:,}"] for reason, n in f.reasons.most_common()]
+    table = _html_table(["without features because", "records"], reasons) if reasons else ""
+    return f"<h2>Features</h2><p>{html.escape(f.summary())}</p>{table}"
 
 
 def write_report(report: ReportView, out_dir: Path) -> list[Path]:

@@ -113,6 +113,8 @@ class CompletionRequest(BaseModel):
     prompt_logprobs: int | None = None
     request_id: str | None = None
     return_token_ids: bool | None = None
+    # Read by the hidden-states connector: include_output_tokens, hidden_states_path (ignored).
+    kv_transfer_params: dict[str, Any] | None = None
 
     @model_validator(mode="before")
     @classmethod

@@ -4,12 +4,14 @@ The same engine (admission, KV pool, preemption) and the same token model as the
 only the contract around them differs: vLLM's length checks, its finish rule (EOS before the
 length cap), its response body and its metric names. The flow follows
 ``OpenAIServingCompletion._create_completion``: check the model, render (length checks), lower
-``max_tokens``, build the sampling params, run every prompt and sample, build one body.
+``max_tokens``, build the sampling params, run every prompt and sample, build one body. With
+``capture_dir`` set, every scheduled request also leaves a hidden-states file (``capture``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 from dataclasses import dataclass
@@ -32,9 +34,12 @@ from simulator.vllm._protocol import (
     effective_max_tokens,
     vllm_expected_output,
 )
+from simulator.vllm.capture import Capture, CaptureFault
 from simulator.vllm.metrics import VllmMetrics
 
 __all__ = ["VllmServer"]
+
+log = logging.getLogger(__name__)
 
 _NO_TOKENIZER_MESSAGE = (
     "Text prompts need a tokenizer and the simulator has none (start it with --tokenizer); "
@@ -55,6 +60,12 @@ class VllmServer(Frontend[VllmMetrics]):
 
     def __init__(self, config: SimConfig) -> None:
         super().__init__(config, VllmMetrics(config.served_model_name))
+        self.capture = Capture(config) if config.capture_dir is not None else None
+
+    async def close(self) -> None:
+        await super().close()
+        if self.capture is not None:
+            await self.capture.close()
 
     # -- /v1/completions -------------------------------------------------------------------
 
@@ -64,6 +75,7 @@ class VllmServer(Frontend[VllmMetrics]):
         self._check_model(req.model)
         prompts = self._prompt_ids(req.prompt)
         planned = self._plan(req, prompts, request_id)
+        fault = self.capture.plan(request_id) if self.capture is not None else None
         for item in planned:
             self.engine.submit(item.req)
         try:
@@ -71,8 +83,46 @@ class VllmServer(Frontend[VllmMetrics]):
         except asyncio.CancelledError:
             for item in planned:
                 self.engine.abort(item.req.rid)
+            try:
+                self._capture(req, prompts, planned, request_id, fault)  # orphans nobody learns of
+            except VllmError as exc:  # nobody is left to answer
+                log.warning("no orphan hidden-states file for %s: %s", request_id, exc.message)
             raise
-        return self._response(req, prompts, planned, request_id)
+        paths = self._capture(req, prompts, planned, request_id, fault)
+        body = self._response(req, prompts, planned, request_id)
+        if paths and paths[0] is not None:
+            # Only the first sub-request's path comes back (final_res_batch[0].kv_transfer_params).
+            body["kv_transfer_params"] = {"hidden_states_path": paths[0]}
+        return body
+
+    def _capture(
+        self,
+        req: CompletionRequest,
+        prompts: list[list[int]],
+        planned: list[_Planned],
+        request_id: str,
+        fault: CaptureFault | None,
+    ) -> list[str | None]:
+        """Lock (and later write) the file of every request that was scheduled; None for the others."""
+        if self.capture is None:
+            return []
+        params = req.kv_transfer_params or {}
+        if "hidden_states_path" in params:
+            log.warning("provided hidden_states_path but allow_custom_save_path is disabled. Ignoring")
+        paths: list[str | None] = []
+        for item in planned:
+            sim_req = item.req
+            if sim_req.admitted_at is None:  # aborted before it was scheduled: no lock, no file
+                paths.append(None)
+                continue
+            ids = prompts[item.prompt_index]
+            if params.get("include_output_tokens"):
+                ids = (ids + sim_req.output_ids)[:-1]  # the last generated token was never an input
+            prefilled = sim_req.first_token_at is not None
+            paths.append(
+                self.capture.begin(request_id, item.prompt_index, ids, fault=fault, prefilled=prefilled)
+            )
+        return paths
 
     def _check_model(self, model: str | None) -> None:
         name = self.config.served_model_name

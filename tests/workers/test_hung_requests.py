@@ -19,7 +19,7 @@ from workers.engines.sglang import SGLangClient
 from workers.fleet.servers import Fleet, Server
 from workers.metrics import WorkerMetrics
 from workers.run.backup import HUNG_MARGIN, Backups
-from workers.run.generate import _unless_lost
+from workers.run.generate import unless_lost
 
 SHORT = PromptClass.SHORT
 LIMITS = {PromptClass.SHORT: 2, PromptClass.LONG: 1}
@@ -49,7 +49,7 @@ async def test_a_request_on_a_server_its_probe_marks_down_is_abandoned_as_a_serv
     server = _server("a")
     fleet = Fleet([server], WorkerMetrics())
     request = server.client.generate([1, 2, 3], {"max_new_tokens": MAX_NEW}, rid="r1")
-    pending = asyncio.ensure_future(_unless_lost(server, request))
+    pending = asyncio.ensure_future(unless_lost(server, request))
     await asyncio.sleep(0.05)
     assert not pending.done()
     await fleet.mark_down(server, "3 /health probes timed out in a row", abandon=True)
@@ -62,7 +62,7 @@ async def test_a_mark_down_without_abandon_leaves_requests_running() -> None:
     server = _server("a")
     fleet = Fleet([server], WorkerMetrics())
     request = server.client.generate([1, 2, 3], {"max_new_tokens": MAX_NEW}, rid="r1")
-    pending = asyncio.ensure_future(_unless_lost(server, request))
+    pending = asyncio.ensure_future(unless_lost(server, request))
     await asyncio.sleep(0.05)
     await fleet.mark_down(server, "/health answered 503")
     await asyncio.sleep(0.05)

@@ -35,10 +35,12 @@ from datagen.states import EngineChoice, FinishType
 
 __all__ = [
     "ERROR_TEXT_MAX_CHARS",
+    "CaptureReply",
     "Engine",
     "EngineChoice",
     "Finish",
     "GenerateResult",
+    "HiddenStateCapture",
     "KvSignals",
     "ParsedCalls",
     "ServerFacts",
@@ -119,6 +121,17 @@ class GenerateResult:
     e2e_latency_s: float | None
     num_retractions: int
     weight_version: str | None
+
+
+@dataclass(frozen=True)
+class CaptureReply:
+    """A capture server's answer: the file its connector will write the hidden states of exactly
+    the ids sent into (the echo was checked), as the server names it. The file does not exist yet
+    when the answer arrives; its lock does (`datagen.features.locks`)."""
+
+    rid: str
+    hidden_states_path: str
+    prompt_tokens: int
 
 
 @dataclass(frozen=True)
@@ -232,6 +245,21 @@ class ToolCallParsing(Protocol):
     async def parse_function_call(
         self, text: str, parser: str, tools: Sequence[Mapping[str, object]], *, timeout_s: float
     ) -> ParsedCalls: ...
+
+
+@runtime_checkable
+class HiddenStateCapture(Protocol):
+    """An engine whose server can capture a sequence's hidden states into a file (vLLM's
+    ``extract_hidden_states`` with a file connector): one prefill of exactly these ids, no
+    generation kept. ``ConfigError`` when the server answers without a file (not launched for it)."""
+
+    async def capture(
+        self, input_ids: Sequence[int], *, rid: str, read_timeout_s: float | None = None
+    ) -> CaptureReply: ...
+
+    async def engine_version(self) -> str | None:
+        """The server's engine release (pinned in a job's manifest with what it captures)."""
+        ...
 
 
 # --------------------------------------------------------------------------------------------------

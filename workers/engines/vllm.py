@@ -30,10 +30,11 @@ import httpx
 
 from datagen.errors import BadRequestError, DatagenError, ServerError
 from datagen.states import EngineChoice, FinishType
-from workers.engines.base import GenerateResult, KvSignals, ServerFacts, is_int
+from workers.engines.base import CaptureReply, GenerateResult, KvSignals, ServerFacts, is_int
 from workers.engines.http import DEFAULT_CONTROL_TIMEOUT_S, PooledClient
 from workers.engines.vllm_replies import (
     abort_error,
+    parse_capture_response,
     parse_completion_response,
     parse_kv_signals,
     status_error,
@@ -46,6 +47,7 @@ logger = logging.getLogger(__name__)
 COMPLETIONS_PATH = "/v1/completions"
 MODELS_PATH = "/v1/models"
 METRICS_PATH = "/metrics"
+VERSION_PATH = "/version"
 
 # The project's sampling names (SGLang's, :class:`datagen.spec.SamplingParams`) that vLLM's
 # CompletionRequest spells the same; the others are translated in :func:`vllm_request`.
@@ -135,6 +137,38 @@ class VllmClient(PooledClient):
             result.completion_tokens,
         )
         return result
+
+    async def capture(
+        self, input_ids: Sequence[int], *, rid: str, read_timeout_s: float | None = None
+    ) -> CaptureReply:
+        """One prefill of exactly ``input_ids`` on a server launched with ``extract_hidden_states``:
+        ``max_tokens: 1`` (the sampled token is never an input, so nothing past the ids is
+        captured), greedy, the echo asked for and checked (`parse_capture_response`)."""
+        what = f"POST {COMPLETIONS_PATH} capture {rid!r}"
+        body: dict[str, object] = {"prompt": list(input_ids)}
+        if self.served_model is not None:
+            body["model"] = self.served_model
+        body.update(
+            {
+                "max_tokens": 1,
+                "temperature": 0.0,
+                "n": 1,
+                "return_token_ids": True,
+                "stream": False,
+                "request_id": rid,
+            }
+        )
+        timeout = self.timeouts.to_httpx(read_s=read_timeout_s)
+        response = await self._send("POST", COMPLETIONS_PATH, what=what, phase_timeouts=timeout, body=body)
+        if response.status_code != 200:
+            raise self._status_error(response, what=what)
+        return parse_capture_response(self._json(response, what=what), input_ids, rid=rid, server=self._label)
+
+    async def engine_version(self) -> str | None:
+        """``GET /version``'s ``version``; None when it does not say."""
+        body = await self._get_object(VERSION_PATH, timeout_s=DEFAULT_CONTROL_TIMEOUT_S)
+        version = body.get("version")
+        return version if isinstance(version, str) else None
 
     async def facts(self) -> ServerFacts:
         """``/v1/models``' first card: ``max_model_len`` (always the length in use) and ``root``,

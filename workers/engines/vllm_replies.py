@@ -6,20 +6,46 @@ controller reads, and error statuses turned into the project's errors. Pure func
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import httpx
 
 from datagen.errors import (
+    ConfigError,
     DatagenError,
     GenerationAbortedError,
     ServerError,
 )
 from datagen.states import FinishType
-from workers.engines.base import Finish, GenerateResult, KvSignals, classify_status, error_message, is_int
+from workers.engines.base import (
+    CaptureReply,
+    Finish,
+    GenerateResult,
+    KvSignals,
+    classify_status,
+    error_message,
+    is_int,
+)
 from workers.engines.kv_metrics import KvMetricNames, read_kv_signals
 
-__all__ = ["KV_METRICS", "abort_error", "parse_completion_response", "parse_kv_signals", "status_error"]
+__all__ = [
+    "CAPTURE_LAUNCH_HINT",
+    "KV_METRICS",
+    "abort_error",
+    "parse_capture_response",
+    "parse_completion_response",
+    "parse_kv_signals",
+    "status_error",
+]
+
+# What a vLLM server needs to capture hidden states (vLLM 0.33.0, the flags speculators' launcher
+# builds; docs/features.md has them whole).
+CAPTURE_LAUNCH_HINT = (
+    'start vLLM with --speculative-config \'{"method": "extract_hidden_states", "num_speculative_tokens": 1, '
+    '"draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": [LAYERS]}}}\' and '
+    '--kv-transfer-config \'{"kv_connector": "ExampleHiddenStatesConnector", "kv_role": "kv_producer", '
+    '"kv_connector_extra_config": {"shared_storage_path": "DIR"}}\''
+)
 
 logger = logging.getLogger(__name__)
 
@@ -136,3 +162,29 @@ def parse_kv_signals(text: str) -> KvSignals:
     """The KV controller's inputs from vLLM's ``/metrics`` page (:data:`KV_METRICS`); ranks are
     told apart by its ``engine`` label."""
     return read_kv_signals(text, KV_METRICS)
+
+
+def parse_capture_response(body: object, sent_ids: Sequence[int], *, rid: str, server: str) -> CaptureReply:
+    """A capture's answer: the file it names, once the echoed prompt equals the ids sent (a server
+    that tokenized or clipped them would store other positions' hidden states)."""
+    choice = _choice(body)
+    assert isinstance(body, dict)
+    echo = choice.get("prompt_token_ids")
+    if not isinstance(echo, list) or not all(is_int(t) for t in echo):
+        raise ServerError(
+            f"capture {rid!r} on {server}: the reply has no prompt_token_ids; vLLM before 0.10.2 ignores "
+            "return_token_ids. Upgrade vLLM"
+        )
+    if echo != list(sent_ids):
+        raise ServerError(
+            f"capture {rid!r} on {server}: the server's prompt ({len(echo)} ids) is not the "
+            f"{len(sent_ids)} ids sent"
+        )
+    params = body.get("kv_transfer_params")
+    path = params.get("hidden_states_path") if isinstance(params, dict) else None
+    if not isinstance(path, str) or not path:
+        raise ConfigError(
+            f"vLLM server {server} answers without kv_transfer_params.hidden_states_path: "
+            f"{CAPTURE_LAUNCH_HINT}"
+        )
+    return CaptureReply(rid=rid, hidden_states_path=path, prompt_tokens=len(echo))

@@ -18,7 +18,9 @@ published as ``refused`` with the reason, until a later probe passes.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
+from collections.abc import Awaitable, Callable
 
 from redis import Redis, RedisError
 
@@ -27,7 +29,12 @@ from datagen.control.keys import Keys
 from datagen.control.servers import ServerInfo, live_servers, publish_server
 from datagen.errors import ConfigError, DatagenError, PreflightError, RequestTimeoutError, RetryableError
 from datagen.prompts.preflight import check_server_joins
+from datagen.states import ServerRole
 from workers.fleet.servers import Fleet, Server
+
+# A capture server's probe (`workers.run.capture`): None once it captured and its file's shape is
+# learnt, else why the worker keeps off the server.
+CaptureProbe = Callable[[Server], Awaitable[str | None]]
 
 __all__ = ["API_KEY_HINT", "HealthProbe"]
 
@@ -51,7 +58,9 @@ class HealthProbe:
         interval_s: float,
         timeout_s: float,
         timeouts_to_down: int,
+        capture_probe: CaptureProbe | None = None,
     ) -> None:
+        self.capture_probe = capture_probe
         self.redis = redis
         self.keys = keys
         self.fleet = fleet
@@ -116,9 +125,18 @@ class HealthProbe:
             model_path=server.model_path,
             weight_version=server.weight_version,
             seen_at_ms=now_ms(),
+            role=None if server.role is ServerRole.GENERATE else server.role.value,
         )
         self._publish(server, learnt)
         reason = self._refusal(server)
+        if reason is None and server.role is ServerRole.CAPTURE:
+            # Every time it comes up: a restarted server may have been launched with other layers.
+            server.capture = None
+            reason = await self.capture_probe(server) if self.capture_probe is not None else None
+            if reason is None and server.capture is not None:
+                self._publish(
+                    server, learnt.model_copy(update={"capture": dataclasses.asdict(server.capture)})
+                )
         if reason is not None:
             await self.fleet.refuse(server, reason)
             return False

@@ -23,7 +23,7 @@ import random
 import re
 import time
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, cast
 from urllib.parse import urlsplit
@@ -31,12 +31,12 @@ from urllib.parse import urlsplit
 from pydantic import SecretStr
 
 from datagen.errors import ConfigError
-from datagen.states import EngineChoice, PromptClass, ServerState
+from datagen.states import EngineChoice, PromptClass, ServerRole, ServerState
 from workers.engines.base import Engine
 from workers.engines.urls import default_name, engine_prefix, shown_url, url_secret
 from workers.metrics import WorkerMetrics
 
-__all__ = ["Fleet", "Server", "ServerSpec", "with_api_keys"]
+__all__ = ["CAPTURE_CLASS", "CaptureShape", "Fleet", "Server", "ServerSpec", "with_api_keys"]
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +50,19 @@ SPEED_EWMA_ALPHA = 0.1
 # Servers whose seconds per token are within this factor of the fastest's count as equally fast
 # (chosen among by free slots): measurement noise must not pile everything on one server.
 SAME_SPEED_FACTOR = 1.15
+# A capture server's slots are one pool: captures take this class's, and the other class has none.
+CAPTURE_CLASS = PromptClass.SHORT
+
+
+@dataclass(frozen=True)
+class CaptureShape:
+    """What a capture server writes, read from the file of its start-up probe: layers per token,
+    hidden size and the stored dtype (``BF16``, ``F16``, ``F8_E4M3``)."""
+
+    layers: int
+    hidden_size: int
+    dtype: str
+    engine_version: str | None = None
 
 
 @dataclass(eq=False)
@@ -71,6 +84,9 @@ class Server:
     was_up: bool = False
     factor: float = 1.0
     share: int = 1
+    role: ServerRole = ServerRole.GENERATE
+    # A capture server's shape, learnt by its probe (None before, and on generation servers).
+    capture: CaptureShape | None = None
     limits: dict[PromptClass, int] = field(init=False)
     # Measured speed: EWMAs of a successful request's wall seconds and output tokens (None until
     # the first one). Their ratio is the server's seconds per output token under its recent load.
@@ -140,9 +156,13 @@ class Server:
 
 class Fleet:
     def __init__(self, servers: list[Server], metrics: WorkerMetrics) -> None:
-        if not servers:
+        if not any(s.role is ServerRole.GENERATE for s in servers):
             raise ValueError("a worker needs at least one server")
+        # Every server: health, publishing, pause and the KV controller treat both roles alike.
         self.servers = servers
+        # Where prompts generate; capture servers only take `acquire(role=CAPTURE)`.
+        self.generators = [s for s in servers if s.role is ServerRole.GENERATE]
+        self.capturers = [s for s in servers if s.role is ServerRole.CAPTURE]
         self.metrics = metrics
         self._changed = asyncio.Condition()
         self._sticky: OrderedDict[str, Server] = OrderedDict()
@@ -151,21 +171,24 @@ class Fleet:
 
     def capacity(self, cls: PromptClass) -> int:
         """Slots of the servers taking requests; what one worker may have in flight for ``cls``."""
-        return sum(s.limits[cls] for s in self.servers if s.accepting)
+        return sum(s.limits[cls] for s in self.generators if s.accepting)
 
-    def free_slots(self, cls: PromptClass) -> int:
-        return sum(s.free(cls) for s in self.servers)
+    def free_slots(self, cls: PromptClass, role: ServerRole = ServerRole.GENERATE) -> int:
+        return sum(s.free(cls) for s in self._of(role))
+
+    def _of(self, role: ServerRole) -> list[Server]:
+        return self.generators if role is ServerRole.GENERATE else self.capturers
 
     def typical_latency_s(self) -> float | None:
         """The shortest measured wall time of a request (EWMA) among the servers taking requests;
         None before any has answered."""
-        measured = [v for s in self.servers if s.accepting and (v := s.latency_ewma_s) is not None]
+        measured = [v for s in self.generators if s.accepting and (v := s.latency_ewma_s) is not None]
         return min(measured) if measured else None
 
     def mixed_speeds(self) -> bool:
         """Whether a server taking requests is measured clearly slower than the fastest: the only
         case where :meth:`held_back` can hold anything (so the backlog it needs is read only then)."""
-        speeds = [v for s in self.servers if s.accepting and (v := s.s_per_token) is not None]
+        speeds = [v for s in self.generators if s.accepting and (v := s.s_per_token) is not None]
         return len(speeds) >= 2 and max(speeds) > min(speeds) * SAME_SPEED_FACTOR
 
     def held_back(self, cls: PromptClass, backlog: int) -> list[Server]:
@@ -181,7 +204,7 @@ class Fleet:
         S's slots count again as soon as the backlog is larger (a new job) or the faster servers
         stop taking requests.
         """
-        measured = [s for s in self.servers if s.accepting and s.s_per_token is not None]
+        measured = [s for s in self.generators if s.accepting and s.s_per_token is not None]
         tokens = [s.tokens_ewma for s in measured if s.tokens_ewma]
         if len(measured) < 2 or not tokens:
             return []
@@ -201,7 +224,13 @@ class Fleet:
         return held
 
     async def acquire(
-        self, cls: PromptClass, *, affinity: str | None = None, avoid: frozenset[str] = frozenset()
+        self,
+        cls: PromptClass,
+        *,
+        affinity: str | None = None,
+        avoid: frozenset[str] = frozenset(),
+        role: ServerRole = ServerRole.GENERATE,
+        fits: Callable[[Server], bool] | None = None,
     ) -> Server:
         """A slot on the fastest server with room (least loaded among equally fast ones).
 
@@ -212,6 +241,8 @@ class Fleet:
         With ``affinity`` (the samples of one prompt), the server that took the first request of
         that key is preferred: the request waits up to ``AFFINITY_WAIT_S`` for a slot there, so
         the server's prefix cache serves every sample, and then goes wherever there is room.
+
+        ``role`` CAPTURE takes a capture server's slot instead, among those ``fits`` accepts.
         """
         deadline = time.monotonic() + AFFINITY_WAIT_S
         async with self._changed:
@@ -225,8 +256,8 @@ class Fleet:
                 waiting_for_preferred = (
                     preferred is not None and preferred.accepting and time.monotonic() < deadline
                 )
-                if not waiting_for_preferred and self.free_slots(cls) > 0:
-                    server = self._pick(cls, avoid)
+                if not waiting_for_preferred and (picked := self._pick(cls, avoid, role, fits)) is not None:
+                    server = picked
                     break
                 timeout_s = max(0.0, deadline - time.monotonic()) if waiting_for_preferred else None
                 with contextlib.suppress(TimeoutError):
@@ -246,8 +277,16 @@ class Fleet:
         self.metrics.in_flight.labels(server.name, cls.value).inc()
         return True
 
-    def _pick(self, cls: PromptClass, avoid: frozenset[str]) -> Server:
-        with_room = [s for s in self.servers if s.free(cls) > 0]
+    def _pick(
+        self,
+        cls: PromptClass,
+        avoid: frozenset[str],
+        role: ServerRole = ServerRole.GENERATE,
+        fits: Callable[[Server], bool] | None = None,
+    ) -> Server | None:
+        with_room = [s for s in self._of(role) if s.free(cls) > 0 and (fits is None or fits(s))]
+        if not with_room:
+            return None
         pool = [s for s in with_room if s.name not in avoid] or with_room
         measured = [v for s in pool if (v := s.s_per_token) is not None]
         if measured:

@@ -200,7 +200,7 @@ class Backups:
     def _launch(self, cls: PromptClass, *, overdue_only: bool = False) -> None:
         # A backup runs on another server than its primary: with one server there is none, and
         # sorting every running request at each freed slot of the tail would be spent for nothing.
-        if self.is_paused(cls) or len(self.fleet.servers) < 2:
+        if self.is_paused(cls) or len(self.fleet.generators) < 2:
             return
         pool = self._overdue[cls] if overdue_only else self._running[cls]
         if not pool:
@@ -216,7 +216,7 @@ class Backups:
     def _target(self, straggler: Straggler, cls: PromptClass) -> Server | None:
         """The fastest free server on which a backup could still finish first, or None."""
         best: Server | None = None
-        for server in self.fleet.servers:
+        for server in self.fleet.generators:
             speed = server.s_per_token
             if (
                 server is straggler.server

@@ -21,7 +21,7 @@ import logging
 import random
 import time
 from collections.abc import Callable, Coroutine
-from typing import Any
+from typing import Any, TypeVar
 
 from rq.job import Job
 
@@ -40,9 +40,11 @@ from workers.run.backup import Backups, Straggler
 from workers.run.jobinfo import JobInfos
 from workers.run.redisretry import while_redis_down
 
-__all__ = ["Generator", "max_new_tokens"]
+__all__ = ["Generator", "max_new_tokens", "unless_lost"]
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 # A prompt may wait out server outages without using attempts, but not forever: a server that
 # answers /health yet drops every request would otherwise loop.
@@ -183,7 +185,7 @@ class Generator:
             request = server.client.generate(
                 payload.prompt_ids, params, rid=rid, read_timeout_s=read_timeout_s
             )
-            result = await _unless_lost(server, request)
+            result = await unless_lost(server, request)
         except RetryableError:
             self.metrics.requests.labels(*labels, "retryable").inc()
             raise
@@ -239,7 +241,7 @@ class Generator:
         )
 
 
-async def _unless_lost(server: Server, request: Coroutine[Any, Any, GenerateResult]) -> GenerateResult:
+async def unless_lost(server: Server, request: Coroutine[Any, Any, T]) -> T:
     """``request``'s answer, unless a probe finds ``server`` hung or unreachable first: then the
     request is cancelled (its connection closed) and the prompt goes elsewhere with no attempt
     charged, instead of waiting for the read timeout."""

@@ -2,7 +2,8 @@
 then record how it ended (:mod:`workers.run.finish`) even through a Redis outage. Its conversation's
 next turn (multi-turn ``all``) is built between the generation and the commit, and written into the
 record, so storage holds it with the turn; a next turn that cannot be built ends the conversation,
-never the prompt, and a prompt whose record is committed is never failed.
+never the prompt, and a prompt whose record is committed is never failed. A job with features has the
+record's hidden states captured and stored before its commit (`workers.run.capture`).
 
 A task cancelled because its job was cancelled with abort finishes as cancelled; one cancelled for
 any other reason (a hard stop) hands its prompt back to the queue.
@@ -21,6 +22,7 @@ from datagen.errors import FatalError, JobNotFoundError
 from datagen.states import PromptClass
 from workers.claim.admission import Slots
 from workers.claim.rqbridge import InFlight, QueueIdentity
+from workers.run.capture import Capturer
 from workers.run.finish import Finisher, is_final
 from workers.run.generate import Generator
 from workers.run.redisretry import while_redis_down
@@ -33,8 +35,15 @@ log = logging.getLogger(__name__)
 
 class PromptRunner:
     def __init__(
-        self, slots: Slots, jobs: JobStore, generator: Generator, writer: RecordWriter, finisher: Finisher
+        self,
+        slots: Slots,
+        jobs: JobStore,
+        generator: Generator,
+        writer: RecordWriter,
+        finisher: Finisher,
+        capturer: Capturer | None = None,
     ) -> None:
+        self.capturer = capturer
         self.slots = slots
         self.jobs = jobs
         self.generator = generator
@@ -78,6 +87,12 @@ class PromptRunner:
                 self.slots.release(cls, job_id or "")
             # Multi-turn ``all``: what follows the turn goes into its record, committed with it.
             record, following = await finisher.following_turn(payload, record)
+            features = self.generator.job_infos.get(payload.job, payload.incarnation).spec.features
+            if features is not None:
+                # Before the commit: a committed record's features are stored (`workers.run.capture`).
+                if self.capturer is None:
+                    raise FatalError(f"job {payload.job} asks for features but this worker cannot capture")
+                record = await self.capturer.capture(record, features, rq_id=item.job.id)
             await self.writer.commit(record, payload.incarnation)
         except JobNotFoundError:
             # Its job was deleted (or the id reused) while it ran: nothing of it is stored or counted.
