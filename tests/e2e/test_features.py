@@ -17,6 +17,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from datagen.prompts.tokenization import bundled_tokenizer_path
+from datagen_cli.local.redis_server import free_port
 from simulator.capture_values import hidden_states
 from tests.support.e2e import (
     FAST_STACK_ENV,
@@ -338,3 +340,41 @@ def test_consume_refuses_what_is_no_feature_file(stack: ProcessStack) -> None:
         f"{stack.coordinator}/jobs/nosuchjob/features/consume", json={"files": []}, timeout=5
     )
     assert missing.status_code == 404
+
+
+def test_a_capture_server_restart_loses_and_duplicates_nothing(stack: ProcessStack, tmp_path: Path) -> None:
+    capture_dir = tmp_path / "capture"
+    capture_dir.mkdir()
+    gen = stack.spawn_sim("gen", "--time-scale", "0.01")
+    port = free_port()
+    cap_args = (
+        *("sim", "--port", str(port), "--tokenizer", bundled_tokenizer_path(), "--api", "vllm"),
+        *("--time-scale", "0.01", "--capture-dir", str(capture_dir), "--capture-write-delay-ms", "100"),
+        *("--capture-layers", ",".join(map(str, LAYERS)), "--capture-num-layers", "9"),
+        *("--capture-hidden-size", str(HIDDEN)),
+    )
+    cap = f"http://127.0.0.1:{port}"
+    server = stack.spawn("cap", *cap_args)
+    stack.wait_http(f"{cap}/health")
+    _worker(stack, "worker", gen, cap, capture_dir, env={"DATAGEN_CAPTURE_ORPHAN_AGE_S": "1"})
+    job_id = submit_job(stack, "restarted", 40, "--features-layers", JOB_LAYERS)
+    wait_until(lambda: get_job(stack, job_id)["done"] >= 5, 60, "some records", on_timeout=stack.logs)
+
+    # Killed with captures in flight (files promised, locks held): the restarted server writes none
+    # of them, so those tries fail and are sent again.
+    server.send_signal(signal.SIGKILL)
+    server.wait(10)
+    time.sleep(1.0)
+    stack.spawn("cap", *cap_args)  # the same name replaces the killed process
+    stack.wait_http(f"{cap}/health")
+    _completed(stack, job_id, timeout_s=180)
+
+    assert len(_records_by_key(stack, job_id)) == 40
+    assert all(r["features_file"] for r in job_records(stack, job_id))
+    out = tmp_path / "export"
+    _export(stack, job_id, out)
+    assert _check_export(out, "bf16") == 40
+    # The killed server's locks are swept by age.
+    assert wait_until(
+        lambda: _left_in(capture_dir) == [], 30, "the capture directory to empty", on_timeout=stack.logs
+    )

@@ -26,6 +26,7 @@ import asyncio
 import dataclasses
 import functools
 import logging
+import random
 import secrets
 import time
 from pathlib import Path
@@ -35,6 +36,7 @@ from datagen.errors import (
     CaptureFileError,
     CaptureMismatchError,
     ConfigError,
+    DatagenError,
     FatalError,
     JobNotFoundError,
     RetryableError,
@@ -51,7 +53,7 @@ from datagen.states import ServerRole
 from workers.engines.base import HiddenStateCapture
 from workers.fleet.servers import CAPTURE_CLASS, CaptureShape, Fleet, Server
 from workers.metrics import WorkerMetrics
-from workers.run.generate import unless_lost
+from workers.run.generate import SERVER_FAULT_TRIES_PER_ATTEMPT, unless_lost
 from workers.run.redisretry import while_redis_down
 
 __all__ = ["Capturer"]
@@ -63,6 +65,8 @@ FP8_FILE_DTYPE = "F8_E4M3"
 PROBE_IDS = (0, 1, 2, 3)
 SPOOL_DIR = ".datagen-spool"
 SWEEP_INTERVAL_S = 30.0
+# What a record keeps of the last failure of a capture that gave up.
+MAX_ERROR_CHARS = 1000
 # How often a capture waiting for its job's features budget (a pull to consume) looks again.
 BUDGET_POLL_S = 1.0
 
@@ -188,10 +192,14 @@ class Capturer:
                 await self._add_retained(record.job_id, -reserved)
 
     async def _tries(self, record: Record, features: FeaturesSpec, *, rq_id: str) -> Record:
+        """Tries as a prompt's generation has them (`workers.run.generate`): a server fault (down,
+        unreachable) sends the capture elsewhere, or waits for the server's return, without charging
+        an attempt; any other failure charges one and keeps the capture off that server."""
         ids = record.input_ids
         failed_on: set[str] = set()
-        last_error = ""
-        for attempt in range(1, self.settings.max_attempts + 1):
+        attempts = tries = 0
+        while True:
+            tries += 1
             await self._under_cap()
             server = await self.fleet.acquire(
                 CAPTURE_CLASS,
@@ -200,30 +208,35 @@ class Capturer:
                 fits=lambda s: self._fits(s, len(ids), features),
             )
             try:
-                stored = await self._once(server, record, features, rid=f"{rq_id}.c{attempt}.{self.tag}")
+                stored = await self._once(server, record, features, rid=f"{rq_id}.c{tries}.{self.tag}")
             except RetryableError as exc:
-                last_error = str(exc)
-                self.metrics.captures.labels(server.name, "retried").inc()
-                if not exc.server_fault:
+                error: DatagenError = exc
+                if exc.server_fault:
+                    await self.fleet.mark_down(server, str(exc))
+                else:
+                    attempts += 1
                     failed_on.add(server.name)
-                log.info(
-                    "capture of %s failed (try %d of %d): %s", rq_id, attempt, self.settings.max_attempts, exc
-                )
-                continue
             except (ConfigError, CaptureMismatchError) as exc:
                 # It answers without a file, or writes other layers or another dtype than its probe
                 # learnt: restarted with other flags. Its next probe learns what it does now.
                 await self.fleet.refuse(server, str(exc))
-                last_error = str(exc)
-                continue
-            self.metrics.captures.labels(server.name, "stored").inc()
-            self.metrics.captured_tokens.labels(server.name).inc(len(ids))
-            self.metrics.feature_bytes.labels(server.name).inc(stored.features_bytes or 0)
-            return stored
-        self.metrics.captures.labels("", "gave_up").inc()
-        return dataclasses.replace(
-            record, features_error=f"capture failed {self.settings.max_attempts} times: {last_error}"[:1000]
-        )
+                error = exc
+                attempts += 1
+            else:
+                self.metrics.captures.labels(server.name, "stored").inc()
+                self.metrics.captured_tokens.labels(server.name).inc(len(ids))
+                self.metrics.feature_bytes.labels(server.name).inc(stored.features_bytes or 0)
+                return stored
+            self.metrics.captures.labels(server.name, "retried").inc()
+            limit = self.settings.max_attempts
+            log.info("capture of %s failed (attempt %d of %d): %s", rq_id, attempts + 1, limit, error)
+            if attempts >= limit or tries >= limit * SERVER_FAULT_TRIES_PER_ATTEMPT:
+                self.metrics.captures.labels(server.name, "gave_up").inc()
+                return dataclasses.replace(
+                    record, features_error=f"capture failed after {tries} tries: {error}"[:MAX_ERROR_CHARS]
+                )
+            ceiling = min(self.settings.retry_max_s, self.settings.retry_base_s * 2 ** (tries - 1))
+            await asyncio.sleep(random.uniform(ceiling / 2, ceiling))
 
     async def _once(self, server: Server, record: Record, features: FeaturesSpec, *, rid: str) -> Record:
         """One try on ``server``: the record naming its stored file, or a RetryableError."""
