@@ -8,7 +8,8 @@ scraped by the ``vllm`` job as simC and once more, as simC-underscore, stored as
 Faults are planted so the error panels have something to show: 503s and 500s on one simulator (the
 worker gives a prompt one attempt, so 500s fail prompts), a small KV pool with a low admission
 reserve on the second (retractions) and a small KV pool on the vLLM one (preemptions), and a
-``max_new_tokens`` small enough to truncate generations.
+``max_new_tokens`` small enough to truncate generations. A fourth simulator (vLLM, not scraped)
+captures hidden states for a small job with features, so the capture panels have data.
 
 While the job runs, every query of every panel, with its variables filled in from Prometheus's
 label values, must answer, with finite values; rate panels must show something above zero. A
@@ -65,12 +66,16 @@ VLLM_SERVERS = ("simC", "simC-underscore")  # one vLLM simulator, stored in both
 MUST_SHOW = {"sglang[:_]": ("simB",), "vllm[:_]": VLLM_SERVERS}
 JOB_BUDGET_S = 100
 MIN_ROUNDS = 3
+# The job with features beside the main one: a few prompts, their hidden states captured on simCap.
+FEATURES_PROMPTS = 40
+FEATURES_LAYERS = "2,16,29,32"  # the simulator's default layers (32 layers)
 # Panels counting events this test does not cause: they must answer, but may answer zero.
 MAY_STAY_ZERO = {
     "Dead workers' prompts handed back": "no worker dies here (tests/e2e/test_lifecycle.py)",
     "Shard commit errors": "storage does not fail here",
     "Conversations stopped before their last turn": "no multi-turn all job runs here "
     "(tests/workers/test_conversation_tools.py)",
+    "Capture orphans removed": "no capture is given up here (tests/e2e/test_features.py)",
 }
 
 
@@ -247,6 +252,13 @@ def _spawn_processes(stack: ProcessStack, ports: dict[str, int], tokenizer: str)
         # vLLM reserves no room for output at admission, so decode overflows the pool (preemptions).
         *("--kv-tokens", KV_TOKENS, "--context-len", VLLM_CONTEXT_LEN, "--reserve-fraction", "0"),
     )
+    capture_dir = stack.tmp / "capture"
+    capture_dir.mkdir()
+    stack.spawn(
+        "simCap",
+        *sim,
+        *("--api", "vllm", "--port", str(ports["simCap"]), "--capture-dir", str(capture_dir)),
+    )
     stack.spawn("coordinator", "coordinator", "--port", str(ports["coordinator"]))
     stack.spawn(
         "worker",
@@ -255,6 +267,8 @@ def _spawn_processes(stack: ProcessStack, ports: dict[str, int], tokenizer: str)
         *("--server", f"simB=http://127.0.0.1:{ports['simB']}"),
         # The worker asks the server for its engine (--engine auto).
         *("--server", f"simC=http://127.0.0.1:{ports['simC']}"),
+        *("--capture-server", f"simCap=http://127.0.0.1:{ports['simCap']}"),
+        *("--capture-dir", str(capture_dir)),
         *("--metrics-port", str(ports["worker"])),
         *("--short-concurrency", "32", "--long-concurrency", "8"),
     )
@@ -262,6 +276,7 @@ def _spawn_processes(stack: ProcessStack, ports: dict[str, int], tokenizer: str)
         ("simA", "/health"),
         ("simB", "/health"),
         ("simC", "/health"),
+        ("simCap", "/health"),
         ("coordinator", "/healthz"),
         ("worker", "/metrics"),
     ):
@@ -293,6 +308,20 @@ def _submit(stack: ProcessStack, coordinator: str, tokenizer: str) -> str:
     )
     assert result.returncode == 0, f"{result.stdout}\n{result.stderr}\n{stack.logs()}"
     return result.stdout.strip().splitlines()[0]
+
+
+def _submit_features(stack: ProcessStack, coordinator: str, tokenizer: str) -> None:
+    """A small job with features, for the capture panels (submitted once the capture server is up)."""
+    stack.wait_server_up(coordinator, "simCap")
+    dataset = stack.tmp / "features.jsonl"
+    rows = [{"id": f"f{i}", "messages": [{"role": "user", "content": f"Feature {i}"}]} for i in range(FEATURES_PROMPTS)]
+    dataset.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    result = stack.cli(
+        *("submit", str(dataset), "--coordinator", coordinator, "--tokenizer", tokenizer),
+        *("--chat-template", str(default_chat_template_path()), "--seed", "7", "--job-id", "features"),
+        *("--short-max-new-tokens", str(SHORT_MAX_NEW), "--features-layers", FEATURES_LAYERS),
+    )
+    assert result.returncode == 0, f"{result.stdout}\n{result.stderr}\n{stack.logs()}"
 
 
 def _job_state(coordinator: str, job_id: str) -> str:
@@ -327,7 +356,7 @@ def observed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Observed]:
     boards = load_dashboards()
     queries = [q for name, board in boards.items() for q in panel_queries(name, board)]
     tokenizer = bundled_tokenizer_path()
-    ports = {name: free_port() for name in ("simA", "simB", "simC", "coordinator", "worker")}
+    ports = {name: free_port() for name in ("simA", "simB", "simC", "simCap", "coordinator", "worker")}
     coordinator = f"http://127.0.0.1:{ports['coordinator']}"
     with LocalRedis() as redis_server:
         env = {
@@ -356,6 +385,7 @@ def observed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Observed]:
             with Prometheus(tmp, config) as prom:
                 _wait_targets_up(prom, expected=6)
                 job_id = _submit(stack, coordinator, tokenizer)
+                _submit_features(stack, coordinator, tokenizer)
                 seen, state = _watch(prom, boards, queries, lambda: _job_state(coordinator, job_id))
                 yield Observed(
                     seen=seen,

@@ -378,3 +378,40 @@ def test_a_capture_server_restart_loses_and_duplicates_nothing(stack: ProcessSta
     assert wait_until(
         lambda: _left_in(capture_dir) == [], 30, "the capture directory to empty", on_timeout=stack.logs
     )
+
+
+def _refusal(stack: ProcessStack, name: str) -> str:
+    def refused() -> str | None:
+        servers = httpx.get(f"{stack.coordinator}/servers", timeout=5).json()["servers"]
+        entry = next((s for s in servers if s["name"] == name), None)
+        if not entry or entry["state"] != "refused":
+            return None
+        # One reason per worker that refused it.
+        return " ".join(entry["refused"].values())
+
+    return wait_until(refused, 60, f"server {name} to be refused", on_timeout=stack.logs)
+
+
+def test_a_capture_server_that_cannot_capture_is_refused_with_what_to_fix(
+    stack: ProcessStack, tmp_path: Path
+) -> None:
+    capture_dir = tmp_path / "capture"
+    capture_dir.mkdir()
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    gen = stack.spawn_sim("gen", "--time-scale", "0.01")
+    plain = stack.spawn_sim("plain", "--api", "vllm", "--time-scale", "0.01")
+    moved = _capture_sim(stack, elsewhere, name="moved")
+    options = ("--capture-server", f"plain={plain}", "--capture-server", f"moved={moved}")
+    start_worker(stack, "worker", f"gen={gen}", *options, "--capture-dir", str(capture_dir))
+
+    # A vLLM server launched without capture: the flags it lacks.
+    plain_reason = _refusal(stack, "plain")
+    assert "--speculative-config" in plain_reason and "extract_hidden_states" in plain_reason
+    assert "--kv-transfer-config" in plain_reason
+    # A server writing into another folder than --capture-dir: the directory to give.
+    moved_reason = _refusal(stack, "moved")
+    assert "not in --capture-dir" in moved_reason and "shared_storage_path" in moved_reason
+    # With no capture server accepted, a job with features is refused at submit.
+    result = submit_job_result(stack, "refused", 2, "--features-layers", JOB_LAYERS)
+    assert result.returncode != 0 and "capture server" in result.stderr, result.stderr

@@ -39,7 +39,7 @@ __all__ = [
 ]
 
 # What a vLLM server needs to capture hidden states (vLLM 0.33.0, the flags speculators' launcher
-# builds; docs/features.md has them whole).
+# builds; docs/user/features.md has them whole).
 CAPTURE_LAUNCH_HINT = (
     'start vLLM with --speculative-config \'{"method": "extract_hidden_states", "num_speculative_tokens": 1, '
     '"draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": [LAYERS]}}}\' and '

@@ -43,7 +43,7 @@ from datagen.errors import (
 )
 from datagen.features.capture_dir import CaptureDir
 from datagen.features.capture_file import check_and_store
-from datagen.features.locks import wait_for_write
+from datagen.features.locks import lock_path, wait_for_write
 from datagen.features.safetensors_file import read_header
 from datagen.records.schema import Record
 from datagen.records.storage import Storage
@@ -108,10 +108,6 @@ class Capturer:
         self._room = asyncio.Event()
         self._room.set()
 
-    @property
-    def enabled(self) -> bool:
-        return self.dir is not None and bool(self.fleet.capturers)
-
     # The start-up probe -------------------------------------------------------------------------
     async def probe(self, server: Server) -> str | None:
         """Prove ``server`` captures into the capture directory and learn what its files hold
@@ -120,7 +116,7 @@ class Capturer:
         if not isinstance(client, HiddenStateCapture):
             return (
                 f"capture server {server.name} is not a vLLM server ({client.engine.value}); capture "
-                "needs vLLM launched with extract_hidden_states (docs/features.md)"
+                "needs vLLM launched with extract_hidden_states (docs/user/features.md)"
             )
         if self.dir is None:
             return f"capture server {server.name} needs --capture-dir, the directory its files are written to"
@@ -135,14 +131,14 @@ class Capturer:
         except RetryableError as exc:
             return f"capture server {server.name} failed its probe capture: {exc}"
         try:
-            try:
-                await wait_for_write(file, timeout_s=self.settings.capture_lock_timeout_s)
-            except RetryableError as exc:
+            # The server takes the file's lock before it answers: neither here means another folder.
+            if not lock_path(file).exists() and not file.exists():
                 return (
-                    f"capture server {server.name} named {reply.hidden_states_path}, which is not in "
-                    f"--capture-dir {self.dir.root} ({exc}); give the directory of its "
+                    f"capture server {server.name} writes {reply.hidden_states_path}, which is not in "
+                    f"--capture-dir {self.dir.root}; give the directory of its "
                     "kv_connector_extra_config.shared_storage_path as this node sees it"
                 )
+            await wait_for_write(file, timeout_s=self.settings.capture_lock_timeout_s)
             shape = await asyncio.to_thread(_shape_of, file)
             shape = dataclasses.replace(shape, engine_version=await client.engine_version())
         except (RetryableError, OSError) as exc:
@@ -169,10 +165,10 @@ class Capturer:
                 "worker of the fleet with --capture-server NAME=URL --capture-dir DIR"
             )
         ids = record.input_ids
-        too_long = self._too_long(len(ids), features)
-        if too_long is not None:
-            self.metrics.captures.labels("", "too_long").inc()
-            return dataclasses.replace(record, features_error=too_long)
+        unfit = self._unfit(len(ids), features)
+        if unfit is not None:
+            self.metrics.captures.labels("", "unfit").inc()
+            return dataclasses.replace(record, features_error=unfit)
         self.pending += 1
         reserved = 0
         try:
@@ -333,12 +329,24 @@ class Capturer:
         # max_tokens 1: the sequence and one sampled token must fit the context.
         return server.context_len is None or length + 1 <= server.context_len
 
-    def _too_long(self, length: int, features: FeaturesSpec) -> str | None:
-        """Why no capture server will ever take a sequence this long (known shapes only), else None."""
-        shaped = [s for s in self.fleet.capturers if s.capture is not None and s.context_len is not None]
-        if not shaped or any(s.context_len is None or length + 1 <= s.context_len for s in shaped):
+    def _unfit(self, length: int, features: FeaturesSpec) -> str | None:
+        """Why no capture server of this worker will ever take this capture, from what their probes
+        learnt (servers not probed yet may still fit: then None, and the capture waits for one)."""
+        shaped = [s for s in self.fleet.capturers if s.capture is not None]
+        if not shaped or len(shaped) < len(self.fleet.capturers):
             return None
-        longest = max(s.context_len or 0 for s in shaped)
+        right = [s for s in shaped if self._fits(s, 0, features)]
+        if not right:
+            seen = ", ".join(
+                f"{s.name} {s.capture.layers} layers {s.capture.dtype}" for s in shaped if s.capture
+            )
+            return (
+                f"no capture server writes {len(features.layers)} layers in a dtype a {features.dtype.value} "
+                f"job can store ({seen})"
+            )
+        if any(self._fits(s, length, features) for s in right):
+            return None
+        longest = max(s.context_len or 0 for s in right)
         return (
             f"the sequence has {length} tokens; the longest capture server context is {longest} "
             "(prompt + 1 sampled token must fit)"
