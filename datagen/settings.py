@@ -285,6 +285,14 @@ class WorkerSettings(CommonSettings):
         ge=0,
         description="no new capture is sent while the capture directory holds more than this (0: no cap)",
     )
+    capture_layers: str = Field(
+        default="",
+        description=(
+            "comma list of the layer ids the capture servers were launched with "
+            "(eagle_aux_hidden_state_layer_ids): vLLM does not report them, so without it only their count "
+            "is checked; with it, a job with other layers is not sent to them"
+        ),
+    )
     capture_concurrency: int = Field(
         default=DEFAULT_CAPTURE_CONCURRENCY,
         ge=1,
@@ -446,6 +454,19 @@ class WorkerSettings(CommonSettings):
     server_api_keys_file: Path | None = Field(
         default=None, description="a file of NAME=KEY lines (`#` comments), as `DATAGEN_SERVER_API_KEYS`"
     )
+
+    def capture_layer_ids(self) -> tuple[int, ...] | None:
+        """``capture_layers`` as vLLM orders them (ascending, once each); None when not declared."""
+        if not self.capture_layers.strip():
+            return None
+        try:
+            ids = {int(part) for part in self.capture_layers.split(",") if part.strip()}
+        except ValueError as exc:
+            raise ConfigError(
+                f"DATAGEN_CAPTURE_LAYERS {self.capture_layers!r}: give comma-separated layer ids, "
+                "e.g. 2,16,29,32"
+            ) from exc
+        return tuple(sorted(ids))
 
     def server_keys(self) -> dict[str, SecretStr]:
         """Per-server API keys from DATAGEN_SERVER_API_KEYS and the lines of DATAGEN_SERVER_API_KEYS_FILE.

@@ -250,6 +250,14 @@ def worker(
             "the worker reads, stores and deletes their files there"
         ),
     ] = None,
+    capture_layers: Annotated[
+        str | None,
+        typer.Option(
+            metavar="<ids>",
+            help="the layer ids the capture servers were launched with, e.g. 2,16,29,32 "
+            "(DATAGEN_CAPTURE_LAYERS); vLLM does not report them, so without it only their count is checked",
+        ),
+    ] = None,
     burst: Annotated[
         bool,
         typer.Option(show_default=False, help="exit when the queues are empty (default: run until stopped)"),
@@ -280,8 +288,10 @@ def worker(
         redis_url=redis_url,
         storage=storage,
         capture_dir=capture_dir,
+        capture_layers=capture_layers,
     )
     settings.require_redis_url()
+    settings.capture_layer_ids()  # a bad list fails here, in one line, not at a probe
     values = list(server or []) or [settings.servers]
     try:
         specs = ServerSpec.parse_many([v for v in values if v])

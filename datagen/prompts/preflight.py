@@ -206,11 +206,11 @@ CAPTURE_START_HINT = (
 )
 
 
-def check_features(spec: JobSpec, servers: Servers) -> None:
-    """A job with features needs a capture server that writes its layer count in a dtype it can
-    store: PreflightError (409) with what to start, before anything is enqueued."""
+def check_features(spec: JobSpec, servers: Servers) -> list[str]:
+    """A job with features needs a capture server that writes its layers in a dtype it can store:
+    PreflightError (409) with what to start, before anything is enqueued; the warnings otherwise."""
     if spec.features is None:
-        return
+        return []
     capturers = {name: info for name, info in servers.items() if info.get("role") == CAPTURE_ROLE}
     if not capturers:
         raise PreflightError(
@@ -222,24 +222,37 @@ def check_features(spec: JobSpec, servers: Servers) -> None:
         name: info["capture"] for name, info in capturers.items() if isinstance(info.get("capture"), dict)
     }
     if not shapes or len(shapes) < len(capturers):
-        return
+        return []
     wanted = len(spec.features.layers)
     fitting = [
         name
         for name, shape in shapes.items()
         if shape.get("layers") == wanted
+        and shape.get("layer_ids") in (None, spec.features.layers)
         and not (spec.features.dtype == "bf16" and shape.get("dtype") == FP8_FILE_DTYPE)
     ]
     if not fitting:
         listing = ", ".join(
-            f"{name} ({shape.get('layers')} layers, {shape.get('dtype')})"
-            for name, shape in sorted(shapes.items())
+            f"{name} ({_layers_of(shape)}, {shape.get('dtype')})" for name, shape in sorted(shapes.items())
         )
         raise PreflightError(
-            f"no capture server writes {wanted} layers in a dtype a {spec.features.dtype} job can store: "
+            f"no capture server writes layers {spec.features.layers} in a dtype a {spec.features.dtype} job "
+            f"can store: "
             f"{listing}; launch one with eagle_aux_hidden_state_layer_ids {spec.features.layers} "
             "(and the file connector for a bf16 job, not the FP8 one), or change the job's features"
         )
+    if all(shapes[name].get("layer_ids") is None for name in fitting):
+        return [
+            f"the capture servers' layer ids are not declared (vLLM does not report them), so only their "
+            f"count ({wanted}) is checked against the job's {spec.features.layers}; start the workers with "
+            "--capture-layers IDS to check the ids"
+        ]
+    return []
+
+
+def _layers_of(shape: Mapping[str, Any]) -> str:
+    ids = shape.get("layer_ids")
+    return f"layers {list(ids)}" if ids is not None else f"{shape.get('layers')} layers"
 
 
 # The safetensors dtype of speculators' FP8 connector's files.
@@ -335,8 +348,8 @@ def _is_bundled(tokenizer: str) -> bool:
 def preflight_submit(spec: JobSpec, renderer: PromptRenderer, servers: Servers) -> PreflightResult:
     """Every check a job must pass at submit; ``servers`` are the live ones (``live_servers``)."""
     check_servers_agree(servers)
-    check_features(spec, servers)
-    warnings = check_spec_against_servers(spec, servers)
+    feature_warnings = check_features(spec, servers)
+    warnings = check_spec_against_servers(spec, servers) + feature_warnings
     vocab_size = model_vocab_size(spec)
     if vocab_size is None and not _is_bundled(spec.tokenizer):
         warnings.append(

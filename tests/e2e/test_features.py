@@ -415,3 +415,34 @@ def test_a_capture_server_that_cannot_capture_is_refused_with_what_to_fix(
     # With no capture server accepted, a job with features is refused at submit.
     result = submit_job_result(stack, "refused", 2, "--features-layers", JOB_LAYERS)
     assert result.returncode != 0 and "capture server" in result.stderr, result.stderr
+
+
+def test_declared_layer_ids_keep_a_job_with_other_layers_off_the_servers(
+    stack: ProcessStack, tmp_path: Path
+) -> None:
+    """vLLM reports only how many layers it captures; --capture-layers declares which, so a job with
+    as many but other layers is refused instead of getting the wrong ones."""
+    capture_dir = tmp_path / "capture"
+    capture_dir.mkdir()
+    gen = stack.spawn_sim("gen", "--time-scale", "0.01")
+    cap = _capture_sim(stack, capture_dir)
+    declared = ("--capture-layers", ",".join(map(str, LAYERS)))
+    start_worker(
+        stack,
+        "worker",
+        f"gen={gen}",
+        "--capture-server",
+        f"cap={cap}",
+        "--capture-dir",
+        str(capture_dir),
+        *declared,
+    )
+    stack.wait_server_up(stack.coordinator, "cap")
+
+    other = submit_job_result(stack, "other", 2, "--features-layers", "1,5,8,9")
+    assert other.returncode != 0
+    assert "no capture server writes layers [1, 5, 8, 9]" in other.stderr, other.stderr
+    assert "[2, 5, 8, 9]" in other.stderr
+    job_id = submit_job(stack, "same", 2, "--features-layers", JOB_LAYERS)
+    _completed(stack, job_id)
+    assert all(r["features_file"] for r in job_records(stack, job_id))

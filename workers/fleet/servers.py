@@ -63,6 +63,9 @@ class CaptureShape:
     hidden_size: int
     dtype: str
     engine_version: str | None = None
+    # The ids it was launched with, where the worker's --capture-layers declares them (vLLM does not
+    # report them); None: only their count is known.
+    layer_ids: tuple[int, ...] | None = None
 
 
 @dataclass(eq=False)

@@ -140,7 +140,15 @@ class Capturer:
                 )
             await wait_for_write(file, timeout_s=self.settings.capture_lock_timeout_s)
             shape = await asyncio.to_thread(_shape_of, file)
-            shape = dataclasses.replace(shape, engine_version=await client.engine_version())
+            declared = self.settings.capture_layer_ids()
+            if declared is not None and len(declared) != shape.layers:
+                return (
+                    f"capture server {server.name} writes {shape.layers} layers but --capture-layers "
+                    f"declares {len(declared)} ({','.join(map(str, declared))}); give the ids it was "
+                    "launched with"
+                )
+            version = await client.engine_version()
+            shape = dataclasses.replace(shape, engine_version=version, layer_ids=declared)
         except (RetryableError, OSError) as exc:
             return f"capture server {server.name}'s probe file is unusable: {exc}"
         finally:
@@ -324,6 +332,8 @@ class Capturer:
         shape = server.capture
         if shape is None or shape.layers != len(features.layers):
             return False
+        if shape.layer_ids is not None and shape.layer_ids != tuple(features.layers):
+            return False
         if features.dtype is FeatureDtype.BF16 and shape.dtype == FP8_FILE_DTYPE:
             return False
         # max_tokens 1: the sequence and one sampled token must fit the context.
@@ -409,3 +419,8 @@ def _shape_of(file: Path) -> CaptureShape:
     if hidden is None or len(hidden.shape) != 3:
         raise CaptureFileError(f"{file.name}: no hidden_states tensor of shape [tokens, layers, hidden]")
     return CaptureShape(layers=hidden.shape[1], hidden_size=hidden.shape[2], dtype=hidden.dtype)
+
+
+def _described(shape: CaptureShape) -> str:
+    layers = f"layers {list(shape.layer_ids)}" if shape.layer_ids is not None else f"{shape.layers} layers"
+    return f"{layers} {shape.dtype}"
