@@ -156,8 +156,8 @@ class CaptureMismatchError(PreflightError):
     """A capture server's file whose layout does not fit the job: an FP8 file for a bf16 job, a
     model dtype the job cannot store, another layer count or hidden size. These follow from how
     the server was started (its connector, ``--dtype``, layer ids, model), so sending the same
-    sequence to it again writes the same kind of file: the worker keeps off that server for the
-    job, like a pre-flight refusal, and does not charge the prompt (`datagen.features`)."""
+    sequence to it again writes the same kind of file: the worker refuses that server until its
+    next probe learns what it writes now, and tries the capture elsewhere (`workers.run.capture`)."""
 
 
 class NoServersYetError(PreflightError):

@@ -166,7 +166,7 @@ def submit(
         typer.Option(
             metavar="<ids>",
             help="capture the target's hidden states at these vLLM layer ids for every record, e.g. "
-            "2,16,29,32 (`features.layers` in --spec); needs capture servers (docs/features.md)",
+            "2,16,29,32 (`features.layers` in --spec); needs capture servers (docs/user/features.md)",
         ),
     ] = None,
     features_dtype: Annotated[

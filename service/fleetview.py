@@ -116,6 +116,9 @@ class FleetView:
             "context_len": info.context_len if info else None,
             "model_path": info.model_path if info else None,
             "weight_version": info.weight_version if info else None,
+            # "capture" for a capture server (jobs with features), with what its probe's file held.
+            "role": (info.role if info else None) or "generate",
+            "capture": info.capture if info else None,
             # Why live workers keep off the server (pre-flight checks), by worker.
             "refused": {w.worker: w.view.refused for w in workers if not w.stale and w.view.refused},
             "workers": [w.to_json() for w in workers],

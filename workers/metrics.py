@@ -173,7 +173,7 @@ class WorkerMetrics:
         )
         self.captures = Counter(
             "datagen_worker_captures",
-            "Capture tries by outcome: stored, retried (a file failed its checks, a 5xx), gave_up, too_long",
+            "Capture tries by outcome: stored, retried (a failed check, a 5xx), gave_up, unfit, refused",
             ["server", "outcome"],
             registry=r,
         )
@@ -187,6 +187,6 @@ class WorkerMetrics:
         )
         self.capture_waiting = Gauge(
             "datagen_worker_capture_waiting",
-            "Captures waiting because the capture directory is over its byte cap",
+            "Captures waiting: the capture directory is over its byte cap, or a job at its features budget",
             registry=r,
         )

@@ -201,7 +201,7 @@ def require_context_len(spec: JobSpec, servers: Servers) -> int:
 
 CAPTURE_ROLE = "capture"
 CAPTURE_START_HINT = (
-    "start a vLLM server with extract_hidden_states and a file connector (docs/features.md) and a "
+    "start a vLLM server with extract_hidden_states and a file connector (docs/user/features.md) and a "
     "worker with --capture-server NAME=URL --capture-dir DIR"
 )
 

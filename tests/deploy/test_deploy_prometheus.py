@@ -67,6 +67,7 @@ MUST_SHOW = {"sglang[:_]": ("simB",), "vllm[:_]": VLLM_SERVERS}
 JOB_BUDGET_S = 100
 MIN_ROUNDS = 3
 # The job with features beside the main one: a few prompts, their hidden states captured on simCap.
+FEATURES_JOB = "features"
 FEATURES_PROMPTS = 40
 FEATURES_LAYERS = "2,16,29,32"  # the simulator's default layers (32 layers)
 # Panels counting events this test does not cause: they must answer, but may answer zero.
@@ -314,11 +315,14 @@ def _submit_features(stack: ProcessStack, coordinator: str, tokenizer: str) -> N
     """A small job with features, for the capture panels (submitted once the capture server is up)."""
     stack.wait_server_up(coordinator, "simCap")
     dataset = stack.tmp / "features.jsonl"
-    rows = [{"id": f"f{i}", "messages": [{"role": "user", "content": f"Feature {i}"}]} for i in range(FEATURES_PROMPTS)]
+    rows = [
+        {"id": f"f{i}", "messages": [{"role": "user", "content": f"Feature {i}"}]}
+        for i in range(FEATURES_PROMPTS)
+    ]
     dataset.write_text("".join(json.dumps(r) + "\n" for r in rows))
     result = stack.cli(
         *("submit", str(dataset), "--coordinator", coordinator, "--tokenizer", tokenizer),
-        *("--chat-template", str(default_chat_template_path()), "--seed", "7", "--job-id", "features"),
+        *("--chat-template", str(default_chat_template_path()), "--seed", "7", "--job-id", FEATURES_JOB),
         *("--short-max-new-tokens", str(SHORT_MAX_NEW), "--features-layers", FEATURES_LAYERS),
     )
     assert result.returncode == 0, f"{result.stdout}\n{result.stderr}\n{stack.logs()}"
@@ -456,7 +460,8 @@ def test_planted_faults_are_visible(observed: Observed) -> None:
 def test_job_series_keep_the_datagen_job_id(observed: Observed) -> None:
     # Without honor_labels the scrape job's name would take the label and the id would move
     # to exported_job: the $job variable would offer "datagen-coordinator".
-    assert observed.job_label_values == [observed.job_id]
+    assert observed.job_id in observed.job_label_values
+    assert set(observed.job_label_values) <= {observed.job_id, FEATURES_JOB}
 
 
 def test_both_name_forms_of_both_engines_are_stored(observed: Observed) -> None:

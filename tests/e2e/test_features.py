@@ -334,7 +334,7 @@ def test_consume_refuses_what_is_no_feature_file(stack: ProcessStack) -> None:
     job_id = submit_job(stack, "plain", 1)
     url = f"{stack.coordinator}/jobs/{job_id}/features/consume"
     bad = httpx.post(url, json={"files": ["../manifest.json"]}, timeout=5)
-    assert bad.status_code == 400 and "features_file" in bad.text, bad.text
+    assert bad.status_code == 422 and "features_file" in bad.text, bad.text
     assert httpx.post(url, json={"files": []}, timeout=5).json()["removed"] == 0
     missing = httpx.post(
         f"{stack.coordinator}/jobs/nosuchjob/features/consume", json={"files": []}, timeout=5

@@ -40,6 +40,7 @@ from datagen.errors import (
     FatalError,
     JobNotFoundError,
     RetryableError,
+    StorageError,
 )
 from datagen.features.capture_dir import CaptureDir
 from datagen.features.capture_file import check_and_store
@@ -213,8 +214,11 @@ class Capturer:
             )
             try:
                 stored = await self._once(server, record, features, rid=f"{rq_id}.c{tries}.{self.tag}")
-            except RetryableError as exc:
+            except StorageError as exc:  # storing the copy failed: not the server's doing
                 error: DatagenError = exc
+                attempts += 1
+            except RetryableError as exc:
+                error = exc
                 if exc.server_fault:
                     await self.fleet.mark_down(server, str(exc))
                 else:
@@ -226,6 +230,11 @@ class Capturer:
                 await self.fleet.refuse(server, str(exc))
                 error = exc
                 attempts += 1
+            except FatalError as exc:
+                # The server refuses this sequence (a 400): no other try can capture it, and the
+                # record is kept without features rather than lost with its prompt.
+                self.metrics.captures.labels(server.name, "refused").inc()
+                return dataclasses.replace(record, features_error=f"capture refused: {exc}"[:MAX_ERROR_CHARS])
             else:
                 self.metrics.captures.labels(server.name, "stored").inc()
                 self.metrics.captured_tokens.labels(server.name).inc(len(ids))
