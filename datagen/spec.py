@@ -272,6 +272,13 @@ class FeaturesSpec(BaseModel):
         default=FeatureDtype.BF16,
         description="bf16 as the server writes it, or fp8 (e4m3, one fp32 scale per token)",
     )
+    capture_only: StrictBool = Field(
+        default=False,
+        description=(
+            "rows are token ids already ({id, input_ids, loss_mask}: another job's specforge export, a "
+            "peer's output): capture their hidden states, generate nothing"
+        ),
+    )
     retain_bytes: StrictInt | None = Field(
         default=None,
         ge=1,
@@ -384,6 +391,26 @@ class JobSpec(BaseModel):
         default=None,
         description="capture the target's hidden states of every record on vLLM capture servers",
     )
+
+    @model_validator(mode="after")
+    def _capture_only_reads_ids(self) -> JobSpec:
+        if self.features is None or not self.features.capture_only:
+            return self
+        # Its rows are token ids: nothing is rendered, generated or read as text.
+        if (
+            self.multi_turn is not MultiTurnMode.LAST
+            or self.samples != 1
+            or self.tool_call_parser is not None
+        ):
+            raise ValueError(
+                "features.capture_only generates nothing: leave multi_turn, samples and tool_call_parser "
+                "at their defaults"
+            )
+        if self.decontaminate:
+            raise ValueError(
+                "features.capture_only rows are token ids, with no text to decontaminate; drop decontaminate"
+            )
+        return self
 
     @model_validator(mode="after")
     def _tool_fields_need_all_mode(self) -> JobSpec:

@@ -67,11 +67,13 @@ class PromptClass(StrEnum):
 
 
 class FinishType(StrEnum):
-    """SGLang's ``meta_info.finish_reason.type`` values."""
+    """SGLang's ``meta_info.finish_reason.type`` values, and ``given``: a capture-only job's record,
+    whose sequence came with its row (nothing was generated)."""
 
     STOP = "stop"
     LENGTH = "length"
     ABORT = "abort"
+    GIVEN = "given"
 
 
 class ServerRole(StrEnum):

@@ -72,8 +72,9 @@ dedup_threshold: 0.5
 decontaminate: []
 decontaminate_n: 13
 # The target's hidden states for every record, captured on vLLM capture servers (docs/user/features.md):
-# null: tokens only. Else layers (vLLM ids, e.g. [2, 16, 29, 32]), dtype (bf16 or fp8) and retain_bytes
-# (stored features not yet consumed by `datagen pull --consume` at which capture waits; null: no budget).
+# null: tokens only. Else layers (vLLM ids, e.g. [2, 16, 29, 32]), dtype (bf16 or fp8), retain_bytes
+# (stored features not yet consumed by `datagen pull --consume` at which capture waits; null: no budget)
+# and capture_only (rows are token ids, {id, input_ids, loss_mask}: capture them, generate nothing).
 features: null
 """
 

@@ -8,7 +8,8 @@ A row is judged in this order, and the first check it fails says why it is refus
 1. a row that did not parse (`RowError`) is refused with the parser's reason;
 2. a row outside the spec's ``partitions`` is left out, neither admitted nor refused;
 3. content that spells special tokens as text is refused under ``special_text: reject``;
-4. a row the chat template cannot render is refused;
+4. a row the chat template cannot render is refused (a row of token ids, in a capture-only job, is
+   taken as it is, and refused only when it does not fit the context length);
 5. a prompt with no room to generate in the context length is refused;
 6. an admitted prompt gets its class (`JobSpec.classify`).
 
@@ -96,7 +97,9 @@ def chunk_items(
     In ``all`` mode only a row's first turn is enqueued here: a worker enqueues turn k+1 when the
     record of turn k is committed, rendered from the regenerated turns (on-policy).
     """
-    items = (i for i in iter_prompts(stream, multi_turn=spec.multi_turn) if i.line > start_line)
+    token_rows = spec.features is not None and spec.features.capture_only
+    parsed = iter_prompts(stream, multi_turn=spec.multi_turn, token_rows=token_rows)
+    items = (i for i in parsed if i.line > start_line)
     if spec.multi_turn is MultiTurnMode.LAST:
         for item in items:
             yield item, None
@@ -167,6 +170,16 @@ def admit(
         return Refused(item.reason)
     if spec.partitions is not None and item.partition not in spec.partitions:
         return None
+    if item.token_ids is not None:
+        # Token ids, taken as they are: no text to scan or render. The capture's prefill holds the
+        # sequence and one sampled token.
+        if context_len is not None and len(item.token_ids) + 1 > context_len:
+            return Refused(
+                f"the sequence has {len(item.token_ids)} tokens, which does not fit the context length of "
+                f"{context_len} tokens",
+                rendered=True,
+            )
+        return Admitted(item.token_ids, spec.classify(len(item.token_ids), item.cls))
     found: list[str] = []
     if scan_special_text or spec.special_text is not SpecialTextPolicy.ALLOW:
         found = renderer.special_text(item.messages, item.tools)

@@ -41,7 +41,8 @@ def dry_run(
     accepted: list[tuple[Prompt, list[int], str]] = []
     rows: set[int] = set()
     special: dict[int, list[str]] = {}  # line → the special tokens its content spells
-    for item in iter_prompts(io.BytesIO(sample), multi_turn=spec.multi_turn):
+    token_rows = spec.features is not None and spec.features.capture_only
+    for item in iter_prompts(io.BytesIO(sample), multi_turn=spec.multi_turn, token_rows=token_rows):
         rows.add(item.line)
         verdict = admit(item, spec, renderer, context_len, scan_special_text=True)
         if verdict is None:

@@ -338,6 +338,7 @@ class Ingestor:
                 partition=item.partition,
                 conversation=conversation,
                 incarnation=incarnation,
+                given_prompt_len=item.prompt_len,
             )
             chunk.prompts.append((item, payload))
 

@@ -37,6 +37,7 @@ _CLS = "cls"
 _PARTITION = "partition"
 _INCARNATION = "inc"
 _CONVERSATION = "conversation"
+_GIVEN_PROMPT_LEN = "given_prompt_len"
 # The partition of a payload written before payloads carried one.
 DEFAULT_PARTITION = "default"
 
@@ -108,6 +109,9 @@ class PromptPayload:
     # The job's incarnation (a new one each time the id is created after a delete): workers and
     # exports drop what belongs to another incarnation than the job's current one.
     incarnation: str = ""
+    # A capture-only job's row: ``prompt_ids`` is the whole sequence, taken as it is, and its loss
+    # mask's 1s start here; nothing is generated.
+    given_prompt_len: int | None = None
 
     def to_json(self) -> dict[str, Any]:
         body = {
@@ -124,6 +128,8 @@ class PromptPayload:
             body[_CONVERSATION] = self.conversation.to_json()
         if self.incarnation:
             body[_INCARNATION] = self.incarnation
+        if self.given_prompt_len is not None:
+            body[_GIVEN_PROMPT_LEN] = self.given_prompt_len
         return body
 
     @classmethod
@@ -141,6 +147,7 @@ class PromptPayload:
                 partition=str(raw.get(_PARTITION, DEFAULT_PARTITION)),
                 conversation=Conversation.from_json(conversation) if conversation is not None else None,
                 incarnation=str(raw.get(_INCARNATION, "")),
+                given_prompt_len=None if raw.get(_GIVEN_PROMPT_LEN) is None else int(raw[_GIVEN_PROMPT_LEN]),
             )
         except (AttributeError, KeyError, TypeError, ValueError) as exc:
             raise FatalError(f"malformed prompt payload in RQ job: {exc!r}") from exc

@@ -94,6 +94,9 @@ class Hygiene:
         (the sets are hashed again, and parsed only if their content is not cached).
         ``pinned_sha256``: the sets' digest in the job's manifest; other content now is refused
         (`InvalidSpecError`), since it would judge the job's later rows by other sets."""
+        if spec.features is not None and spec.features.capture_only:
+            # Rows of token ids: no text to judge (the spec refuses decontaminate there).
+            return cls(DedupMode.OFF, spec.dedup_threshold, None)
         if not spec.decontaminate:
             return cls(spec.dedup, spec.dedup_threshold, None)
         sets = check_sets(spec.decontaminate)

@@ -5,6 +5,13 @@ Accepted row forms (one JSON object per line; blank lines are skipped)::
     {"id"?, "messages": [{"role", "content", ...}], "tools"?, "partition"?, "class"?}   OpenAI roles
     {"id"?, "conversations": [{"from", "value"}, ...], ...}                                ShareGPT
     {"id"?, "prompt": "...", "system"?: "...", ...}                                        plain prompt
+    {"id"?, "input_ids": [...], "loss_mask": [...], "partition"?, "class"?}              token ids
+
+The token-id form is read only in a capture-only job (``features.capture_only``: another job's
+``specforge`` export, a peer's output), and only that form: nothing is rendered, and the sequence is
+taken as it is. Its ``loss_mask`` must be 0s then 1s (one supervised span at the end, what a record
+of one turn has); its sample id, without an ``id``, is ``"t"`` + 16 hex chars of the sha256 of the
+ids' decimal text joined by commas.
 
 When a row has more than one of ``messages`` / ``conversations`` / ``prompt``, the first in that order
 is used. Messages are normalized to OpenAI form: ``role`` and ``content`` (a string; a list of
@@ -76,6 +83,10 @@ class Prompt:
     partition: str
     cls: PromptClass | None
     original: dict[str, Any]
+    # The token-id row form (capture-only jobs): the whole sequence, and where its loss mask's 1s
+    # start; None for every other form.
+    token_ids: list[int] | None = None
+    prompt_len: int | None = None
 
 
 @dataclass(frozen=True)
@@ -365,7 +376,60 @@ def _row_prompts(row: dict[str, Any], line: int, mode: MultiTurnMode, sample_id:
     ]
 
 
-def _line_items(raw: bytes, line: int, mode: MultiTurnMode) -> list[Prompt | RowError]:
+# Token ids a row may carry (the largest vocabularies are near 262k; 2**31 keeps them Parquet int32-safe).
+MAX_TOKEN_ID = 2**31 - 1
+TOKEN_SAMPLE_ID_PREFIX = "t"
+
+
+def _int_list(row: Mapping[str, Any], key: str) -> list[int]:
+    value = row.get(key)
+    if not isinstance(value, list) or not value:
+        raise InvalidRowError(f"{key} must be a non-empty list of integers, got {json.dumps(value)[:80]}")
+    for i, item in enumerate(value):
+        if isinstance(item, bool) or not isinstance(item, int) or not 0 <= item <= MAX_TOKEN_ID:
+            raise InvalidRowError(f"{key}[{i}] must be a non-negative integer, got {json.dumps(item)[:40]}")
+    return value
+
+
+def _token_row(row: dict[str, Any], line: int, sample_id: str | None) -> Prompt:
+    """The token-id form (module docstring): the sequence and where its supervised tail starts."""
+    if "input_ids" not in row:
+        raise InvalidRowError(
+            'a capture-only job reads rows of token ids: {"id", "input_ids": [...], "loss_mask": [...]} '
+            "(a specforge export's lines); this row has none"
+        )
+    ids = _int_list(row, "input_ids")
+    mask = _int_list(row, "loss_mask")
+    if len(mask) != len(ids):
+        raise InvalidRowError(f"loss_mask has {len(mask)} values for {len(ids)} input_ids; give one per id")
+    if any(m not in (0, 1) for m in mask):
+        raise InvalidRowError("loss_mask values must be 0 or 1")
+    prompt_len = mask.index(1) if 1 in mask else len(mask)
+    if 0 in mask[prompt_len:]:
+        raise InvalidRowError(
+            f"loss_mask is 1 from position {prompt_len} and 0 again later: one supervised span at the end is "
+            "supported (a record of one turn); split a multi-turn row into one row per turn"
+        )
+    if sample_id is None:
+        text = ",".join(map(str, ids))
+        sample_id = TOKEN_SAMPLE_ID_PREFIX + hashlib.sha256(text.encode()).hexdigest()[:SAMPLE_ID_HEX_CHARS]
+    return Prompt(
+        line=line,
+        sample_id=sample_id,
+        turn=0,
+        messages=[],
+        tools=None,
+        partition=_row_partition(row),
+        cls=_row_class(row),
+        original=row,
+        token_ids=ids,
+        prompt_len=prompt_len,
+    )
+
+
+def _line_items(
+    raw: bytes, line: int, mode: MultiTurnMode, *, token_rows: bool = False
+) -> list[Prompt | RowError]:
     sample_id = None
     try:
         text = _decode(raw, line)
@@ -373,6 +437,8 @@ def _line_items(raw: bytes, line: int, mode: MultiTurnMode) -> list[Prompt | Row
             return []
         row = _parse_json(text)
         sample_id = _row_id(row)
+        if token_rows:
+            return [_token_row(row, line, sample_id)]
         return list[Prompt | RowError](_row_prompts(row, line, mode, sample_id))
     except InvalidRowError as exc:
         return [RowError(line, str(exc), sample_id)]
@@ -387,14 +453,16 @@ def iter_prompts(
     *,
     multi_turn: MultiTurnMode = MultiTurnMode.LAST,
     max_line_bytes: int = DEFAULT_MAX_LINE_BYTES,
+    token_rows: bool = False,
 ) -> Iterator[Prompt | RowError]:
     """Prompts and row errors in file order, one line in memory at a time.
 
     ``LAST``: one prompt per row; a trailing assistant turn is dropped and regenerated.
     ``ALL``: one prompt per assistant turn (turns 0..k), each with the row's original history.
+    ``token_rows``: rows of token ids, one prompt each (a capture-only job).
     """
     for line, raw in _read_lines(stream, max_line_bytes):
         if raw is None:
             yield RowError(line, f"line is longer than {max_line_bytes} bytes; skipped")
         else:
-            yield from _line_items(raw, line, multi_turn)
+            yield from _line_items(raw, line, multi_turn, token_rows=token_rows)

@@ -460,3 +460,39 @@ def test_any_error_inside_a_row_becomes_a_row_error_and_the_file_goes_on() -> No
     assert isinstance(error, RowError) and error.line == 1
     assert "RecursionError" in error.reason and "fix or remove it" in error.reason
     assert isinstance(prompt, Prompt) and prompt.line == 2
+
+
+# -- token-id rows (capture-only jobs) ---------------------------------------------------------------
+
+
+def _token_items(*rows: object) -> list[Prompt | RowError]:
+    data = "".join(json.dumps(row) + "\n" for row in rows).encode()
+    return list(iter_prompts(io.BytesIO(data), token_rows=True))
+
+
+def test_a_token_row_is_its_sequence_and_where_its_supervised_tail_starts() -> None:
+    (item,) = _token_items({"id": "a", "input_ids": [1, 2, 3, 4, 5], "loss_mask": [0, 0, 0, 1, 1]})
+    assert isinstance(item, Prompt)
+    assert (item.sample_id, item.token_ids, item.prompt_len, item.messages) == ("a", [1, 2, 3, 4, 5], 3, [])
+    # No id: "t" + the first 16 hex chars of sha256("7,8,9"), written out by hand.
+    (anonymous,) = _token_items({"input_ids": [7, 8, 9], "loss_mask": [0, 0, 0]})
+    assert isinstance(anonymous, Prompt)
+    assert anonymous.sample_id == "t" + hashlib.sha256(b"7,8,9").hexdigest()[:16]
+    assert anonymous.prompt_len == 3  # nothing supervised
+
+
+@pytest.mark.parametrize(
+    ("row", "reason"),
+    [
+        ({"input_ids": [1, 2, 3], "loss_mask": [0, 1, 0]}, "one supervised span at the end"),
+        ({"input_ids": [1, 2, 3], "loss_mask": [0, 1]}, "loss_mask has 2 values for 3 input_ids"),
+        ({"input_ids": [1, -2], "loss_mask": [0, 1]}, "input_ids[1] must be a non-negative integer"),
+        ({"input_ids": [1, 2], "loss_mask": [0, 2]}, "loss_mask values must be 0 or 1"),
+        ({"messages": [{"role": "user", "content": "hi"}]}, "a capture-only job reads rows of token ids"),
+    ],
+)
+def test_bad_token_rows_are_reported_with_their_line_and_the_rest_goes_on(row: object, reason: str) -> None:
+    good = {"id": "g", "input_ids": [5, 6], "loss_mask": [0, 1]}
+    error, kept = _token_items(row, good)
+    assert isinstance(error, RowError) and error.line == 1 and reason in error.reason, error
+    assert isinstance(kept, Prompt) and kept.line == 2 and kept.token_ids == [5, 6]

@@ -446,3 +446,43 @@ def test_declared_layer_ids_keep_a_job_with_other_layers_off_the_servers(
     job_id = submit_job(stack, "same", 2, "--features-layers", JOB_LAYERS)
     _completed(stack, job_id)
     assert all(r["features_file"] for r in job_records(stack, job_id))
+
+
+def test_a_capture_only_job_captures_another_jobs_specforge_export(
+    stack: ProcessStack, tmp_path: Path
+) -> None:
+    """Rows of token ids (here another job's specforge export) are captured as they are: nothing is
+    generated, every record is its row, and a bad row is reported with its line while the rest go on."""
+    capture_dir = tmp_path / "capture"
+    capture_dir.mkdir()
+    _fleet(stack, capture_dir)
+    tokens_job = submit_job(stack, "tokens", 8)
+    _completed(stack, tokens_job)
+    lines = tmp_path / "specforge.jsonl"
+    exported = stack.cli("export", tokens_job, "--format", "specforge", "--out", str(lines))
+    assert exported.returncode == 0, exported.stdout + exported.stderr
+    rows = [json.loads(line) for line in lines.read_text().splitlines()]
+    assert len(rows) == 8
+    bad = {"id": "bad", "input_ids": [1, 2, 3], "loss_mask": [0, 1, 0]}
+    lines.write_text(lines.read_text() + json.dumps(bad) + "\n")
+    spec = tmp_path / "capture.yaml"
+    spec.write_text(f"features:\n  layers: [{JOB_LAYERS}]\n  capture_only: true\n")
+
+    submitted = stack.submit(lines, "--spec", str(spec), "--job-id", "caponly")
+    assert submitted.returncode == 0, submitted.stdout + submitted.stderr
+    job = _completed(stack, "caponly")
+    assert job["done"] == 8
+    reply = httpx.get(f"{stack.coordinator}/jobs/caponly/errors", params={"kind": "rejected"}, timeout=5)
+    (rejected,) = reply.json()["errors"]
+    assert rejected["line"] == 9 and "one supervised span" in rejected["reason"], rejected
+
+    records = job_records(stack, "caponly")
+    assert {r["finish_type"] for r in records} == {"given"} and {r["server"] for r in records} == {""}
+    out = tmp_path / "export"
+    _export(stack, "caponly", out)
+    assert _check_export(out, "bf16") == 8
+    data = datasets.concatenate_datasets(
+        [datasets.Dataset.from_file(str(path)) for path in sorted(out.glob("data-*.arrow"))]
+    )
+    given = sorted((r["input_ids"], r["loss_mask"]) for r in rows)
+    assert sorted((row["input_ids"], row["loss_mask"]) for row in data) == given

@@ -31,7 +31,7 @@ from datagen.control.rq_format import ATTEMPTS
 from datagen.errors import ConfigError, FatalError, RetryableError, ServerUnavailableError
 from datagen.records.schema import Record
 from datagen.settings import WorkerSettings
-from datagen.states import PromptClass
+from datagen.states import FinishType, PromptClass
 from workers.engines.base import GenerateResult
 from workers.fleet.health import API_KEY_HINT
 from workers.fleet.servers import Fleet, Server
@@ -125,6 +125,39 @@ class Generator:
                 failed_on.add(server.name)
             attempts = await self._after_retryable(job, server, error, attempts, tries)
             await asyncio.sleep(self._backoff_s(tries))
+
+    def given(self, job: Job, payload: PromptPayload, tokenizer: str) -> Record:
+        """A capture-only job's record: the row's sequence as it came, nothing generated (its
+        features are what the job captures)."""
+        assert payload.given_prompt_len is not None
+        enqueued_at_ms = int(job.enqueued_at.timestamp() * 1000) if job.enqueued_at else None
+        started_at_ms = now_ms()
+        return Record(
+            job_id=payload.job,
+            sample_id=payload.sample_id,
+            turn=payload.turn,
+            gen=payload.gen,
+            partition=payload.partition,
+            cls=payload.cls.value,
+            input_ids=list(payload.prompt_ids),
+            prompt_len=payload.given_prompt_len,
+            finish_type=FinishType.GIVEN.value,
+            finish_matched=None,
+            finish_length=None,
+            max_new_tokens=0,
+            server="",
+            tokenizer=tokenizer,
+            sampling_params="{}",
+            rid=f"{job.id}.given.{self.tag}",
+            worker=self.worker_name,
+            attempts=1,
+            cached_tokens=0,
+            num_retractions=0,
+            e2e_latency_s=None,
+            enqueued_at_ms=enqueued_at_ms,
+            started_at_ms=started_at_ms,
+            finished_at_ms=started_at_ms,
+        )
 
     async def _race(
         self,

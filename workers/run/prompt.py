@@ -82,7 +82,11 @@ class PromptRunner:
         try:
             try:
                 payload = parsed.require()
-                record = await self.generator.generate(item.job, payload, cls)
+                if payload.given_prompt_len is not None:  # a capture-only job: the row is the record
+                    tokenizer = self.generator.job_infos.get(payload.job, payload.incarnation).tokenizer
+                    record = self.generator.given(item.job, payload, tokenizer)
+                else:
+                    record = await self.generator.generate(item.job, payload, cls)
             finally:
                 self.slots.release(cls, job_id or "")
             # Multi-turn ``all``: what follows the turn goes into its record, committed with it.
