@@ -16,11 +16,9 @@ from pathlib import Path
 from typing import Any
 
 import datasets
-import fsspec
 import ml_dtypes
 import numpy as np
 import pytest
-from moto.server import ThreadedMotoServer
 from typer.testing import CliRunner
 
 from datagen.errors import ConfigError, StorageError
@@ -30,7 +28,6 @@ from datagen.records.reader import verify_job
 from datagen.records.schema import Record, records_to_table
 from datagen.records.storage import Storage
 from datagen_cli import app
-from datagen_cli.local.redis_server import free_port
 from tests.support.records import (
     features_tensors,
     make_record,
@@ -38,6 +35,7 @@ from tests.support.records import (
     store_features,
     write_manifest_once,
 )
+from tests.support.s3 import moto_server, s3_bucket
 
 JOB = "job1"
 LAYERS, HIDDEN = 3, 4  # two aux layers and the last one, a tiny hidden size
@@ -340,25 +338,13 @@ def test_adopting_a_missing_file_is_a_storage_error(storage: Storage, tmp_path: 
 
 @pytest.fixture(scope="module")
 def moto_endpoint() -> Iterator[str]:
-    port = free_port()
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    yield f"http://127.0.0.1:{port}"
-    server.stop()
+    with moto_server() as endpoint:
+        yield endpoint
 
 
 @pytest.fixture
 def s3_storage(moto_endpoint: str, monkeypatch: pytest.MonkeyPatch) -> Storage:
-    """A fresh bucket; credentials and endpoint in the environment, as s3fs and botocore read them."""
-    for name in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL_S3"):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
-    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
-    monkeypatch.setenv("AWS_ENDPOINT_URL", moto_endpoint)
-    bucket = f"b{uuid.uuid4().hex[:16]}"
-    fsspec.filesystem("s3").mkdir(bucket)
-    return Storage(f"s3://{bucket}/datagen")
+    return Storage(f"s3://{s3_bucket(moto_endpoint, monkeypatch)}/datagen")
 
 
 def test_features_on_s3_are_uploaded_verified_and_exported(

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import time
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -16,7 +15,6 @@ import pyarrow.parquet as pq
 import pytest
 import redis
 from fastapi.testclient import TestClient
-from moto.server import ThreadedMotoServer
 
 from datagen.control.enqueue import EnqueueOptions
 from datagen.control.jobs import JobStore
@@ -30,13 +28,13 @@ from datagen.report import build_report
 from datagen.settings import CoordinatorSettings
 from datagen.spec import JobSpec
 from datagen.states import JobState
-from datagen_cli.local.redis_server import free_port
 from service.app import create_app
 from service.coordinator import Coordinator
 from service.ingest import IngestOptions, Ingestor
 from simulator.model import SpecialIds, expected_output
 from tests.support.ingest import StopAfter, wait_ingested
 from tests.support.records import make_record, write_manifest_once
+from tests.support.s3 import moto_server, s3_bucket
 from tests.support.sim import running_simulator
 from tests.support.specs import make_spec
 from tests.support.wait import wait_until
@@ -52,25 +50,13 @@ MOTO_START_TIMEOUT_S = 15.0
 
 @pytest.fixture(scope="module")
 def moto_endpoint() -> Iterator[str]:
-    port = free_port()
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    yield f"http://127.0.0.1:{port}"
-    server.stop()
+    with moto_server() as endpoint:
+        yield endpoint
 
 
 @pytest.fixture
 def s3_url(moto_endpoint: str, monkeypatch: pytest.MonkeyPatch) -> str:
-    """A fresh bucket; credentials and endpoint in the environment, as s3fs and botocore read them."""
-    for name in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL_S3"):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
-    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
-    monkeypatch.setenv("AWS_ENDPOINT_URL", moto_endpoint)
-    bucket = f"b{uuid.uuid4().hex[:16]}"
-    fsspec.filesystem("s3").mkdir(bucket)
-    return f"s3://{bucket}/{PREFIX}"
+    return f"s3://{s3_bucket(moto_endpoint, monkeypatch)}/{PREFIX}"
 
 
 @pytest.fixture(params=["local", "s3"])
