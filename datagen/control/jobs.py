@@ -30,7 +30,7 @@ from datagen.control.job_outcomes import (
 )
 from datagen.control.keys import SEEN_SEGMENTS, BreakdownField, Keys, partition_label
 from datagen.control.leases import Fencing, LeaseLostError
-from datagen.control.progress import JobProgress, progress_from_hash
+from datagen.control.progress import RETAINED_FEATURES, JobProgress, progress_from_hash
 from datagen.control.redistext import as_text, as_texts
 from datagen.control.scripts import KEY, LuaScript, ScriptArgs
 from datagen.errors import JobNotFoundError, JobStateError
@@ -133,10 +133,6 @@ class IncrIfExistsArgs(ScriptArgs):
     hash_key: str = field(metadata=KEY)
     field_name: str
     delta: int
-
-
-# The job hash's field: bytes of features stored and not yet consumed by a pull (`features.retain_bytes`).
-RETAINED_FEATURES = "features_retained_bytes"
 
 
 class JobStore:

@@ -11,6 +11,8 @@ from datagen.states import JobState
 
 __all__ = ["INT_FIELDS", "JobProgress", "progress_from_hash"]
 
+# The job hash's count of stored features not yet consumed (`datagen.control.jobs.JobStore`).
+RETAINED_FEATURES = "features_retained_bytes"
 INT_FIELDS = (
     "rows",
     "accepted",
@@ -65,6 +67,8 @@ class JobProgress:
     # A completed job that a resubmission reopened and that has run nothing new since: when it
     # completed (`JobStore.restart_ingest`); its rates and tail stay those of then. 0 otherwise.
     completed_before_ms: int = 0
+    # A job with features and a budget: bytes of features stored and not yet consumed by a pull.
+    features_retained_bytes: int | None = None
 
     @property
     def queued(self) -> int:
@@ -129,6 +133,8 @@ class JobProgress:
             "storage_error": self.storage_error,
             # Only an ingesting job waits (a coordinator stopped mid-wait may leave the field behind).
             "waiting_for_room": self.waiting_for_room if self.state is JobState.INGESTING else None,
+            # Against the spec's features.retain_bytes (None: nothing counted, no budget kept).
+            "features_retained_bytes": self.features_retained_bytes,
         }
 
 
@@ -163,6 +169,7 @@ def progress_from_hash(job_id: str, raw: dict[bytes, bytes], running: int, pause
         rebuilt=json.loads(fields["rebuilt"]) if fields.get("rebuilt") else None,
         waiting_for_room=fields.get("waiting_for_room") or None,
         completed_before_ms=_completed_before_ms(fields.get("completed_before"), ints),
+        features_retained_bytes=int(retained) if (retained := fields.get(RETAINED_FEATURES)) else None,
     )
 
 

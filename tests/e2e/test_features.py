@@ -317,6 +317,7 @@ def test_a_budget_holds_capture_until_a_consumer_frees_it(stack: ProcessStack, t
         time.sleep(0.3)
 
     assert peak <= budget + largest, (peak, budget, largest)
+    assert get_job(stack, job_id)["features_retained_bytes"] == 0
     records = job_records(stack, job_id)
     assert len(records) == 30 and all(r["features_file"] for r in records)
     assert get_job(stack, job_id)["done"] == 30
