@@ -67,13 +67,11 @@ class PromptClass(StrEnum):
 
 
 class FinishType(StrEnum):
-    """SGLang's ``meta_info.finish_reason.type`` values, and ``given``: a capture-only job's record,
-    whose sequence came with its row (nothing was generated)."""
+    """SGLang's ``meta_info.finish_reason.type`` values."""
 
     STOP = "stop"
     LENGTH = "length"
     ABORT = "abort"
-    GIVEN = "given"
 
 
 class ServerRole(StrEnum):

@@ -23,6 +23,7 @@ import pyarrow as pa
 __all__ = [
     "FEATURES_FILE",
     "FEATURE_COLUMNS",
+    "GIVEN_FINISH",
     "NEXT_TURN",
     "RECORD_SCHEMA",
     "SCHEMA_VERSION",
@@ -37,6 +38,9 @@ __all__ = [
 SCHEMA_VERSION = 3
 # The column a version-2 record adds.
 NEXT_TURN = "next_turn"
+# The ``finish_type`` of a capture-only job's record: its sequence came with its row, nothing was
+# generated (an engine's finish types are `datagen.states.FinishType`).
+GIVEN_FINISH = "given"
 # The columns a version-3 record adds (all null in a job without features).
 FEATURES_FILE = "features_file"
 FEATURE_COLUMNS = (FEATURES_FILE, "features_bytes", "features_sha256", "features_error")

@@ -55,6 +55,7 @@ import pyarrow as pa
 
 from datagen.export.tokens import JobTokens, load_job_tokens
 from datagen.records.reader import RowViews, SeenKeys, iter_committed_batches
+from datagen.records.schema import GIVEN_FINISH
 from datagen.records.storage import Storage
 from datagen.report.conversations import ConversationTally
 from datagen.report.features import FEATURE_REPORT_COLUMNS, FeatureTally
@@ -286,7 +287,7 @@ class _Scanner:
             report.by_partition[partition] += 1
             report.by_partition_finish[(partition, finish)] += 1
             report.by_class[columns["class"][i]] += 1
-            if finish != FinishType.GIVEN:  # a capture-only job's rows came as they are
+            if finish != GIVEN_FINISH:  # a capture-only job's rows came as they are
                 self._check_tokens(rows, i, finish)
         prompt_lens = np.minimum(rows.prompt_lens, lengths)
         report.prompt_lengths.add(prompt_lens[new])

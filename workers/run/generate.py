@@ -29,9 +29,9 @@ from datagen.clock import now_ms
 from datagen.control.payload import PromptPayload
 from datagen.control.rq_format import ATTEMPTS
 from datagen.errors import ConfigError, FatalError, RetryableError, ServerUnavailableError
-from datagen.records.schema import Record
+from datagen.records.schema import GIVEN_FINISH, Record
 from datagen.settings import WorkerSettings
-from datagen.states import FinishType, PromptClass
+from datagen.states import PromptClass
 from workers.engines.base import GenerateResult
 from workers.fleet.health import API_KEY_HINT
 from workers.fleet.servers import Fleet, Server
@@ -141,7 +141,7 @@ class Generator:
             cls=payload.cls.value,
             input_ids=list(payload.prompt_ids),
             prompt_len=payload.given_prompt_len,
-            finish_type=FinishType.GIVEN.value,
+            finish_type=GIVEN_FINISH,
             finish_matched=None,
             finish_length=None,
             max_new_tokens=0,
