@@ -13,12 +13,14 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    SerializerFunctionWrapHandler,
     StrictBool,
     StrictFloat,
     StrictInt,
     StringConstraints,
     ValidationError,
     field_validator,
+    model_serializer,
     model_validator,
 )
 
@@ -391,6 +393,15 @@ class JobSpec(BaseModel):
         default=None,
         description="capture the target's hidden states of every record on vLLM capture servers",
     )
+
+    @model_serializer(mode="wrap")
+    def _without_absent_features(self, handler: SerializerFunctionWrapHandler) -> Any:
+        """A spec without features is stored as before features existed: a worker of the previous
+        release (specs forbid unknown fields) still runs it while a fleet is upgraded."""
+        data = handler(self)
+        if isinstance(data, dict) and data.get("features") is None:
+            data.pop("features", None)
+        return data
 
     @model_validator(mode="after")
     def _capture_only_reads_ids(self) -> JobSpec:

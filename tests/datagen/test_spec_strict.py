@@ -153,3 +153,14 @@ def test_every_parser_the_simulator_implements_is_one_sglang_knows() -> None:
     for parser in sorted(SGLANG_TOOL_CALL_PARSERS):
         spec = validate_spec({"tokenizer": "t", "multi_turn": "all", "tool_call_parser": parser})
         assert spec.tool_call_parser == parser
+
+
+def test_a_spec_without_features_is_stored_as_before_features_existed() -> None:
+    """Workers of the previous release forbid unknown spec fields: a job without features must not
+    carry the key, so they still run it while a fleet is upgraded."""
+    plain = validate_spec({"tokenizer": "t"})
+    assert "features" not in json.loads(plain.model_dump_json())
+    with_features = validate_spec({"tokenizer": "t", "features": {"layers": [9, 2]}})
+    stored = json.loads(with_features.model_dump_json())
+    assert stored["features"] == {"layers": [2, 9], "dtype": "bf16", "capture_only": False, "retain_bytes": None}
+    assert validate_spec(stored) == with_features
