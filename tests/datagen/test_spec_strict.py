@@ -162,5 +162,10 @@ def test_a_spec_without_features_is_stored_as_before_features_existed() -> None:
     assert "features" not in json.loads(plain.model_dump_json())
     with_features = validate_spec({"tokenizer": "t", "features": {"layers": [9, 2]}})
     stored = json.loads(with_features.model_dump_json())
-    assert stored["features"] == {"layers": [2, 9], "dtype": "bf16", "capture_only": False, "retain_bytes": None}
+    assert stored["features"] == {
+        "layers": [2, 9],
+        "dtype": "bf16",
+        "capture_only": False,
+        "retain_bytes": None,
+    }
     assert validate_spec(stored) == with_features
