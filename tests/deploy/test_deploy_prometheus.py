@@ -333,6 +333,21 @@ def _submit_features(stack: ProcessStack, coordinator: str, tokenizer: str) -> N
     assert result.returncode == 0, f"{result.stdout}\n{result.stderr}\n{stack.logs()}"
 
 
+def _observe_until_captures_shown(
+    prom: Prometheus, boards: dict[str, dict[str, Any]], queries: list[PanelQuery], seen: dict[str, Seen]
+) -> None:
+    """Rounds until every capture panel has answered: their counters reach Prometheus at its next
+    scrapes after the job with features ends."""
+    capture = [q for q in queries if "capture" in q.expr or "feature" in q.expr]
+    deadline = time.monotonic() + JOB_BUDGET_S
+    while True:
+        _observe_round(prom, boards, queries, seen)
+        if all(seen[q.key].answered for q in capture):
+            return
+        assert time.monotonic() < deadline, [q.title for q in capture if not seen[q.key].answered]
+        time.sleep(0.5)
+
+
 def _wait_job_done(stack: ProcessStack, coordinator: str, job_id: str) -> None:
     deadline = time.monotonic() + JOB_BUDGET_S
     while (state := _job_state(coordinator, job_id)) not in ("completed", "failed", "cancelled"):
@@ -351,10 +366,12 @@ def _watch(
     boards: dict[str, dict[str, Any]],
     queries: list[PanelQuery],
     job_state: Callable[[], str],
+    seen: dict[str, Seen] | None = None,
 ) -> tuple[dict[str, Seen], str]:
-    """Query every panel in rounds until each has answered (and risen) or the job has ended."""
+    """Query every panel in rounds until each has answered (and risen) or the job has ended;
+    ``seen`` holds what earlier rounds saw."""
     started = time.monotonic()
-    seen = {q.key: Seen() for q in queries}
+    seen = seen if seen is not None else {q.key: Seen() for q in queries}
     rounds = 0
     while True:
         _observe_round(prom, boards, queries, seen)
@@ -406,8 +423,12 @@ def observed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Observed]:
                 # watched over) is then as it was without it, and the capture panels have data.
                 _submit_features(stack, coordinator, tokenizer)
                 _wait_job_done(stack, coordinator, FEATURES_JOB)
+                # The capture panels are looked at while their rates still hold the job with features
+                # (a ratio of rates answers nothing once they fall to zero).
+                early = {q.key: Seen() for q in queries}
+                _observe_until_captures_shown(prom, boards, queries, early)
                 job_id = _submit(stack, coordinator, tokenizer)
-                seen, state = _watch(prom, boards, queries, lambda: _job_state(coordinator, job_id))
+                seen, state = _watch(prom, boards, queries, lambda: _job_state(coordinator, job_id), early)
                 yield Observed(
                     seen=seen,
                     queries=queries,
