@@ -86,6 +86,11 @@ class Worker:
                 "capture servers need --capture-dir (DATAGEN_CAPTURE_DIR): the directory their files are "
                 "written to (the connector's shared_storage_path) as this node sees it"
             )
+        if self.capture_specs and settings.capture_dir is not None and not settings.capture_dir.is_dir():
+            raise ConfigError(
+                f"--capture-dir {settings.capture_dir} is not a directory: give the capture servers' "
+                "shared_storage_path as this node sees it (DATAGEN_CAPTURE_DIR)"
+            )
         names = [spec.name for spec in [*servers, *self.capture_specs]]
         if repeated := sorted({n for n in names if names.count(n) > 1}):
             raise ConfigError(f"server names must be unique across --server and --capture-server: {repeated}")

@@ -47,9 +47,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.ipc as ipc
 
-from datagen.errors import ConfigError, CorruptShardError, StorageError
-from datagen.export.rows import ROW_COLUMNS, ExportStats, RowFilter
-from datagen.records.reader import export_ids, iter_committed_batches, list_parts
+from datagen.errors import ConfigError, StorageError
+from datagen.export.rows import ROW_COLUMNS, ExportStats
+from datagen.records.reader import export_ids, list_parts
 from datagen.records.schema import FEATURE_COLUMNS, FEATURES_FILE, loss_mask_values
 from datagen.records.storage import Storage
 
@@ -57,11 +57,11 @@ __all__ = [
     "DATASETS_PACKAGE",
     "HIDDEN_STATES_DIR",
     "NO_FEATURES",
+    "OFFLINE_COLUMNS",
     "OFFLINE_SCHEMA",
     "FeaturesExportStats",
     "OfflineSink",
     "check_features_job",
-    "feature_batches",
 ]
 
 DATASETS_PACKAGE = "datasets"
@@ -80,7 +80,8 @@ OFFLINE_SCHEMA = pa.schema(
 DATASET_FORMAT = "torch"
 DATASET_STATE_FILE = "state.json"
 COPY_BUFFER_BYTES = 1024 * 1024
-_COLUMNS = [*ROW_COLUMNS, *FEATURE_COLUMNS]
+# What the export decodes: the rows, and their features files.
+OFFLINE_COLUMNS = [*ROW_COLUMNS, *FEATURE_COLUMNS]
 _FILE_COLUMNS = (FEATURES_FILE, "features_bytes", "features_sha256")
 
 
@@ -108,26 +109,6 @@ def check_features_job(storage: Storage, job_id: str) -> None:
             "the speculators-offline export writes a Hugging Face dataset: install the datasets "
             "package (pip install datasets)"
         )
-
-
-def feature_batches(
-    storage: Storage,
-    job_id: str,
-    row_filter: RowFilter,
-    on_read: Callable[[int], None] | None = None,
-    *,
-    skip_unreadable: bool = False,
-) -> Iterator[pa.RecordBatch]:
-    """As `datagen.export.rows.filtered_batches`, with the records' features columns."""
-    on_corrupt: Callable[[CorruptShardError], None] | None = (
-        row_filter.stats.skipped.append if skip_unreadable else None
-    )
-    for batch in iter_committed_batches(storage, job_id, _COLUMNS, on_corrupt=on_corrupt):
-        kept = row_filter(batch)
-        if on_read is not None:
-            on_read(row_filter.stats.records)
-        if kept is not None and kept.num_rows:
-            yield kept
 
 
 def _offline_rows(batch: pa.RecordBatch) -> pa.Table:

@@ -14,10 +14,10 @@ import pyarrow.compute as pc
 from datagen.errors import ConfigError, StorageError
 from datagen.export.conversations import ConversationFormatter, InputIndex
 from datagen.export.features_offline import (
+    OFFLINE_COLUMNS,
     FeaturesExportStats,
     OfflineSink,
     check_features_job,
-    feature_batches,
 )
 from datagen.export.formats import (
     PARQUET_SCHEMA,
@@ -27,7 +27,7 @@ from datagen.export.formats import (
     parquet_table,
     specforge_lines,
 )
-from datagen.export.rows import ExportStats, RowFilter, RowFilterOptions, filtered_batches
+from datagen.export.rows import ROW_COLUMNS, ExportStats, RowFilter, RowFilterOptions, filtered_batches
 from datagen.export.shuffle import bucket_count, shuffled_batches
 from datagen.export.tokens import load_job_tokens
 from datagen.records.storage import Storage
@@ -231,8 +231,13 @@ def export_job(
     offline = fmt is ExportFormat.SPECULATORS_OFFLINE
     stats = FeaturesExportStats() if offline else ExportStats()
     row_filter = RowFilter(options.filter_options(fmt), stats)
-    filtered = (feature_batches if offline else filtered_batches)(
-        storage, job_id, row_filter, lambda n: progress("read", n), skip_unreadable=options.skip_unreadable
+    filtered = filtered_batches(
+        storage,
+        job_id,
+        row_filter,
+        lambda n: progress("read", n),
+        skip_unreadable=options.skip_unreadable,
+        columns=OFFLINE_COLUMNS if offline else ROW_COLUMNS,
     )
     # closing(): a failed export removes the shuffle's temporary files at once, not at garbage collection.
     with closing(_ordered(filtered, storage, job_id, options, out)) as batches:

@@ -54,6 +54,7 @@ import pyarrow as pa
 
 from datagen.errors import ConfigError, CoordinatorUnreachableError, RetryableError, StorageError
 from datagen.export.features_offline import HIDDEN_STATES_DIR
+from datagen.records.files import fsync_path
 from datagen.records.reader import RowViews, key_digest
 from datagen.records.schema import FEATURE_COLUMNS, FEATURES_FILE
 from datagen.records.storage import Storage
@@ -159,14 +160,6 @@ class ShardPulled:
     no_features: int
     records_bytes: int
     features_bytes: int
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class Puller:
@@ -393,7 +386,7 @@ def publish(temporary: Path, data: bytes, target: Path) -> None:
         fh.flush()
         os.fsync(fh.fileno())
     os.replace(temporary, target)
-    _fsync_dir(target.parent)
+    fsync_path(target.parent)
 
 
 class _ShardWriter:
@@ -500,7 +493,7 @@ class _ShardWriter:
         self.lines.close()
         out = self.puller.out
         if self.features_bytes:
-            _fsync_dir(out / HIDDEN_STATES_DIR)
+            fsync_path(out / HIDDEN_STATES_DIR)
         part: str | None = None
         records_bytes = 0
         if self.rows:
@@ -508,7 +501,7 @@ class _ShardWriter:
             (out / RECORDS_DIR).mkdir(exist_ok=True)
             records_bytes = self.tmp_part.stat().st_size
             os.replace(self.tmp_part, out / part)
-            _fsync_dir(out / RECORDS_DIR)
+            fsync_path(out / RECORDS_DIR)
         pulled = ShardPulled(
             self.shard,
             part,

@@ -8,7 +8,7 @@ digest a key; its cost is in bench/README.md).
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -158,12 +158,14 @@ def filtered_batches(
     on_read: Callable[[int], None] | None = None,
     *,
     skip_unreadable: bool = False,
+    columns: Sequence[str] = ROW_COLUMNS,
 ) -> Iterator[pa.RecordBatch]:
-    """Committed records in commit order through ``row_filter``; ``on_read`` gets rows read so far.
+    """Committed records in commit order through ``row_filter`` (``columns`` decoded); ``on_read``
+    gets rows read so far.
     A shard that differs from its commit object stops the export, or with ``skip_unreadable`` is
     left out whole and noted in the stats."""
     on_corrupt = row_filter.stats.skipped.append if skip_unreadable else None
-    for batch in iter_committed_batches(storage, job_id, ROW_COLUMNS, on_corrupt=on_corrupt):
+    for batch in iter_committed_batches(storage, job_id, list(columns), on_corrupt=on_corrupt):
         kept = row_filter(batch)
         if on_read is not None:
             on_read(row_filter.stats.records)

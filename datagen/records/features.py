@@ -22,27 +22,12 @@ from pathlib import Path
 from typing import BinaryIO
 
 from datagen.errors import StorageError
+from datagen.records.files import fsync_path
 from datagen.records.layout import FEATURE_SUFFIX, FEATURES_FOLDER, JobFolders, translated
 
 __all__ = ["FeatureFiles"]
 
 COPY_BUFFER_BYTES = 1024 * 1024
-
-
-def _fsync_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class FeatureFiles(JobFolders):
@@ -72,7 +57,7 @@ class FeatureFiles(JobFolders):
     def _adopt_local(self, source: Path, path: str) -> None:
         directory = os.path.dirname(path)
         os.makedirs(directory, exist_ok=True)
-        _fsync_file(source)  # its bytes on disk before its name is
+        fsync_path(source)  # its bytes on disk before its name is
         try:
             os.replace(source, path)
         except OSError as exc:
@@ -83,7 +68,7 @@ class FeatureFiles(JobFolders):
                 self._files.write(path, lambda out: shutil.copyfileobj(fh, out, COPY_BUFFER_BYTES))
             source.unlink()
             return
-        _fsync_dir(directory)
+        fsync_path(directory)
 
     def open_feature(self, job_id: str, name: str) -> BinaryIO:
         """A stored features file for reading, in one pass; `StorageError` when it is missing."""

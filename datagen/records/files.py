@@ -25,7 +25,7 @@ from fsspec.implementations.local import LocalFileSystem
 
 from datagen.errors import ConfigError
 
-__all__ = ["ObjectFiles", "is_url"]
+__all__ = ["ObjectFiles", "fsync_path", "is_url"]
 
 TMP_SUFFIX = ".tmp"
 # Sequential reads (ingestion, the report): large buffered reads.
@@ -44,7 +44,8 @@ def is_url(root: str) -> bool:
     return "://" in root or "::" in root
 
 
-def _fsync_dir(path: str) -> None:
+def fsync_path(path: str | os.PathLike[str]) -> None:
+    """fsync a file or a directory by its path (a rename is durable once its directory is)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -111,7 +112,7 @@ class ObjectFiles:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
             raise
-        _fsync_dir(directory)
+        fsync_path(directory)
 
     def remove_tree(self, path: str) -> bool:
         """Remove a directory (a prefix on object stores) and all under it; False if absent."""

@@ -13,7 +13,6 @@ from typing import Any
 
 import datasets
 import httpx
-import ml_dtypes
 import numpy as np
 import pytest
 
@@ -188,7 +187,6 @@ def test_one_record_by_hand(stack: ProcessStack, tmp_path: Path) -> None:
     first, second = ids[0], ids[1]
     assert values[0, 0, 0] == ((first * 31 + 0 + 2 * 13 + 0) % 251 - 125) / 16
     assert values[1, 3, 2] == ((second * 31 + 7 + 9 * 13 + 6) % 251 - 125) / 16
-    assert np.dtype(ml_dtypes.bfloat16).itemsize == 2
 
 
 def test_a_job_with_features_is_refused_without_a_capture_server(stack: ProcessStack) -> None:
@@ -487,3 +485,15 @@ def test_a_capture_only_job_captures_another_jobs_specforge_export(
     )
     given = sorted((r["input_ids"], r["loss_mask"]) for r in rows)
     assert sorted((row["input_ids"], row["loss_mask"]) for row in data) == given
+
+
+def test_a_capture_dir_that_is_not_there_is_one_line(stack: ProcessStack, tmp_path: Path) -> None:
+    missing = tmp_path / "nowhere"
+    result = stack.cli(
+        *("worker", "--server", "gen=http://127.0.0.1:9", "--burst"),
+        *("--capture-server", "cap=http://127.0.0.1:10", "--capture-dir", str(missing)),
+        timeout_s=60,
+    )
+    assert result.returncode != 0
+    assert f"--capture-dir {missing} is not a directory" in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr

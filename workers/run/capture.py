@@ -271,7 +271,7 @@ class Capturer:
         self._in_use.add(file.name)
         try:
             await wait_for_write(file, timeout_s=self.settings.capture_lock_timeout_s)
-            spool.mkdir(exist_ok=True)
+            await asyncio.to_thread(spool.mkdir, exist_ok=True)
             stored = await asyncio.to_thread(
                 check_and_store,
                 file,
