@@ -24,7 +24,7 @@ from pydantic import (
     model_validator,
 )
 
-from datagen.errors import InvalidSpecError
+from datagen.errors import FatalError, InvalidSpecError
 from datagen.states import DedupMode, MultiTurnMode, Priority, PromptClass, SpecialTextPolicy, ToolMismatch
 
 __all__ = [
@@ -36,7 +36,10 @@ __all__ = [
     "MAX_NEW_TOKENS_LIMIT",
     "MIN_ITEM_WORDS",
     "SGLANG_TOOL_CALL_PARSERS",
+    "Arm",
     "JobSpec",
+    "RecipeAssign",
+    "RecipeSpec",
     "SamplingParams",
     "parse_spec_json",
     "validate_spec",
@@ -302,6 +305,79 @@ class FeaturesSpec(BaseModel):
         return sorted(value)
 
 
+class RecipeAssign(StrEnum):
+    """How a recipe gives each (prompt, sample) its arm (`datagen.recipes.assign_arm`)."""
+
+    WEIGHTED = "weighted"
+    CYCLE = "cycle"
+
+
+MAX_ARMS = 64
+# An arm's name is a label in records, metrics and the job's counters: short, and free of the
+# separators those use.
+ARM_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
+
+
+class Arm(BaseModel):
+    """One mode of a recipe: its template variables and sampling, merged over the job's."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: Annotated[str, StringConstraints(strict=True, pattern=ARM_NAME_PATTERN)] = Field(
+        description="letters, digits, '_', '.', '-' (at most 64); recorded in every record it makes"
+    )
+    weight: StrictFloat | StrictInt = Field(
+        default=1.0, gt=0.0, le=MAX_WEIGHT, description="weighted: the arm's share, relative to the others'"
+    )
+    chat_template_kwargs: Annotated[dict[str, Any], AfterValidator(_bounded_kwargs)] = Field(
+        default_factory=dict, description="template variables merged over the job's (a key here wins)"
+    )
+    sampling: Annotated[dict[str, Any], AfterValidator(_bounded_kwargs)] = Field(
+        default_factory=dict,
+        description="sampling fields (the job's `sampling` names) over the job's; they win over temperatures",
+    )
+
+
+class RecipeSpec(BaseModel):
+    """A mixture of modes in one job: each (prompt, sample) gets one arm, deterministically."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    assign: RecipeAssign = Field(
+        default=RecipeAssign.WEIGHTED,
+        description=(
+            "weighted: drawn by weight from the seed and the sample; cycle: the i-th (row, sample) of "
+            "each input file, in file order, gets arm i mod k"
+        ),
+    )
+    seed: StrictInt = Field(default=0, ge=0, le=MAX_SEED, description="weighted: the draw's seed")
+    arms: list[Arm] = Field(min_length=1, max_length=MAX_ARMS)
+
+    @field_validator("arms")
+    @classmethod
+    def _distinct_names(cls, value: list[Arm]) -> list[Arm]:
+        names = [arm.name for arm in value]
+        repeated = sorted({name for name in names if names.count(name) > 1})
+        if repeated:
+            raise ValueError(f"arm names {repeated} repeat; give each arm its own name")
+        return value
+
+    @model_validator(mode="after")
+    def _cycle_has_no_weights(self) -> RecipeSpec:
+        if self.assign is RecipeAssign.CYCLE and any(arm.weight != 1.0 for arm in self.arms):
+            raise ValueError(
+                "assign: cycle gives every arm the same share, so weights mean nothing there; "
+                "drop the weights or use assign: weighted"
+            )
+        return self
+
+    def arm(self, name: str) -> Arm:
+        for arm in self.arms:
+            if arm.name == name:
+                return arm
+        raise KeyError(name)
+
+
 class JobSpec(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -393,15 +469,65 @@ class JobSpec(BaseModel):
         default=None,
         description="capture the target's hidden states of every record on vLLM capture servers",
     )
+    recipe: RecipeSpec | None = Field(
+        default=None,
+        description="a mixture of modes: arms with their own template variables and sampling",
+    )
 
     @model_serializer(mode="wrap")
-    def _without_absent_features(self, handler: SerializerFunctionWrapHandler) -> Any:
-        """A spec without features is stored as before features existed: a worker of the previous
-        release (specs forbid unknown fields) still runs it while a fleet is upgraded."""
+    def _without_absent_fields(self, handler: SerializerFunctionWrapHandler) -> Any:
+        """A spec without features or a recipe is stored as before they existed: a worker of an
+        earlier release (specs forbid unknown fields) still runs it while a fleet is upgraded."""
         data = handler(self)
-        if isinstance(data, dict) and data.get("features") is None:
-            data.pop("features", None)
+        if isinstance(data, dict):
+            for name in ("features", "recipe"):
+                if data.get(name) is None:
+                    data.pop(name, None)
         return data
+
+    @model_validator(mode="after")
+    def _arms_sample_validly(self) -> JobSpec:
+        if self.recipe is None:
+            return self
+        if self.features is not None and self.features.capture_only:
+            raise ValueError(
+                "features.capture_only renders and generates nothing, so a recipe's arms would change "
+                "nothing; drop the recipe"
+            )
+        for index, arm in enumerate(self.recipe.arms):
+            try:
+                self.arm_sampling(arm)
+            except ValidationError as exc:
+                problems = "; ".join(
+                    f"{'.'.join(str(p) for p in err['loc'])}: {err['msg']}"
+                    for err in exc.errors(include_url=False, include_input=False)
+                )
+                raise ValueError(f"recipe.arms[{index}] ({arm.name}).sampling: {problems}") from None
+        return self
+
+    def arm_sampling(self, arm: Arm | None) -> SamplingParams:
+        """The job's sampling with ``arm``'s fields over it (the job's own for None)."""
+        if arm is None or not arm.sampling:
+            return self.sampling
+        return SamplingParams.model_validate({**self.sampling.model_dump(), **arm.sampling})
+
+    def template_kwargs(self, arm: Arm | None) -> dict[str, Any]:
+        """The template variables ``arm``'s prompts are rendered with: its own over the job's."""
+        if arm is None:
+            return self.chat_template_kwargs
+        return {**self.chat_template_kwargs, **arm.chat_template_kwargs}
+
+    def arm_named(self, name: str | None) -> Arm | None:
+        """The recipe's arm of this name (None for None); a name the recipe lacks is a FatalError
+        for the prompt that carries it (its payload was written for another spec)."""
+        if name is None:
+            return None
+        if self.recipe is not None:
+            try:
+                return self.recipe.arm(name)
+            except KeyError:
+                pass
+        raise FatalError(f"the prompt names arm {name!r}, which the job's recipe does not have")
 
     @model_validator(mode="after")
     def _capture_only_reads_ids(self) -> JobSpec:
@@ -439,13 +565,15 @@ class JobSpec(BaseModel):
             raise ValueError("temperatures must each be between 0 and 100")
         return value
 
-    def sampling_for(self, gen: int, max_new_tokens: int) -> dict[str, Any]:
-        """SGLang ``sampling_params`` of sample ``gen``: distinct seeds, the gen's temperature."""
-        params = self.sampling.to_sglang(max_new_tokens)
-        if self.temperatures:
+    def sampling_for(self, gen: int, max_new_tokens: int, arm: Arm | None = None) -> dict[str, Any]:
+        """SGLang ``sampling_params`` of sample ``gen`` under ``arm``: distinct seeds, the gen's
+        temperature unless the arm sets its own."""
+        sampling = self.arm_sampling(arm)
+        params = sampling.to_sglang(max_new_tokens)
+        if self.temperatures and not (arm is not None and "temperature" in arm.sampling):
             params["temperature"] = self.temperatures[gen % len(self.temperatures)]
         if self.samples > 1:
-            params["sampling_seed"] = (self.sampling.sampling_seed or 0) + gen
+            params["sampling_seed"] = (sampling.sampling_seed or 0) + gen
         return params
 
     def max_new_tokens(self, cls: PromptClass) -> int:

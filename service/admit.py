@@ -13,6 +13,10 @@ A row is judged in this order, and the first check it fails says why it is refus
 5. a prompt with no room to generate in the context length is refused;
 6. an admitted prompt gets its class (`JobSpec.classify`).
 
+In a job with a recipe, a row's samples run under their arms (`datagen.recipes`), and checks 4-6
+are made with each arm's rendering: the row is admitted only if every arm it uses admits it (a
+refusal names the arm), so a row is never half taken. Special text is looked for once per row.
+
 Row ids and hygiene (decontamination, deduplication) judge a set of rows, not one, and come after
 this rule (`service.rowids`, `datagen.hygiene.screen`).
 
@@ -25,7 +29,7 @@ from __future__ import annotations
 
 import itertools
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO
 
@@ -35,15 +39,19 @@ from datagen.errors import InvalidRowError
 from datagen.prompts.dataset import Prompt, RowError, iter_prompts
 from datagen.prompts.special_text import special_text_reason
 from datagen.prompts.tokenization import PromptRenderer
-from datagen.spec import JobSpec
+from datagen.recipes import arms_of_row
+from datagen.spec import Arm, JobSpec
 from datagen.states import MultiTurnMode, PromptClass, SpecialTextPolicy
 from service.rowids import RowId
 
 __all__ = [
     "Admitted",
+    "AdmittedRow",
+    "ArmRenderers",
     "Chunk",
     "Refused",
     "admit",
+    "admit_row",
     "breakdown",
     "chunk_items",
     "chunk_limit",
@@ -160,11 +168,13 @@ def admit(
     context_len: int | None,
     *,
     scan_special_text: bool = False,
+    scan: bool = True,
 ) -> Admitted | Refused | None:
     """The rule above for one parsed row; None for a row outside the spec's partitions.
 
     Special text is looked for unless the spec's policy allows it (the scan costs a pass over the
-    row's text); ``scan_special_text`` looks anyway, for a report that counts it whatever the policy.
+    row's text); ``scan_special_text`` looks anyway, for a report that counts it whatever the policy;
+    ``scan`` False skips it (another arm's rendering of the row looked already).
     """
     if isinstance(item, RowError):
         return Refused(item.reason)
@@ -181,7 +191,7 @@ def admit(
             )
         return Admitted(item.token_ids, spec.classify(len(item.token_ids), item.cls))
     found: list[str] = []
-    if scan_special_text or spec.special_text is not SpecialTextPolicy.ALLOW:
+    if scan_special_text or (scan and spec.special_text is not SpecialTextPolicy.ALLOW):
         found = renderer.special_text(item.messages, item.tools)
     if found and spec.special_text is SpecialTextPolicy.REJECT:
         return Refused(special_text_reason(found), special_text=found)
@@ -196,3 +206,53 @@ def admit(
         )
         return Refused(reason, rendered=True, special_text=found)
     return Admitted(prompt_ids, spec.classify(len(prompt_ids), item.cls), found)
+
+
+ArmRenderers = Callable[[Arm | None], PromptRenderer]
+
+
+@dataclass(frozen=True)
+class AdmittedRow:
+    """A row admitted under every arm its samples use: per sample (gen 0..samples-1), its arm and
+    its rendering."""
+
+    samples: list[tuple[Arm | None, Admitted]]
+    special_text: list[str] = field(default_factory=list)
+
+
+def admit_row(
+    item: Prompt | RowError,
+    spec: JobSpec,
+    renderers: ArmRenderers,
+    context_len: int | None,
+    *,
+    scan_special_text: bool = False,
+) -> AdmittedRow | Refused | None:
+    """`admit` for each arm the row's samples use (`datagen.recipes.arms_of_row`; one, None, without a
+    recipe); the first refusal refuses the row. ``renderers``: the renderer of an arm."""
+    if isinstance(item, RowError):
+        return Refused(item.reason)
+    arms = arms_of_row(spec, sample_id=item.sample_id, row_index=item.row_index)
+    verdicts: dict[str | None, Admitted] = {}
+    found: list[str] = []
+    for arm in arms:
+        name = None if arm is None else arm.name
+        if name in verdicts:
+            continue
+        verdict = admit(
+            item, spec, renderers(arm), context_len, scan_special_text=scan_special_text, scan=not verdicts
+        )
+        if verdict is None:
+            return None
+        if isinstance(verdict, Refused):
+            if name is None:
+                return verdict
+            return Refused(
+                f"arm {name}: {verdict.reason}",
+                rendered=verdict.rendered,
+                special_text=verdict.special_text or found,
+            )
+        if not verdicts:
+            found = verdict.special_text
+        verdicts[name] = verdict
+    return AdmittedRow([(arm, verdicts[None if arm is None else arm.name]) for arm in arms], found)

@@ -206,7 +206,7 @@ def _following(
         payload, turn=last, conversation=dataclasses.replace(conversation, generated=generated[:-1])
     )
     try:
-        return next_turn(previous, spec, renderer_for(spec), generated[-1])
+        return next_turn(previous, spec, renderer_for(spec, spec.arm_named(payload.arm)), generated[-1])
     except DatagenError as exc:  # the worker rendered it; a template that refuses it now says so
         message = f"turn {last + 1} cannot be rendered again after the rebuild: {exc}"
         _stop(storage, job_id, payload, last + 1, total, StopReason.ERROR, message)

@@ -39,15 +39,16 @@ from datagen.errors import DatagenError, JobNotFoundError, StorageError
 from datagen.hygiene.screen import Hygiene, HygieneRow, Verdicts
 from datagen.prompts.dataset import Prompt, RowError
 from datagen.prompts.special_text import special_text_reason
-from datagen.prompts.tokenization import PromptRenderer, renderer_for
+from datagen.recipes import arm_renderers
 from datagen.records.storage import Storage
 from datagen.spec import JobSpec
 from datagen.states import DedupMode, JobState, PromptClass
 from service.admit import (
-    Admitted,
+    AdmittedRow,
+    ArmRenderers,
     Chunk,
     Refused,
-    admit,
+    admit_row,
     breakdown,
     chunk_items,
     chunk_limit,
@@ -239,7 +240,7 @@ class Ingestor:
         # A wait for room shown by a coordinator that stopped during it is over: this run shows its own.
         self.jobs.set_waiting_for_room(job_id, None)
         spec = self.jobs.spec(job_id)
-        renderer = renderer_for(spec)
+        renderers = arm_renderers(spec)
         context_len = (
             self.jobs.context_len(job_id) or spec.context_len or fleet_context_len(self.redis, self.keys)
         )
@@ -261,7 +262,7 @@ class Ingestor:
                     log.info("job %s: ingestion paused at line %d (shutdown)", job_id, chunk.last_line)
                     return False
                 chunk.line_digests[item.line] = lines.digest(item.line)
-                self._add(chunk, item, conversation, job_id, spec, renderer, context_len, incarnation)
+                self._add(chunk, item, conversation, job_id, spec, renderers, context_len, incarnation)
                 full = len(chunk.prompts) + len(chunk.rejected) >= size
                 if full or (deadline is not None and chunk.prompts and time.monotonic() >= deadline):
                     self._flush(job_id, spec, chunk, stop, hygiene, incarnation, committed, fence)
@@ -303,17 +304,17 @@ class Ingestor:
         conversation: Conversation | None,
         job_id: str,
         spec: JobSpec,
-        renderer: PromptRenderer,
+        renderers: ArmRenderers,
         context_len: int | None,
         incarnation: str = "",
     ) -> None:
         if item.line != chunk.last_line:
             chunk.rows += 1
         chunk.last_line = item.line
-        verdict = admit(item, spec, renderer, context_len)
+        verdict = admit_row(item, spec, renderers, context_len)
         if verdict is None:
             return
-        rendered = isinstance(verdict, Admitted) or verdict.rendered
+        rendered = isinstance(verdict, AdmittedRow) or verdict.rendered
         if rendered and isinstance(item, Prompt) and item.line not in chunk.ids:
             chunk.ids[item.line] = row_id(item)
             if found := verdict.special_text:
@@ -325,20 +326,20 @@ class Ingestor:
             chunk.rejected.append({"line": item.line, "reason": verdict.reason, "sample_id": item.sample_id})
             return
         assert isinstance(item, Prompt)  # a RowError is always refused
-        prompt_ids, cls = verdict.prompt_ids, verdict.cls
-        for gen in range(spec.samples):
+        for gen, (arm, admitted) in enumerate(verdict.samples):
             payload = PromptPayload(
                 job=job_id,
                 sample_id=item.sample_id,
                 turn=item.turn,
                 gen=gen,
-                cls=cls,
-                prompt_ids=prompt_ids,
-                max_new_tokens=spec.max_new_tokens(cls),
+                cls=admitted.cls,
+                prompt_ids=admitted.prompt_ids,
+                max_new_tokens=spec.max_new_tokens(admitted.cls),
                 partition=item.partition,
                 conversation=conversation,
                 incarnation=incarnation,
                 given_prompt_len=item.prompt_len,
+                arm=None if arm is None else arm.name,
             )
             chunk.prompts.append((item, payload))
 

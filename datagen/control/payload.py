@@ -38,6 +38,7 @@ _PARTITION = "partition"
 _INCARNATION = "inc"
 _CONVERSATION = "conversation"
 _GIVEN_PROMPT_LEN = "given_prompt_len"
+_ARM = "arm"
 # The partition of a payload written before payloads carried one.
 DEFAULT_PARTITION = "default"
 
@@ -112,6 +113,9 @@ class PromptPayload:
     # A capture-only job's row: ``prompt_ids`` is the whole sequence, taken as it is, and its loss
     # mask's 1s start here; nothing is generated.
     given_prompt_len: int | None = None
+    # A job with a recipe: the name of the arm this sample runs under (`datagen.recipes`); its
+    # prompt ids were rendered with the arm's template variables, and the worker sends its sampling.
+    arm: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         body = {
@@ -130,6 +134,8 @@ class PromptPayload:
             body[_INCARNATION] = self.incarnation
         if self.given_prompt_len is not None:
             body[_GIVEN_PROMPT_LEN] = self.given_prompt_len
+        if self.arm is not None:
+            body[_ARM] = self.arm
         return body
 
     @classmethod
@@ -148,6 +154,7 @@ class PromptPayload:
                 conversation=Conversation.from_json(conversation) if conversation is not None else None,
                 incarnation=str(raw.get(_INCARNATION, "")),
                 given_prompt_len=None if raw.get(_GIVEN_PROMPT_LEN) is None else int(raw[_GIVEN_PROMPT_LEN]),
+                arm=None if raw.get(_ARM) is None else str(raw[_ARM]),
             )
         except (AttributeError, KeyError, TypeError, ValueError) as exc:
             raise FatalError(f"malformed prompt payload in RQ job: {exc!r}") from exc

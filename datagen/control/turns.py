@@ -66,6 +66,7 @@ def next_turn(
         partition=payload.partition,
         conversation=dataclasses.replace(conversation, generated=generated),
         incarnation=payload.incarnation,
+        arm=payload.arm,
     )
 
 

@@ -30,6 +30,7 @@ goes on; memory stays flat for any file size because lines are read one at a tim
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -87,6 +88,8 @@ class Prompt:
     # start; None for every other form.
     token_ids: list[int] | None = None
     prompt_len: int | None = None
+    # The row's place among its file's non-blank lines, from 0 (a recipe's ``cycle`` counts by it).
+    row_index: int = 0
 
 
 @dataclass(frozen=True)
@@ -461,8 +464,17 @@ def iter_prompts(
     ``ALL``: one prompt per assistant turn (turns 0..k), each with the row's original history.
     ``token_rows``: rows of token ids, one prompt each (a capture-only job).
     """
+    row_index = 0
     for line, raw in _read_lines(stream, max_line_bytes):
         if raw is None:
             yield RowError(line, f"line is longer than {max_line_bytes} bytes; skipped")
-        else:
-            yield from _line_items(raw, line, multi_turn, token_rows=token_rows)
+            row_index += 1
+            continue
+        items = _line_items(raw, line, multi_turn, token_rows=token_rows)
+        if not items:  # a blank line
+            continue
+        for item in items:
+            if isinstance(item, Prompt) and row_index:
+                item = dataclasses.replace(item, row_index=row_index)
+            yield item
+        row_index += 1

@@ -43,7 +43,7 @@ from datagen.prompts.special_text import SpecialTextFinder
 from datagen.prompts.template_budget import BudgetedTemplate
 
 if TYPE_CHECKING:
-    from datagen.spec import JobSpec
+    from datagen.spec import Arm, JobSpec
 
 __all__ = [
     "BUNDLED_TOKENIZER_PACKAGE",
@@ -425,11 +425,12 @@ def get_renderer(
     )
 
 
-def renderer_for(spec: JobSpec) -> PromptRenderer:
-    """The (cached) renderer of a job spec: its tokenizer, template and template kwargs."""
+def renderer_for(spec: JobSpec, arm: Arm | None = None) -> PromptRenderer:
+    """The (cached) renderer of a job spec, or of one arm of its recipe: its tokenizer, template and
+    template kwargs (the arm's over the job's). Arms with equal kwargs share one renderer."""
     return get_renderer(
         spec.tokenizer,
         spec.chat_template,
         spec.trust_remote_code,
-        canonical_kwargs_json(spec.chat_template_kwargs),
+        canonical_kwargs_json(spec.template_kwargs(arm)),
     )

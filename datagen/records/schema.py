@@ -7,8 +7,10 @@ not stored twice. ``schema_version`` changes whenever a column changes meaning o
 Versions: 1, the first; 2 adds ``next_turn`` (multi-turn ``all`` mode: what follows the turn,
 written with its commit, `datagen.control.turns`); 3 adds the ``features_*`` columns (a job with
 hidden-state features: the stored file of this record's features, its size and sha256, or why it
-has none). Readers select the columns they use, so shards of both
-versions read alike; a version-1 shard has no ``next_turn`` (`has_next_turn`).
+has none); 4 adds ``arm`` and ``chat_template_kwargs`` (the recipe's arm that made the record, and
+the template variables its prompt was rendered with). Readers select the columns they use, so
+shards of every version read alike; a version-1 shard has no ``next_turn`` (`has_next_turn`), one
+before version 4 no ``arm`` (`has_arms`).
 """
 
 from __future__ import annotations
@@ -21,13 +23,16 @@ import numpy as np
 import pyarrow as pa
 
 __all__ = [
+    "ARM",
     "FEATURES_FILE",
     "FEATURE_COLUMNS",
     "GIVEN_FINISH",
     "NEXT_TURN",
     "RECORD_SCHEMA",
     "SCHEMA_VERSION",
+    "TEMPLATE_KWARGS",
     "Record",
+    "has_arms",
     "has_features",
     "has_next_turn",
     "loss_mask",
@@ -35,7 +40,7 @@ __all__ = [
     "records_to_table",
 ]
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 # The column a version-2 record adds.
 NEXT_TURN = "next_turn"
 # The ``finish_type`` of a capture-only job's record: its sequence came with its row, nothing was
@@ -44,6 +49,10 @@ GIVEN_FINISH = "given"
 # The columns a version-3 record adds (all null in a job without features).
 FEATURES_FILE = "features_file"
 FEATURE_COLUMNS = (FEATURES_FILE, "features_bytes", "features_sha256", "features_error")
+# The columns a version-4 record adds: the arm's name (null in a job without a recipe) and the
+# template variables as canonical JSON (`datagen.prompts.provenance.canonical_kwargs_json`).
+ARM = "arm"
+TEMPLATE_KWARGS = "chat_template_kwargs"
 
 RECORD_SCHEMA = pa.schema(
     [
@@ -80,6 +89,10 @@ RECORD_SCHEMA = pa.schema(
         pa.field("features_bytes", pa.int64()),
         pa.field("features_sha256", pa.string()),
         pa.field("features_error", pa.string()),
+        # The recipe's arm that made the record, and the template variables its prompt ids were
+        # rendered with (the arm's over the job's); its sampling is ``sampling_params``.
+        pa.field(ARM, pa.string()),
+        pa.field(TEMPLATE_KWARGS, pa.string()),
     ]
 )
 
@@ -119,6 +132,9 @@ class Record:
     features_bytes: int | None = None
     features_sha256: str | None = None
     features_error: str | None = None
+    # A job with a recipe: the arm's name. Every generated record: its template variables as JSON.
+    arm: str | None = None
+    chat_template_kwargs: str | None = None
 
     @property
     def output_len(self) -> int:
@@ -135,6 +151,11 @@ _FIELDS = tuple(f.name for f in fields(Record))
 def has_features(schema: pa.Schema) -> bool:
     """Whether a shard of this schema can name feature files (version 3 on)."""
     return FEATURES_FILE in schema.names
+
+
+def has_arms(schema: pa.Schema) -> bool:
+    """Whether a shard of this schema records each record's arm and template variables (version 4 on)."""
+    return ARM in schema.names
 
 
 def has_next_turn(schema: pa.Schema) -> bool:

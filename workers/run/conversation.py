@@ -82,7 +82,7 @@ def note_of(following: NextTurn) -> str | None:
 
 def _turn_text(spec: JobSpec, info: JobInfo, record: Record) -> tuple[PromptRenderer, str]:
     """The job's renderer and the history text of the record's turn (one thread hop for both)."""
-    renderer = renderer_for(spec)
+    renderer = renderer_for(spec, spec.arm_named(record.arm))
     # The turn's end: the id it matched, and every id that could have ended it.
     stop_ids = set(info.stop_ids)
     matched = record.finish_matched

@@ -29,6 +29,7 @@ from datagen.clock import now_ms
 from datagen.control.payload import PromptPayload
 from datagen.control.rq_format import ATTEMPTS
 from datagen.errors import ConfigError, FatalError, RetryableError, ServerUnavailableError
+from datagen.prompts.provenance import canonical_kwargs_json
 from datagen.records.schema import GIVEN_FINISH, Record
 from datagen.settings import WorkerSettings
 from datagen.states import PromptClass
@@ -74,6 +75,7 @@ class Generator:
     async def generate(self, job: Job, payload: PromptPayload, cls: PromptClass) -> Record:
         job_info = self.job_infos.get(payload.job, payload.incarnation)
         spec = job_info.spec
+        arm = spec.arm_named(payload.arm)
         # Samples of one prompt prefer one server, whose prefix cache then serves them.
         affinity = f"{payload.job}/{payload.sample_id}/{payload.turn}" if spec.samples > 1 else None
         attempts = int(job.meta.get(ATTEMPTS, 0))
@@ -87,7 +89,7 @@ class Generator:
             straggler: Straggler | None = None
             try:
                 max_new = max_new_tokens(payload, server)
-                params = spec.sampling_for(payload.gen, max_new)
+                params = spec.sampling_for(payload.gen, max_new, arm)
                 if job_info.stop_ids:
                     # The tokenizer's and generation_config.json's, so that a server started with
                     # another generation config still stops where the model does.
@@ -113,8 +115,16 @@ class Generator:
             else:
                 enqueued_at_ms = int(job.enqueued_at.timestamp() * 1000) if job.enqueued_at else None
                 timing = (enqueued_at_ms, started_at_ms)
+                kwargs_json = canonical_kwargs_json(spec.template_kwargs(arm))
                 return self._record(
-                    payload, job_info.tokenizer, result, answered, rid, attempts + 1, timing, max_new, params
+                    payload,
+                    job_info.tokenizer,
+                    result,
+                    answered,
+                    rid,
+                    attempts + 1,
+                    timing,
+                    (max_new, params, kwargs_json),
                 )
             finally:
                 await self.fleet.release(server, cls)
@@ -242,9 +252,11 @@ class Generator:
         rid: str,
         attempts: int,
         timing: tuple[int | None, int],
-        max_new: int,
-        params: dict[str, object],
+        sent: tuple[int, dict[str, object], str],
     ) -> Record:
+        """``sent``: the max_new_tokens, sampling params and template variables (JSON) the record was
+        made with."""
+        max_new, params, kwargs_json = sent
         finish = result.finish
         return Record(
             job_id=payload.job,
@@ -271,6 +283,8 @@ class Generator:
             enqueued_at_ms=timing[0],
             started_at_ms=timing[1],
             finished_at_ms=now_ms(),
+            arm=payload.arm,
+            chat_template_kwargs=kwargs_json,
         )
 
 
