@@ -127,10 +127,12 @@ def expected_conversation(
     tool_call_format: ToolCallFormat | None,
     tool_mismatch: str = "stop",
     parse_calls: bool = True,
+    chat_template_kwargs: dict[str, Any] | None = None,
 ) -> ExpectedConversation:
     """Every turn's exact prompt and output ids, and how the conversation ends. The model writes
     calls in ``tool_call_format``; with ``parse_calls`` the job's ``tool_call_parser`` is the parser
-    of that name, without it the job has none (the dataset's calls stay in the history)."""
+    of that name, without it the job has none (the dataset's calls stay in the history).
+    ``chat_template_kwargs``: the template variables every turn is rendered with (a recipe's arm)."""
     messages = [dict(m) for m in row["messages"]]
     tools = row.get("tools")
     special = SpecialIds.from_tokenizer(tokenizer)
@@ -144,6 +146,7 @@ def expected_conversation(
             tokenize=True,
             return_dict=False,
             chat_template=template,
+            **(chat_template_kwargs or {}),
         )
         calls = (
             tool_call_ids_for(prompt, seed=seed, tokenizer=tokenizer, tool_call_format=tool_call_format)

@@ -220,7 +220,16 @@ class FaultStack:
         return self.procs.logs()
 
     # Coordinator API ----------------------------------------------------------------------------
-    def submit(self, rows: list[dict[str, Any]], *, max_new_tokens: int, seed: int = SEED) -> str:
+    def submit(
+        self,
+        rows: list[dict[str, Any]],
+        *,
+        max_new_tokens: int,
+        seed: int = SEED,
+        job_id: str | None = None,
+        **spec_fields: Any,
+    ) -> str:
+        """A job of ``rows``; ``spec_fields`` go into its spec (a recipe, samples)."""
         dataset = self.tmp / "dataset.jsonl"
         with open(dataset, "w", encoding="utf-8") as fh:
             for row in rows:
@@ -231,11 +240,13 @@ class FaultStack:
             short_max_new_tokens=max_new_tokens,
             long_threshold_tokens=100_000,
             sampling={"sampling_seed": seed},
+            **spec_fields,
         )
+        form = {"spec": json.dumps(spec)} if job_id is None else {"spec": json.dumps(spec), "job_id": job_id}
         with open(dataset, "rb") as fh:
             response = httpx.post(
                 f"{self.coordinator_url}/jobs",
-                data={"spec": json.dumps(spec)},
+                data=form,
                 files={"dataset": ("dataset.jsonl", fh, "application/jsonl")},
                 timeout=120,
             )
