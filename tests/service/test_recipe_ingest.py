@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import cast
 
 import pytest
 import redis
@@ -43,7 +44,8 @@ def settings(redis_url: str, tmp_path: Path) -> CoordinatorSettings:
 
 
 def _queued(redis_client: redis.Redis, job_id: str) -> list[PromptPayload]:
-    ids = [i.decode() for i in redis_client.lrange(Keys(NS).job_backlog(job_id, PromptClass.SHORT), 0, -1)]
+    backlog = cast(list[bytes], redis_client.lrange(Keys(NS).job_backlog(job_id, PromptClass.SHORT), 0, -1))
+    ids = [i.decode() for i in backlog]
     payloads = []
     for rq_id in ids:
         raw = payload_of(Job.fetch(rq_id, connection=redis_client, serializer=SERIALIZER))
