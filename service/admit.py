@@ -139,6 +139,8 @@ def breakdown(
         label = labels[payload.partition]
         counts[BreakdownField("accepted", label, payload.cls.value)] += turns - 1
         counts[BreakdownField("done", label, payload.cls.value)] += turns
+        if payload.arm:  # as the ack scripts count a recipe's prompts (`tally` in lib.lua)
+            counts[BreakdownField.of_arm("done", payload.arm, label, payload.cls.value)] += turns
     if chunk.rejected:
         counts[BreakdownField("rejected", UNKNOWN_LABEL, UNKNOWN_LABEL)] += len(chunk.rejected)
     return dict(counts)

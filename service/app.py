@@ -201,7 +201,7 @@ def _install_routes(app: FastAPI) -> None:
             validate_job_id(job_id)
         parsed = parse_spec_json(spec)
         job, created = coord.submit(parsed, dataset.file, job_id)
-        body = coord.jobs.progress(job).to_json()
+        body = coord.jobs.progress(job, with_arms=True).to_json()
         body["created"] = created
         return JSONResponse(status_code=202, content=body, headers={"Location": f"/jobs/{job}"})
 

@@ -4,7 +4,8 @@ Queue depths, pause flags and job progress are read from Redis when Prometheus s
 are never stale and cost nothing between scrapes. A job's series carry a ``job`` label only while
 the job is ingesting or running; they disappear when it ends (bounded label sets). Partitions
 beyond the first 20 of a job, and those longer than 128 characters, are counted as ``other``
-(`datagen.control.jobs.MAX_PARTITION_LABELS`, ``MAX_PARTITION_LABEL_CHARS``). Redis's memory
+(`datagen.control.jobs.MAX_PARTITION_LABELS`, ``MAX_PARTITION_LABEL_CHARS``); a job with a recipe
+adds an ``arm`` label per arm (at most 64, `datagen.spec.RecipeSpec`). Redis's memory
 against its ``maxmemory`` is read the same way (``INFO memory``), and every write Redis refused at
 that limit is counted.
 """
@@ -22,6 +23,7 @@ from redis import Redis, RedisError
 from datagen.clock import now_ms
 from datagen.control.dispatch import Dispatch
 from datagen.control.jobs import JobProgress, JobStore
+from datagen.control.progress import arm_counts
 from datagen.control.redismemory import RefusedWrites, read_memory
 from datagen.states import JobState, RebuildReason
 from service.fleetview import FleetView
@@ -100,6 +102,14 @@ class _JobsCollector(Collector):
             "Records of running jobs by finish reason",
             labels=["job", "partition", "class", "finish"],
         )
+        arm_done = CounterMetricFamily(
+            "datagen_job_arm_done", "Records of running jobs by recipe arm", labels=["job", "arm"]
+        )
+        arm_tokens = CounterMetricFamily(
+            "datagen_job_arm_generated_tokens",
+            "Generated tokens of running jobs' records by recipe arm",
+            labels=["job", "arm"],
+        )
         progress_ratio = GaugeMetricFamily(
             "datagen_job_progress_ratio", "Finished / accepted", labels=["job"]
         )
@@ -133,7 +143,7 @@ class _JobsCollector(Collector):
             for job in jobs:
                 states[job.state] += 1
                 if not job.state.is_final:
-                    self._job(job, (prompts, tokens, finishes), progress_ratio, eta)
+                    self._job(job, (prompts, tokens, finishes, arm_done, arm_tokens), progress_ratio, eta)
                     share = shares.get(job.job_id)
                     share_target.add_metric([job.job_id], share.target if share else 0.0)
                     share_recent.add_metric([job.job_id], share.recent if share else 0.0)
@@ -145,23 +155,32 @@ class _JobsCollector(Collector):
         for state, count in states.items():
             by_state.add_metric([state.value], count)
         yield from (by_state, prompts, tokens, finishes, progress_ratio, eta)
+        # Only while a running job has a recipe: without one the families would be empty.
+        yield from (family for family in (arm_done, arm_tokens) if family.samples)
         yield from (share_target, share_recent, weight, paused, first_record, tail)
 
     def _job(
         self,
         job: JobProgress,
-        counters: tuple[CounterMetricFamily, CounterMetricFamily, CounterMetricFamily],
+        counters: tuple[CounterMetricFamily, ...],
         progress_ratio: GaugeMetricFamily,
         eta: GaugeMetricFamily,
     ) -> None:
-        prompts, tokens, finishes = counters
-        for name, value in self.jobs.breakdown(job.job_id).items():
+        prompts, tokens, finishes, arm_done, arm_tokens = counters
+        breakdown = self.jobs.breakdown(job.job_id)
+        for name, value in breakdown.items():
+            if name.arm is not None:
+                continue  # a recipe arm's share of a plain counter, counted there already
             if name.counter == "output_tokens":
                 tokens.add_metric([job.job_id, name.label, name.cls], value)
             elif name.finish is not None:
                 finishes.add_metric([job.job_id, name.label, name.cls, name.finish], value)
             else:
                 prompts.add_metric([job.job_id, name.label, name.cls, name.counter], value)
+        if job.recipe_arms:
+            for arm, counts in arm_counts(job.recipe_arms, breakdown).items():
+                arm_done.add_metric([job.job_id, arm], counts["done"])
+                arm_tokens.add_metric([job.job_id, arm], counts["generated_tokens"])
         if job.accepted:
             progress_ratio.add_metric([job.job_id], (job.done + job.failed + job.cancelled) / job.accepted)
         view = job.to_json(at_ms=now_ms())

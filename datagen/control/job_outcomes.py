@@ -78,7 +78,8 @@ class RequeueItem:
 
 @dataclass(frozen=True)
 class AckItem:
-    """One prompt whose record is committed: what RQ and its job's counters need."""
+    """One prompt whose record is committed: what RQ and its job's counters need. ``arm``: the
+    recipe arm that made the record ('' in a job without a recipe), counted per arm as well."""
 
     rq_id: str
     job_id: str
@@ -88,6 +89,7 @@ class AckItem:
     cls: str
     finish: str
     result_ttl_s: int
+    arm: str = ""
 
 
 @dataclass(frozen=True)
@@ -139,7 +141,7 @@ class AckDoneArgs(ScriptArgs):
     execution_id: str
     running_state: str
     completed_state: str
-    # Per prompt: RQ id, job id, incarnation, output tokens, partition, class, finish, result TTL.
+    # Per prompt: RQ id, job id, incarnation, output tokens, partition, class, finish, result TTL, arm.
     prompts: tuple[tuple[str | int, ...], ...]
 
 
@@ -191,6 +193,7 @@ class AckNextTurnArgs(ScriptArgs):
     cls: str
     finish: str
     result_ttl_s: int
+    arm: str
     queue_key: str
     next_member: str
     next_rq_id: str
@@ -336,6 +339,7 @@ class JobOutcomes:
                     item.cls,
                     item.finish,
                     item.result_ttl_s,
+                    item.arm,
                 )
                 for item in items
             ),
@@ -389,6 +393,7 @@ class JobOutcomes:
             cls=item.cls,
             finish=item.finish,
             result_ttl_s=item.result_ttl_s,
+            arm=item.arm,
             queue_key=following.queue_key,
             next_member=following.member,
             next_rq_id=following.rq_id,

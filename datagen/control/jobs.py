@@ -9,6 +9,7 @@ The job turns ``completed`` in the same script that counts its last prompt.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import secrets
 import uuid
@@ -30,7 +31,7 @@ from datagen.control.job_outcomes import (
 )
 from datagen.control.keys import SEEN_SEGMENTS, BreakdownField, Keys, partition_label
 from datagen.control.leases import Fencing, LeaseLostError
-from datagen.control.progress import RETAINED_FEATURES, JobProgress, progress_from_hash
+from datagen.control.progress import RETAINED_FEATURES, JobProgress, arm_counts, progress_from_hash
 from datagen.control.redistext import as_text, as_texts
 from datagen.control.scripts import KEY, LuaScript, ScriptArgs
 from datagen.errors import JobNotFoundError, JobStateError
@@ -324,15 +325,16 @@ class JobStore:
         stops = [int(i) for i in json.loads(raw_stops)] if raw_stops else []
         return JobSpec.model_validate_json(raw_spec), as_text(raw_identity), stops
 
-    def progress(self, job_id: str) -> JobProgress:
-        found = self.progress_many([job_id])[0]
+    def progress(self, job_id: str, *, with_arms: bool = False) -> JobProgress:
+        found = self.progress_many([job_id], with_arms=with_arms)[0]
         if found is None:
             raise JobNotFoundError(f"no job {job_id!r}")
         return found
 
-    def progress_many(self, job_ids: Sequence[str]) -> list[JobProgress | None]:
+    def progress_many(self, job_ids: Sequence[str], *, with_arms: bool = False) -> list[JobProgress | None]:
         """Each job's progress (None: no such job), in one round trip: a page of ``GET /jobs``
-        costs one, not one per job."""
+        costs one, not one per job. ``with_arms``: a job with a recipe also gets its arms' counts
+        from its breakdown (`JobProgress.arms`), one more round trip for the page if it has any."""
         with self.redis.pipeline(transaction=False) as pipe:
             for job_id in job_ids:
                 pipe.hgetall(self.keys.job(job_id))
@@ -345,6 +347,22 @@ class JobStore:
             raw = cast(dict[bytes, bytes], raw_hash)
             out.append(
                 progress_from_hash(job_id, raw, int(running), bool(paused)) if b"state" in raw else None
+            )
+        return self._with_arms(out) if with_arms else out
+
+    def _with_arms(self, found: list[JobProgress | None]) -> list[JobProgress | None]:
+        """``found`` with each recipe job's arm counts, its breakdowns read in one round trip."""
+        recipes = [(i, progress) for i, progress in enumerate(found) if progress and progress.recipe_arms]
+        if not recipes:
+            return found
+        with self.redis.pipeline(transaction=False) as pipe:
+            for _, progress in recipes:
+                pipe.hgetall(self.keys.job_breakdown(progress.job_id))
+            replies = pipe.execute()
+        out = list(found)
+        for (i, progress), raw in zip(recipes, replies, strict=True):
+            out[i] = dataclasses.replace(
+                progress, arms=arm_counts(progress.recipe_arms, _decode_breakdown(raw))
             )
         return out
 
@@ -559,8 +577,7 @@ class JobStore:
             pipe.hincrby(key, name.encode(), n)
 
     def breakdown(self, job_id: str) -> dict[BreakdownField, int]:
-        raw = cast(dict[bytes, bytes], self.redis.hgetall(self.keys.job_breakdown(job_id)))
-        return {BreakdownField.decode(as_text(name)): int(value) for name, value in raw.items()}
+        return _decode_breakdown(self.redis.hgetall(self.keys.job_breakdown(job_id)))
 
 
 @dataclass(frozen=True)
@@ -568,6 +585,11 @@ class DispatchFacts:
     weight: float
     priority: Priority
     dispatched: int
+
+
+def _decode_breakdown(reply: Any) -> dict[BreakdownField, int]:
+    raw = cast(dict[bytes, bytes], reply)
+    return {BreakdownField.decode(as_text(name)): int(value) for name, value in raw.items()}
 
 
 def _priority(raw: bytes | str | None) -> Priority:

@@ -13,6 +13,7 @@ from typing import NamedTuple
 from datagen.states import Priority, PromptClass, sample_digest
 
 __all__ = [
+    "ARM_SEPARATOR",
     "FINISH_PREFIX",
     "OTHER_LABEL",
     "SEEN_SEGMENTS",
@@ -238,6 +239,10 @@ OTHER_LABEL = "other"
 UNKNOWN_LABEL = "unknown"
 # A finish reason counts as the counter ``finish:<reason>``.
 FINISH_PREFIX = "finish:"
+# A job with a recipe also counts its prompts per arm: the counter ``<counter>@<arm>`` (``done@low``)
+# beside the plain one, so a plain counter's sum stays the job's. Arm names cannot hold it
+# (`datagen.spec.ARM_NAME_PATTERN`); `tally` in datagen/control/lua/lib.lua writes the same literal.
+ARM_SEPARATOR = "@"
 
 
 class BreakdownField(NamedTuple):
@@ -259,6 +264,22 @@ class BreakdownField(NamedTuple):
     def finish(self) -> str | None:
         """The finish reason this field counts, or None for another counter."""
         return self.counter.removeprefix(FINISH_PREFIX) if self.counter.startswith(FINISH_PREFIX) else None
+
+    @classmethod
+    def of_arm(cls, counter: str, arm: str, label: str, klass: str) -> BreakdownField:
+        """The field that counts ``counter`` of one recipe arm (``done@low|label|class``)."""
+        return cls(f"{counter}{ARM_SEPARATOR}{arm}", label, klass)
+
+    @property
+    def arm(self) -> str | None:
+        """The recipe arm a per-arm field counts (``low`` of ``done@low``), or None for a plain one."""
+        _, sep, arm = self.counter.partition(ARM_SEPARATOR)
+        return arm if sep else None
+
+    @property
+    def base(self) -> str:
+        """The counter without its arm (``done`` of ``done@low``; a plain counter as it is)."""
+        return self.counter.partition(ARM_SEPARATOR)[0]
 
 
 def partition_label(partition: str, labelled: Collection[str]) -> str:

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from datagen.clock import now_ms
+from datagen.control.keys import BreakdownField
 from datagen.states import JobState
 
-__all__ = ["INT_FIELDS", "JobProgress", "progress_from_hash"]
+__all__ = ["INT_FIELDS", "JobProgress", "arm_counts", "progress_from_hash"]
 
 # The job hash's count of stored features not yet consumed (`datagen.control.jobs.JobStore`).
 RETAINED_FEATURES = "features_retained_bytes"
@@ -69,6 +71,11 @@ class JobProgress:
     completed_before_ms: int = 0
     # A job with features and a budget: bytes of features stored and not yet consumed by a pull.
     features_retained_bytes: int | None = None
+    # A job with a recipe: its arms' names, in the recipe's order (empty without one).
+    recipe_arms: tuple[str, ...] = ()
+    # A job with a recipe read with its breakdown (`JobStore.progress_many(with_arms=True)`): each
+    # arm's counts (`arm_counts`); None otherwise.
+    arms: dict[str, dict[str, int]] | None = None
 
     @property
     def queued(self) -> int:
@@ -135,6 +142,8 @@ class JobProgress:
             "waiting_for_room": self.waiting_for_room if self.state is JobState.INGESTING else None,
             # Against the spec's features.retain_bytes (None: nothing counted, no budget kept).
             "features_retained_bytes": self.features_retained_bytes,
+            # A job with a recipe: {arm: {done, generated_tokens}}; null without one.
+            "arms": self.arms,
         }
 
 
@@ -170,7 +179,35 @@ def progress_from_hash(job_id: str, raw: dict[bytes, bytes], running: int, pause
         waiting_for_room=fields.get("waiting_for_room") or None,
         completed_before_ms=_completed_before_ms(fields.get("completed_before"), ints),
         features_retained_bytes=int(retained) if (retained := fields.get(RETAINED_FEATURES)) else None,
+        recipe_arms=_recipe_arms(fields.get("spec")),
     )
+
+
+def _recipe_arms(raw_spec: str | None) -> tuple[str, ...]:
+    """The arm names of the stored spec's recipe. A spec without a recipe is stored without the key
+    (`JobSpec`'s serializer), so most jobs are told apart without parsing their spec."""
+    if not raw_spec or '"recipe"' not in raw_spec:
+        return ()
+    recipe = json.loads(raw_spec).get("recipe") or {}
+    return tuple(str(arm["name"]) for arm in recipe.get("arms", ()))
+
+
+# The per-arm counters `tally` in datagen/control/lua/lib.lua writes, as `arm_counts` names them.
+ARM_COUNTERS = {"done": "done", "output_tokens": "generated_tokens"}
+
+
+def arm_counts(arms: Sequence[str], breakdown: Mapping[BreakdownField, int]) -> dict[str, dict[str, int]]:
+    """Each recipe arm's prompts done and their generated tokens, summed over the breakdown's
+    partitions and classes: every arm of ``arms`` (0 before its first record), and any other arm
+    the breakdown counts."""
+    counts = {arm: dict.fromkeys(ARM_COUNTERS.values(), 0) for arm in arms}
+    for field, n in breakdown.items():
+        arm, name = field.arm, ARM_COUNTERS.get(field.base)
+        if arm is None or name is None:
+            continue
+        per_arm = counts.setdefault(arm, dict.fromkeys(ARM_COUNTERS.values(), 0))
+        per_arm[name] += n
+    return counts
 
 
 def _completed_before_ms(raw: str | None, ints: dict[str, int]) -> int:

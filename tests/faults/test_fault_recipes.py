@@ -101,6 +101,8 @@ def test_arms_hold_through_a_redis_loss_and_a_resubmit(make_stack: Callable[...,
     # Exact shares: a record generated twice (in flight at the loss) has the same arm both times.
     shares = Counter(r["arm"] for r in {r["sample_id"]: r for r in records}.values())
     assert shares == {"think": 100, "answer": 100, "high": 100}
+    # The job counts done per arm, the records committed before the loss included.
+    assert {name: arm["done"] for name, arm in job["arms"].items()} == shares
 
     again = stack.submit(rows, max_new_tokens=MAX_NEW_TOKENS, job_id="again", recipe=RECIPE)
     stack.wait_completed(again, COMPLETE_TIMEOUT_S)

@@ -130,8 +130,9 @@ def ack_item(
     partition: str,
     cls: str,
     finish: str,
+    arm: str = "",
 ) -> AckItem:
-    """What the ack script needs of one committed prompt."""
+    """What the ack script needs of one committed prompt (``arm``: its recipe arm, '' for none)."""
     job = item.job
     return AckItem(
         rq_id=job.id,
@@ -142,6 +143,7 @@ def ack_item(
         cls=cls,
         finish=finish,
         result_ttl_s=job.get_result_ttl(DEFAULT_RESULT_TTL_S),
+        arm=arm,
     )
 
 
@@ -201,6 +203,7 @@ class Finisher:
             partition=record.partition,
             cls=record.cls,
             finish=record.finish_type,
+            arm=record.arm or "",
         )
         if isinstance(following, ConversationStop):
             await self.conversations.record_stop(payload, following)

@@ -25,15 +25,16 @@
 -- ARGV[9]   execution_id       the execution id of the started-registry members
 -- ARGV[10]  running_state      the state of a job whose prompts run
 -- ARGV[11]  completed_state    the state a job moves to when its last prompt ends
--- ARGV[12..] prompts           8 per prompt: RQ id, job id, the job incarnation it belongs to ('' for
---                              none), output tokens, partition, class, finish reason, result TTL (s)
+-- ARGV[12..] prompts           9 per prompt: RQ id, job id, the job incarnation it belongs to ('' for
+--                              none), output tokens, partition, class, finish reason, result TTL (s),
+--                              recipe arm ('' for none)
 
 local acked = {}
-for i = 1, #prompts, 8 do
+for i = 1, #prompts, 9 do
   acked[#acked + 1] = {
     rq_id = prompts[i], job_id = prompts[i + 1], incarnation = prompts[i + 2],
     output_tokens = tonumber(prompts[i + 3]), partition = prompts[i + 4], cls = prompts[i + 5],
-    finish = prompts[i + 6], result_ttl_s = tonumber(prompts[i + 7]),
+    finish = prompts[i + 6], result_ttl_s = tonumber(prompts[i + 7]), arm = prompts[i + 8],
   }
 end
 if #acked == 0 then return 0 end

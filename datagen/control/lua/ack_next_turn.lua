@@ -41,16 +41,17 @@
 -- ARGV[14]  cls              its class
 -- ARGV[15]  finish           its finish reason
 -- ARGV[16]  result_ttl_s: number  its RQ result TTL (s)
--- ARGV[17]  queue_key        the next turn's RQ queue key
--- ARGV[18]  next_member      the next turn's prompt key in the guard set
--- ARGV[19]  next_rq_id       the next turn's RQ id
--- ARGV[20]  next_cls         the next turn's class
--- ARGV[21]  next_tokens: number  the next turn's prompt tokens
--- ARGV[22..] next_fields     the next turn's RQ job hash: field, value, field, value, ...
+-- ARGV[17]  arm              its recipe arm ('' for none)
+-- ARGV[18]  queue_key        the next turn's RQ queue key
+-- ARGV[19]  next_member      the next turn's prompt key in the guard set
+-- ARGV[20]  next_rq_id       the next turn's RQ id
+-- ARGV[21]  next_cls         the next turn's class
+-- ARGV[22]  next_tokens: number  the next turn's prompt tokens
+-- ARGV[23..] next_fields     the next turn's RQ job hash: field, value, field, value, ...
 
 local prompt = {
   rq_id = rq_id, incarnation = incarnation, output_tokens = output_tokens, partition = partition, cls = cls,
-  finish = finish, result_ttl_s = result_ttl_s,
+  finish = finish, result_ttl_s = result_ttl_s, arm = arm,
 }
 redis.call('ZREM', started, rq_id .. ':' .. execution_id)
 local job = {key = job_key, running = running, breakdown = breakdown, partitions = partitions}

@@ -78,7 +78,10 @@ end
 
 -- Adds to `fields` (breakdown field -> increment) what `n` prompts of one label and class, counted
 -- as `counter`, add: the counter, their output tokens, and one per finish reason ('' for none).
-local function tally(fields, counter, label, cls, n, tokens, finish)
+-- Prompts of a recipe's arm (`arm`, '' or nil for none) also add the counter and their output
+-- tokens as `<counter>@<arm>` and `output_tokens@<arm>` (`BreakdownField.of_arm`), beside the plain
+-- ones, so the plain counters still sum to the job's.
+local function tally(fields, counter, label, cls, n, tokens, finish, arm)
   local field = breakdown_field(counter, label, cls)
   fields[field] = (fields[field] or 0) + n
   if tokens ~= 0 then
@@ -88,6 +91,14 @@ local function tally(fields, counter, label, cls, n, tokens, finish)
   if finish ~= '' then
     field = breakdown_field('finish:' .. finish, label, cls)
     fields[field] = (fields[field] or 0) + 1
+  end
+  if arm and arm ~= '' then
+    field = breakdown_field(counter .. '@' .. arm, label, cls)
+    fields[field] = (fields[field] or 0) + n
+    if tokens ~= 0 then
+      field = breakdown_field('output_tokens@' .. arm, label, cls)
+      fields[field] = (fields[field] or 0) + tokens
+    end
   end
 end
 
@@ -177,7 +188,7 @@ local function ack_in_job(job, prompts, rq)
       done = done + 1
       tokens = tokens + prompt.output_tokens
       tally(fields, 'done', partition_label(job, prompt.partition, known), prompt.cls, 1,
-        prompt.output_tokens, prompt.finish)
+        prompt.output_tokens, prompt.finish, prompt.arm)
     end
   end
   return done, tokens, fields
