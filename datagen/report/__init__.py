@@ -3,7 +3,8 @@
 Modules: ``build`` (`build_report`: one streaming pass over the committed records, read through
 :mod:`datagen.records.reader` as the exports read them, and the checks), ``stats`` (fixed-bin length
 histograms), ``conversations`` (how the conversations of a multi-turn ``all`` job went: the report's
-``conversations`` section), ``render`` (the terminal view, report.json, PNG histograms and report.html).
+``conversations`` section), ``arms`` (a job with a recipe: the report's ``arms`` section, by arm),
+``render`` (the terminal view, report.json, PNG histograms and report.html).
 """
 
 from datagen.report.build import Check, CheckStatus, JobReport, build_report

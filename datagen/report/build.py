@@ -12,6 +12,8 @@ One streaming pass over the committed records (one batch in memory, fixed-bin hi
   check                         level   what it flags
   ============================  ======  ================================================================
   ``generation_prompt``         fail    a prompt that does not end with the template's generation prompt
+                                        (a recipe's record: with the template variables it was
+                                        rendered with, its ``chat_template_kwargs``)
   ``think_end``                 fail    after a prompt that opens a think block, an output without exactly
                                         one think-end token (a length-truncated one may have none);
                                         otherwise an output holding one
@@ -34,7 +36,9 @@ One streaming pass over the committed records (one batch in memory, fixed-bin hi
   ============================  ======  ================================================================
 
 A job with features gets a section of its own (`datagen.report.features`): records with features
-stored, their bytes and bytes per token, and why the others have none.
+stored, their bytes and bytes per token, and why the others have none. A job with a recipe gets one
+too (`datagen.report.arms`): per arm, its records and share, lengths, finishes and truncation, the
+think structure of its outputs, and the template variables and sampling its records carry.
 
 Only the first record per key is counted and checked. The duplicate sets hold a 16-byte digest per
 record (keys and sequences: about 180 bytes a record together); everything else is fixed-size. When
@@ -54,9 +58,11 @@ import numpy as np
 import pyarrow as pa
 
 from datagen.export.tokens import JobTokens, load_job_tokens
+from datagen.prompts.tokenization import get_renderer
 from datagen.records.reader import RowViews, SeenKeys, iter_committed_batches
-from datagen.records.schema import GIVEN_FINISH
+from datagen.records.schema import GIVEN_FINISH, TEMPLATE_KWARGS
 from datagen.records.storage import Storage
+from datagen.report.arms import ARM_REPORT_COLUMNS, ArmTally, ThinkShape, column_or_null, think_shape
 from datagen.report.conversations import ConversationTally
 from datagen.report.features import FEATURE_REPORT_COLUMNS, FeatureTally
 from datagen.report.stats import LengthHistogram
@@ -165,6 +171,8 @@ class JobReport:
     conversation_tally: ConversationTally | None = None
     # Jobs with features only (None otherwise).
     features: FeatureTally | None = None
+    # Jobs with a recipe only (None otherwise).
+    arm_tally: ArmTally | None = None
 
     @property
     def conversations(self) -> ConversationTally | None:
@@ -174,11 +182,17 @@ class JobReport:
         return tally if tally is not None and tally.present else None
 
     @property
+    def arms(self) -> ArmTally | None:
+        """The records by arm, when any record names one (a job with a recipe)."""
+        tally = self.arm_tally
+        return tally if tally is not None and tally.present else None
+
+    @property
     def failed(self) -> bool:
         return any(check.status is CheckStatus.FAIL for check in self.checks.values())
 
     def to_json(self) -> dict[str, Any]:
-        conversations = self.conversations
+        conversations, arms = self.conversations, self.arms
         return {
             "job_id": self.job_id,
             "records": self.records,
@@ -201,6 +215,7 @@ class JobReport:
             "checks": [check.to_json() for check in self.checks.values()],
             **({"conversations": conversations.to_json()} if conversations is not None else {}),
             **({"features": self.features.to_json()} if self.features is not None else {}),
+            **({"arms": arms.to_json()} if arms is not None else {}),
         }
 
 
@@ -227,10 +242,15 @@ def _name_repeats(storage: Storage, job_id: str, repeats: dict[bytes, str], chec
 class _Scanner:
     """Feeds record batches into a report, checking each first record per key."""
 
-    def __init__(self, report: JobReport, tokens: JobTokens) -> None:
+    def __init__(self, report: JobReport, tokens: JobTokens, trust_remote_code: bool) -> None:
         self.report = report
         self.tokens = tokens
-        self.generation_prompt = np.array(tokens.generation_prompt, dtype=np.int64)
+        self.trust_remote_code = trust_remote_code
+        # By the template variables a record's prompt was rendered with (an arm's differ from the
+        # job's: thinking off closes the think block in the generation prompt); None: the job's.
+        self.generation_prompts: dict[str | None, np.ndarray] = {
+            None: np.array(tokens.generation_prompt, dtype=np.int64)
+        }
         self.keys = SeenKeys()
         self.sequences: set[bytes] = set()
         # Digests of the first repeated sequences found → the later row's id, to name the earlier one.
@@ -242,18 +262,33 @@ class _Scanner:
         self.report.checks["duplicate_keys"].flag(row_id)
         return False
 
-    def _check_tokens(self, rows: RowViews, i: int, finish: str) -> None:
+    def _generation_prompt(self, template_kwargs: str | None) -> np.ndarray:
+        """The generation prompt of prompts rendered with ``template_kwargs`` (canonical JSON)."""
+        ids = self.generation_prompts.get(template_kwargs)
+        if ids is None and template_kwargs is not None:
+            renderer = self.tokens.renderer
+            rendered = get_renderer(
+                renderer.tokenizer_name, renderer.chat_template_path, self.trust_remote_code, template_kwargs
+            )
+            ids = self.generation_prompts[template_kwargs] = np.array(
+                rendered.generation_prompt_ids(), dtype=np.int64
+            )
+        return self.generation_prompts[None] if ids is None else ids
+
+    def _check_tokens(self, rows: RowViews, i: int, finish: str, template_kwargs: str | None) -> ThinkShape:
         checks, tokens = self.report.checks, self.tokens
         prompt, output, row_id = rows.prompt(i), rows.output(i), rows.ids[i]
-        size = self.generation_prompt.size
-        if prompt.size < size or not np.array_equal(prompt[prompt.size - size :], self.generation_prompt):
+        generation_prompt = self._generation_prompt(template_kwargs)
+        size = generation_prompt.size
+        if prompt.size < size or not np.array_equal(prompt[prompt.size - size :], generation_prompt):
             checks["generation_prompt"].flag(row_id)
         think_ends = (
             0 if tokens.think_end_id is None else int(np.count_nonzero(output == tokens.think_end_id))
         )
         # Reasoning closes its think block once; a length-truncated output may stop before it does.
         expected = {0, 1} if finish == FinishType.LENGTH else {1}
-        allowed = expected if tokens.opens_think(prompt) else {0}
+        opens_think = tokens.opens_think(prompt)
+        allowed = expected if opens_think else {0}
         if think_ends not in allowed:
             checks["think_end"].flag(f"{row_id} ({think_ends} think-end tokens, finish {finish})")
         if finish == FinishType.STOP and (not output.size or int(output[-1]) not in tokens.stop_ids):
@@ -268,14 +303,18 @@ class _Scanner:
                 self.repeats.setdefault(digest, row_id)
             check.found += 1
         self.sequences.add(digest)
+        return think_shape(opens_think, think_ends)
 
     def add(self, batch: pa.RecordBatch) -> None:
         report = self.report
         rows = RowViews(batch)
         columns = {c: batch.column(c).to_pylist() for c in ("sample_id", "turn", "gen", "partition", "class")}
         finishes = batch.column("finish_type").to_pylist()
+        # Only a job with a recipe reads the column (its records' template variables differ by arm).
+        kwargs = column_or_null(batch, TEMPLATE_KWARGS)
         lengths = np.diff(rows.offsets)
         new = np.zeros(len(rows), dtype=bool)
+        shapes: list[ThinkShape | None] = [None] * len(rows)
         for i in range(len(rows)):
             report.records += 1
             if not self._is_new(columns["sample_id"][i], columns["turn"][i], columns["gen"][i], rows.ids[i]):
@@ -288,7 +327,7 @@ class _Scanner:
             report.by_partition_finish[(partition, finish)] += 1
             report.by_class[columns["class"][i]] += 1
             if finish != GIVEN_FINISH:  # a capture-only job's rows came as they are
-                self._check_tokens(rows, i, finish)
+                shapes[i] = self._check_tokens(rows, i, finish, kwargs[i])
         prompt_lens = np.minimum(rows.prompt_lens, lengths)
         report.prompt_lengths.add(prompt_lens[new])
         finish_array = np.array(finishes, dtype=object)
@@ -296,6 +335,8 @@ class _Scanner:
             selected = new & (finish_array == finish)
             histogram = report.output_lengths.setdefault(finish, LengthHistogram())
             histogram.add((lengths - prompt_lens)[selected])
+        if report.arm_tally is not None:
+            report.arm_tally.add(batch, new, prompt_lens, lengths - prompt_lens, shapes)
         if report.conversation_tally is not None:
             report.conversation_tally.add_rows(columns["sample_id"], columns["turn"], columns["gen"], new)
         if report.features is not None:
@@ -355,7 +396,14 @@ def build_report(
             CheckStatus.WARN,
         )
         columns += FEATURE_REPORT_COLUMNS
-    scanner = _Scanner(report, tokens)
+    recipe = spec.get("recipe")
+    if isinstance(recipe, dict):
+        report.arm_tally = ArmTally([str(arm.get("name")) for arm in recipe.get("arms") or []])
+        report.checks[
+            "generation_prompt"
+        ].description += " (a recipe's record: its arm's template variables')"
+        columns += ARM_REPORT_COLUMNS
+    scanner = _Scanner(report, tokens, bool(spec.get("trust_remote_code", False)))
     for batch in iter_committed_batches(storage, job_id, columns):
         scanner.add(batch)
         if on_read is not None:

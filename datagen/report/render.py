@@ -23,6 +23,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from datagen.errors import StorageError
+from datagen.report.arms import ArmTally
 from datagen.report.stats import LENGTH_EDGES, LengthHistogram
 
 __all__ = ["CheckView", "ConversationsView", "ReportView", "print_report", "write_report"]
@@ -109,6 +110,8 @@ class ReportView(Protocol):
     @property
     def features(self) -> FeaturesView | None: ...
     @property
+    def arms(self) -> ArmTally | None: ...
+    @property
     def failed(self) -> bool: ...
     def to_json(self) -> dict[str, Any]: ...
 
@@ -147,6 +150,15 @@ def _fmt(value: float | int | None) -> str:
     return f"{value:,.1f}" if isinstance(value, float) else f"{value:,}"
 
 
+def _length_cells(h: LengthHistogram) -> list[str]:
+    """records, min, mean, p50, p90, p99 and max, as the lengths tables show them."""
+    cells = (h.count, h.minimum, h.mean, h.quantile(0.5), h.quantile(0.9), h.quantile(0.99), h.maximum)
+    return [_fmt(v) for v in cells]
+
+
+_LENGTH_HEADER = ["records", "min", "mean", "p50 ≤", "p90 ≤", "p99 ≤", "max"]
+
+
 def _bars(title: str, histogram: LengthHistogram) -> Table:
     table = Table("tokens", "records", "", title=title, box=None, title_justify="left")
     rows = histogram.octaves()
@@ -181,6 +193,21 @@ def _print_conversations(c: ConversationsView, console: Console) -> None:
         console.print(table)
 
 
+def _print_arms(arms: ArmTally, console: Console) -> None:
+    header, rows = arms.summary()
+    table = Table(*header, title="records by arm")
+    for row in rows:
+        table.add_row(*row)
+    console.print(table)
+    lengths = Table("tokens", *_LENGTH_HEADER, title="lengths by arm")
+    for name, h in arms.lengths():
+        lengths.add_row(name, *_length_cells(h))
+    console.print(lengths)
+    for name, column, value, distinct in arms.settings():
+        others = f" ({distinct} distinct; the most common shown)" if distinct != "1" else ""
+        console.print(f"  {name} {column}{others}: {value}", markup=False, highlight=False)
+
+
 def print_report(report: ReportView, console: Console) -> None:
     console.print(f"[bold]job {report.job_id}[/bold]: {report.records:,} records, {report.unique:,} unique")
     finishes = sorted(report.by_finish)
@@ -190,13 +217,14 @@ def print_report(report: ReportView, console: Console) -> None:
     partitions.add_row("[bold]all", f"{report.unique:,}", *(f"{report.by_finish[f]:,}" for f in finishes))
     console.print(partitions)
     console.print("classes: " + ", ".join(f"{c} {n:,}" for c, n in sorted(report.by_class.items())))
-    lengths = Table("tokens", "records", "min", "mean", "p50 ≤", "p90 ≤", "p99 ≤", "max", title="lengths")
+    lengths = Table("tokens", *_LENGTH_HEADER, title="lengths")
     for name, h in _length_rows(report):
-        cells = (h.count, h.minimum, h.mean, h.quantile(0.5), h.quantile(0.9), h.quantile(0.99), h.maximum)
-        lengths.add_row(name, *(_fmt(v) for v in cells))
+        lengths.add_row(name, *_length_cells(h))
     console.print(lengths)
     console.print(_bars("prompt lengths", report.prompt_lengths))
     console.print(_bars("output lengths", _combined_outputs(report)))
+    if report.arms is not None:
+        _print_arms(report.arms, console)
     if report.conversations is not None:
         _print_conversations(report.conversations, console)
     if report.features is not None:
@@ -289,9 +317,24 @@ def _html(report: ReportView, plots: dict[str, bytes]) -> str:
         f"{_html_table(['partition', 'records', *finishes], partitions)}"
         f"<h2>Lengths (tokens)</h2>"
         f"{_html_table(['', 'records', 'min', 'mean', 'p50 ≤', 'p90 ≤', 'max'], lengths)}"
+        f"{_html_arms(report)}"
         f"{_html_conversations(report)}"
         f"{_html_features(report)}"
         f"{images}</body></html>"
+    )
+
+
+def _html_arms(report: ReportView) -> str:
+    arms = report.arms
+    if arms is None:
+        return ""
+    header, rows = arms.summary()
+    lengths = [[name, *_length_cells(h)] for name, h in arms.lengths()]
+    return (
+        f"<h2>Records by arm</h2>{_html_table(header, rows)}"
+        f"<h2>Lengths by arm (tokens)</h2>{_html_table(['', *_LENGTH_HEADER], lengths)}"
+        f"<h2>Template variables and sampling by arm</h2>"
+        f"{_html_table(['arm', 'column', 'most records carry', 'distinct'], arms.settings())}"
     )
 
 
@@ -314,7 +357,8 @@ def _html_features(report: ReportView) -> str:
 
 
 def write_report(report: ReportView, out_dir: Path) -> list[Path]:
-    """report.json, prompt_lengths.png, output_lengths.png and report.html under ``out_dir``."""
+    """report.json, prompt_lengths.png, output_lengths.png (and output_lengths_by_arm.png for a job
+    with a recipe) and report.html under ``out_dir``."""
     plots = {
         "prompt lengths": _plot([("prompts", report.prompt_lengths)], "prompt lengths"),
         "output lengths": _plot(
@@ -325,8 +369,15 @@ def write_report(report: ReportView, out_dir: Path) -> list[Path]:
         "report.json": json.dumps(report.to_json(), indent=2).encode("utf-8"),
         "prompt_lengths.png": plots["prompt lengths"],
         "output_lengths.png": plots["output lengths"],
-        "report.html": _html(report, plots).encode("utf-8"),
     }
+    if report.arms is not None:
+        by_arm = [
+            (f"arm {name}", stats.all_outputs()) for name, stats, _ in report.arms.rows() if stats.records
+        ]
+        plots["output lengths by arm"] = files["output_lengths_by_arm.png"] = _plot(
+            by_arm, "output lengths by arm"
+        )
+    files["report.html"] = _html(report, plots).encode("utf-8")
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
         for name, data in files.items():

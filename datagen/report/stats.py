@@ -39,6 +39,16 @@ class LengthHistogram:
         self.minimum = low if self.minimum is None else min(self.minimum, low)
         self.maximum = high if self.maximum is None else max(self.maximum, high)
 
+    def merge(self, other: LengthHistogram) -> None:
+        """Count ``other``'s lengths here too."""
+        if not other.count or other.minimum is None or other.maximum is None:
+            return
+        self.counts += other.counts
+        self.count += other.count
+        self.total += other.total
+        self.minimum = other.minimum if self.minimum is None else min(self.minimum, other.minimum)
+        self.maximum = other.maximum if self.maximum is None else max(self.maximum, other.maximum)
+
     @property
     def mean(self) -> float | None:
         return self.total / self.count if self.count else None
