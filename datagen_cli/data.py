@@ -67,6 +67,7 @@ def _report_skipped(job_id: str, skipped: list[CorruptShardError]) -> None:
         "datagen export JOB_ID --out train.jsonl",
         "datagen export JOB_ID --format parquet --out train/ --shuffle-seed 0",
         "datagen export JOB_ID --format conversations --out chats.jsonl",
+        "datagen export JOB_ID --out train.jsonl --arms-file",
         "datagen export JOB_ID --format speculators-offline --out train/",
     )
 )
@@ -126,11 +127,23 @@ def export(
             help="leave out shards that differ from their commit objects or cannot be read (exit 1)",
         ),
     ] = False,
+    arms_file: Annotated[
+        bool | None,
+        typer.Option(
+            "--arms-file/--no-arms-file",
+            help="specforge: also write each row's arm, chat_template_kwargs and sampling_params beside "
+            "the export (train.jsonl -> train.arms.jsonl; a --shard-size directory train -> "
+            "train.arms.jsonl), one line a row in the rows' order, with index, id, sample_id, turn, gen "
+            "(default: written when a row has a recipe arm; otherwise an earlier one there is removed). "
+            "The other formats carry these in their rows",
+        ),
+    ] = None,
 ) -> None:
     """Export a job's records as training files.
 
     The records are read from storage and deduplicated on sample, turn and gen. Prints a one-line
-    JSON summary on stdout: rows written, duplicates, rows dropped by reason, shards skipped.
+    JSON summary on stdout: rows written, duplicates, rows dropped by reason, shards skipped, the
+    arms file (specforge).
     Exit 0; 1 when --skip-unreadable left a shard out; 3 on an error.
     """
     from datagen.export import ExportOptions, check_exportable, export_job, total_records
@@ -145,9 +158,10 @@ def export(
         partitions=frozenset(partition) if partition else None,
         tokenizer=tokenizer,
         skip_unreadable=skip_unreadable,
+        arms_file=arms_file,
     )
     store = _job_storage(job_id, storage)
-    check_exportable(store, job_id, fmt)  # a refusal comes at once, before any bar is drawn
+    check_exportable(store, job_id, fmt, options)  # a refusal comes at once, before any bar is drawn
     started = time.monotonic()
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=console) as bar:

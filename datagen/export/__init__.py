@@ -18,6 +18,12 @@ dropping them would cut the long tail of generation lengths out of the training 
 stays available in ``speculators`` and ``parquet``. They are dropped by default in ``conversations``,
 whose text trainers re-render the turn as a finished one.
 
+Every format says how each row was made: its recipe arm, template variables and sampling params
+(``parquet`` columns, ``speculators`` metadata, ``conversations`` fields of a recipe job's rows, and
+for ``specforge``, whose rows SpecForge's reader fixes, the arms side file beside the export; see
+:mod:`datagen.export.formats`). Shards from before records held them read as a null arm and the job's
+template variables (`datagen.export.rows.with_arm_columns`).
+
 Memory stays flat for any job size except for the dedupe set (a digest a record) and, for
 ``conversations``, the input index (a digest and a file offset a prompt); a shuffle holds one bucket
 of ``SHUFFLE_BUCKET_BYTES`` (see :mod:`datagen.export.shuffle`). ``bench/export.py`` measures all three

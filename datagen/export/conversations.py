@@ -15,7 +15,10 @@ belongs to the prompt, so reasoning starts at the first output token. An output 
 after a prompt that opens a think block (a length-truncated record) is all ``reasoning_content`` with
 an empty ``content``; after a prompt that does not open one (thinking off), all ``content``. Each row
 carries ``status``: ``success`` for a stop, ``truncated`` for a length finish or a row clipped by
-``--max-length`` (SpecForge's validator accepts only ``success``).
+``--max-length`` (SpecForge's validator accepts only ``success``). A record of a job with a recipe
+also carries its ``arm`` and ``chat_template_kwargs`` (an object: the template variables its prompt
+was rendered with, which a trainer re-rendering the conversation needs, e.g. ``thinking``); rows of a
+job without a recipe have neither.
 
 Jobs in multi-turn ``all`` mode are refused (in ``datagen.export.pipeline``): the history of their turn k+1 is
 the regenerated turn k, which the input does not hold. Rebuilding it needs the records grouped by
@@ -34,10 +37,12 @@ import orjson
 import pyarrow as pa
 
 from datagen.errors import StorageError
+from datagen.export.formats import JsonTexts
 from datagen.export.rows import DropReason, ExportStats
 from datagen.export.tokens import JobTokens
 from datagen.prompts.dataset import DEFAULT_MAX_LINE_BYTES, Prompt, iter_prompts
 from datagen.records.reader import RowViews
+from datagen.records.schema import ARM, TEMPLATE_KWARGS
 from datagen.records.storage import Storage
 from datagen.states import MultiTurnMode
 
@@ -124,6 +129,7 @@ class ConversationFormatter:
         self.tokens = tokens
         self.index = index
         self.stats = stats
+        self._json = JsonTexts()
 
     def _split(self, rows: RowViews, i: int, finish: str) -> tuple[list[int], list[int] | None]:
         """Output ids → (content ids, reasoning ids or None when the turn has no reasoning)."""
@@ -144,6 +150,8 @@ class ConversationFormatter:
         turns = batch.column("turn").to_pylist()
         finishes = batch.column("finish_type").to_pylist()
         lengths = batch.column("output_len").to_pylist()
+        arms = batch.column(ARM).to_pylist()
+        kwargs = batch.column(TEMPLATE_KWARGS).to_pylist()
         kept: list[tuple[int, Prompt]] = []
         for i in range(len(rows)):
             prompt = self.index.prompt(sample_ids[i], turns[i])
@@ -170,4 +178,7 @@ class ConversationFormatter:
             }
             if prompt.tools:
                 row["tools"] = prompt.tools
+            if arms[i] is not None:
+                row["arm"] = arms[i]
+                row["chat_template_kwargs"] = self._json(kwargs[i])
             yield orjson.dumps(row, option=orjson.OPT_APPEND_NEWLINE)

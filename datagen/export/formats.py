@@ -1,10 +1,18 @@
 """Token-id export formats, built batch by batch from the filtered record columns, and the files they
 go to.
 
-- ``specforge`` (trainer-formats §4.2): ``{"id", "input_ids", "loss_mask"}`` per line.
+- ``specforge`` (trainer-formats §4.2): ``{"id", "input_ids", "loss_mask"}`` per line, and
+  optionally the arms side file (`ArmsSink`).
 - ``speculators`` (§4.4): ``{"id", "primary_id", "input_ids", "loss_mask", "text", "metadata"}``.
 - ``parquet``: ``id, primary_id, input_ids (list<int64>), loss_mask (list<int8>), finish_reason,
-  partition`` (int64 ids are what trainers' embedding lookups take; the 0/1 mask fits a byte).
+  partition, arm, chat_template_kwargs, sampling_params`` (int64 ids are what trainers' embedding
+  lookups take; the 0/1 mask fits a byte).
+
+Each row says how it was made: its recipe arm (null in a job without a recipe), the template
+variables its prompt was rendered with and the sampling params sent. ``parquet`` keeps the last two
+as the records' JSON strings; ``speculators`` has them as objects in ``metadata`` (``arm``,
+``chat_template_kwargs``, ``sampling_params``). SpecForge's reader fixes its rows, so ``specforge``
+puts them in a side file beside the export (`arms_file_path`): one line a row, in the rows' order.
 
 Ids are the same in every format: ``{sample_id}`` for turn 0 / gen 0, else
 ``{sample_id}_t{turn}_g{gen}``; ``primary_id`` is the sample id. The loss mask is 0 over the prompt
@@ -39,15 +47,19 @@ import pyarrow.parquet as pq
 from datagen.errors import ConfigError, StorageError
 from datagen.export.tokens import JobTokens
 from datagen.records.reader import RowViews, export_ids, list_parts
-from datagen.records.schema import loss_mask_values
+from datagen.records.schema import ARM, TEMPLATE_KWARGS, loss_mask_values
 
 __all__ = [
+    "ARMS_FILE_SUFFIX",
     "DEFAULT_PARQUET_SHARD_ROWS",
     "PARQUET_SCHEMA",
     "SPECULATORS_ENDPOINT",
+    "ArmsSink",
+    "JsonTexts",
     "JsonlSink",
     "ParquetSink",
     "SpeculatorsFormatter",
+    "arms_file_path",
     "parquet_table",
     "specforge_lines",
 ]
@@ -61,9 +73,27 @@ PARQUET_SCHEMA = pa.schema(
         pa.field("loss_mask", pa.list_(pa.int8()), nullable=False),
         pa.field("finish_reason", pa.string(), nullable=False),
         pa.field("partition", pa.string(), nullable=False),
+        pa.field(ARM, pa.string()),
+        pa.field(TEMPLATE_KWARGS, pa.string()),
+        pa.field("sampling_params", pa.string(), nullable=False),
     ]
 )
 _JSON_OPTIONS = orjson.OPT_SERIALIZE_NUMPY | orjson.OPT_APPEND_NEWLINE
+
+
+class JsonTexts:
+    """Records' JSON strings (sampling params, template variables) parsed once each: the records of
+    one job share a handful (one an arm and ``max_new_tokens``). None stays None."""
+
+    def __init__(self) -> None:
+        self._parsed: dict[str, Any] = {}
+
+    def __call__(self, text: str | None) -> Any:
+        if text is None:
+            return None
+        if text not in self._parsed:
+            self._parsed[text] = orjson.loads(text)
+        return self._parsed[text]
 
 
 def specforge_lines(batch: pa.RecordBatch) -> Iterator[bytes]:
@@ -81,13 +111,7 @@ class SpeculatorsFormatter:
     def __init__(self, tokens: JobTokens) -> None:
         self.tokens = tokens
         self.idx = 0
-        self._sampling_cache: dict[str, Any] = {}
-
-    def _sampling(self, text: str) -> Any:
-        # Records of one job share a handful of sampling_params strings (they differ by max_new_tokens).
-        if text not in self._sampling_cache:
-            self._sampling_cache[text] = orjson.loads(text)
-        return self._sampling_cache[text]
+        self._json = JsonTexts()
 
     def lines(self, batch: pa.RecordBatch) -> Iterator[bytes]:
         rows = RowViews(batch)
@@ -99,6 +123,8 @@ class SpeculatorsFormatter:
         output_lens = batch.column("output_len").to_pylist()
         servers = batch.column("server").to_pylist()
         sampling = batch.column("sampling_params").to_pylist()
+        arms = batch.column(ARM).to_pylist()
+        kwargs = batch.column(TEMPLATE_KWARGS).to_pylist()
         for i, row_id in enumerate(rows.ids):
             metadata = {
                 "idx": self.idx,
@@ -106,8 +132,10 @@ class SpeculatorsFormatter:
                 "is_tool_call": self.tokens.is_tool_call(rows.output(i)),
                 "usage": {"prompt_tokens": int(rows.prompt_lens[i]), "completion_tokens": output_lens[i]},
                 "endpoint": SPECULATORS_ENDPOINT,
-                "sampling_params": self._sampling(sampling[i]),
+                "sampling_params": self._json(sampling[i]),
                 "server": servers[i],
+                "arm": arms[i],
+                "chat_template_kwargs": self._json(kwargs[i]),
             }
             self.idx += 1
             row = {
@@ -137,6 +165,9 @@ def parquet_table(batch: pa.RecordBatch) -> pa.Table:
         mask,
         batch.column("finish_type"),
         batch.column("partition"),
+        batch.column(ARM),
+        batch.column(TEMPLATE_KWARGS),
+        batch.column("sampling_params"),
     ]
     return pa.Table.from_arrays(columns, schema=PARQUET_SCHEMA)
 
@@ -267,3 +298,76 @@ class ParquetSink:
         if self._writer is not None:
             self._writer.close()
         self._files.abort()
+
+
+ARMS_FILE_SUFFIX = ".arms.jsonl"
+
+
+def arms_file_path(out: Path) -> Path:
+    """The arms side file of a JSONL export at ``out``, beside it: ``train.jsonl`` →
+    ``train.arms.jsonl``; a sharded export's directory ``train`` → ``train.arms.jsonl`` (outside it,
+    so that a loader reading the directory's files never takes it for rows)."""
+    out = out if out.name else out.absolute()  # "." names no file to stand beside
+    return out.with_name(out.name.removesuffix(".jsonl") + ARMS_FILE_SUFFIX)
+
+
+class ArmsSink:
+    """The arms side file of a ``specforge`` export: one line a written row, in the same order,
+    ``{"index", "id", "sample_id", "turn", "gen", "arm", "chat_template_kwargs", "sampling_params"}``
+    (``index`` counts rows from 0 over every shard; the last two as objects).
+
+    Streamed under a temporary name. `finish` puts it in place when ``always`` or when a row had
+    an arm; otherwise it removes it, and any side file of an earlier export to the same place, so
+    that a side file beside an export always describes that export."""
+
+    def __init__(self, out: Path, *, always: bool) -> None:
+        self.path = arms_file_path(out)
+        self.always = always
+        self.rows = 0
+        self.any_arm = False
+        self._json = JsonTexts()
+        self._tmp = self.path.with_name(self.path.name + _TMP_SUFFIX)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._fh: BinaryIO | None = open(self._tmp, "wb", buffering=WRITE_BUFFER_BYTES)  # noqa: SIM115
+        except OSError as exc:
+            raise StorageError(f"cannot write the arms file {self.path}: {exc}") from exc
+
+    def write(self, batch: pa.RecordBatch) -> None:
+        assert self._fh is not None
+        keys = zip(*(batch.column(c).to_pylist() for c in ("sample_id", "turn", "gen")), strict=True)
+        arms = batch.column(ARM).to_pylist()
+        kwargs = batch.column(TEMPLATE_KWARGS).to_pylist()
+        sampling = batch.column("sampling_params").to_pylist()
+        for i, (row_id, (sample_id, turn, gen)) in enumerate(zip(export_ids(batch), keys, strict=True)):
+            line = {
+                "index": self.rows,
+                "id": row_id,
+                "sample_id": sample_id,
+                "turn": turn,
+                "gen": gen,
+                "arm": arms[i],
+                "chat_template_kwargs": self._json(kwargs[i]),
+                "sampling_params": self._json(sampling[i]),
+            }
+            self._fh.write(orjson.dumps(line, option=_JSON_OPTIONS))
+            self.rows += 1
+            self.any_arm = self.any_arm or arms[i] is not None
+
+    def finish(self) -> Path | None:
+        """The side file's path where it was written, else None."""
+        if self._fh is not None:
+            self._fh.close()
+            self._fh = None
+        if self.always or self.any_arm:
+            os.replace(self._tmp, self.path)
+            return self.path
+        self._tmp.unlink(missing_ok=True)
+        self.path.unlink(missing_ok=True)
+        return None
+
+    def abort(self) -> None:
+        if self._fh is not None:
+            self._fh.close()
+            self._fh = None
+        self._tmp.unlink(missing_ok=True)

@@ -21,6 +21,7 @@ from datagen.export.features_offline import (
 )
 from datagen.export.formats import (
     PARQUET_SCHEMA,
+    ArmsSink,
     JsonlSink,
     ParquetSink,
     SpeculatorsFormatter,
@@ -30,6 +31,7 @@ from datagen.export.formats import (
 from datagen.export.rows import ROW_COLUMNS, ExportStats, RowFilter, RowFilterOptions, filtered_batches
 from datagen.export.shuffle import bucket_count, shuffled_batches
 from datagen.export.tokens import load_job_tokens
+from datagen.prompts.provenance import canonical_kwargs_json
 from datagen.records.storage import Storage
 from datagen.states import ExportFormat, MultiTurnMode
 
@@ -55,6 +57,9 @@ class ExportOptions:
     tokenizer: str | None = None  # the job's tokenizer files at another path
     # Leave out shards that differ from their commit objects (ExportStats.skipped) instead of stopping.
     skip_unreadable: bool = False
+    # specforge: the arms side file beside the export (`datagen.export.formats.ArmsSink`). None:
+    # written when an exported row has an arm (a job with a recipe); True: always; False: never.
+    arms_file: bool | None = None
 
     def __post_init__(self) -> None:
         if self.min_supervised_tokens < 0:
@@ -96,12 +101,29 @@ def _multi_turn_mode(storage: Storage, job_id: str) -> MultiTurnMode:
     return MultiTurnMode(manifest.get("spec", {}).get("multi_turn", MultiTurnMode.LAST.value))
 
 
-def check_exportable(storage: Storage, job_id: str, fmt: ExportFormat) -> None:
+def _job_template_kwargs(storage: Storage, job_id: str) -> str | None:
+    """The job's template variables as canonical JSON: what the prompts of a shard from before they
+    were recorded (schema version 4) were rendered with. None without a manifest to read them from."""
+    spec = (storage.read_manifest(job_id) or {}).get("spec")
+    if not isinstance(spec, dict):
+        return None
+    return canonical_kwargs_json(spec.get("chat_template_kwargs"))
+
+
+def check_exportable(
+    storage: Storage, job_id: str, fmt: ExportFormat, options: ExportOptions | None = None
+) -> None:
     """Refuse, from the job's manifest alone, an export that could not be written (before any read).
 
-    Raises `ConfigError` (one line) for a ``conversations`` export of a multi-turn ``all`` job, and
-    a ``speculators-offline`` export of a job without features (or without the datasets package).
+    Raises `ConfigError` (one line) for a ``conversations`` export of a multi-turn ``all`` job, a
+    ``speculators-offline`` export of a job without features (or without the datasets package), and
+    an arms file asked of a format other than ``specforge``.
     """
+    if options is not None and options.arms_file and fmt is not ExportFormat.SPECFORGE:
+        raise ConfigError(
+            f"--arms-file is for the specforge format only, not {fmt.value} (parquet, speculators and "
+            "conversations rows carry their arm themselves); drop --arms-file"
+        )
     if fmt is ExportFormat.SPECULATORS_OFFLINE:
         check_features_job(storage, job_id)
         return
@@ -142,7 +164,7 @@ def _write_parquet(
     progress: ProgressCallback,
 ) -> list[Path]:
     sink = ParquetSink(out, PARQUET_SCHEMA, options.shard_size)
-    with _aborting(sink, out):
+    with _aborting(out, sink):
         for batch in batches:
             sink.write(parquet_table(batch))
             stats.written += batch.num_rows
@@ -158,16 +180,32 @@ def _write_jsonl(
     options: ExportOptions,
     stats: ExportStats,
     progress: ProgressCallback,
+    *,
+    arms_file: bool | None = False,
 ) -> list[Path]:
+    """The rows as JSON lines; ``arms_file`` (`ExportOptions.arms_file`) the arms side file."""
     sink = JsonlSink(out, options.shard_size)
-    with _aborting(sink, out):
+    arms: ArmsSink | None = None
+    if arms_file is not False:
+        try:
+            arms = ArmsSink(out, always=bool(arms_file))
+        except BaseException:
+            sink.abort()
+            raise
+    with _aborting(out, sink, *([arms] if arms is not None else [])):
         for batch in batches:
             for line in lines(batch):
                 sink.write(line)
                 stats.written += 1
+            if arms is not None:
+                arms.write(batch)
             stats.tokens += _count_tokens(batch)
             progress("written", stats.written)
-        return sink.finish()
+        files = sink.finish()
+        if arms is not None:
+            written = arms.finish()
+            stats.arms_file = None if written is None else str(written)
+        return files
 
 
 def _write_offline(
@@ -188,22 +226,24 @@ def _write_offline(
     if options.shard_size is not None:
         raise ConfigError("--shard-size does not apply to speculators-offline: datasets shards its own files")
     sink = OfflineSink(storage, job_id, out, stats)
-    with _aborting(sink, out):
+    with _aborting(out, sink):
         for batch in batches:
             sink.write(batch, lambda n: progress("written", n))
         return sink.finish()
 
 
 @contextmanager
-def _aborting(sink: ParquetSink | JsonlSink | OfflineSink, out: Path) -> Iterator[None]:
+def _aborting(out: Path, *sinks: ParquetSink | JsonlSink | OfflineSink | ArmsSink) -> Iterator[None]:
     """Remove a half-written export on any error; a failed write says where it failed."""
     try:
         yield
     except OSError as exc:
-        sink.abort()
+        for sink in sinks:
+            sink.abort()
         raise StorageError(f"cannot write the export to {out}: {exc}") from exc
     except BaseException:
-        sink.abort()
+        for sink in sinks:
+            sink.abort()
         raise
 
 
@@ -225,8 +265,8 @@ def export_job(
 
     ``on_progress`` is called with ("read", records read) and ("written", rows written).
     """
-    check_exportable(storage, job_id, fmt)
     options = options or ExportOptions()
+    check_exportable(storage, job_id, fmt, options)
     progress = on_progress or _no_progress
     offline = fmt is ExportFormat.SPECULATORS_OFFLINE
     stats = FeaturesExportStats() if offline else ExportStats()
@@ -238,6 +278,7 @@ def export_job(
         lambda n: progress("read", n),
         skip_unreadable=options.skip_unreadable,
         columns=OFFLINE_COLUMNS if offline else ROW_COLUMNS,
+        template_kwargs=_job_template_kwargs(storage, job_id),
     )
     # closing(): a failed export removes the shuffle's temporary files at once, not at garbage collection.
     with closing(_ordered(filtered, storage, job_id, options, out)) as batches:
@@ -247,8 +288,10 @@ def export_job(
             files = _write_offline(batches, storage, job_id, out, options, stats, progress)
         else:
             lines, close = _line_writer(fmt, storage, job_id, options, stats)
+            # SpecForge's reader fixes its rows: the arms go beside them.
+            arms_file = options.arms_file if fmt is ExportFormat.SPECFORGE else False
             try:
-                files = _write_jsonl(batches, lines, out, options, stats, progress)
+                files = _write_jsonl(batches, lines, out, options, stats, progress, arms_file=arms_file)
             finally:
                 close()
     stats.files = [str(p) for p in files]

@@ -3,6 +3,11 @@ clipped batches, one storage batch (`datagen.records.reader.BATCH_ROWS` records)
 
 The one memory cost that grows with the job is the dedupe set (`datagen.records.reader.SeenKeys`: one
 digest a key; its cost is in bench/README.md).
+
+Every batch leaves with the arm columns (``arm``, ``chat_template_kwargs``), so that batches of shards
+of every schema version share one schema (the shuffle's bucket files take only one): a shard from
+before version 4 (`datagen.records.schema.has_arms`) gets a null arm, which it stands for (recipes
+came with version 4), and the job's template variables, which its prompts were rendered with.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import pyarrow.compute as pc
 
 from datagen.errors import CorruptShardError
 from datagen.records.reader import SeenKeys, iter_committed_batches
+from datagen.records.schema import ARM, TEMPLATE_KWARGS, has_arms
 from datagen.records.storage import Storage
 from datagen.states import FinishType
 
@@ -28,6 +34,7 @@ __all__ = [
     "RowFilter",
     "RowFilterOptions",
     "filtered_batches",
+    "with_arm_columns",
 ]
 
 # The record columns the exports read; the rest of a shard is never decoded.
@@ -42,6 +49,8 @@ ROW_COLUMNS = [
     "finish_type",
     "server",
     "sampling_params",
+    ARM,
+    TEMPLATE_KWARGS,
 ]
 
 
@@ -65,6 +74,8 @@ class ExportStats:
     dropped: Counter[str] = field(default_factory=Counter)
     files: list[str] = field(default_factory=list)
     skipped: list[CorruptShardError] = field(default_factory=list)
+    # The arms side file of a ``specforge`` export (`datagen.export.formats.ArmsSink`), where written.
+    arms_file: str | None = None
 
     @property
     def skipped_records(self) -> int:
@@ -81,6 +92,7 @@ class ExportStats:
             "files": len(self.files),
             "skipped_shards": len(self.skipped),
             "skipped_records": self.skipped_records,
+            "arms_file": self.arms_file,
         }
 
 
@@ -151,6 +163,26 @@ class RowFilter:
         return pa.RecordBatch.from_arrays(columns, schema=batch.schema)
 
 
+def with_arm_columns(
+    batch: pa.RecordBatch, columns: Sequence[str], template_kwargs: str | None
+) -> pa.RecordBatch:
+    """``batch`` of a shard from before version 4 with the arm columns it lacks (of those in
+    ``columns``): a null arm, and ``template_kwargs`` (the job's, as canonical JSON; None where the
+    export has no spec) for every row. Fields and their order are a newer shard's (``columns``
+    order, nullability kept), so the batches of both are interchangeable. A batch that has them is
+    returned as is."""
+    filled = {ARM: None, TEMPLATE_KWARGS: template_kwargs}
+    if has_arms(batch.schema) or not any(name in columns for name in filled):
+        return batch
+    fields = {f.name: (f, batch.column(f.name)) for f in batch.schema}
+    for name, value in filled.items():
+        if name in columns:
+            fields[name] = (pa.field(name, pa.string()), pa.array([value] * batch.num_rows, pa.string()))
+    names = [name for name in columns if name in fields]
+    schema = pa.schema([fields[name][0] for name in names])
+    return pa.RecordBatch.from_arrays([fields[name][1] for name in names], schema=schema)
+
+
 def filtered_batches(
     storage: Storage,
     job_id: str,
@@ -159,14 +191,17 @@ def filtered_batches(
     *,
     skip_unreadable: bool = False,
     columns: Sequence[str] = ROW_COLUMNS,
+    template_kwargs: str | None = None,
 ) -> Iterator[pa.RecordBatch]:
     """Committed records in commit order through ``row_filter`` (``columns`` decoded); ``on_read``
     gets rows read so far.
     A shard that differs from its commit object stops the export, or with ``skip_unreadable`` is
-    left out whole and noted in the stats."""
+    left out whole and noted in the stats. A shard from before version 4 reads with a null arm and
+    ``template_kwargs`` (the job's template variables, canonical JSON) as its ``chat_template_kwargs``.
+    """
     on_corrupt = row_filter.stats.skipped.append if skip_unreadable else None
     for batch in iter_committed_batches(storage, job_id, list(columns), on_corrupt=on_corrupt):
-        kept = row_filter(batch)
+        kept = row_filter(with_arm_columns(batch, columns, template_kwargs))
         if on_read is not None:
             on_read(row_filter.stats.records)
         if kept is not None and kept.num_rows:

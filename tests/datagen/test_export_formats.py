@@ -131,6 +131,9 @@ def test_speculators_rows(mixed_job: Storage, tmp_path: Path) -> None:
         "endpoint": "/generate",
         "sampling_params": {"max_new_tokens": 64, "temperature": 0.6, "top_p": 0.95, "sampling_seed": 7},
         "server": "sim-a",
+        # A job without a recipe (tests/datagen/test_export_arms.py has one with).
+        "arm": None,
+        "chat_template_kwargs": None,
     }
     assert (by_id["hi_t0_g1"]["primary_id"], by_id["multi_t1_g0"]["primary_id"]) == ("hi", "multi")
     assert by_id["trunc"]["metadata"]["finish_reason"] == "length"
@@ -250,6 +253,9 @@ def test_parquet_export_loads_with_datasets(mixed_job: Storage, tmp_path: Path) 
         "loss_mask",
         "finish_reason",
         "partition",
+        "arm",
+        "chat_template_kwargs",
+        "sampling_params",
     }
     check_token_rows(rows)
     hi = next(r for r in rows if r["id"] == "hi")
