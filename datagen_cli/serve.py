@@ -365,6 +365,13 @@ def sim(
     api: Annotated[
         str | None, typer.Option(help="sglang (default) or vllm: whose HTTP contract the simulator speaks")
     ] = None,
+    request_log: Annotated[
+        str | None,
+        typer.Option(
+            help="append one JSON line per accepted generation request to this file: its rid, prompt "
+            "length, ids' sha256 and the sampling params it carried"
+        ),
+    ] = None,
     capture_dir: Annotated[
         str | None,
         typer.Option(

@@ -7,6 +7,7 @@ which build it explicitly; nothing is read from the environment.
 from __future__ import annotations
 
 from enum import StrEnum
+from pathlib import Path
 from typing import Any, Self
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationInfo, field_validator, model_validator
@@ -102,6 +103,8 @@ class SimConfig(BaseModel):
     report_interval_s: float = Field(default=DEFAULT_REPORT_INTERVAL_S, gt=0.0)
     # SGLang's --api-key: every path but /health* and /metrics* wants "Authorization: Bearer <key>".
     api_key: SecretStr | None = None
+    # Appends one JSON line per accepted generation request (what it asked for); None: no log.
+    request_log: Path | None = None
 
     context_len: int = Field(default=DEFAULT_CONTEXT_LEN, ge=16)
     max_total_num_tokens: int = Field(default=DEFAULT_MAX_TOTAL_NUM_TOKENS, ge=16)
@@ -208,6 +211,18 @@ class SimConfig(BaseModel):
             problem = _layer_problem(value, info.data.get("capture_num_layers", DEFAULT_CAPTURE_NUM_LAYERS))
             if problem:
                 raise ValueError(problem)
+        return value
+
+    @field_validator("request_log")
+    @classmethod
+    def _check_request_log(cls, value: Path | None) -> Path | None:
+        # Refused here, so that the command line says so in one line instead of failing at start.
+        if value is None:
+            return value
+        if value.is_dir():
+            raise ValueError(f"{value} is a directory; name a file to append request lines to")
+        if not value.parent.is_dir():
+            raise ValueError(f"the directory {value.parent} does not exist; create it or name another file")
         return value
 
     @field_validator("tool_call_format")

@@ -77,6 +77,7 @@ class SimServer(Frontend[SimMetrics]):
                 raise RequestError(f"Duplicate request ID detected: {rid}")
         planned = self._plan(norm, log_metrics=obj.log_metrics)
         self._inject_faults(planned)
+        self._log_accepted(norm, planned)
         for item in planned:
             self.engine.submit(item.req)
         results = await asyncio.gather(
@@ -133,6 +134,13 @@ class SimServer(Frontend[SimMetrics]):
         if sp.stop_token_ids and not sp.ignore_eos:
             output = apply_stop_token_ids(output, sp.stop_token_ids, max_new_tokens=max_new)
         return output, max_new
+
+    def _log_accepted(self, norm: NormalizedRequest, planned: list[_Planned]) -> None:
+        # One line per prompt of a batch; with n > 1 it stands for all n samples (its params say
+        # n) under the first sample's rid.
+        n = norm.parallel_sample_num
+        for index, prompt in enumerate(norm.prompts):
+            self.log_request(planned[index * n].req.rid, prompt.input_ids, prompt.raw_params)
 
     def _inject_faults(self, planned: list[_Planned]) -> None:
         for item in planned:

@@ -23,6 +23,7 @@ from simulator.model import SpecialIds, expected_output
 
 __all__ = [
     "DEFAULT_MAX_TOKENS",
+    "SAMPLING_FIELDS",
     "CompletionRequest",
     "VllmError",
     "VllmFinish",
@@ -40,6 +41,29 @@ _SAMPLING_EPS = 1e-5  # below it, temperature means greedy
 _MAX_TEMPERATURE = 2.0
 _MAX_N = 16384  # VLLM_MAX_N_SEQUENCES
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+_MAX_PENALTY = 2.0  # presence and frequency penalties lie in [-2, 2]
+# The request's fields that ``to_sampling_params`` puts in vLLM's ``SamplingParams``.
+SAMPLING_FIELDS = frozenset(
+    {
+        "max_tokens",
+        "n",
+        "seed",
+        "stop",
+        "stop_token_ids",
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "repetition_penalty",
+        "presence_penalty",
+        "frequency_penalty",
+        "include_stop_str_in_output",
+        "ignore_eos",
+        "min_tokens",
+        "skip_special_tokens",
+        "spaces_between_special_tokens",
+    }
+)
 
 
 class VllmFinish(StrEnum):
@@ -104,6 +128,10 @@ class CompletionRequest(BaseModel):
     use_beam_search: bool = False
     top_k: int | None = None
     min_p: float | None = None
+    # Accepted and checked as vLLM checks them; the simulated tokens do not depend on them.
+    repetition_penalty: float | None = None
+    presence_penalty: float | None = 0.0
+    frequency_penalty: float | None = 0.0
     stop_token_ids: list[int] | None = []
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
@@ -119,8 +147,9 @@ class CompletionRequest(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _null_max_tokens(cls, data: Any) -> Any:
-        # normalize_null_max_tokens: an explicit null is the default (16), not "until the context is full".
-        if isinstance(data, dict) and data.get("max_tokens") is None:
+        # normalize_null_max_tokens: an explicit null is the default (16), not "until the context is
+        # full". A missing one is left missing, so that the request log says what was sent.
+        if isinstance(data, dict) and "max_tokens" in data and data["max_tokens"] is None:
             data = {**data, "max_tokens": DEFAULT_MAX_TOKENS}
         return data
 
@@ -132,6 +161,10 @@ class CompletionRequest(BaseModel):
             if prompt is None or prompt == "":
                 raise ValueError("Either prompt or prompt_embeds must be provided and non-empty.")
         return data
+
+    def sampling_fields(self) -> dict[str, Any]:
+        """The sampling fields the request carried, under their names (``SAMPLING_FIELDS``)."""
+        return self.model_dump(include=set(SAMPLING_FIELDS & self.model_fields_set))
 
     def refuse_unsimulated(self) -> None:
         """Refusing loudly beats answering without the fields a client asked for."""
@@ -184,6 +217,7 @@ def check_sampling(req: CompletionRequest, *, max_tokens: int) -> None:
             f"n must be at most {_MAX_N}, got {n}. "
             "To increase this limit, set the VLLM_MAX_N_SEQUENCES environment variable."
         )
+    _check_penalties(req)
     temperature = 1.0 if req.temperature is None else req.temperature
     _check_temperature(temperature)
     top_p = 1.0 if req.top_p is None else req.top_p
@@ -199,6 +233,20 @@ def check_sampling(req: CompletionRequest, *, max_tokens: int) -> None:
         raise VllmError(f"max_tokens must be at least 1, got {max_tokens}.", param="max_tokens")
     if temperature < _SAMPLING_EPS and n > 1:
         raise VllmError(f"n must be 1 when using greedy sampling, got {n}.")
+
+
+def _check_penalties(req: CompletionRequest) -> None:
+    presence = 0.0 if req.presence_penalty is None else req.presence_penalty
+    if not -_MAX_PENALTY <= presence <= _MAX_PENALTY:
+        raise VllmError(f"presence_penalty must be in [-2, 2], got {presence}.", param="presence_penalty")
+    frequency = 0.0 if req.frequency_penalty is None else req.frequency_penalty
+    if not -_MAX_PENALTY <= frequency <= _MAX_PENALTY:
+        raise VllmError(f"frequency_penalty must be in [-2, 2], got {frequency}.", param="frequency_penalty")
+    repetition = 1.0 if req.repetition_penalty is None else req.repetition_penalty
+    if not math.isfinite(repetition) or repetition <= 0.0:
+        raise VllmError(
+            f"repetition_penalty must be greater than zero, got {repetition}.", param="repetition_penalty"
+        )
 
 
 def _check_temperature(temperature: float) -> None:

@@ -76,6 +76,7 @@ class VllmServer(Frontend[VllmMetrics]):
         prompts = self._prompt_ids(req.prompt)
         planned = self._plan(req, prompts, request_id)
         fault = self.capture.plan(request_id) if self.capture is not None else None
+        self._log_accepted(req, prompts, request_id)
         for item in planned:
             self.engine.submit(item.req)
         try:
@@ -94,6 +95,14 @@ class VllmServer(Frontend[VllmMetrics]):
             # Only the first sub-request's path comes back (final_res_batch[0].kv_transfer_params).
             body["kv_transfer_params"] = {"hidden_states_path": paths[0]}
         return body
+
+    def _log_accepted(self, req: CompletionRequest, prompts: list[list[int]], request_id: str) -> None:
+        # One line per prompt (a batch's i-th under "<id>-<i>", vLLM's sub-request id); with n > 1
+        # it stands for all n samples (its params say n).
+        sampling = req.sampling_fields()
+        for index, ids in enumerate(prompts):
+            rid = request_id if len(prompts) == 1 else f"{request_id}-{index}"
+            self.log_request(rid, ids, sampling)
 
     def _capture(
         self,

