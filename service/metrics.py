@@ -155,8 +155,7 @@ class _JobsCollector(Collector):
         for state, count in states.items():
             by_state.add_metric([state.value], count)
         yield from (by_state, prompts, tokens, finishes, progress_ratio, eta)
-        # Only while a running job has a recipe: without one the families would be empty.
-        yield from (family for family in (arm_done, arm_tokens) if family.samples)
+        yield from (arm_done, arm_tokens)  # samples only for jobs with a recipe
         yield from (share_target, share_recent, weight, paused, first_record, tail)
 
     def _job(

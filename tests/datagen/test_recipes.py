@@ -14,10 +14,10 @@ from datagen.control.payload import PromptPayload
 from datagen.errors import FatalError, InvalidSpecError
 from datagen.prompts.dataset import Prompt, iter_prompts
 from datagen.recipes import arm_renderers, arm_shares, arms_of_row, assign_arm
-from datagen.spec import JobSpec, validate_spec
+from datagen.spec import validate_spec
 from datagen.states import PromptClass
 from service.admit import AdmittedRow, Refused, admit_row
-from tests.support.specs import make_spec
+from tests.support.specs import job_spec, make_spec
 
 # The project template's generation prompt for one user turn "Hi" (decoded:
 # "<｜begin▁of▁sentence｜><｜User｜>Hi<｜Assistant｜><think>\n"), written out by hand from the tokenizer's
@@ -45,13 +45,9 @@ THREE_ARMS: dict[str, Any] = {
 }
 
 
-def _spec(**overrides: Any) -> JobSpec:
-    return validate_spec(make_spec(**overrides))
-
-
 def _refusal(**overrides: Any) -> str:
     with pytest.raises(InvalidSpecError) as caught:
-        _spec(**overrides)
+        validate_spec(make_spec(**overrides))
     return str(caught.value)
 
 
@@ -60,8 +56,8 @@ def _refusal(**overrides: Any) -> str:
 
 def test_a_spec_without_a_recipe_is_stored_without_the_key() -> None:
     # Workers of the previous release forbid unknown fields: they still run such a job.
-    assert "recipe" not in json.loads(_spec().model_dump_json())
-    assert json.loads(_spec(recipe=THREE_ARMS).model_dump_json())["recipe"]["arms"][2]["name"] == "high"
+    assert "recipe" not in json.loads(job_spec().model_dump_json())
+    assert json.loads(job_spec(recipe=THREE_ARMS).model_dump_json())["recipe"]["arms"][2]["name"] == "high"
 
 
 @pytest.mark.parametrize(
@@ -96,7 +92,7 @@ def test_a_capture_only_job_refuses_a_recipe() -> None:
 
 
 def test_an_arm_merges_its_kwargs_and_sampling_over_the_jobs() -> None:
-    spec = _spec(
+    spec = job_spec(
         chat_template_kwargs={"thinking": True, "reasoning_effort": "medium"},
         sampling={"temperature": 0.6, "top_p": 0.95, "sampling_seed": 100},
         samples=2,
@@ -121,7 +117,7 @@ def test_an_arm_merges_its_kwargs_and_sampling_over_the_jobs() -> None:
 
 
 def test_cycle_gives_the_i_th_sample_of_the_file_arm_i_mod_k() -> None:
-    spec = _spec(samples=2, recipe={"assign": "cycle", "arms": [{"name": n} for n in ("a", "b", "c")]})
+    spec = job_spec(samples=2, recipe={"assign": "cycle", "arms": [{"name": n} for n in ("a", "b", "c")]})
     assert spec.recipe is not None
     names = [a.name for row in range(5) for a in arms_of_row(spec, sample_id=f"id{row}", row_index=row)]  # type: ignore[union-attr]
     assert names == ["a", "b", "c", "a", "b", "c", "a", "b", "c", "a"]
@@ -129,7 +125,7 @@ def test_cycle_gives_the_i_th_sample_of_the_file_arm_i_mod_k() -> None:
 
 
 def test_weighted_meets_the_weights_on_3000_samples_and_never_changes_its_mind() -> None:
-    spec = _spec(recipe=THREE_ARMS)
+    spec = job_spec(recipe=THREE_ARMS)
     assert spec.recipe is not None
     assert arm_shares(spec.recipe) == pytest.approx({"low": 0.4, "medium": 0.4, "high": 0.2})
     drawn = [arms_of_row(spec, sample_id=f"s{i}", row_index=i)[0] for i in range(3000)]
@@ -181,7 +177,7 @@ def _prompt(content: str = "Hi", sample_id: str = "x", row_index: int = 0) -> Pr
 
 
 def test_each_arm_renders_the_row_with_its_own_kwargs_by_hand_written_ids() -> None:
-    spec = _spec(
+    spec = job_spec(
         samples=3,
         recipe={
             "assign": "cycle",
@@ -204,7 +200,7 @@ def test_each_arm_renders_the_row_with_its_own_kwargs_by_hand_written_ids() -> N
 
 def test_a_row_one_arm_cannot_take_is_refused_whole_naming_the_arm() -> None:
     # The 6 ids of "think" fit a context of 8 with room to generate; the 10 of "high" do not.
-    spec = _spec(
+    spec = job_spec(
         samples=2,
         recipe={
             "assign": "cycle",

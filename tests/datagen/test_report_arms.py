@@ -53,10 +53,6 @@ FAST_LONG = '{"max_new_tokens": 256, "temperature": 0.0}'
 DEEP_PROMPT_LEN, FAST_PROMPT_LEN = 6, 8
 
 
-def _spec() -> JobSpec:
-    return job_spec(NO_CONTEXT_LEN, recipe=RECIPE)
-
-
 def _write_manifest(storage: Storage, spec: JobSpec) -> None:
     manifest = {
         "job_id": JOB,
@@ -105,7 +101,7 @@ def _as_version_3(table: pa.Table) -> pa.Table:
 
 
 def test_records_are_broken_down_by_arm(storage: Storage) -> None:
-    spec = _spec()
+    spec = job_spec(NO_CONTEXT_LEN, recipe=RECIPE)
     _write_manifest(storage, spec)
     storage.commit_shard(JOB, "w-00000000", records_to_table(_recipe_records(spec)), {"worker": "w"})
     report = build_report(storage, JOB)
@@ -154,7 +150,7 @@ def test_records_are_broken_down_by_arm(storage: Storage) -> None:
 
 
 def test_report_files_show_the_arms(storage: Storage, tmp_path: Path) -> None:
-    spec = _spec()
+    spec = job_spec(NO_CONTEXT_LEN, recipe=RECIPE)
     _write_manifest(storage, spec)
     storage.commit_shard(JOB, "w-00000000", records_to_table(_recipe_records(spec)), {"worker": "w"})
     out = tmp_path / "r"
@@ -190,7 +186,7 @@ def test_a_job_without_a_recipe_has_no_arms_section(storage: Storage, tmp_path: 
 
 
 def test_shards_before_arms_have_no_arms_section(storage: Storage) -> None:
-    spec = _spec()
+    spec = job_spec(NO_CONTEXT_LEN, recipe=RECIPE)
     _write_manifest(storage, spec)
     table = _as_version_3(records_to_table(_recipe_records(spec)[:2]))
     storage.commit_shard(JOB, "w-00000000", table, {"worker": "w"})
@@ -204,7 +200,7 @@ def test_shards_before_arms_have_no_arms_section(storage: Storage) -> None:
 
 def test_records_without_an_arm_are_counted_apart(storage: Storage) -> None:
     """An older shard next to a version-4 one: its records under NO_ARM, last."""
-    spec = _spec()
+    spec = job_spec(NO_CONTEXT_LEN, recipe=RECIPE)
     _write_manifest(storage, spec)
     deep, fast = _recipe_records(spec)[:2]
     storage.commit_shard(JOB, "w-00000000", _as_version_3(records_to_table([deep])), {"worker": "w"})

@@ -57,7 +57,7 @@ def test_coordinator_metrics_are_pinned(redis_client: redis.Redis) -> None:
     keys = Keys("pin")
     jobs = JobStore(redis_client, keys)
     # A running job with progress and a paused server, so every collected family has samples.
-    jobs.create("j1", JobSpec(tokenizer="tok"))
+    jobs.create("j1", JobSpec.model_validate({"tokenizer": "tok", "recipe": {"arms": [{"name": "low"}]}}))
     with redis_client.pipeline() as pipe:
         jobs.add_ingest_counts(pipe, "j1", {"accepted": 4, "done": 1, "output_tokens": 30}, line=4)
         jobs.add_breakdown(
@@ -68,6 +68,8 @@ def test_coordinator_metrics_are_pinned(redis_client: redis.Redis) -> None:
                 BreakdownField("done", "math", "short"): 1,
                 BreakdownField("output_tokens", "math", "short"): 30,
                 BreakdownField("finish:stop", "math", "short"): 1,
+                BreakdownField.of_arm("done", "low", "math", "short"): 1,
+                BreakdownField.of_arm("output_tokens", "low", "math", "short"): 30,
             },
         )
         pipe.sadd(keys.paused_servers(), "gpu0")

@@ -307,8 +307,13 @@ def _submit(stack: ProcessStack, coordinator: str, tokenizer: str) -> str:
     stack.wait_server_up(coordinator, "simA")
     dataset = stack.tmp / "dataset.jsonl"
     _dataset(dataset)
+    # Two arms, for the recipe panels: every other row's samples answer without thinking.
+    recipe = stack.tmp / "recipe.json"
+    arms = [{"name": "think"}, {"name": "answer", "chat_template_kwargs": {"thinking": False}}]
+    recipe.write_text(json.dumps({"recipe": {"assign": "cycle", "arms": arms}}))
     result = stack.cli(
         *("submit", str(dataset), "--coordinator", coordinator, "--tokenizer", tokenizer),
+        *("--spec", str(recipe)),
         *("--chat-template", str(default_chat_template_path()), "--seed", "7"),
         *("--short-max-new-tokens", str(SHORT_MAX_NEW), "--long-max-new-tokens", str(LONG_MAX_NEW)),
     )

@@ -96,6 +96,8 @@ EXPECTED_METRICS: dict[str, tuple[str, frozenset[str]]] = {
         ("datagen_job_prompts", "counter", ("job", "partition", "class", "status")),
         ("datagen_job_generated_tokens", "counter", ("job", "partition", "class")),
         ("datagen_job_finishes", "counter", ("job", "partition", "class", "finish")),
+        ("datagen_job_arm_done", "counter", ("job", "arm")),
+        ("datagen_job_arm_generated_tokens", "counter", ("job", "arm")),
         ("datagen_job_progress_ratio", "gauge", ("job",)),
         ("datagen_job_eta_seconds", "gauge", ("job",)),
         ("datagen_job_share_target", "gauge", ("job",)),
