@@ -76,6 +76,28 @@ decontaminate_n: 13
 # (stored features not yet consumed by `datagen pull --consume` at which capture waits; null: no budget)
 # and capture_only (rows are token ids, {id, input_ids, loss_mask}: capture them, generate nothing).
 features: null
+# A mixture of modes in one job (null: one mode, the fields above). Each (prompt, sample) gets one arm:
+# assign weighted (drawn by weight from seed and the row) or cycle (arm i mod k over the file's rows and
+# samples). An arm's chat_template_kwargs and sampling go over the job's; records carry the arm's name.
+# Arms whose variables differ must render different prompts: a variable the template ignores is refused.
+# For example, three reasoning efforts (a template that reads reasoning_effort):
+#   recipe:
+#     assign: weighted
+#     seed: 0
+#     arms:
+#       - name: low
+#         weight: 1
+#         chat_template_kwargs: {reasoning_effort: low}
+#         sampling: {temperature: 0.6}
+#       - name: medium
+#         weight: 1
+#         chat_template_kwargs: {reasoning_effort: medium}
+#         sampling: {temperature: 0.8}
+#       - name: high
+#         weight: 2
+#         chat_template_kwargs: {reasoning_effort: high}
+#         sampling: {temperature: 1.0}
+recipe: null
 """
 
 

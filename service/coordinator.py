@@ -29,7 +29,7 @@ from datagen.errors import (
 )
 from datagen.prompts.loaders import preload_libraries
 from datagen.prompts.preflight import preflight_submit
-from datagen.prompts.tokenization import renderer_for
+from datagen.recipes import arm_renderers
 from datagen.records.layout import validate_job_id
 from datagen.records.schema import has_features
 from datagen.records.storage import Storage
@@ -198,27 +198,30 @@ class Coordinator:
         self.storage.write_manifest(job_id, manifest)
 
     def job_json(self, job_id: str) -> dict[str, Any]:
-        """A job's progress with its share of the fleet (None once it has nothing to dispatch)."""
-        return _with_share(self.jobs.progress(job_id).to_json(), self.controls.dispatch.shares())
+        """A job's progress, with its recipe's arms' counts, and its share of the fleet (None once
+        it has nothing to dispatch)."""
+        progress = self.jobs.progress(job_id, with_arms=True)
+        return _with_share(progress.to_json(), self.controls.dispatch.shares())
 
     def jobs_json(self, job_ids: list[str]) -> list[dict[str, Any]]:
         """Jobs' progress and shares, as :meth:`job_json`, for a page of jobs at once (a job
         deleted meanwhile is left out)."""
         shares = self.controls.dispatch.shares()
-        found = self.jobs.progress_many(job_ids)
+        found = self.jobs.progress_many(job_ids, with_arms=True)
         return [_with_share(progress.to_json(), shares) for progress in found if progress is not None]
 
     def dry_run(self, spec: JobSpec, dataset: IO[bytes]) -> dict[str, Any]:
         check_allowed(spec, self.settings)
-        renderer = renderer_for(spec)
-        # A dry run shows what submit would refuse, and still renders the sample.
+        renderers = arm_renderers(spec)  # the job's own renderer built now: a 400 for a bad one
+        # A dry run shows what submit would refuse (arms that render alike among it), and still
+        # renders the sample under every arm.
         try:
-            preflight = preflight_submit(spec, renderer, live_servers(self.redis, self.keys))
+            preflight = preflight_submit(spec, renderers(None), live_servers(self.redis, self.keys))
         except PreflightError as exc:
-            preview = dry_run(spec, renderer, dataset, spec.context_len)
+            preview = dry_run(spec, renderers, dataset, spec.context_len)
             preview["preflight"] = {"refused": str(exc)}
             return preview
-        preview = dry_run(spec, renderer, dataset, preflight.context_len)
+        preview = dry_run(spec, renderers, dataset, preflight.context_len)
         preview["preflight"] = {
             "refused": None,
             "context_len": preflight.context_len,

@@ -9,6 +9,10 @@ or the row it repeats) are judged as ingestion judges a new job's rows: after ev
 
 Rows whose content spells special tokens as text are counted under ``special_text`` whatever the
 spec's policy, and are rejected, as ingestion would, when the policy is ``reject``.
+
+In a job with a recipe, each sample is counted under its arm's rendering (`service.admit.admit_row`),
+and ``arms`` shows the first admitted row rendered under every arm, beside the arm's share, template
+variables and sampling; without a recipe it is empty.
 """
 
 from __future__ import annotations
@@ -18,9 +22,9 @@ from typing import IO, Any
 
 from datagen.hygiene.screen import Hygiene, HygieneRow
 from datagen.prompts.dataset import Prompt, iter_prompts
-from datagen.prompts.tokenization import PromptRenderer
-from datagen.spec import JobSpec
-from service.admit import Refused, admit
+from datagen.recipes import arm_shares
+from datagen.spec import Arm, JobSpec
+from service.admit import Admitted, AdmittedRow, ArmRenderers, Refused, admit, admit_row
 from service.rowids import RowId, check_row_ids, repeated_lines, row_id
 
 __all__ = ["DRY_RUN_EXAMPLES", "DRY_RUN_ROWS", "dry_run"]
@@ -33,18 +37,19 @@ DRY_RUN_UPLOAD = "dry-run"
 
 
 def dry_run(
-    spec: JobSpec, renderer: PromptRenderer, dataset: IO[bytes], context_len: int | None
+    spec: JobSpec, renderers: ArmRenderers, dataset: IO[bytes], context_len: int | None
 ) -> dict[str, Any]:
+    """The preview of ``dataset``; ``renderers``: each arm's renderer (`datagen.recipes.arm_renderers`)."""
     hygiene = Hygiene.for_spec(spec)  # a set over the limits is refused before the upload is read
     sample, sampled_bytes, total_bytes = _split(dataset)
     rejected: dict[int, dict[str, Any]] = {}  # line → why; one entry per row, as ingestion writes
-    accepted: list[tuple[Prompt, list[int], str]] = []
+    accepted: list[tuple[Prompt, AdmittedRow]] = []
     rows: set[int] = set()
     special: dict[int, list[str]] = {}  # line → the special tokens its content spells
     token_rows = spec.features is not None and spec.features.capture_only
     for item in iter_prompts(io.BytesIO(sample), multi_turn=spec.multi_turn, token_rows=token_rows):
         rows.add(item.line)
-        verdict = admit(item, spec, renderer, context_len, scan_special_text=True)
+        verdict = admit_row(item, spec, renderers, context_len, scan_special_text=True)
         if verdict is None:
             continue
         if verdict.special_text:  # multi-turn rows give one item per turn
@@ -53,26 +58,28 @@ def dry_run(
             rejected.setdefault(item.line, {"line": item.line, "reason": verdict.reason})
             continue
         assert isinstance(item, Prompt)  # a RowError is always refused
-        accepted.append((item, verdict.prompt_ids, verdict.cls.value))
+        accepted.append((item, verdict))
     accepted, report = _judge(hygiene, accepted, rejected)
+    # Every sample as ingestion enqueues it: under its arm, with that arm's tokens and class.
+    samples = [admitted for _, row in accepted for _, admitted in row.samples]
     classes = {"short": 0, "long": 0}
-    for _, _, cls in accepted:
-        classes[cls] += 1
-    prompts = len(accepted)
-    prompt_tokens = sum(len(ids) for _, ids, _ in accepted)
+    for admitted in samples:
+        classes[admitted.cls.value] += 1
+    prompt_tokens = sum(len(admitted.prompt_ids) for admitted in samples)
     scale = total_bytes / sampled_bytes if sampled_bytes else 0.0
     return {
         "rows_sampled": len(rows),
         "bytes_sampled": sampled_bytes,
         "bytes_total": total_bytes,
-        "prompts": prompts * spec.samples,
-        "classes": {k: v * spec.samples for k, v in classes.items()},
+        "prompts": len(samples),
+        "classes": classes,
         "rejected": [rejected[line] for line in sorted(rejected)],
-        "prompt_tokens_sampled": prompt_tokens * spec.samples,
+        "prompt_tokens_sampled": prompt_tokens,
         "estimated_rows": round(len(rows) * scale),
-        "estimated_prompts": round(prompts * spec.samples * scale),
-        "estimated_prompt_tokens": round(prompt_tokens * spec.samples * scale),
-        "examples": [_example(item, ids, cls, renderer) for item, ids, cls in accepted[:DRY_RUN_EXAMPLES]],
+        "estimated_prompts": round(len(samples) * scale),
+        "estimated_prompt_tokens": round(prompt_tokens * scale),
+        "examples": [_example(item, row, renderers) for item, row in accepted[:DRY_RUN_EXAMPLES]],
+        "arms": _arms(spec, renderers, accepted[0][0] if accepted else None, context_len),
         "special_text": {
             "policy": spec.special_text.value,
             "rows": len(special),
@@ -85,14 +92,14 @@ def dry_run(
 
 
 def _judge(
-    hygiene: Hygiene, accepted: list[tuple[Prompt, list[int], str]], rejected: dict[int, dict[str, Any]]
-) -> tuple[list[tuple[Prompt, list[int], str]], dict[str, Any]]:
+    hygiene: Hygiene, accepted: list[tuple[Prompt, AdmittedRow]], rejected: dict[int, dict[str, Any]]
+) -> tuple[list[tuple[Prompt, AdmittedRow]], dict[str, Any]]:
     """Check ids, then decontaminate and deduplicate the accepted rows as ingestion would (one row
     per line: its last item holds the whole conversation); returns the prompts ingestion would
     enqueue (an exact repeat of an earlier row is skipped) and the dry run's hygiene summary."""
     rows: dict[int, HygieneRow] = {}
     ids: dict[int, RowId] = {}
-    for item, _, _ in accepted:
+    for item, _ in accepted:
         rows[item.line] = HygieneRow(item.line, item.messages, item.tools)
         ids.setdefault(item.line, row_id(item))
     _, refused = check_row_ids(ids, {}, upload=DRY_RUN_UPLOAD)
@@ -124,15 +131,65 @@ def _judge(
     return [a for a in accepted if a[0].line not in dropped], report
 
 
-def _example(item: Prompt, ids: list[int], cls: str, renderer: PromptRenderer) -> dict[str, Any]:
+def _example(item: Prompt, row: AdmittedRow, renderers: ArmRenderers) -> dict[str, Any]:
+    """A row as its first sample (gen 0) is enqueued: under its arm (None without a recipe)."""
+    arm, admitted = row.samples[0]
     return {
         "line": item.line,
         "sample_id": item.sample_id,
         "turn": item.turn,
-        "class": cls,
-        "prompt_tokens": len(ids),
-        "prompt": renderer.decode(ids, skip_special_tokens=False),
+        "arm": None if arm is None else arm.name,
+        "class": admitted.cls.value,
+        "prompt_tokens": len(admitted.prompt_ids),
+        "prompt": renderers(arm).decode(admitted.prompt_ids, skip_special_tokens=False),
     }
+
+
+def _arms(
+    spec: JobSpec, renderers: ArmRenderers, item: Prompt | None, context_len: int | None
+) -> list[dict[str, Any]]:
+    """Every arm of the recipe with ``item`` (the first admitted row; None: no row was) rendered under
+    it, whichever arms the row's own samples draw: what each mode makes of the same prompt."""
+    if spec.recipe is None:
+        return []
+    shares = arm_shares(spec.recipe)
+    return [
+        {
+            "name": arm.name,
+            "share": shares[arm.name],
+            "chat_template_kwargs": spec.template_kwargs(arm),
+            # The arm's sampling over the job's (a temperatures list still varies the temperature
+            # by gen where the arm sets none).
+            "sampling": spec.arm_sampling(arm).model_dump(mode="json"),
+            **_arm_rendering(spec, renderers, arm, item, context_len),
+        }
+        for arm in spec.recipe.arms
+    ]
+
+
+def _arm_rendering(
+    spec: JobSpec, renderers: ArmRenderers, arm: Arm, item: Prompt | None, context_len: int | None
+) -> dict[str, Any]:
+    shown: dict[str, Any] = {
+        "line": None,
+        "class": None,
+        "prompt_tokens": None,
+        "prompt": None,
+        "refused": None,
+    }
+    if item is None:
+        return shown
+    shown["line"] = item.line
+    renderer = renderers(arm)
+    # The row was admitted, so its special text was judged already.
+    verdict = admit(item, spec, renderer, context_len, scan=False)
+    if isinstance(verdict, Admitted):
+        shown["class"] = verdict.cls.value
+        shown["prompt_tokens"] = len(verdict.prompt_ids)
+        shown["prompt"] = renderer.decode(verdict.prompt_ids, skip_special_tokens=False)
+    elif isinstance(verdict, Refused):  # an arm the row's samples do not use may refuse it
+        shown["refused"] = verdict.reason
+    return shown
 
 
 def _split(dataset: IO[bytes]) -> tuple[bytes, int, int]:

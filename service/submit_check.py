@@ -3,8 +3,9 @@
 In order, each refusing with what to fix: the job id (400), the names the spec may load
 (`service.allowlist`, 400), the names pinned as resolved, the tokenizer and template loaded
 (`renderer_for`, 400), the decontamination sets within their limits and parsed once
-(`check_benchmarks`, 400), and the pre-flight checks against the servers workers publish
-(`preflight_submit`, 409; what could not be checked is logged as a warning).
+(`check_benchmarks`, 400), and the pre-flight checks, a recipe's arms rendering apart among them,
+against the servers workers publish (`preflight_submit`, 409; what could not be checked is logged as
+a warning).
 """
 
 from __future__ import annotations

@@ -13,6 +13,8 @@ Pure functions over what is already known, no HTTP: the servers' info as workers
 - The stop ids (the tokenizer's EOS, ``eos_token_id`` of ``generation_config.json``, and
   ``sampling.stop_token_ids``) are not empty and lie inside the vocabulary.
 - The context length is known: ``spec.context_len`` or the smallest a server reported.
+- A recipe's arms render apart: two arms with different template variables give different prompt
+  ids (`datagen.prompts.arms_check`); checked first, as it needs no server.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from datagen.errors import ConfigError, DatagenError, NoServersYetError, PreflightError
+from datagen.prompts.arms_check import check_arms_render_apart
 
 if TYPE_CHECKING:
     from datagen.prompts.tokenization import PromptRenderer
@@ -347,6 +350,8 @@ def _is_bundled(tokenizer: str) -> bool:
 
 def preflight_submit(spec: JobSpec, renderer: PromptRenderer, servers: Servers) -> PreflightResult:
     """Every check a job must pass at submit; ``servers`` are the live ones (``live_servers``)."""
+    # Before the servers: a spec that cannot run must not wait for servers (NoServersYetError).
+    check_arms_render_apart(spec)
     check_servers_agree(servers)
     feature_warnings = check_features(spec, servers)
     warnings = check_spec_against_servers(spec, servers) + feature_warnings
