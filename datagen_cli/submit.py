@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -262,11 +263,24 @@ def _features(base: object, layers: str | None, dtype: FeatureDtype | None) -> d
 def _print_dry_run(preview: dict[str, Any]) -> None:
     out = Console()
     for example in preview["examples"]:
+        arm = f" · arm {example['arm']}" if example.get("arm") else ""
         out.rule(
             f"line {example['line']} · {example['sample_id']} · turn {example['turn']} · "
-            f"{example['class']} · {example['prompt_tokens']} tokens"
+            f"{example['class']} · {example['prompt_tokens']} tokens{arm}"
         )
         out.print(example["prompt"], markup=False, highlight=False)
+    # A recipe: one row rendered under every arm, so each arm's template variables show.
+    for arm in preview.get("arms") or []:
+        shown = f" · line {arm['line']} · {arm['prompt_tokens']} tokens" if arm["prompt"] else ""
+        out.rule(
+            f"arm {arm['name']} · share {arm['share']:.0%}{shown} · "
+            f"kwargs {json.dumps(arm['chat_template_kwargs'])}"
+        )
+        if arm.get("refused"):
+            out.print(f"refused under this arm: {arm['refused']}", markup=False)
+        elif arm["prompt"] is not None:
+            out.print(arm["prompt"], markup=False, highlight=False)
+        out.print(f"sampling: {json.dumps(arm['sampling'])}", markup=False)
     out.rule("summary")
     classes = preview["classes"]
     out.print(

@@ -42,7 +42,7 @@ from service.fleetview import FleetView
 from service.ingest import IngestOptions, Ingestor
 from service.ingestions import IngestRuns
 from service.lifecycle import JobControls
-from service.manifests import check_no_leftovers, check_provenance, job_manifest
+from service.manifests import check_no_leftovers, check_provenance, job_manifest, recipe_difference
 from service.metrics import CoordinatorMetrics
 from service.rebuild import Rebuilder
 from service.submit_check import CheckedSubmit, SubmitCheck, pinned
@@ -168,9 +168,17 @@ class Coordinator:
         existing = self._existing_spec(job_id)
         if existing is not None and self.jobs.progress(job_id).state is JobState.CANCELLED:
             raise JobStateError(f"job {job_id} was cancelled; submit under a new job id")
-        if existing is not None and pinned(existing, strict=False) != checked.spec:
+        before = pinned(existing, strict=False) if existing is not None else None
+        if before is not None and before != checked.spec:
+            detail = ""
+            if before.recipe != checked.spec.recipe:
+                then, now = (
+                    None if r is None else r.model_dump(mode="json")
+                    for r in (before.recipe, checked.spec.recipe)
+                )
+                detail = f" (its recipe differs: {recipe_difference(then, now)})"
             raise InvalidSpecError(
-                f"job {job_id} exists with a different spec; submit with the same spec to append, "
+                f"job {job_id} exists with a different spec{detail}; submit with the same spec to append, "
                 "or use a new job id"
             )
         identity = checked.renderer.identity()

@@ -105,6 +105,15 @@ def test_three_arms_render_sample_and_count_by_arm(stack: ProcessStack, tmp_path
     rows = _rows()
     dataset = tmp_path / "rows.jsonl"
     dataset.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    # The dry run renders the first row under every arm.
+    preview = stack.submit(dataset, "--spec", str(_spec_file(tmp_path)), "--dry-run")
+    assert preview.returncode == 0, preview.stdout + preview.stderr
+    for name in ARMS:
+        assert f"arm {name} · share" in preview.stdout
+    assert (
+        "Answer briefly.\n\nReasoning: high<｜User｜>What is 0 times 3?<｜Assistant｜><think>"
+        in preview.stdout
+    )
     submitted = stack.submit(
         dataset,
         "--spec",

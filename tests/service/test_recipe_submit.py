@@ -164,7 +164,10 @@ def test_a_resubmit_with_another_recipe_is_refused(client: TestClient) -> None:
     other = {**ON_OFF_RECIPE, "assign": "weighted"}
     response = _submit(client, spec_json(CLASS_LIMITS, recipe=other), job_id="j")
     assert response.status_code == 400
-    assert "different spec" in response.json()["error"]
+    assert response.json()["error"] == (
+        'job j exists with a different spec (its recipe differs: assign "cycle" then, "weighted" now); '
+        "submit with the same spec to append, or use a new job id"
+    )
     # The same recipe appends.
     assert _submit(client, spec_json(CLASS_LIMITS, recipe=ON_OFF_RECIPE), job_id="j").status_code == 202
 
