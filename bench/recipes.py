@@ -32,12 +32,12 @@ from _common import BENCH_JOB_ID, BENCH_NAMESPACE, job_spec, offline_hub, short_
 from datagen.control.enqueue import EnqueueOptions
 from datagen.control.jobs import JobStore
 from datagen.control.keys import Keys
-from datagen.recipes import arm_renderers
 from datagen.records.storage import Storage
 from datagen.settings import DEFAULT_ENQUEUE_CHUNK, DEFAULT_FAILURE_TTL_S, DEFAULT_RESULT_TTL_S
 from datagen.spec import JobSpec
 from datagen.states import JobState
 from datagen_cli.local.redis_server import LocalRedis
+from service.admit import arm_renderers
 from service.ingest import IngestOptions, Ingestor
 
 DEFAULT_N = 3000

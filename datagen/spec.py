@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections.abc import Mapping
 from enum import StrEnum
 from typing import Annotated, Any
 
@@ -41,6 +42,7 @@ __all__ = [
     "RecipeAssign",
     "RecipeSpec",
     "SamplingParams",
+    "canonical_kwargs_json",
     "parse_spec_json",
     "validate_spec",
 ]
@@ -218,6 +220,12 @@ def _bounded_kwargs(value: dict[str, Any]) -> dict[str, Any]:
     return value
 
 
+def canonical_kwargs_json(chat_template_kwargs: Mapping[str, object] | None) -> str:
+    """The one JSON text of a set of template variables (sorted keys, no spaces): what records store
+    and manifests pin, and how renderers with equal variables find one cache entry."""
+    return json.dumps(dict(chat_template_kwargs or {}), sort_keys=True, separators=(",", ":"))
+
+
 class SamplingParams(BaseModel):
     """A subset of SGLang's ``sampling_params`` under SGLang's exact names.
 
@@ -306,7 +314,7 @@ class FeaturesSpec(BaseModel):
 
 
 class RecipeAssign(StrEnum):
-    """How a recipe gives each (prompt, sample) its arm (`datagen.recipes.assign_arm`)."""
+    """How a recipe gives each (prompt, sample) its arm (`datagen.prompts.recipes.assign_arm`)."""
 
     WEIGHTED = "weighted"
     CYCLE = "cycle"
@@ -516,6 +524,10 @@ class JobSpec(BaseModel):
         if arm is None:
             return self.chat_template_kwargs
         return {**self.chat_template_kwargs, **arm.chat_template_kwargs}
+
+    def template_kwargs_json(self, arm: Arm | None) -> str:
+        """`template_kwargs` as its canonical JSON (`canonical_kwargs_json`)."""
+        return canonical_kwargs_json(self.template_kwargs(arm))
 
     def arm_named(self, name: str | None) -> Arm | None:
         """The recipe's arm of this name (None for None); a name the recipe lacks is a FatalError

@@ -13,7 +13,7 @@ A row is judged in this order, and the first check it fails says why it is refus
 5. a prompt with no room to generate in the context length is refused;
 6. an admitted prompt gets its class (`JobSpec.classify`).
 
-In a job with a recipe, a row's samples run under their arms (`datagen.recipes`), and checks 4-6
+In a job with a recipe, a row's samples run under their arms (`datagen.prompts.recipes`), and checks 4-6
 are made with each arm's rendering: the row is admitted only if every arm it uses admits it (a
 refusal names the arm), so a row is never half taken. Special text is looked for once per row.
 
@@ -37,9 +37,9 @@ from datagen.control.keys import UNKNOWN_LABEL, BreakdownField
 from datagen.control.payload import Conversation, PromptPayload
 from datagen.errors import InvalidRowError
 from datagen.prompts.dataset import Prompt, RowError, iter_prompts
+from datagen.prompts.recipes import arms_of_row
 from datagen.prompts.special_text import special_text_reason
-from datagen.prompts.tokenization import PromptRenderer
-from datagen.recipes import arms_of_row
+from datagen.prompts.tokenization import PromptRenderer, renderer_for
 from datagen.spec import Arm, JobSpec
 from datagen.states import MultiTurnMode, PromptClass, SpecialTextPolicy
 from service.rowids import RowId
@@ -52,6 +52,7 @@ __all__ = [
     "Refused",
     "admit",
     "admit_row",
+    "arm_renderers",
     "breakdown",
     "chunk_items",
     "chunk_limit",
@@ -213,6 +214,21 @@ def admit(
 ArmRenderers = Callable[[Arm | None], PromptRenderer]
 
 
+def arm_renderers(spec: JobSpec) -> ArmRenderers:
+    """The renderer of each arm of ``spec`` (of the job itself for None), looked up once per arm. The
+    job's own is built now, so a bad tokenizer or template fails before any row is read."""
+    renderers: dict[str | None, PromptRenderer] = {None: renderer_for(spec)}
+
+    def renderer(arm: Arm | None) -> PromptRenderer:
+        name = None if arm is None else arm.name
+        found = renderers.get(name)
+        if found is None:
+            found = renderers[name] = renderer_for(spec, arm)
+        return found
+
+    return renderer
+
+
 @dataclass(frozen=True)
 class AdmittedRow:
     """A row admitted under every arm its samples use: per sample (gen 0..samples-1), its arm and
@@ -230,11 +246,14 @@ def admit_row(
     *,
     scan_special_text: bool = False,
 ) -> AdmittedRow | Refused | None:
-    """`admit` for each arm the row's samples use (`datagen.recipes.arms_of_row`; one, None, without a
+    """`admit` for each arm the row's samples use (`datagen.prompts.recipes.arms_of_row`; one, None, without a
     recipe); the first refusal refuses the row. ``renderers``: the renderer of an arm."""
     if isinstance(item, RowError):
         return Refused(item.reason)
-    arms = arms_of_row(spec, sample_id=item.sample_id, row_index=item.row_index)
+    if spec.recipe is None:
+        arms: list[Arm | None] = [None] * spec.samples
+    else:
+        arms = arms_of_row(spec, sample_id=item.sample_id, row_index=item.row_index)
     verdicts: dict[str | None, Admitted] = {}
     found: list[str] = []
     for arm in arms:

@@ -29,13 +29,13 @@ from datagen.errors import (
 )
 from datagen.prompts.loaders import preload_libraries
 from datagen.prompts.preflight import preflight_submit
-from datagen.recipes import arm_renderers
 from datagen.records.layout import validate_job_id
 from datagen.records.schema import has_features
 from datagen.records.storage import Storage
 from datagen.settings import CoordinatorSettings
 from datagen.spec import JobSpec
 from datagen.states import JobState, RebuildReason
+from service.admit import arm_renderers
 from service.allowlist import check_allowed
 from service.dryrun import dry_run
 from service.fleetview import FleetView

@@ -22,7 +22,7 @@ from typing import IO, Any
 
 from datagen.hygiene.screen import Hygiene, HygieneRow
 from datagen.prompts.dataset import Prompt, iter_prompts
-from datagen.recipes import arm_shares
+from datagen.prompts.recipes import arm_shares
 from datagen.spec import Arm, JobSpec
 from service.admit import Admitted, AdmittedRow, ArmRenderers, Refused, admit, admit_row
 from service.rowids import RowId, check_row_ids, repeated_lines, row_id
@@ -39,7 +39,7 @@ DRY_RUN_UPLOAD = "dry-run"
 def dry_run(
     spec: JobSpec, renderers: ArmRenderers, dataset: IO[bytes], context_len: int | None
 ) -> dict[str, Any]:
-    """The preview of ``dataset``; ``renderers``: each arm's renderer (`datagen.recipes.arm_renderers`)."""
+    """The preview of ``dataset``; ``renderers``: each arm's renderer (`service.admit.arm_renderers`)."""
     hygiene = Hygiene.for_spec(spec)  # a set over the limits is refused before the upload is read
     sample, sampled_bytes, total_bytes = _split(dataset)
     rejected: dict[int, dict[str, Any]] = {}  # line → why; one entry per row, as ingestion writes

@@ -39,7 +39,6 @@ from datagen.errors import DatagenError, JobNotFoundError, StorageError
 from datagen.hygiene.screen import Hygiene, HygieneRow, Verdicts
 from datagen.prompts.dataset import Prompt, RowError
 from datagen.prompts.special_text import special_text_reason
-from datagen.recipes import arm_renderers
 from datagen.records.storage import Storage
 from datagen.spec import JobSpec
 from datagen.states import DedupMode, JobState, PromptClass
@@ -49,6 +48,7 @@ from service.admit import (
     Chunk,
     Refused,
     admit_row,
+    arm_renderers,
     breakdown,
     chunk_items,
     chunk_limit,

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import yaml
 
-from datagen.recipes import arm_shares, arms_of_row
+from datagen.prompts.recipes import arm_shares, arms_of_row
 from datagen.spec import JobSpec, validate_spec
 
 PAGE = Path(__file__).resolve().parents[1] / "docs" / "user" / "recipes.md"

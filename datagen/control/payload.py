@@ -113,7 +113,7 @@ class PromptPayload:
     # A capture-only job's row: ``prompt_ids`` is the whole sequence, taken as it is, and its loss
     # mask's 1s start here; nothing is generated.
     given_prompt_len: int | None = None
-    # A job with a recipe: the name of the arm this sample runs under (`datagen.recipes`); its
+    # A job with a recipe: the name of the arm this sample runs under (`datagen.prompts.recipes`); its
     # prompt ids were rendered with the arm's template variables, and the worker sends its sampling.
     arm: str | None = None
 

@@ -31,8 +31,8 @@ from datagen.export.formats import (
 from datagen.export.rows import ROW_COLUMNS, ExportStats, RowFilter, RowFilterOptions, filtered_batches
 from datagen.export.shuffle import bucket_count, shuffled_batches
 from datagen.export.tokens import load_job_tokens
-from datagen.prompts.provenance import canonical_kwargs_json
 from datagen.records.storage import Storage
+from datagen.spec import canonical_kwargs_json
 from datagen.states import ExportFormat, MultiTurnMode
 
 __all__ = [

@@ -351,7 +351,8 @@ def _is_bundled(tokenizer: str) -> bool:
 def preflight_submit(spec: JobSpec, renderer: PromptRenderer, servers: Servers) -> PreflightResult:
     """Every check a job must pass at submit; ``servers`` are the live ones (``live_servers``)."""
     # Before the servers: a spec that cannot run must not wait for servers (NoServersYetError).
-    check_arms_render_apart(spec)
+    if spec.recipe is not None:
+        check_arms_render_apart(spec)
     check_servers_agree(servers)
     feature_warnings = check_features(spec, servers)
     warnings = check_spec_against_servers(spec, servers) + feature_warnings

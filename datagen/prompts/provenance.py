@@ -3,18 +3,18 @@ later submit to the job is held to (`datagen.prompts.tokenization.PromptRenderer
 
 ``tokenizer_sha256`` hashes each present tokenizer file (name, then the sha256 of its bytes) in a
 fixed order (:data:`TOKENIZER_FILE_NAMES`); a template is pinned by the sha256 of its UTF-8 text, and
-``chat_template_kwargs`` by one canonical JSON text (:func:`canonical_kwargs_json`).
+``chat_template_kwargs`` by one canonical JSON text (`datagen.spec.canonical_kwargs_json`, re-exported here).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from datagen.prompts.sources import ResolvedSource
+from datagen.spec import canonical_kwargs_json
 
 __all__ = ["TOKENIZER_FILE_NAMES", "canonical_kwargs_json", "text_sha256", "tokenizer_sha256"]
 
@@ -31,11 +31,6 @@ TOKENIZER_FILE_NAMES = (
     "chat_template.jinja",
     "chat_template.json",
 )
-
-
-def canonical_kwargs_json(chat_template_kwargs: Mapping[str, object] | None) -> str:
-    """The one JSON text for a kwargs mapping, so equal kwargs share a `get_renderer` cache entry."""
-    return json.dumps(dict(chat_template_kwargs or {}), sort_keys=True, separators=(",", ":"))
 
 
 def text_sha256(text: str) -> str:

@@ -50,7 +50,7 @@ GIVEN_FINISH = "given"
 FEATURES_FILE = "features_file"
 FEATURE_COLUMNS = (FEATURES_FILE, "features_bytes", "features_sha256", "features_error")
 # The columns a version-4 record adds: the arm's name (null in a job without a recipe) and the
-# template variables as canonical JSON (`datagen.prompts.provenance.canonical_kwargs_json`).
+# template variables as canonical JSON (`datagen.spec.canonical_kwargs_json`).
 ARM = "arm"
 TEMPLATE_KWARGS = "chat_template_kwargs"
 

@@ -1,4 +1,4 @@
-"""Recipes: the arms in the spec, the one assignment rule (`datagen.recipes`), each arm's rendering
+"""Recipes: the arms in the spec, the one assignment rule (`datagen.prompts.recipes`), each arm's rendering
 and sampling, and a row admitted only under every arm it uses (`service.admit.admit_row`)."""
 
 from __future__ import annotations
@@ -13,11 +13,11 @@ import pytest
 from datagen.control.payload import PromptPayload
 from datagen.errors import FatalError, InvalidSpecError
 from datagen.prompts.dataset import Prompt, iter_prompts
+from datagen.prompts.recipes import arm_shares, arms_of_row, assign_arm
 from datagen.prompts.tokenization import renderer_for
-from datagen.recipes import arm_renderers, arm_shares, arms_of_row, assign_arm
 from datagen.spec import validate_spec
 from datagen.states import PromptClass
-from service.admit import AdmittedRow, Refused, admit_row
+from service.admit import AdmittedRow, Refused, admit_row, arm_renderers
 from tests.support.specs import job_spec, make_spec
 
 # The project template's generation prompt for one user turn "Hi" (decoded:

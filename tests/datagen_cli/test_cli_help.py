@@ -49,6 +49,8 @@ FOREIGN_FLAGS = {
     "--speculative-config": "vllm serve --speculative-config (capture servers, docs/user/features.md)",
     "--kv-transfer-config": "vllm serve --kv-transfer-config (capture servers, docs/user/features.md)",
     "--data-path": "speculators' train.py --data-path, in docs/user/features.md",
+    "--reasoning-effort-cycle": "speculators' data generation flag (#1037), in docs/user/recipes.md",
+    "--temperature-cycle": "speculators' data generation flag (#1037), in docs/user/recipes.md",
     "--max-num-seqs": "vllm serve --max-num-seqs",
     "--gpu-memory-utilization": "vllm serve --gpu-memory-utilization",
     "--served-model-name": "vllm serve --served-model-name",

@@ -29,7 +29,6 @@ from datagen.clock import now_ms
 from datagen.control.payload import PromptPayload
 from datagen.control.rq_format import ATTEMPTS
 from datagen.errors import ConfigError, FatalError, RetryableError, ServerUnavailableError
-from datagen.prompts.provenance import canonical_kwargs_json
 from datagen.records.schema import GIVEN_FINISH, Record
 from datagen.settings import WorkerSettings
 from datagen.states import PromptClass
@@ -115,7 +114,7 @@ class Generator:
             else:
                 enqueued_at_ms = int(job.enqueued_at.timestamp() * 1000) if job.enqueued_at else None
                 timing = (enqueued_at_ms, started_at_ms)
-                kwargs_json = canonical_kwargs_json(spec.template_kwargs(arm))
+                kwargs_json = spec.template_kwargs_json(arm)
                 return self._record(
                     payload,
                     job_info.tokenizer,

@@ -11,7 +11,8 @@ or rebuilt job gives every sample the arm it had:
   gen``, ``row_index`` counting the file's non-blank lines from 0), gets arm ``i mod k``. Shares are
   exact over the file; with as many samples as arms, every row runs under every arm.
 
-All turns of a row share its arm (multi-turn ``all`` keeps a conversation in one mode).
+All turns of a row share its arm (multi-turn ``all`` keeps a conversation in one mode). A job
+without a recipe never runs this module: its samples have no arm.
 """
 
 from __future__ import annotations
@@ -19,12 +20,10 @@ from __future__ import annotations
 import bisect
 import hashlib
 import itertools
-from collections.abc import Callable
 
-from datagen.prompts.tokenization import PromptRenderer, renderer_for
 from datagen.spec import Arm, JobSpec, RecipeAssign, RecipeSpec
 
-__all__ = ["arm_renderers", "arm_shares", "arms_of_row", "assign_arm"]
+__all__ = ["arm_shares", "arms_of_row", "assign_arm"]
 
 _DRAW_BYTES = 8
 _DRAW_SPAN = float(2 ** (8 * _DRAW_BYTES))
@@ -64,18 +63,3 @@ def arms_of_row(spec: JobSpec, *, sample_id: str, row_index: int) -> list[Arm | 
         assign_arm(recipe, sample_id=sample_id, gen=gen, row_index=row_index, samples=spec.samples)
         for gen in range(spec.samples)
     ]
-
-
-def arm_renderers(spec: JobSpec) -> Callable[[Arm | None], PromptRenderer]:
-    """The renderer of each arm of ``spec`` (of the job itself for None), looked up once per arm. The
-    job's own is built now, so a bad tokenizer or template fails before any row is read."""
-    renderers: dict[str | None, PromptRenderer] = {None: renderer_for(spec)}
-
-    def renderer(arm: Arm | None) -> PromptRenderer:
-        name = None if arm is None else arm.name
-        found = renderers.get(name)
-        if found is None:
-            found = renderers[name] = renderer_for(spec, arm)
-        return found
-
-    return renderer
