@@ -238,6 +238,7 @@ def run(args: argparse.Namespace, tmp: Path, max_queued: int) -> Result:
             "DATAGEN_STORAGE": str(tmp / "data"),
             "DATAGEN_NAMESPACE": NAMESPACE,
             "DATAGEN_ENQUEUE_CHUNK": str(args.chunk),
+            "DATAGEN_INGEST_PROCESSES": str(args.workers),
             "DATAGEN_MAX_QUEUED_PER_CLASS": str(max_queued),
             "DATAGEN_METRICS_PORT": "0",
             "DATAGEN_LOG_LEVEL": "WARNING",
@@ -279,7 +280,8 @@ def report(args: argparse.Namespace, max_queued: int, r: Result) -> None:
     print(
         f"ingest_load: N={r.n} prompts ({r.dataset_bytes / 2**20:.1f} MiB JSONL, mean {r.mean_tokens} "
         f"prompt tokens), chunk {args.chunk}, max queued {max_queued}, drain {args.drain_per_s or 'off'}, "
-        f"worker c={args.concurrency} on a time-scale-{args.time_scale} simulator"
+        f"worker c={args.concurrency} on a time-scale-{args.time_scale} simulator, "
+        f"{args.workers} rendering process(es) (DATAGEN_INGEST_PROCESSES)"
     )
     rendered = min(r.n, args.render_n)
     print(f"  raw tokenizer: PromptRenderer.render, {rendered} rows  {r.render_rate:9.0f} prompts/s")
@@ -313,6 +315,9 @@ def main() -> None:
     parser.add_argument("--chunk", type=int, default=DEFAULT_ENQUEUE_CHUNK, help="DATAGEN_ENQUEUE_CHUNK")
     parser.add_argument("--max-queued", type=int, default=None, help="DATAGEN_MAX_QUEUED_PER_CLASS (N)")
     parser.add_argument("--drain-per-s", type=float, default=0.0, help="pop this many prompts/s (off)")
+    parser.add_argument(
+        "--workers", type=int, default=1, help="DATAGEN_INGEST_PROCESSES: rendering processes (0: in-thread)"
+    )
     parser.add_argument("--render-n", type=int, default=DEFAULT_RENDER_N, help="rows for the raw rate")
     parser.add_argument(
         "--concurrency", type=int, default=DEFAULT_CONCURRENCY, help="worker's in flight (0: no worker)"

@@ -10,12 +10,12 @@ the worker load the tokenizer) and is deleted. Then:
    then those one at a time (the latency of a submit alone while the others run; N=1: the one job).
 2. Right after, one big job (``--big-prompts`` 1,500 prompts); its job hash is polled every
    ``--poll-ms`` 50 ms (one HMGET of ``dispatched``, ``done``, ``state``, straight from Redis:
-   ``GET /jobs/{id}`` costs O(jobs) commands, see below) for the time from the submit returning to
-   its first dispatch and to ``done >= 1``. Read afterwards: the gap from the big job's first prompt
-   finishing at the worker (the earliest ``finished_at_ms`` of its records, the reply's arrival) to
-   its first shard being committed (the earliest commit's ``committed_at_ms``, stamped as the shard
-   is written), and to its first record being counted (the job's ``first_record_at_ms``, set by
-   the ack that moves ``done`` from 0).
+   ``GET /jobs/{id}`` is an HTTP round trip and a dozen commands, see below) for the time from
+   the submit returning to its first dispatch and to ``done >= 1``. Read afterwards: the gap from
+   the big job's first prompt finishing at the worker (the earliest ``finished_at_ms`` of its
+   records, the reply's arrival) to its first shard being committed (the earliest commit's
+   ``committed_at_ms``, stamped as the shard is written), and to its first record being counted
+   (the job's ``first_record_at_ms``, set by the ack that moves ``done`` from 0).
 3. Until every prompt is committed (the worker's ``datagen_worker_records_committed_total``, which
    costs Redis nothing to read) and the big job is ``completed``. ``INFO commandstats`` and
    ``INFO cpu`` (``used_cpu_sys + used_cpu_user``) are read before the first submit, before the big
@@ -29,7 +29,10 @@ the worker load the tokenizer) and is deleted. Then:
    default page and for ``limit=1000`` (the API's largest) on one kept-alive connection, and for
    the default page with a connection per request (``Connection: close``); the responses' sizes.
 5. One more small job on the idle stack: its Redis commands and CPU from submit to its last record
-   (less the idle background), per prompt, and its top commands: the cost of one more job at N.
+   (less the idle background), per prompt, and its top commands: the cost of one more job at N;
+   in the targets, the whole job's commands against issue 41's 60. After the targets, whether
+   ``GET /jobs``'s p99 stays flat from the smallest N >= 300 to the largest (at most 1.5 times, or
+   within 10 ms): a page costs O(page), not O(jobs).
 6. For N >= 100 (``--fair-max-n`` caps which N): shares. The short queue is paused
    (``POST /queues/short/pause``, 2.5 s to take effect), K = min(N, ``--fair-jobs`` 500) jobs of
    ``--fair-prompts`` 20 prompts, weight 1, are submitted and ingested, the queue is resumed, and
@@ -108,6 +111,12 @@ TARGET_GAP_S = 1.0
 TARGET_LIST_P99_MS = 100.0
 TARGET_SUBMIT_P50_MS = 50.0
 TARGET_SHARE = 0.10
+# Issue 41: one more small job's whole Redis cost, and GET /jobs's p99 flat in the jobs there are
+# (the largest N's at most this many times the smallest N >= 300's, or within the noise).
+TARGET_JOB_COMMANDS = 60.0
+TARGET_LIST_FLAT = 1.5
+LIST_NOISE_MS = 10.0
+LIST_FLAT_FROM_N = 300
 _TOPICS = ("sorting", "recursion", "photosynthesis", "inflation", "entropy", "plate tectonics", "jazz")
 
 
@@ -203,6 +212,7 @@ class Row:
     unfinished: int
     share: Share | None = None
     extra: PerPrompt | None = None  # one more small job on the idle stack
+    extra_prompts: int = 0  # its prompts
     notes: list[str] = field(default_factory=list)
 
 
@@ -318,7 +328,7 @@ class Stack:
 
     def job_fields(self, job_id: str) -> dict[str, str]:
         """``dispatched``, ``done`` and ``state`` of the job's hash: one HMGET, counted in ``polls``
-        (the API's ``GET /jobs/{id}`` costs Redis O(jobs) commands, which would swamp the figures)."""
+        (cheaper and quicker than the API's ``GET /jobs/{id}``, and counted exactly)."""
         self.polls += 1
         names = ["dispatched", "done", "state"]
         values = self.redis.hmget(self.keys.job(job_id), names)
@@ -567,6 +577,7 @@ def _measure(stack: Stack, n: int, args: argparse.Namespace) -> Row:
         notes=notes,
     )
     row.extra = PerPrompt.of(_one_more_job(stack, args.small_prompts, idle), args.small_prompts)
+    row.extra_prompts = args.small_prompts
     if stack.client.job("extra")["state"] not in _ENDED:
         notes.append("the extra job had not ended when Redis was read")
     if n >= 100 and n <= args.fair_max_n:
@@ -678,6 +689,7 @@ def report(rows: list[Row]) -> None:
         list_p99 = r.list_default[1]
         submit_p50 = _p50(r.alone_ms)
         share_dev = None if r.share is None else r.share.deviation
+        job_commands = None if r.extra is None else r.extra.commands * r.extra_prompts
         checks = [
             (
                 f"cmd/p {_ratio(r.run.commands, base.run.commands)} (<= {TARGET_RATIO}x)",
@@ -700,6 +712,10 @@ def report(rows: list[Row]) -> None:
                 f"shares {'-' if share_dev is None else f'{share_dev:.1%}'} (<= {TARGET_SHARE:.0%})",
                 _at_most(share_dev, TARGET_SHARE),
             ),
+            (
+                f"+1 job {_opt(job_commands, '.0f')} commands (<= {TARGET_JOB_COMMANDS:.0f})",
+                _at_most(job_commands, TARGET_JOB_COMMANDS),
+            ),
         ]
         print(f"N={r.n}: " + "; ".join(f"{text}: {_verdict(ok)}" for text, ok in checks))
         polls = (
@@ -707,10 +723,26 @@ def report(rows: list[Row]) -> None:
             f"{r.poll_commands:.0f} commands (idle stack)"
         )
         print(f"       ({polls}{''.join('; ' + note for note in r.notes)})")
+    _flat(rows)
     _top(rows, base, "whole run", lambda r: r.run)
     _top(rows, base, "big job's phase", lambda r: r.big)
     if all(r.extra is not None for r in rows):
         _top(rows, base, "one more small job on the idle stack", lambda r: r.extra or r.run)
+
+
+def _flat(rows: list[Row]) -> None:
+    """Whether ``GET /jobs``'s p99 (the default page) stays flat from the smallest N >= 300 to the
+    largest: a page's read costs O(page), not O(jobs)."""
+    many = sorted((r for r in rows if r.n >= LIST_FLAT_FROM_N), key=lambda r: r.n)
+    if len(many) < 2:
+        return
+    low, high = many[0], many[-1]
+    p99_low, p99_high = low.list_default[1], high.list_default[1]
+    ok = p99_high <= max(TARGET_LIST_FLAT * p99_low, p99_low + LIST_NOISE_MS)
+    print(
+        f"GET /jobs p99 N={low.n} -> N={high.n}: {p99_low:.1f} -> {p99_high:.1f} ms "
+        f"(flat: <= {TARGET_LIST_FLAT}x or +{LIST_NOISE_MS:.0f} ms): {_verdict(ok)}"
+    )
 
 
 def _top(rows: list[Row], base: Row, what: str, figures: Callable[[Row], PerPrompt]) -> None:

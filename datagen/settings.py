@@ -177,6 +177,15 @@ class CoordinatorSettings(CommonSettings):
         le=100_000,
         description="rows ingested and enqueued per chunk (one Redis transaction and one checkpoint each)",
     )
+    ingest_processes: int | None = Field(
+        default=None,
+        ge=0,
+        le=256,
+        description=(
+            "processes that parse and render uploaded rows, shared by every ingestion (none: one per "
+            "core; 0: in each ingestion's own thread)"
+        ),
+    )
     max_upload_bytes: int = Field(
         default=DEFAULT_MAX_UPLOAD_BYTES, ge=1, description="largest dataset upload the coordinator accepts"
     )
@@ -208,6 +217,15 @@ class CoordinatorSettings(CommonSettings):
             "always allowed"
         ),
     )
+    # A dataset given by reference (`POST /jobs` ``dataset_url``) is read by the coordinator with its
+    # own credentials: only URLs and paths under these prefixes may be named.
+    dataset_allowlist: str = Field(
+        default="",
+        description=(
+            "comma list of URL prefixes (`s3://bucket/datasets/`) and absolute local paths a job may name "
+            "as `dataset_url` (read by the coordinator, nothing uploaded); empty refuses every reference"
+        ),
+    )
     allow_trust_remote_code: bool = Field(
         default=False,
         description=(
@@ -227,6 +245,9 @@ class CoordinatorSettings(CommonSettings):
 
     def allowlist(self) -> list[str]:
         return [entry.strip() for entry in self.tokenizer_allowlist.split(",") if entry.strip()]
+
+    def dataset_prefixes(self) -> list[str]:
+        return [entry.strip() for entry in self.dataset_allowlist.split(",") if entry.strip()]
 
 
 # Capture (jobs with features): speculators waits 10 s for the lock; a 32k-token sample on a busy

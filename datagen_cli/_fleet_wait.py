@@ -27,7 +27,7 @@ from datagen.errors import (
     PreflightError,
 )
 from datagen.states import ServerState
-from datagen_cli.client import CoordinatorClient
+from datagen_cli.client import CoordinatorClient, DatasetSource
 
 __all__ = ["submit_when_ready"]
 
@@ -95,7 +95,7 @@ def _wait_ready(
 def submit_when_ready(
     client: CoordinatorClient,
     url: str,
-    dataset: Path,
+    dataset: Path | DatasetSource,
     spec: dict[str, Any],
     job_id: str | None,
     *,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -11,12 +12,33 @@ import httpx
 
 from datagen.errors import ConfigError, CoordinatorUnreachableError, error_from_http
 
-__all__ = ["CoordinatorClient"]
+__all__ = ["CoordinatorClient", "DatasetSource"]
 
 DEFAULT_TIMEOUT_S = 30.0
 UPLOAD_TIMEOUT_S = 3600.0
 # Jobs per GET /jobs page when reading them all.
 JOBS_PAGE = 500
+
+
+@dataclass(frozen=True)
+class DatasetSource:
+    """A dataset for ``POST /jobs``: a file to upload (``path``) or a reference the coordinator reads
+    (``url``), with its format (None: told by the name) and the Parquet/Arrow columns it maps."""
+
+    path: Path | None = None
+    url: str | None = None
+    format: str | None = None
+    messages_column: str | None = None
+    id_column: str | None = None
+
+    def form(self) -> dict[str, str]:
+        fields = {
+            "dataset_url": self.url,
+            "format": self.format,
+            "messages_column": self.messages_column,
+            "id_column": self.id_column,
+        }
+        return {k: v for k, v in fields.items() if v}
 
 
 class CoordinatorClient:
@@ -35,12 +57,17 @@ class CoordinatorClient:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def submit(self, dataset: Path, spec: dict[str, Any], job_id: str | None = None) -> dict[str, Any]:
-        data = {"spec": json.dumps(spec)}
+    def submit(
+        self, dataset: Path | DatasetSource, spec: dict[str, Any], job_id: str | None = None
+    ) -> dict[str, Any]:
+        source = dataset if isinstance(dataset, DatasetSource) else DatasetSource(path=dataset)
+        data = {"spec": json.dumps(spec), **source.form()}
         if job_id:
             data["job_id"] = job_id
-        with open(dataset, "rb") as fh:
-            files = {"dataset": (dataset.name, fh, "application/jsonl")}
+        if source.path is None:  # by reference: nothing uploaded
+            return self._request("POST", "/jobs", data=data, timeout=UPLOAD_TIMEOUT_S)
+        with open(source.path, "rb") as fh:
+            files = {"dataset": (source.path.name, fh, "application/octet-stream")}
             response = self._request("POST", "/jobs", data=data, files=files, timeout=UPLOAD_TIMEOUT_S)
         return response
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.console import Console
@@ -23,6 +23,9 @@ from datagen.states import Priority
 from datagen_cli._app import app, console, examples
 from datagen_cli._options import CoordinatorOption, ProgressEverySOption
 from datagen_cli.waiting import wait_for_job_exit
+
+if TYPE_CHECKING:
+    from datagen_cli.client import DatasetSource
 
 
 def _spec_from_options(
@@ -77,9 +80,35 @@ def spec(
 )
 def submit(
     dataset: Annotated[
-        Path,
-        typer.Argument(exists=True, dir_okay=False, help="JSONL dataset file, uploaded to the coordinator"),
-    ],
+        Path | None,
+        typer.Argument(
+            exists=True,
+            dir_okay=False,
+            help="dataset file uploaded to the coordinator: JSONL (.jsonl, .jsonl.gz, .jsonl.zst) or Parquet "
+            "(.parquet); or give --dataset-url",
+        ),
+    ] = None,
+    dataset_url: Annotated[
+        str | None,
+        typer.Option(
+            help="instead of a file: a URL (s3://..., any fsspec one) or absolute path the coordinator reads "
+            "itself (a file, a directory of *.parquet, or a `datasets` save_to_disk directory); it must "
+            "start with a prefix of the coordinator's DATAGEN_DATASET_ALLOWLIST"
+        ),
+    ] = None,
+    dataset_format: Annotated[
+        str | None,
+        typer.Option(
+            "--format",
+            help="jsonl, jsonl.gz, jsonl.zst, parquet, parquet-dir or hf-dataset (default: told by the name)",
+        ),
+    ] = None,
+    messages_column: Annotated[
+        str | None, typer.Option(help="Parquet/Arrow column holding the conversation (default: messages)")
+    ] = None,
+    id_column: Annotated[
+        str | None, typer.Option(help="Parquet/Arrow column holding the row's id (default: id)")
+    ] = None,
     tokenizer: Annotated[
         str | None,
         typer.Option(help="tokenizer path or hub id, as the coordinator sees it (or `tokenizer:` in --spec)"),
@@ -215,14 +244,18 @@ def submit(
     )
     if features_layers is not None or features_dtype is not None:
         spec["features"] = _features(spec.get("features"), features_layers, features_dtype)
+    source = _dataset_source(
+        dataset, dataset_url, dataset_format, messages_column, id_column, dry_run=dry_run
+    )
     with CoordinatorClient(settings.coordinator_url, api_token=settings.api_token) as client:
         if dry_run:
+            assert dataset is not None
             _print_dry_run(client.dry_run(dataset, spec))
             return
         job = submit_when_ready(
             client,
             settings.coordinator_url,
-            dataset,
+            source,
             spec,
             job_id,
             wait_s=settings.wait_for_servers_s,
@@ -239,6 +272,27 @@ def submit(
                     progress_every_s=settings.progress_interval_s,
                 )
             )
+
+
+def _dataset_source(
+    dataset: Path | None,
+    url: str | None,
+    fmt: str | None,
+    messages_column: str | None,
+    id_column: str | None,
+    *,
+    dry_run: bool,
+) -> DatasetSource:
+    """What to submit: the file or the reference, with its format and columns."""
+    from datagen_cli.client import DatasetSource
+
+    if (dataset is None) == (url is None):
+        raise ConfigError("give a dataset file or --dataset-url URL (one of the two)")
+    if dry_run and (url is not None or (fmt or "jsonl") != "jsonl" or not str(dataset).endswith(".jsonl")):
+        raise ConfigError("--dry-run reads a plain .jsonl file; submit other formats without it")
+    return DatasetSource(
+        path=dataset, url=url, format=fmt, messages_column=messages_column, id_column=id_column
+    )
 
 
 def _features(base: object, layers: str | None, dtype: FeatureDtype | None) -> dict[str, Any]:

@@ -9,6 +9,12 @@ and the shipped templates are always allowed, so the demo and the tests need no 
 Names are resolved by `datagen.prompts.sources.resolve_source`, the function the loaders use, so a name
 cannot pass the check as one file and be loaded as another. A hub id passes only when listed
 verbatim: a prefix of paths says nothing about what the hub may serve.
+
+A dataset given by reference (``dataset_url``) is read by the coordinator with its own credentials,
+so it must start with a prefix of ``DATAGEN_DATASET_ALLOWLIST`` (`check_dataset_url`): URL prefixes
+match whole path segments (``s3://data`` allows ``s3://data/x``, not ``s3://data-private``), local
+paths are resolved (symlinks, ``..``) and must lie under an absolute entry. Empty, it refuses every
+reference.
 """
 
 from __future__ import annotations
@@ -19,10 +25,13 @@ from pathlib import Path
 from datagen.errors import InvalidSpecError
 from datagen.prompts.sources import ResolvedSource, SourceKind, local_path, resolve_source
 from datagen.prompts.tokenization import bundled_tokenizer_path, default_chat_template_path
+from datagen.records.files import is_url
 from datagen.settings import CoordinatorSettings
 from datagen.spec import BUILTIN_SETS, JobSpec
 
-__all__ = ["check_allowed"]
+__all__ = ["check_allowed", "check_dataset_url"]
+
+_LOCAL_SCHEME = "file://"
 
 ANYTHING = "*"
 
@@ -74,3 +83,36 @@ def check_allowed(spec: JobSpec, settings: CoordinatorSettings) -> None:
             "trust_remote_code runs code from the tokenizer's repository on the coordinator and is off; "
             "an operator can allow it with DATAGEN_ALLOW_TRUST_REMOTE_CODE=1"
         )
+
+
+def check_dataset_url(url: str, settings: CoordinatorSettings) -> str:
+    """The reference to read if ``url`` is allowed (a local path resolved), else `InvalidSpecError`."""
+    entries = settings.dataset_prefixes()
+    if not entries:
+        raise InvalidSpecError(
+            "datasets by reference are off on this coordinator: an operator must list allowed prefixes in "
+            "DATAGEN_DATASET_ALLOWLIST, or upload the file instead of giving dataset_url"
+        )
+    refused = InvalidSpecError(
+        f"dataset_url {url[:200]!r} is not allowed on this coordinator; an operator must add it (or a "
+        "prefix of it) to DATAGEN_DATASET_ALLOWLIST"
+    )
+    local = url.removeprefix(_LOCAL_SCHEME) if url.startswith(_LOCAL_SCHEME) else url
+    if not is_url(local):
+        if not os.path.isabs(os.path.expanduser(local)):
+            raise InvalidSpecError(f"dataset_url {url[:200]!r}: give an absolute path or a URL")
+        real = local_path(local)
+        roots = [
+            local_path(e.removeprefix(_LOCAL_SCHEME))
+            for e in entries
+            if not is_url(e.removeprefix(_LOCAL_SCHEME))
+        ]
+        if any(_inside(real, root) for root in roots if os.path.isabs(root)):
+            return real
+        raise refused
+    segments = url.split("://", 1)[-1].split("/")
+    if "." in segments or ".." in segments:
+        raise refused  # an object store takes them literally, a path-like one may not
+    if any(url == e or url.startswith(e.rstrip("/") + "/") for e in entries if is_url(e)):
+        return url
+    raise refused

@@ -34,11 +34,12 @@ from datagen.errors import (
     http_status,
     status_error_class,
 )
+from datagen.prompts.inputs import ColumnMap
 from datagen.records.layout import validate_job_id
 from datagen.settings import CoordinatorSettings
 from datagen.spec import parse_spec_json
 from datagen.states import JobState, Priority, PromptClass
-from service.coordinator import Coordinator
+from service.coordinator import Coordinator, DatasetInput
 from service.longpoll import CAPPED_HEADER, LongPolls
 
 __all__ = ["create_app"]
@@ -191,8 +192,35 @@ def _install_routes(app: FastAPI) -> None:
     @app.post("/jobs", status_code=202, dependencies=guarded)
     def submit_job(
         coord: Coord,
-        dataset: Annotated[UploadFile, File(description="JSONL dataset, one row per line")],
         spec: Annotated[str, Form(description="job spec as JSON")],
+        dataset: Annotated[
+            UploadFile | None,
+            File(
+                description="the dataset file: JSONL (.jsonl, .jsonl.gz, .jsonl.zst) or Parquet (.parquet), "
+                "told by its name or `format`; or give `dataset_url`"
+            ),
+        ] = None,
+        dataset_url: Annotated[
+            str | None,
+            Form(
+                description="instead of `dataset`: a URL (any fsspec one, s3:// included) or absolute path "
+                "the coordinator reads, under a prefix of DATAGEN_DATASET_ALLOWLIST"
+            ),
+        ] = None,
+        dataset_format: Annotated[
+            str | None,
+            Form(
+                alias="format",
+                description="jsonl, jsonl.gz, jsonl.zst, parquet, parquet-dir or hf-dataset "
+                "(default: told by the name)",
+            ),
+        ] = None,
+        messages_column: Annotated[
+            str | None, Form(description="Parquet/Arrow column read as `messages` (default: messages)")
+        ] = None,
+        id_column: Annotated[
+            str | None, Form(description="Parquet/Arrow column read as `id` (default: id)")
+        ] = None,
         job_id: Annotated[
             str | None, Form(description="1-64 letters, digits or underscores; reuse one to append")
         ] = None,
@@ -200,7 +228,14 @@ def _install_routes(app: FastAPI) -> None:
         if job_id is not None:
             validate_job_id(job_id)
         parsed = parse_spec_json(spec)
-        job, created = coord.submit(parsed, dataset.file, job_id)
+        given = DatasetInput(
+            upload=None if dataset is None else dataset.file,
+            filename=None if dataset is None else dataset.filename,
+            url=dataset_url or None,
+            format=dataset_format or None,
+            columns=ColumnMap(messages=messages_column or None, id=id_column or None),
+        )
+        job, created = coord.submit(parsed, given, job_id)
         body = coord.jobs.progress(job, with_arms=True).to_json()
         body["created"] = created
         return JSONResponse(status_code=202, content=body, headers={"Location": f"/jobs/{job}"})

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import re
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from typing import IO, Any
 
 from redis import Redis
@@ -27,6 +29,14 @@ from datagen.errors import (
     PreflightError,
     UploadTooLargeError,
 )
+from datagen.prompts.inputs import (
+    ColumnMap,
+    InputFormat,
+    Reference,
+    format_for_name,
+    parse_format,
+    resolve_reference,
+)
 from datagen.prompts.loaders import preload_libraries
 from datagen.prompts.preflight import preflight_submit
 from datagen.records.layout import validate_job_id
@@ -36,7 +46,7 @@ from datagen.settings import CoordinatorSettings
 from datagen.spec import JobSpec
 from datagen.states import JobState, RebuildReason
 from service.admit import arm_renderers
-from service.allowlist import check_allowed
+from service.allowlist import check_allowed, check_dataset_url
 from service.dryrun import dry_run
 from service.fleetview import FleetView
 from service.ingest import IngestOptions, Ingestor
@@ -45,10 +55,11 @@ from service.lifecycle import JobControls
 from service.manifests import check_no_leftovers, check_provenance, job_manifest, recipe_difference
 from service.metrics import CoordinatorMetrics
 from service.rebuild import Rebuilder
+from service.render_pool import shared_pool
 from service.submit_check import CheckedSubmit, SubmitCheck, pinned
 from service.watch import RedisWatch
 
-__all__ = ["Coordinator"]
+__all__ = ["Coordinator", "DatasetInput"]
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +67,29 @@ log = logging.getLogger(__name__)
 _FEATURE_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]{0,180}\.safetensors")
 
 COPY_CHUNK_BYTES = 1024 * 1024
+# A column name given with --messages-column / --id-column: at most this long.
+MAX_COLUMN_CHARS = 200
+
+
+@dataclass(frozen=True)
+class DatasetInput:
+    """What a submit ingests: an ``upload`` (its ``filename`` as sent) or a reference (``url``, read
+    from storage, `service.allowlist.check_dataset_url`); ``format`` as given (None: told by the
+    name, `datagen.prompts.inputs`) and the columns a Parquet or Arrow input maps."""
+
+    upload: IO[bytes] | None = None
+    filename: str | None = None
+    url: str | None = None
+    format: str | None = None
+    columns: ColumnMap = field(default_factory=ColumnMap)
+
+
+def ingest_processes(settings: CoordinatorSettings) -> int:
+    """How many rendering processes ingestion uses (`service.render_pool`): the setting, or one per
+    core the coordinator may run on."""
+    if settings.ingest_processes is not None:
+        return settings.ingest_processes
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 class Coordinator:
@@ -82,6 +116,7 @@ class Coordinator:
                 max_queued_per_class=settings.max_queued_per_class,
             ),
             metrics=self.metrics,
+            pool=shared_pool(ingest_processes(settings)),
         )
         self.ingests = IngestRuns(self.jobs, self.storage, self.ingestor)
         self.controls = JobControls(redis, self.keys, self.jobs, self.storage, stop_ingest=self.ingests.stop)
@@ -110,6 +145,7 @@ class Coordinator:
         storage (`service.rebuild`), resume ingestions a previous coordinator left half done, and
         start watching Redis's epoch."""
         preload_libraries()  # before ingestion threads load tokenizers (`datagen.prompts.loaders`)
+        self.ingestor.pool.start()  # the rendering processes import their libraries meanwhile
         self.storage.claim_namespace(self.settings.namespace)
         if self.watch.start_up():  # False: Redis had no data and storage failed; the watch goes on
             self.ingests.resume()
@@ -131,17 +167,33 @@ class Coordinator:
         return body
 
     # Jobs ---------------------------------------------------------------------------------------
-    def submit(self, spec: JobSpec, dataset: IO[bytes], job_id: str | None) -> tuple[str, bool]:
-        """Check, store the upload, create or extend the job, start ingesting. Returns (id, created)."""
+    def submit(self, spec: JobSpec, dataset: DatasetInput, job_id: str | None) -> tuple[str, bool]:
+        """Check, store the upload (or pin the reference), create or extend the job, start
+        ingesting. Returns (id, created)."""
         checked = self.check_submit(spec, job_id)
+        fmt = self._dataset_format(dataset)
+        reference = None
+        if dataset.url is not None:
+            # Listed and pinned before the lock: it reads storage, and the first prompt waits for it.
+            reference = resolve_reference(check_dataset_url(dataset.url, self.settings), fmt)
+            self._check_columns(dataset.columns, reference.format)
         with self.ingests.lock:
-            return checked.job_id, self._create_or_append(checked, dataset)
+            return checked.job_id, self._create_or_append(checked, dataset, fmt, reference)
 
-    def _create_or_append(self, checked: CheckedSubmit, dataset: IO[bytes]) -> bool:
+    def _create_or_append(
+        self,
+        checked: CheckedSubmit,
+        dataset: DatasetInput,
+        fmt: InputFormat | None,
+        reference: Reference | None,
+    ) -> bool:
         job_id = checked.job_id
         self._refuse_conflicts(checked)
         identity = checked.renderer.identity()
-        input_name = self._store_upload(job_id, dataset)
+        if reference is not None:
+            input_name = self.storage.write_reference(job_id, reference, dataset.columns)
+        else:
+            input_name = self._store_upload(job_id, dataset, fmt)
         created = self.jobs.create(
             job_id,
             checked.spec,
@@ -155,6 +207,32 @@ class Coordinator:
         self.metrics.jobs_submitted.inc()
         self.ingests.start(job_id, [input_name])
         return created
+
+    @staticmethod
+    def _dataset_format(dataset: DatasetInput) -> InputFormat | None:
+        """The format given, checked against the form of the input; None: told by the name later."""
+        if (dataset.upload is None) == (dataset.url is None):
+            raise InvalidRequestError(
+                "give the dataset as an upload (`dataset`) or by reference (`dataset_url`), one of the two"
+            )
+        for column in (dataset.columns.messages, dataset.columns.id):
+            if column is not None and not 0 < len(column) <= MAX_COLUMN_CHARS:
+                raise InvalidSpecError(f"a column name is 1 to {MAX_COLUMN_CHARS} characters")
+        fmt = None if not dataset.format else parse_format(dataset.format)
+        if dataset.upload is not None and fmt is not None and fmt.is_directory:
+            raise InvalidSpecError(
+                f"a {fmt.value} dataset is a directory and cannot be uploaded: "
+                "give it by reference (dataset_url)"
+            )
+        return fmt
+
+    @staticmethod
+    def _check_columns(columns: ColumnMap, fmt: InputFormat) -> None:
+        if columns.to_json() and fmt in (InputFormat.JSONL, InputFormat.JSONL_GZ, InputFormat.JSONL_ZST):
+            raise InvalidSpecError(
+                "--messages-column and --id-column map Parquet and Arrow columns; this dataset is "
+                f"{fmt.value}: name its fields messages and id"
+            )
 
     def _refuse_conflicts(self, checked: CheckedSubmit) -> None:
         """Refuse a submit to a job still ingesting, cancelled, of another spec or made with other
@@ -209,13 +287,18 @@ class Coordinator:
         """A job's progress, with its recipe's arms' counts, and its share of the fleet (None once
         it has nothing to dispatch)."""
         progress = self.jobs.progress(job_id, with_arms=True)
-        return _with_share(progress.to_json(), self.controls.dispatch.shares())
+        # This job's share alone: O(1) in the jobs there are (`Dispatch.page_shares`).
+        body = _with_share(progress.to_json(), self.controls.dispatch.page_shares([job_id]))
+        # How far ingestion read its input: rows of the total where the format knows it, else bytes.
+        body["input"] = self.ingests.input_progress(job_id) if progress.state is JobState.INGESTING else None
+        return body
 
     def jobs_json(self, job_ids: list[str]) -> list[dict[str, Any]]:
         """Jobs' progress and shares, as :meth:`job_json`, for a page of jobs at once (a job
         deleted meanwhile is left out)."""
-        shares = self.controls.dispatch.shares()
         found = self.jobs.progress_many(job_ids, with_arms=True)
+        # The page's shares only: O(page), however many jobs there are.
+        shares = self.controls.dispatch.page_shares([p.job_id for p in found if p is not None])
         return [_with_share(progress.to_json(), shares) for progress in found if progress is not None]
 
     def dry_run(self, spec: JobSpec, dataset: IO[bytes]) -> dict[str, Any]:
@@ -245,14 +328,19 @@ class Coordinator:
         except JobNotFoundError:
             return None
 
-    def _store_upload(self, job_id: str, dataset: IO[bytes]) -> str:
-        """Stream the upload into storage in blocks; returns the input's name (nothing is left of
-        an upload over the limit)."""
+    def _store_upload(self, job_id: str, dataset: DatasetInput, fmt: InputFormat | None) -> str:
+        """Stream the upload into storage in blocks, named with its format (told by its file name
+        when not given; JSONL when the name does not tell either, as before formats); returns the
+        input's name (nothing is left of an upload over the limit)."""
+        upload = dataset.upload
+        assert upload is not None
+        fmt = fmt or format_for_name(dataset.filename or "") or InputFormat.JSONL
+        self._check_columns(dataset.columns, fmt)
         written = 0
 
         def blocks() -> Iterator[bytes]:
             nonlocal written
-            while block := dataset.read(COPY_CHUNK_BYTES):
+            while block := upload.read(COPY_CHUNK_BYTES):
                 written += len(block)
                 if written > self.settings.max_upload_bytes:
                     raise UploadTooLargeError(
@@ -261,7 +349,9 @@ class Coordinator:
                     )
                 yield block
 
-        name = self.storage.write_input(job_id, blocks())
+        name = self.storage.write_input(
+            job_id, blocks(), fmt, columns=dataset.columns, filename=dataset.filename
+        )
         self.metrics.upload_bytes.inc(written)
         return name
 

@@ -20,9 +20,10 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO, cast
+from typing import Any, BinaryIO, cast
 
 from redis import Redis, RedisError
 
@@ -32,38 +33,34 @@ from datagen.control.enqueue import EnqueueOptions
 from datagen.control.ingest_chunks import ChunkWrite, IngestChunks, Landing
 from datagen.control.jobs import JobStore
 from datagen.control.keys import Keys, prompt_key
-from datagen.control.payload import Conversation, PromptPayload
+from datagen.control.payload import PromptPayload
 from datagen.control.redismemory import is_out_of_memory, out_of_memory_error
 from datagen.control.servers import fleet_context_len
 from datagen.errors import DatagenError, JobNotFoundError, StorageError
 from datagen.hygiene.screen import Hygiene, HygieneRow, Verdicts
-from datagen.prompts.dataset import Prompt, RowError
+from datagen.prompts.dataset import Prompt
+from datagen.prompts.inputs import ColumnMap, InputFormat, RowStream, format_for_name, open_upload
 from datagen.prompts.special_text import special_text_reason
+from datagen.prompts.tokenization import renderer_for
 from datagen.records.storage import Storage
 from datagen.spec import JobSpec
 from datagen.states import DedupMode, JobState, PromptClass
 from service.admit import (
-    AdmittedRow,
-    ArmRenderers,
     Chunk,
     Refused,
-    admit_row,
-    arm_renderers,
     breakdown,
-    chunk_items,
     chunk_limit,
     chunk_sizes,
 )
 from service.committed import Committed, Settled, settle_committed
 from service.metrics import CoordinatorMetrics
+from service.render_pool import BrokenRenderPool, RenderedRow, RenderPool
 from service.rowids import (
-    LineDigests,
     check_row_ids,
     counted_before,
     rejected_field,
     repeated_lines,
     reread_lines,
-    row_id,
     upload_tag,
 )
 
@@ -121,8 +118,11 @@ class Ingestor:
         options: IngestOptions,
         *,
         metrics: CoordinatorMetrics | None = None,
+        pool: RenderPool | None = None,
     ) -> None:
         self.metrics = metrics
+        # Where rows are parsed and rendered (`service.render_pool`); none: in the ingestion thread.
+        self.pool = pool if pool is not None else RenderPool(0)
         self.redis = redis
         self.keys = keys
         self.jobs = jobs
@@ -130,6 +130,8 @@ class Ingestor:
         self.options = options
         self.dispatch = Dispatch(redis, keys)
         self.chunks = IngestChunks(redis, keys, jobs, options.enqueue)
+        # The inputs being read, by (job, input name), while their streams live (`_open`).
+        self._inputs: weakref.WeakValueDictionary[tuple[str, str], RowStream] = weakref.WeakValueDictionary()
 
     def run(
         self,
@@ -171,6 +173,11 @@ class Ingestor:
                     "job %s: ingestion stopped; it resumes from its checkpoint if the job is live", job_id
                 )
                 return False
+            except BrokenRenderPool as exc:
+                # The pool starts again on next use; what was landed stays, the rest resumes.
+                delay_s = backoff.next_s()
+                log.warning("job %s: %s; ingestion resumes in %.0f s", job_id, exc, delay_s)
+                stop.wait(delay_s)
             except (_Cancelled, JobNotFoundError):
                 log.info("job %s: ingestion stopped: the job was cancelled, failed or deleted", job_id)
                 return False
@@ -240,7 +247,10 @@ class Ingestor:
         # A wait for room shown by a coordinator that stopped during it is over: this run shows its own.
         self.jobs.set_waiting_for_room(job_id, None)
         spec = self.jobs.spec(job_id)
-        renderers = arm_renderers(spec)
+        # Built here, so a bad tokenizer or template fails the ingestion before a row is read; its
+        # files' digests tell the rendering processes when a path holds other files.
+        identity = renderer_for(spec).identity()
+        files_key = f"{identity['tokenizer_sha256']}:{identity['chat_template_sha256']}"
         context_len = (
             self.jobs.context_len(job_id) or spec.context_len or fleet_context_len(self.redis, self.keys)
         )
@@ -256,13 +266,12 @@ class Ingestor:
         # Only the first chunk has a deadline; None once it is out (or when chunks are small anyway).
         deadline = time.monotonic() + self.options.first_chunk_s if size < most else None
         with self._open(job_id, source) as stream:
-            lines = LineDigests(stream)
-            for item, conversation in chunk_items(cast(BinaryIO, lines), spec, start_line):
+            for row in self.pool.rows(stream, spec, files_key, start_line, context_len):
                 if stop.is_set():
                     log.info("job %s: ingestion paused at line %d (shutdown)", job_id, chunk.last_line)
                     return False
-                chunk.line_digests[item.line] = lines.digest(item.line)
-                self._add(chunk, item, conversation, job_id, spec, renderers, context_len, incarnation)
+                chunk.line_digests[row.line] = row.digest
+                self._add(chunk, row, job_id, spec, incarnation)
                 full = len(chunk.prompts) + len(chunk.rejected) >= size
                 if full or (deadline is not None and chunk.prompts and time.monotonic() >= deadline):
                     self._flush(job_id, spec, chunk, stop, hygiene, incarnation, committed, fence)
@@ -293,30 +302,46 @@ class Ingestor:
         return hygiene
 
     def _open(self, job_id: str, source: str | Path) -> BinaryIO:
+        """The input's rows as JSONL, whatever its format (`datagen.prompts.inputs`): a stored upload
+        or reference, or a local file (benchmarks; its format told by its name). The stream is
+        kept while it is open, for `_located` and `input_progress`."""
         if isinstance(source, Path):
-            return open(source, "rb")
-        return self.storage.open_input(job_id, source)
+            fmt = format_for_name(source.name) or InputFormat.JSONL
+            rows = open_upload(source.open("rb"), fmt, ColumnMap(), name=source.name)
+        else:
+            rows = self.storage.open_rows(job_id, source)
+        self._inputs[(job_id, source.name if isinstance(source, Path) else source)] = rows
+        return cast(BinaryIO, rows)
 
-    def _add(
-        self,
-        chunk: Chunk,
-        item: Prompt | RowError,
-        conversation: Conversation | None,
-        job_id: str,
-        spec: JobSpec,
-        renderers: ArmRenderers,
-        context_len: int | None,
-        incarnation: str = "",
-    ) -> None:
+    def input_progress(self, job_id: str, input_name: str) -> dict[str, Any] | None:
+        """How far the ingestion of ``input_name`` read it (`RowStream.progress`); None when it is
+        not being read here."""
+        rows = self._inputs.get((job_id, input_name))
+        return None if rows is None else rows.progress()
+
+    def _located(self, job_id: str, input_name: str, rejected: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Rejected rows with the ``file`` and ``row`` (from 1, within that file) of their line, where
+        the input knows them (a directory's rows are numbered across its files)."""
+        rows = self._inputs.get((job_id, input_name))
+        if rows is None:
+            return rejected
+        located = []
+        for entry in rejected:
+            where = rows.locate(entry["line"]) if isinstance(entry.get("line"), int) else None
+            located.append(entry if where is None else {**entry, "file": where[0], "row": where[1]})
+        return located
+
+    def _add(self, chunk: Chunk, row: RenderedRow, job_id: str, spec: JobSpec, incarnation: str = "") -> None:
+        """One row as the rendering judged it (`service.render_pool`): its prompts into the chunk, or
+        its refusal."""
+        item, conversation, verdict = row.item, row.conversation, row.verdict
         if item.line != chunk.last_line:
             chunk.rows += 1
         chunk.last_line = item.line
-        verdict = admit_row(item, spec, renderers, context_len)
         if verdict is None:
             return
-        rendered = isinstance(verdict, AdmittedRow) or verdict.rendered
-        if rendered and isinstance(item, Prompt) and item.line not in chunk.ids:
-            chunk.ids[item.line] = row_id(item)
+        if row.row_id is not None and item.line not in chunk.ids:
+            chunk.ids[item.line] = row.row_id
             if found := verdict.special_text:
                 reason = special_text_reason(found)
                 chunk.flagged.append(
@@ -423,7 +448,9 @@ class Ingestor:
                 fresh.append((item, payload, member))
         if chunk.rejected:
             # One object per chunk (object stores cannot append); a resumed chunk rewrites it.
-            self.storage.write_rejected(job_id, chunk.input_name, chunk.rejected)
+            self.storage.write_rejected(
+                job_id, chunk.input_name, self._located(job_id, chunk.input_name, chunk.rejected)
+            )
         if chunk.flagged:
             self.storage.write_flagged(job_id, chunk.input_name, chunk.flagged)
         fresh_payloads = [p for _, p, _ in fresh]

@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import threading
 from dataclasses import dataclass
+from typing import Any
 
 from redis import RedisError
 
@@ -140,6 +141,13 @@ class IngestRuns:
             )
             if not ended:
                 return
+
+    def input_progress(self, job_id: str) -> dict[str, Any] | None:
+        """How far this coordinator's ingestion of the job read its current input: rows of the total
+        where the format knows it, bytes otherwise (`datagen.prompts.inputs.RowStream.progress`);
+        None when no ingestion here reads it."""
+        name = self._jobs.ingest_input(job_id)
+        return self._ingestor.input_progress(job_id, name) if name else None
 
     def _remaining_inputs(self, job_id: str) -> list[str]:
         """The upload the job was ingesting (if still stored), then those queued after it."""

@@ -25,6 +25,7 @@ The scripts derive per-job keys from the prefixes in :mod:`datagen.control.keys`
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
@@ -42,7 +43,16 @@ from datagen.control.rq_format import JOB_KEY_PREFIX, rq_now
 from datagen.control.scripts import KEY, LuaScript, ScriptArgs
 from datagen.states import JobState, Priority, PromptClass
 
-__all__ = ["SHARE_WINDOW_S", "Claimant", "Claimed", "Dispatch", "JobShare"]
+__all__ = [
+    "MAX_CLAIM",
+    "SHARE_WINDOW_S",
+    "WINDOW_TOTAL",
+    "Claimant",
+    "Claimed",
+    "Dispatch",
+    "JobShare",
+    "weight_units",
+]
 
 # The recent share counts dispatches over this window, in buckets of WINDOW_BUCKET_S.
 SHARE_WINDOW_S = 60
@@ -117,6 +127,7 @@ class BacklogDropArgs(ScriptArgs):
 class PauseArgs(ScriptArgs):
     script = "pause"
     paused: str = field(metadata=KEY)
+    job_key: str = field(metadata=KEY)
     sets: tuple[str, ...] = field(metadata=KEY)
     job_id: str
 
@@ -125,9 +136,19 @@ class PauseArgs(ScriptArgs):
 class ResumeArgs(ScriptArgs):
     script = "resume"
     paused: str = field(metadata=KEY)
+    job_key: str = field(metadata=KEY)
     # Per class: the job's backlog of the class, the dispatch set of the class at its priority.
     classes: tuple[tuple[str, str], ...] = field(metadata=KEY)
     job_id: str
+    now_ms: int
+
+
+@dataclass(frozen=True)
+class DispatchWeightsArgs(ScriptArgs):
+    script = "dispatch_weights"
+    mark: str = field(metadata=KEY)
+    sets: tuple[str, ...] = field(metadata=KEY)
+    job_prefix: str
 
 
 @dataclass(frozen=True)
@@ -186,6 +207,7 @@ class Dispatch:
         self._drop = LuaScript(redis, BacklogDropArgs)
         self._pause = LuaScript(redis, PauseArgs)
         self._resume = LuaScript(redis, ResumeArgs)
+        self._weights = LuaScript(redis, DispatchWeightsArgs)
 
     # Workers -------------------------------------------------------------------------------------
     def claim_many(
@@ -254,7 +276,9 @@ class Dispatch:
     def pause(self, job_id: str) -> None:
         """The job leaves every dispatch set: claims pass over it at no cost until it resumes."""
         sets = tuple(self.keys.dispatch_jobs(cls, p) for cls in PromptClass for p in Priority)
-        self._pause(PauseArgs(paused=self.keys.paused_jobs(), sets=sets, job_id=job_id))
+        self._pause(
+            PauseArgs(paused=self.keys.paused_jobs(), job_key=self.keys.job(job_id), sets=sets, job_id=job_id)
+        )
 
     def resume(self, job_id: str) -> None:
         """Unpause; the job rejoins at the lowest virtual time of the jobs beside it."""
@@ -263,7 +287,15 @@ class Dispatch:
             (self.keys.job_backlog(job_id, cls), self.keys.dispatch_jobs(cls, priority))
             for cls in PromptClass
         )
-        self._resume(ResumeArgs(paused=self.keys.paused_jobs(), classes=classes, job_id=job_id))
+        self._resume(
+            ResumeArgs(
+                paused=self.keys.paused_jobs(),
+                job_key=self.keys.job(job_id),
+                classes=classes,
+                job_id=job_id,
+                now_ms=int(time.time() * 1000),
+            )
+        )
         self.wake()
 
     def wake(self, cls: PromptClass | None = None) -> None:
@@ -276,11 +308,7 @@ class Dispatch:
 
     def withdraw(self, job_id: str) -> int:
         """Take the job out of dispatch and drop its undispatched prompts; returns how many."""
-        with self.redis.pipeline() as pipe:
-            for cls in PromptClass:
-                for priority in Priority:
-                    pipe.zrem(self.keys.dispatch_jobs(cls, priority), job_id)
-            pipe.execute()
+        self.jobs.leave_dispatch(job_id)
         dropped = 0
         for cls in PromptClass:
             args = BacklogDropArgs(
@@ -319,49 +347,96 @@ class Dispatch:
         return False
 
     def shares(self) -> dict[str, JobShare]:
-        """Every job with prompts to dispatch (or dispatched recently): target and recent share.
+        """Every job with prompts to dispatch (or dispatched lately): as :meth:`page_shares`, for
+        all of them (the metrics; O(jobs), where the API reads a page's only)."""
+        jobs = {job for priority in Priority for cls in PromptClass for job in self._members(cls, priority)}
+        jobs |= self._paused()
+        with self.redis.pipeline(transaction=False) as pipe:
+            for bucket in _window_buckets(time.time()):
+                pipe.hkeys(self.keys.dispatch_window(bucket))
+            for names in pipe.execute():
+                jobs |= {as_text(name) for name in names if as_text(name) != WINDOW_TOTAL}
+        return self.page_shares(sorted(jobs))
 
-        The target is the weight over the sum of weights of the unpaused jobs at the highest
-        priority that has work (zero below it); the recent share is the job's part of the last
-        minute's dispatches of the whole fleet.
+    def page_shares(self, job_ids: Sequence[str]) -> dict[str, JobShare]:
+        """The share of each of ``job_ids`` that has prompts to dispatch (or was dispatched to
+        lately), in three round trips whatever the number of other jobs: O(len(job_ids)).
+
+        ``target``: the job's weight over the running weight sum of its dispatch set (kept by the
+        scripts that add and remove jobs, `weight_units` in ``lua/lib.lua``), if its priority is the
+        highest that has work of that class, else 0; a job with prompts of both classes gets the
+        larger. ``recent``: its part of the fleet's dispatches over the last minute, or since it was
+        created or last resumed if that is later (to the 10-s bucket): what it got while it could
+        run, not the pause before.
         """
-        paused = self._paused()
-        ranks: dict[str, Priority] = {}
-        for priority in Priority:
-            for cls in PromptClass:
-                members = self._members(cls, priority)
-                with self.redis.pipeline(transaction=False) as pipe:
-                    for job in members:
-                        pipe.llen(self.keys.job_backlog(job, cls))
-                    lengths = pipe.execute()
-                for job, length in zip(members, lengths, strict=True):
-                    if length:  # a job whose backlog ran dry leaves its set at the next claim
-                        ranks.setdefault(job, priority)
-        ranks.update(self._paused_ranks(paused))
-        recent = self._recent()
-        jobs = set(ranks) | set(recent)
-        if not jobs:
+        ids = list(dict.fromkeys(job_ids))
+        if not ids:
             return {}
-        ordered = sorted(jobs)
-        facts = dict(zip(ordered, self.jobs.dispatch_facts(ordered), strict=True))
-        weights = {job: facts[job].weight for job in jobs}
-        active = {job for job in ranks if job not in paused}
-        top = min((ranks[job].rank for job in active), default=None)
-        entitled = [job for job in active if ranks[job].rank == top]
-        total_weight = sum(weights[job] for job in entitled)
-        total_recent = sum(recent.values())
+        keys = self.keys
+        sets = [(cls, p) for p in Priority for cls in PromptClass]
+        now_s = time.time()
+        buckets = _window_buckets(now_s)
+        with self.redis.pipeline(transaction=False) as pipe:
+            pipe.exists(keys.dispatch_weights_mark())
+            pipe.mget([keys.dispatch_weight(cls, p) for cls, p in sets])
+            for bucket in buckets:
+                pipe.hmget(keys.dispatch_window(bucket), [*ids, WINDOW_TOTAL])
+            pipe.smismember(keys.paused_jobs(), ids)
+            replies = pipe.execute()
+        kept, raw_sums = replies[0], replies[1]
+        windows = cast(list[list[bytes | None]], replies[2:-1])
+        paused = {job for job, flag in zip(ids, replies[-1], strict=True) if flag}
+        if not kept:
+            raw_sums = self._keep_weights(sets)
+        sums = {each: int(raw or 0) for each, raw in zip(sets, raw_sums, strict=True)}
+        # Per class, the highest priority with a job in its set: only its jobs are entitled.
+        top = {cls: next((p for p in Priority if sums[(cls, p)] > 0), None) for cls in PromptClass}
+        facts = {job: f for job, f in zip(ids, self.jobs.dispatch_facts(ids), strict=True) if f is not None}
+        paused_here = sorted(facts.keys() & paused)
+        with self.redis.pipeline(transaction=False) as pipe:
+            for job, each in facts.items():
+                for cls in PromptClass:
+                    pipe.zscore(keys.dispatch_jobs(cls, each.priority), job)
+            for job in paused_here:
+                for cls in PromptClass:
+                    pipe.llen(keys.job_backlog(job, cls))
+            found = iter(pipe.execute())
+        member = {job: [cls for cls in PromptClass if next(found) is not None] for job in facts}
+        paused_with_work = {job for job in paused_here if sum(int(next(found)) for _ in PromptClass)}
         out = {}
-        for job in jobs:
-            weight = weights[job]
+        for index, job in enumerate(ids):
+            if (fact := facts.get(job)) is None:
+                continue  # gone
+            mine, total = _window_counts(windows, buckets, index, fact.since_ms)
+            classes = member[job] if job not in paused else []
+            if not classes and job not in paused_with_work and not mine:
+                continue
+            units = weight_units(fact.weight)
+            target = max(
+                (units / sums[(cls, fact.priority)] for cls in classes if top[cls] is fact.priority),
+                default=0.0,
+            )
             out[job] = JobShare(
-                priority=facts[job].priority.value,
-                weight=weight,
-                active=job in active,
-                target=weight / total_weight if job in entitled and total_weight else 0.0,
-                recent=recent.get(job, 0) / total_recent if total_recent else 0.0,
-                dispatched=facts[job].dispatched,
+                priority=fact.priority.value,
+                weight=fact.weight,
+                active=bool(classes),
+                target=target,
+                recent=mine / total if total else 0.0,
+                dispatched=fact.dispatched,
             )
         return out
+
+    def _keep_weights(self, sets: list[tuple[PromptClass, Priority]]) -> list[Any]:
+        """Compute the sets' weight sums from their members (a Redis filled before the scripts kept
+        them: once), and read them."""
+        self._weights(
+            DispatchWeightsArgs(
+                mark=self.keys.dispatch_weights_mark(),
+                sets=tuple(self.keys.dispatch_jobs(cls, p) for cls, p in sets),
+                job_prefix=self.keys.job_key_prefix(),
+            )
+        )
+        return cast(list[Any], self.redis.mget([self.keys.dispatch_weight(cls, p) for cls, p in sets]))
 
     def _members(self, cls: PromptClass, priority: Priority) -> list[str]:
         return as_texts(self.redis.zrange(self.keys.dispatch_jobs(cls, priority), 0, -1))
@@ -369,28 +444,32 @@ class Dispatch:
     def _paused(self) -> set[str]:
         return set(as_texts(self.redis.smembers(self.keys.paused_jobs())))
 
-    def _paused_ranks(self, paused: set[str]) -> dict[str, Priority]:
-        """The priority of each paused job with prompts left (paused jobs are in no dispatch set)."""
-        jobs = sorted(paused)
-        if not jobs:
-            return {}
-        with self.redis.pipeline(transaction=False) as pipe:
-            for job in jobs:
-                for cls in PromptClass:
-                    pipe.llen(self.keys.job_backlog(job, cls))
-            lengths = pipe.execute()
-        step = len(PromptClass)
-        left = [job for i, job in enumerate(jobs) if any(lengths[i * step : (i + 1) * step])]
-        return dict(zip(left, self.jobs.priorities(left), strict=True))
 
-    def _recent(self) -> dict[str, int]:
-        now_bucket = int(time.time() // WINDOW_BUCKET_S)
-        buckets = range(now_bucket - SHARE_WINDOW_S // WINDOW_BUCKET_S + 1, now_bucket + 1)
-        with self.redis.pipeline(transaction=False) as pipe:
-            for bucket in buckets:
-                pipe.hgetall(self.keys.dispatch_window(bucket))
-            counts: dict[str, int] = {}
-            for raw in pipe.execute():
-                for job, n in cast(dict[bytes, bytes], raw).items():
-                    counts[as_text(job)] = counts.get(as_text(job), 0) + int(n)
-        return counts
+# A window bucket's field that counts every job's dispatches (no job id has a ``*``).
+WINDOW_TOTAL = "*"
+
+
+def weight_units(weight: float) -> int:
+    """A job's weight in a dispatch set's weight sum: thousandths, at least 1 (as ``weight_units``
+    in ``datagen/control/lua/lib.lua``)."""
+    return max(1, math.floor((weight if weight > 0 else 1.0) * 1000 + 0.5))
+
+
+def _window_counts(
+    windows: list[list[bytes | None]], buckets: list[int], index: int, since_ms: int
+) -> tuple[int, int]:
+    """The job's (``index`` in each bucket's reply) dispatches and the fleet's (the reply's last,
+    ``WINDOW_TOTAL``), over the buckets from the one that holds ``since_ms`` on."""
+    start = int(since_ms // 1000 // WINDOW_BUCKET_S)
+    mine = total = 0
+    for bucket, counts in zip(buckets, windows, strict=True):
+        if bucket >= start:
+            mine += int(counts[index] or 0)
+            total += int(counts[-1] or 0)
+    return mine, total
+
+
+def _window_buckets(now_s: float) -> list[int]:
+    """The recent share's window buckets, oldest first."""
+    now_bucket = int(now_s // WINDOW_BUCKET_S)
+    return list(range(now_bucket - SHARE_WINDOW_S // WINDOW_BUCKET_S + 1, now_bucket + 1))

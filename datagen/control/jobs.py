@@ -136,11 +136,20 @@ class IncrIfExistsArgs(ScriptArgs):
     delta: int
 
 
+@dataclass(frozen=True)
+class DispatchLeaveArgs(ScriptArgs):
+    script = "dispatch_leave"
+    job_key: str = field(metadata=KEY)
+    sets: tuple[str, ...] = field(metadata=KEY)
+    job_id: str
+
+
 class JobStore:
     def __init__(self, redis: Redis, keys: Keys) -> None:
         self.redis = redis
         self.keys = keys
         self._create = LuaScript(redis, CreateArgs)
+        self._dispatch_leave = LuaScript(redis, DispatchLeaveArgs)
         self._transition = LuaScript(redis, TransitionArgs)
         self._set_if_exists = LuaScript(redis, SetIfExistsArgs)
         self._incr_if_exists = LuaScript(redis, IncrIfExistsArgs)
@@ -279,13 +288,6 @@ class JobStore:
         """The job's priority (normal for a job that is gone: nothing of it is dispatched)."""
         return _priority(self.redis.hget(self.keys.job(job_id), "priority"))
 
-    def priorities(self, job_ids: Sequence[str]) -> list[Priority]:
-        """The priorities of ``job_ids``, in order, in one round trip."""
-        with self.redis.pipeline(transaction=False) as pipe:
-            for job_id in job_ids:
-                pipe.hget(self.keys.job(job_id), "priority")
-            return [_priority(raw) for raw in pipe.execute()]
-
     def states(self, job_ids: Sequence[str]) -> list[tuple[str, str] | None]:
         """Each job's state and priority (None: no such job), in order, in one round trip."""
         with self.redis.pipeline(transaction=False) as pipe:
@@ -296,16 +298,26 @@ class JobStore:
             None if state is None else (as_text(state), _priority(priority).value) for state, priority in rows
         ]
 
-    def dispatch_facts(self, job_ids: Sequence[str]) -> list[DispatchFacts]:
-        """What fair-share dispatch reports of each job (weight, priority, prompts handed out), in
-        order, in one round trip."""
+    def dispatch_facts(self, job_ids: Sequence[str]) -> list[DispatchFacts | None]:
+        """What fair-share dispatch reports of each job (None: no such job), in order, in one round
+        trip."""
         with self.redis.pipeline(transaction=False) as pipe:
             for job_id in job_ids:
-                pipe.hmget(self.keys.job(job_id), ["weight", "priority", "dispatched"])
+                pipe.hmget(
+                    self.keys.job(job_id),
+                    ["weight", "priority", "dispatched", "created_at_ms", "resumed_at_ms"],
+                )
             rows = pipe.execute()
         return [
-            DispatchFacts(_float(weight, 1.0), _priority(priority), int(dispatched or 0))
-            for weight, priority, dispatched in rows
+            None
+            if not any(row)
+            else DispatchFacts(
+                _float(row[0], 1.0),
+                _priority(row[1]),
+                int(_float(row[2], 0)),
+                int(max(_float(row[3], 0), _float(row[4], 0))),
+            )
+            for row in rows
         ]
 
     def spec(self, job_id: str) -> JobSpec:
@@ -502,15 +514,22 @@ class JobStore:
         if keep_hash:
             keys.remove(self.keys.job(job_id))
         with self.redis.pipeline() as pipe:
+            # Out of the dispatch sets first: their weight sums read the job's weight from its hash.
+            self.leave_dispatch(job_id, client=pipe)
             pipe.unlink(*keys)
             if not keep_hash:
                 pipe.zrem(self.keys.jobs_index(), job_id)
             pipe.srem(self.keys.paused_jobs(), job_id)
             pipe.srem(self.keys.aborting_jobs(), job_id)
-            for cls in PromptClass:
-                for priority in Priority:
-                    pipe.zrem(self.keys.dispatch_jobs(cls, priority), job_id)
             pipe.execute()
+
+    def leave_dispatch(self, job_id: str, *, client: Redis | Pipeline | None = None) -> None:
+        """Take the job out of every dispatch set and its weight out of their sums
+        (``datagen/control/lua/dispatch_leave.lua``)."""
+        sets = tuple(self.keys.dispatch_jobs(cls, p) for cls in PromptClass for p in Priority)
+        self._dispatch_leave(
+            DispatchLeaveArgs(job_key=self.keys.job(job_id), sets=sets, job_id=job_id), client=client
+        )
 
     def set_storage_error(self, job_id: str, error: str | None) -> None:
         """A worker cannot commit this job's records (None: it can again)."""
@@ -585,6 +604,8 @@ class DispatchFacts:
     weight: float
     priority: Priority
     dispatched: int
+    # Since when the job could run: its creation, or its last resume (`resume.lua`).
+    since_ms: int
 
 
 def _decode_breakdown(reply: Any) -> dict[BreakdownField, int]:

@@ -155,8 +155,20 @@ class Keys:
         virtual time (dispatches divided by weight): the lowest goes next."""
         return f"{self.namespace}:dispatch:{cls.value}:{priority.value}"
 
+    def dispatch_weight(self, cls: PromptClass, priority: Priority) -> str:
+        """Integer: the sum of the weights of the jobs in ``dispatch_jobs(cls, priority)``, in
+        thousandths (each job at least 1), kept by the scripts that add and remove jobs
+        (``weight_units`` in ``datagen/control/lua/lib.lua``, which spells it ``<set>:weight``)."""
+        return f"{self.dispatch_jobs(cls, priority)}:weight"
+
+    def dispatch_weights_mark(self) -> str:
+        """Set once the dispatch sets' weight sums are kept (``dispatch_weights.lua`` computed them
+        from the sets of a Redis filled before they were)."""
+        return f"{self.namespace}:dispatch:weights-kept"
+
     def dispatch_window(self, bucket: int) -> str:
-        """Hash job id -> prompts dispatched during one time bucket (the recent share)."""
+        """Hash job id -> prompts dispatched during one time bucket (the recent share), and
+        ``*`` -> all of them."""
         return f"{self.namespace}:dispatch:window:{bucket}"
 
     def wake_channel(self) -> str:

@@ -155,10 +155,17 @@ class LuaScript(Generic[A]):
 
     def __init__(self, redis: Redis, args_type: type[A]) -> None:
         _check(args_type)
-        self._script = redis.register_script(source(args_type.script, args_type.package))
+        self._source = source(args_type.script, args_type.package)
+        self._script = redis.register_script(self._source)
 
     def __call__(self, args: A, *, client: Redis | Pipeline | None = None) -> Any:
-        return self._script(keys=args.keys(), args=args.args(), client=client)
+        keys = args.keys()
+        if isinstance(client, Pipeline):
+            # In a pipeline redis-py would send SCRIPT EXISTS before every execute (an EVALSHA of
+            # a script Redis lacks fails alone inside MULTI, the rest applied): EVAL sends the
+            # text instead, one command that cannot miss (Redis caches it by its digest too).
+            return client.eval(self._source, len(keys), *keys, *args.args())
+        return self._script(keys=keys, args=args.args(), client=client)
 
 
 def _check(args_type: type[ScriptArgs]) -> None:

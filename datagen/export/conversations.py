@@ -30,8 +30,9 @@ from __future__ import annotations
 import hashlib
 import io
 import os
+import tempfile
 from collections.abc import Iterator
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, cast
 
 import orjson
 import pyarrow as pa
@@ -41,6 +42,7 @@ from datagen.export.formats import JsonTexts
 from datagen.export.rows import DropReason, ExportStats
 from datagen.export.tokens import JobTokens
 from datagen.prompts.dataset import DEFAULT_MAX_LINE_BYTES, Prompt, iter_prompts
+from datagen.prompts.inputs import InputFormat, format_for_name
 from datagen.records.reader import RowViews
 from datagen.records.schema import ARM, TEMPLATE_KWARGS
 from datagen.records.storage import Storage
@@ -74,6 +76,25 @@ def _lines_with_offsets(fh: BinaryIO) -> Iterator[tuple[int, bytes]]:
         yield offset, line
 
 
+def _seekable_rows(storage: Storage, job_id: str, name: str) -> BinaryIO:
+    """An input's rows as JSONL lines that can be sought back to. A plain JSONL upload is read in
+    place (many seeks follow, one per record: small cached blocks on an object store); any other
+    input (compressed, Parquet, a reference) is read once as rows into a temporary file, since its
+    own bytes are no lines to seek to."""
+    if format_for_name(name) is InputFormat.JSONL:
+        return storage.open_input(job_id, name, random_access=True)
+    spool = tempfile.TemporaryFile()  # noqa: SIM115 - handed to the index, which closes it
+    try:
+        with storage.open_rows(job_id, name) as rows:
+            while line := rows.readline(DEFAULT_MAX_LINE_BYTES + 1):
+                spool.write(line)
+        spool.seek(0)
+    except BaseException:
+        spool.close()
+        raise
+    return cast(BinaryIO, spool)
+
+
 class InputIndex:
     """``(sample_id, turn)`` → where its dataset line is, over every input file of a job."""
 
@@ -83,8 +104,7 @@ class InputIndex:
         self._where: dict[bytes, int] = {}
         try:
             for number, name in enumerate(storage.input_names(job_id)):
-                # Many seeks follow (one per record): small cached blocks on an object store.
-                fh = storage.open_input(job_id, name, random_access=True)
+                fh = _seekable_rows(storage, job_id, name)
                 self._files.append(fh)
                 self._index(number, fh)
         except OSError as exc:

@@ -47,6 +47,9 @@ __all__ = [
     "Prompt",
     "RowError",
     "iter_prompts",
+    "line_is_blank",
+    "line_items",
+    "read_lines",
     "sample_id_for",
 ]
 
@@ -110,7 +113,7 @@ def sample_id_for(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | 
 # -- reading lines ---------------------------------------------------------------------------------
 
 
-def _read_lines(stream: BinaryIO, max_line_bytes: int) -> Iterator[tuple[int, bytes | None]]:
+def read_lines(stream: BinaryIO, max_line_bytes: int) -> Iterator[tuple[int, bytes | None]]:
     """(line number, raw bytes) per line; None for a line over the cap, whose rest is skipped in pieces."""
     line_no = 0
     while chunk := stream.readline(max_line_bytes + 1):
@@ -430,9 +433,19 @@ def _token_row(row: dict[str, Any], line: int, sample_id: str | None) -> Prompt:
     )
 
 
-def _line_items(
+def line_is_blank(raw: bytes, line: int) -> bool:
+    """Whether a line holds no row (`line_items` gives nothing for it): whitespace only, or a
+    byte-order mark on line 1. A line that is not UTF-8 is a row, refused."""
+    try:
+        return not _decode(raw, line)
+    except InvalidRowError:
+        return False
+
+
+def line_items(
     raw: bytes, line: int, mode: MultiTurnMode, *, token_rows: bool = False
 ) -> list[Prompt | RowError]:
+    """The prompts of one line (a row's turns), or its error; nothing for a blank line."""
     sample_id = None
     try:
         text = _decode(raw, line)
@@ -465,12 +478,12 @@ def iter_prompts(
     ``token_rows``: rows of token ids, one prompt each (a capture-only job).
     """
     row_index = 0
-    for line, raw in _read_lines(stream, max_line_bytes):
+    for line, raw in read_lines(stream, max_line_bytes):
         if raw is None:
             yield RowError(line, f"line is longer than {max_line_bytes} bytes; skipped")
             row_index += 1
             continue
-        items = _line_items(raw, line, multi_turn, token_rows=token_rows)
+        items = line_items(raw, line, multi_turn, token_rows=token_rows)
         if not items:  # a blank line
             continue
         for item in items:

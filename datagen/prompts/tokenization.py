@@ -53,6 +53,7 @@ __all__ = [
     "SpecialIds",
     "bundled_tokenizer_path",
     "default_chat_template_path",
+    "forget_renderers",
     "get_renderer",
     "renderer_for",
 ]
@@ -410,6 +411,13 @@ _RENDERERS = _RendererCache(RENDERER_CACHE_SIZE)
 # Renderers with template variables (`PromptRenderer.with_kwargs`): light, so many more are kept, a
 # few jobs' recipes of up to 64 arms each (`datagen.spec.MAX_ARMS`).
 _TWINS = _RendererCache(TWIN_CACHE_SIZE)
+
+
+def forget_renderers() -> None:
+    """Forget every cached renderer: a tokenizer or template file changed at its path is read again
+    on next use, as after a restart."""
+    _RENDERERS.clear()
+    _TWINS.clear()
 
 
 def get_renderer(

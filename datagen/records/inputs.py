@@ -1,5 +1,12 @@
 """What came into a job and what became of its rows short of a record, for
-`datagen.records.storage`: the uploads, rejected and flagged rows, and stopped conversations.
+`datagen.records.storage`: the uploads and references, rejected and flagged rows, and stopped
+conversations.
+
+An input is an upload (stored as it came, named with its format's suffix, with a ``.read.json``
+sidecar holding its format, column mapping and file name as given) or a reference (a ``.ref.json``
+object holding the URL, format, column mapping and each file's pins; nothing is copied). Both are
+read the same way by `open_rows` (`datagen.prompts.inputs`), so a resumed ingestion and a rebuild
+from storage read an input as its first ingestion did.
 
 Rejected (and flagged) rows are one object per ingestion chunk, named by the upload and the chunk's first
 rejected line: a resumed ingestion rewrites the same object instead of appending a second copy,
@@ -15,13 +22,37 @@ import uuid
 from collections.abc import Iterable, Iterator
 from typing import IO, Any, BinaryIO
 
-from datagen.records.layout import INPUT_SUFFIX, LEGACY_REJECTED, stored_name, translated
+from datagen.errors import InvalidSpecError
+from datagen.prompts.inputs import (
+    ColumnMap,
+    InputFormat,
+    Reference,
+    RowStream,
+    format_for_name,
+    open_reference,
+    open_upload,
+)
+from datagen.records.layout import (
+    INPUT_SUFFIXES,
+    LEGACY_REJECTED,
+    READ_SIDECAR_SUFFIX,
+    REFERENCE_SUFFIX,
+    stored_name,
+    translated,
+)
 from datagen.records.manifests import JobManifests
 from datagen.states import sample_digest
 
-__all__ = ["JobInputs"]
+__all__ = ["JobInputs", "upload_stem"]
 
 _LINE_DIGITS = 12
+# A file name as given, kept for rejected rows' ``file``: at most this long, its last path segment.
+_MAX_FILENAME_CHARS = 200
+
+
+def upload_stem(name: str) -> str:
+    """An input's uuid: its name without the format's suffix (``<uuid>.parquet`` -> ``<uuid>``)."""
+    return name.split(".", 1)[0]
 
 
 def _upload_of(rejected_chunk: str) -> str:
@@ -30,25 +61,57 @@ def _upload_of(rejected_chunk: str) -> str:
 
 
 class JobInputs(JobManifests):
-    def write_input(self, job_id: str, blocks: Iterable[bytes]) -> str:
-        """Stream ``blocks`` into a new input object; returns its name. If ``blocks`` raises, the
-        error propagates and no object is left."""
-        name = f"{uuid.uuid4().hex}{INPUT_SUFFIX}"
+    def write_input(
+        self,
+        job_id: str,
+        blocks: Iterable[bytes],
+        fmt: InputFormat = InputFormat.JSONL,
+        *,
+        columns: ColumnMap | None = None,
+        filename: str | None = None,
+    ) -> str:
+        """Stream ``blocks`` (an upload of format ``fmt``) into a new input object; returns its
+        name. How to read it (format, ``columns``, ``filename`` as given) goes beside it first. If
+        ``blocks`` raises, the error propagates and no input object is left."""
+        if fmt.is_directory:
+            raise ValueError(f"a {fmt.value} input is never uploaded")
+        stem = uuid.uuid4().hex
+        name = f"{stem}{fmt.suffix}"
         path = self._path(job_id, "input", name)
+        shown = (
+            None
+            if filename is None
+            else posixpath.basename(filename.replace("\\", "/"))[-_MAX_FILENAME_CHARS:]
+        )
+        how = {"format": fmt.value, "columns": (columns or ColumnMap()).to_json(), "filename": shown or None}
+        sidecar = self._path(job_id, "input", stem + READ_SIDECAR_SUFFIX)
+        self._write_object(sidecar, _json_bytes(how))
 
         def write(fh: BinaryIO) -> None:
             for block in blocks:
                 fh.write(block)
 
-        with translated(f"cannot store the upload at {self._files.display(path)}"):
-            self._files.write(path, write)
+        try:
+            with translated(f"cannot store the upload at {self._files.display(path)}"):
+                self._files.write(path, write)
+        except BaseException:
+            self._files.remove(sidecar)  # nothing is left of an upload that failed
+            raise
+        return name
+
+    def write_reference(self, job_id: str, reference: Reference, columns: ColumnMap) -> str:
+        """A dataset given by reference, pinned (`datagen.prompts.inputs.resolve_reference`); returns
+        the input's name."""
+        name = f"{uuid.uuid4().hex}{REFERENCE_SUFFIX}"
+        body = {**reference.to_json(), "columns": columns.to_json()}
+        self._write_object(self._path(job_id, "input", name), _json_bytes(body))
         return name
 
     def input_names(self, job_id: str) -> list[str]:
-        """The job's uploads, oldest first."""
+        """The job's inputs (uploads and references), oldest first."""
         directory = self._path(job_id, "input")
         with translated(f"cannot list the input of job {job_id} under {self._files.display(directory)}"):
-            names = self._files.list_names(directory, INPUT_SUFFIX)
+            names = [n for n in self._files.list_names(directory, "") if n.endswith(INPUT_SUFFIXES)]
             dated = [(self._files.modified_s(posixpath.join(directory, n)), n) for n in names]
         return [n for _, n in sorted(dated)]
 
@@ -58,11 +121,45 @@ class JobInputs(JobManifests):
             return self._files.exists(path)
 
     def open_input(self, job_id: str, name: str, *, random_access: bool = False) -> BinaryIO:
-        """An upload for reading (``readline``, ``seek``, ``tell``); ``random_access`` suits many
-        seeks (small cached blocks on an object store) rather than one pass."""
+        """An upload's bytes as stored (``readline``, ``seek``, ``tell``); ``random_access`` suits
+        many seeks (small cached blocks on an object store) rather than one pass. Its rows, in any
+        format: `open_rows`."""
         path = self._path(job_id, "input", name)
         with translated(f"cannot open the upload {self._files.display(path)}"):
             return self._files.open_read(path, random_access=random_access)
+
+    def open_rows(self, job_id: str, name: str) -> RowStream:
+        """An input's rows as JSONL, whatever its format (`datagen.prompts.inputs.RowStream`); a
+        reference is checked against its pins first (an input that changed is refused)."""
+        if name.endswith(REFERENCE_SUFFIX):
+            body = self._read_json(self._path(job_id, "input", name))
+            if body is None:
+                raise FileNotFoundError(self.url(job_id, "input", name))
+            try:
+                reference = Reference.from_json(body)
+            except (KeyError, TypeError, ValueError) as exc:
+                raise InvalidSpecError(
+                    f"the dataset reference {self.url(job_id, 'input', name)} cannot be read ({exc!r}); "
+                    "submit the dataset again"
+                ) from exc
+            return open_reference(reference, ColumnMap.from_json(body.get("columns")))
+        how = self._read_json(self._path(job_id, "input", upload_stem(name) + READ_SIDECAR_SUFFIX)) or {}
+        fmt = format_for_name(name) or InputFormat.JSONL
+        path = self._path(job_id, "input", name)
+        fh = self.open_input(job_id, name, random_access=fmt is InputFormat.PARQUET)
+        with translated(f"cannot read {self._files.display(path)}"):
+            size = int(self._files.fs.size(path))
+        return open_upload(
+            fh, fmt, ColumnMap.from_json(how.get("columns")), name=how.get("filename") or None, size=size
+        )
+
+    def _read_json(self, path: str) -> dict[str, Any] | None:
+        with translated(f"cannot read {self._files.display(path)}"):
+            try:
+                body = json.loads(self._files.read_bytes(path))
+            except FileNotFoundError:
+                return None
+        return body if isinstance(body, dict) else None
 
     def write_rejected(self, job_id: str, input_name: str, rows: list[dict[str, Any]]) -> None:
         """One ingestion chunk's rejected rows (each with its ``line``) of upload ``input_name``."""
@@ -108,7 +205,7 @@ class JobInputs(JobManifests):
         # Named by the upload and the chunk's first line: a resumed chunk rewrites its own object.
         if not rows:
             return
-        upload = input_name.removesuffix(INPUT_SUFFIX)
+        upload = upload_stem(input_name)
         first = min(int(r["line"]) for r in rows)
         path = self._path(job_id, folder, f"{stored_name(upload)}-{first:0{_LINE_DIGITS}d}.jsonl")
         self._write_object(
@@ -121,9 +218,7 @@ class JobInputs(JobManifests):
         directory = self._path(job_id, folder)
         with translated(f"cannot list {self._files.display(directory)}"):
             names = self._files.list_names(directory, ".jsonl")
-        order = {
-            n.removesuffix(INPUT_SUFFIX): i for i, n in enumerate(self.input_names(job_id) if names else [])
-        }
+        order = {upload_stem(n): i for i, n in enumerate(self.input_names(job_id) if names else [])}
         chunks = sorted(names, key=lambda n: (order.get(_upload_of(n), len(order)), n))
         sources = [("", self._path(job_id, legacy))] if legacy else []
         sources += [(_upload_of(n), posixpath.join(directory, n)) for n in chunks]
@@ -155,3 +250,7 @@ class JobInputs(JobManifests):
                     if not isinstance(row, dict):
                         row = {"line": None, "reason": f"unreadable entry in {where}"}
                     yield row
+
+
+def _json_bytes(value: dict[str, Any]) -> bytes:
+    return json.dumps(value, ensure_ascii=False, sort_keys=True).encode("utf-8")

@@ -4,7 +4,12 @@
 Layout (one folder per job under the root)::
 
     datagen-namespace.json                      the Redis namespace that owns this root
-    jobs/<job>/input/<upload>.jsonl             the dataset as uploaded
+    jobs/<job>/input/<upload>.jsonl             the dataset as uploaded (or .jsonl.gz, .jsonl.zst, .parquet:
+                                                its format, `datagen.prompts.inputs`)
+    jobs/<job>/input/<upload>.read.json         how to read that upload: its format, column mapping and
+                                                file name as given (none for uploads made before it)
+    jobs/<job>/input/<upload>.ref.json          a dataset given by reference (nothing uploaded): its URL,
+                                                format, column mapping and each file's pins
     jobs/<job>/manifest.json                    provenance and incarnation, written once per incarnation
     jobs/<job>/records/<shard>.parquet          committed records
     jobs/<job>/commits/<shard>.json             one per committed shard (with its incarnation and its
@@ -39,9 +44,12 @@ __all__ = [
     "FEATURES_FOLDER",
     "FEATURE_SUFFIX",
     "INPUT_SUFFIX",
+    "INPUT_SUFFIXES",
     "JOB_ID_PATTERN",
     "LEGACY_REJECTED",
     "NAMESPACE_MARKER",
+    "READ_SIDECAR_SUFFIX",
+    "REFERENCE_SUFFIX",
     "SHARD_PATTERN",
     "JobFolders",
     "stored_name",
@@ -56,6 +64,10 @@ SHARD_PATTERN = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
 # One path segment: no separator, and no leading dot (so never "." or "..").
 _NAME_PATTERN = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9_.-]{0,199}$")
 INPUT_SUFFIX = ".jsonl"
+REFERENCE_SUFFIX = ".ref.json"
+READ_SIDECAR_SUFFIX = ".read.json"
+# What an input is named with: an upload's format (`datagen.prompts.inputs.InputFormat`), a reference.
+INPUT_SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst", ".parquet", REFERENCE_SUFFIX)
 FEATURES_FOLDER = "features"
 FEATURE_SUFFIX = ".safetensors"
 LEGACY_REJECTED = "rejected.jsonl"

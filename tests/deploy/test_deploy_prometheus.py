@@ -307,9 +307,13 @@ def _submit(stack: ProcessStack, coordinator: str, tokenizer: str) -> str:
     stack.wait_server_up(coordinator, "simA")
     dataset = stack.tmp / "dataset.jsonl"
     _dataset(dataset)
-    # Two arms, for the recipe panels: every other row's samples answer without thinking.
+    # Two arms, for the recipe panels. Both think, so outputs keep their lengths and the job runs as
+    # long as before (an arm without thinking would answer shorter and end the job sooner).
     recipe = stack.tmp / "recipe.json"
-    arms = [{"name": "think"}, {"name": "answer", "chat_template_kwargs": {"thinking": False}}]
+    arms = [
+        {"name": "low", "chat_template_kwargs": {"reasoning_effort": "low"}},
+        {"name": "high", "chat_template_kwargs": {"reasoning_effort": "high"}},
+    ]
     recipe.write_text(json.dumps({"recipe": {"assign": "cycle", "arms": arms}}))
     result = stack.cli(
         *("submit", str(dataset), "--coordinator", coordinator, "--tokenizer", tokenizer),

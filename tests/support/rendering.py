@@ -38,5 +38,4 @@ def render_text(
 def clear_renderer_cache() -> None:
     """Forget every cached renderer (`get_renderer`): a changed template file is read again on next
     use, as after a restart."""
-    tokenization._RENDERERS.clear()
-    tokenization._TWINS.clear()
+    tokenization.forget_renderers()

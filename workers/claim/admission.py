@@ -26,7 +26,7 @@ from typing import Any
 import redis
 
 from datagen.backoff import Backoff
-from datagen.control.dispatch import Dispatch
+from datagen.control.dispatch import MAX_CLAIM, Dispatch
 from datagen.control.payload import ParsedPayload, parse_payload
 from datagen.control.redismemory import is_out_of_memory
 from datagen.control.rq_format import payload_of
@@ -202,7 +202,7 @@ class Admission:
                 if free <= 0:
                     continue
             try:
-                items = identity.claim_many(self.dispatch, cls, free, skip=self._crowded())
+                items = self._claim(identity, cls, free)
                 outage.reset()
             except redis.RedisError as exc:
                 if not outage.failures:
@@ -219,12 +219,27 @@ class Admission:
                 continue
             idle.reset()
             woken = False
-            self._claimed(cls, len(items))
-            for item in items:
-                slots.generating[cls] += 1
-                parsed = parse_payload(payload_of(item.job))  # the one read of its payload
-                task = asyncio.create_task(self.run_prompt(identity, item, parsed, cls), name=item.job.id)
-                slots.add(cls, task, parsed.job or "")
+            self._start(cls, identity, items)
+            if len(items) < min(free, MAX_CLAIM) and self.wakeups is not None:
+                # The claim took every prompt it could see (it got fewer than it asked for): a
+                # claim now would find nothing. Whatever is enqueued from here on wakes the loop
+                # (and a wake-up since the claim began already has), so it waits for that instead
+                # of an empty claim; the poll is the safety net, as when idle.
+                woken = await self._wait_for_work(cls, poll_s, held=False)
+
+    def _claim(self, identity: QueueIdentity, cls: PromptClass, free: int) -> list[InFlight]:
+        if self.wakeups is not None:
+            self.wakeups.answered(cls)  # this claim finds what they told of
+        return identity.claim_many(self.dispatch, cls, free, skip=self._crowded())
+
+    def _start(self, cls: PromptClass, identity: QueueIdentity, items: list[InFlight]) -> None:
+        """Run a task per claimed prompt."""
+        self._claimed(cls, len(items))
+        for item in items:
+            self.slots.generating[cls] += 1
+            parsed = parse_payload(payload_of(item.job))  # the one read of its payload
+            task = asyncio.create_task(self.run_prompt(identity, item, parsed, cls), name=item.job.id)
+            self.slots.add(cls, task, parsed.job or "")
 
     async def _gather(self, cls: PromptClass, free: int, backlog: int | None) -> int:
         """Wait up to the gather window for a batch's worth of free slots; returns how many are free."""

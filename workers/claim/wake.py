@@ -68,6 +68,11 @@ class Wakeups:
         for event in self.events.values():
             event.set()
 
+    def answered(self, cls: PromptClass) -> None:
+        """A claim of ``cls`` is about to run: it finds every prompt the wake-ups so far told of,
+        so they need no claim of their own (a message that lands after this sets the event again)."""
+        self.events[cls].clear()
+
     async def wait(self, cls: PromptClass, timeout_s: float, *, hold_until: float = 0.0) -> bool:
         """Wait up to ``timeout_s`` for prompts of ``cls``; True if woken.
 

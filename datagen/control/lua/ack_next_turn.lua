@@ -68,7 +68,7 @@ if redis.call('SADD', enqueued, next_member) == 1 then
     redis.call('HSET', next_rq_key, unpack(next_fields))
     redis.call('SADD', queues, queue_key)
     redis.call('RPUSH', backlog, next_rq_id)
-    rejoin(dispatch_set, paused, job_id)
+    rejoin(dispatch_set, paused, job_id, job_key)
     redis.call('PUBLISH', wake, next_cls)
   end
   redis.call('HINCRBY', job_key, 'accepted', 1)

@@ -28,6 +28,6 @@ end
 for i = 1, n, slice do
   redis.call('RPUSH', backlog, unpack(rq_ids, i, math.min(i + slice - 1, n)))
 end
-rejoin(dispatch_set, paused, job_id)
+rejoin(dispatch_set, paused, job_id, job_key)
 redis.call('PUBLISH', wake, cls)
 return n

@@ -11,7 +11,8 @@
 -- are the first N with work in score order (N: prompts wanted, plus those passed over), read a page
 -- at a time: a claim costs O(log jobs + N), however many jobs wait or are paused. The N single
 -- claims are simulated with a heap over those jobs, then applied with one LPOP and one ZINCRBY per
--- job: the same order as N single claims, at a fraction of the commands.
+-- job (a job whose backlog it empties leaves the set instead, and the set's weight sum with it):
+-- the same order as N single claims, at a fraction of the commands.
 --
 -- Each prompt is started as RQ's `prepare_job_execution` would (status, worker, started_at,
 -- heartbeat; a started-registry member `<id>:<execution>` scored by the heartbeat's expiry) and
@@ -63,7 +64,8 @@ for _ = 1, rq_list_scan do
   local job = job_of(id)
   if job ~= '' and (skipped[job] or redis.call('SISMEMBER', paused, job) == 1) then
     redis.call('LPUSH', job_prefix .. job .. backlog_suffix, id)
-    rejoin(sets[redis.call('HGET', job_prefix .. job, 'priority') or 'normal'] or normal, paused, job)
+    local jobkey = job_prefix .. job
+    rejoin(sets[redis.call('HGET', jobkey, 'priority') or 'normal'] or normal, paused, job, jobkey)
   else
     ids[#ids + 1] = id
   end
@@ -103,6 +105,7 @@ for _, set in ipairs({high, normal, low}) do
     local jobs = {}
     local page = need + #skip
     local offset = 0
+    local to_end = false -- the page scan reached the set's end: every job with work is in `jobs`
     while #jobs < need do
       local entries = redis.call('ZRANGE', set, offset, offset + page - 1, 'WITHSCORES')
       local removed = 0
@@ -113,7 +116,7 @@ for _, set in ipairs({high, normal, low}) do
           local jobkey = job_prefix .. job
           local left = redis.call('LLEN', jobkey .. backlog_suffix)
           if left == 0 then
-            redis.call('ZREM', set, job)
+            leave(set, job, jobkey)
             removed = removed + 1
           else
             local weight = tonumber(redis.call('HGET', jobkey, 'weight') or '1') or 1
@@ -122,7 +125,10 @@ for _, set in ipairs({high, normal, low}) do
           end
         end
       end
-      if #entries < 2 * page then break end
+      if #entries < 2 * page then
+        to_end = true
+        break
+      end
       offset = offset + page - removed
     end
     if #jobs == 0 then break end
@@ -141,20 +147,32 @@ for _, set in ipairs({high, normal, low}) do
         local popped = redis.call('LPOP', jobkey .. backlog_suffix, j.take)
         if popped then
           for _, id in ipairs(popped) do ids[#ids + 1] = id end
-          redis.call('ZINCRBY', set, #popped / j.w, j.job)
+          if #popped >= j.left then
+            -- Its backlog ran dry: it leaves the set now (rejoining with its next prompts), so
+            -- the next claim does not look at it and the set's weight sum counts only jobs with work.
+            leave(set, j.job, jobkey, j.w)
+          else
+            redis.call('ZINCRBY', set, #popped / j.w, j.job)
+          end
           redis.call('HINCRBY', jobkey, 'dispatched', #popped)
           dispatched[j.job] = (dispatched[j.job] or 0) + #popped
         end
       end
     end
+    -- Every job of the set with work was looked at: what is still wanted is not in this set.
+    if to_end then break end
   end
 end
-local any = false
+-- The window bucket counts each job's dispatches and, under `*` (no job id has one), all of them.
+local total = 0
 for job, n in pairs(dispatched) do
   redis.call('HINCRBY', window, job, n)
-  any = true
+  total = total + n
 end
-if any then redis.call('EXPIRE', window, window_ttl_s) end
+if total > 0 then
+  redis.call('HINCRBY', window, '*', total)
+  redis.call('EXPIRE', window, window_ttl_s)
+end
 local out = {}
 local members = {}
 local running = {}

@@ -25,8 +25,8 @@ if state and mode ~= 'replace' then
   return 0
 end
 redis.call('DEL', job_key)
-redis.call('HSET', job_key, 'created_at_ms', created_at_ms, 'incarnation', incarnation)
-for i = 1, #fields, 2 do redis.call('HSET', job_key, fields[i], fields[i + 1]) end
+-- One HSET for the whole hash (a small job's creation is a few commands, not one per field).
+redis.call('HSET', job_key, 'created_at_ms', created_at_ms, 'incarnation', incarnation, unpack(fields))
 redis.call('ZADD', index, created_at_ms, job_id)
 if fence_value ~= '' then redis.call('SET', fence, fence_value) end
 return 1

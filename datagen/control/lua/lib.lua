@@ -196,14 +196,34 @@ end
 
 -- Dispatch ---------------------------------------------------------------------------------------
 
+-- Each dispatch set keeps a running sum of its members' weights beside it (`<set>:weight`, in
+-- thousandths of a weight unit, at least 1 per job, so sums stay exact integers), moved by every
+-- join and leave below: the API reads a job's target share from two sums and its own weight, not
+-- from every job (`Dispatch.page_shares`). `dispatch_weights.lua` recomputes the sums from the sets
+-- for a Redis whose sets were filled before the sums existed.
+local function weight_units(weight)
+  local w = tonumber(weight or '1') or 1
+  if w <= 0 then w = 1 end
+  return math.max(1, math.floor(w * 1000 + 0.5))
+end
+
 -- A job with prompts to dispatch (enqueued, retried, handed back, resumed) joins a dispatch set at
 -- the set's lowest virtual time, so it gets its share from then on without a catch-up burst (and a
 -- resumed job none below the jobs beside it), unless it is in the set already. A paused job is in
--- no set, so that no claim ever scans it: it joins on resume.
-local function rejoin(set, paused, job_id)
+-- no set, so that no claim ever scans it: it joins on resume. `job_key`: the job's hash (its weight).
+local function rejoin(set, paused, job_id, job_key)
   if redis.call('SISMEMBER', paused, job_id) == 1 or redis.call('ZSCORE', set, job_id) then return end
   local first = redis.call('ZRANGE', set, 0, 0, 'WITHSCORES')
   redis.call('ZADD', set, first[2] or 0, job_id)
+  redis.call('INCRBY', set .. ':weight', weight_units(redis.call('HGET', job_key, 'weight')))
+end
+
+-- The job leaves a dispatch set (no prompts left there, paused, cancelled, deleted); `weight`: its
+-- weight if the caller read it, else nil (read from `job_key` only if it was a member).
+local function leave(set, job_id, job_key, weight)
+  if redis.call('ZREM', set, job_id) == 0 then return end
+  if weight == nil then weight = redis.call('HGET', job_key, 'weight') end
+  redis.call('DECRBY', set .. ':weight', weight_units(weight))
 end
 
 -- Prompts cancelled before any worker ran them (dropped from a backlog, refused by it, or taken off

@@ -38,7 +38,7 @@ end
 if #moved > 0 then
   redis.call('HINCRBY', job_key, 'failed', -#moved)
   redis.call('HINCRBY', job_key, 'retried', #moved)
-  rejoin(dispatch_set, paused, job_id)
+  rejoin(dispatch_set, paused, job_id, job_key)
   if state == completed_state then
     redis.call('HSET', job_key, 'state', running_state, 'finished_at_ms', 0)
   end

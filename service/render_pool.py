@@ -1,0 +1,300 @@
+"""Rendering an upload's rows in a pool of processes, in file order: ingestion at more than one
+core's speed.
+
+Ingestion spends most of its time per row on work that needs nothing but the row and the job's
+spec: parsing the line, rendering the prompt under each arm its samples use (the chat template and
+the tokenizer), looking for special-token text, and the row's content digest. `render_batch` does
+exactly that for a batch of lines, the same function whether it runs in a pool process or in the
+ingestion thread (``processes`` 0), so the two cannot drift: it applies ingestion's own rule
+(`service.admit.admit_row`). What needs the job's state stays in the ingestion thread: row ids
+against the rows guard, hygiene against the rows kept so far, chunks and their transactions.
+
+`RenderPool.rows` reads the upload (line digests taken as each line is read, `service.rowids`),
+sends batches ahead to the pool, at most a few per process so memory stays flat whatever the
+file's size, and yields each row's result in file order. A pool process keeps each job's renderers
+(the tokenizer is loaded once per process and job files, not per batch); a changed tokenizer or
+template file (another digest) is loaded again. Pool processes are started with ``spawn``: the
+coordinator runs threads, which ``fork`` would copy half-way.
+
+A process that dies (killed, out of memory) breaks the pool: `BrokenRenderPool` is raised, the
+pool is started again on next use, and the ingestion resumes from its checkpoint like after any
+outage (`service.ingest`), so no row is lost or enqueued twice.
+"""
+
+from __future__ import annotations
+
+import atexit
+import collections
+import dataclasses
+import itertools
+import logging
+import multiprocessing
+import threading
+from collections.abc import Iterator
+from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from dataclasses import dataclass
+from typing import BinaryIO, cast
+
+from datagen.control.payload import Conversation
+from datagen.errors import RetryableError
+from datagen.prompts import tokenization
+from datagen.prompts.dataset import (
+    DEFAULT_MAX_LINE_BYTES,
+    Prompt,
+    RowError,
+    line_is_blank,
+    line_items,
+    read_lines,
+)
+from datagen.spec import JobSpec
+from datagen.states import MultiTurnMode
+from service.admit import AdmittedRow, ArmRenderers, Refused, admit_row, arm_renderers
+from service.rowids import LineDigests, RowId, row_id
+
+__all__ = ["BrokenRenderPool", "LineBatch", "RenderPool", "RenderedRow", "render_batch", "shared_pool"]
+
+log = logging.getLogger(__name__)
+
+# Lines per batch: small first, so the first chunk of a job is rendered (and enqueued) within a
+# fraction of a second of its submit, then larger, so pickling and scheduling cost little per row.
+FIRST_BATCH_LINES = 8
+MAX_BATCH_LINES = 256
+# Batches a job's ingestion renders in its own thread before the pool's (8 + 16 + 32 lines).
+IN_THREAD_BATCHES = 3
+# Batches in flight per pool process: enough to keep each process busy while the ingestion thread
+# lands chunks, few enough that memory stays flat.
+BATCHES_PER_PROCESS = 4
+# Jobs whose renderers a pool process keeps.
+JOBS_KEPT = 8
+
+
+class BrokenRenderPool(RetryableError):
+    """A rendering process died; the pool starts again and the ingestion resumes from its
+    checkpoint."""
+
+
+@dataclass(frozen=True)
+class RowLine:
+    line: int
+    # None: the line is over the length cap (its rest was skipped).
+    raw: bytes | None
+    row_index: int
+    digest: str
+
+
+@dataclass(frozen=True)
+class LineBatch:
+    spec_json: str
+    # The tokenizer files' and template's digests: the same paths with other contents are loaded
+    # again, not taken from a process's cache.
+    files_key: str
+    context_len: int | None
+    lines: tuple[RowLine, ...]
+
+
+@dataclass(frozen=True)
+class RenderedRow:
+    """One row as ingestion's rule judged it: its first prompt (or why it is no row), the
+    conversation in multi-turn ``all`` mode, the verdict (None: outside the spec's partitions), and
+    its id for the rows guard (None where ingestion keeps none: not rendered)."""
+
+    line: int
+    digest: str
+    item: Prompt | RowError
+    conversation: Conversation | None
+    verdict: AdmittedRow | Refused | None
+    row_id: RowId | None
+
+
+# -- the work, in whichever process runs it ----------------------------------------------------------
+
+_jobs: collections.OrderedDict[tuple[str, str], tuple[JobSpec, ArmRenderers]] = collections.OrderedDict()
+_files: dict[tuple[str, str | None], str] = {}
+_jobs_lock = threading.Lock()
+
+
+def _job(spec_json: str, files_key: str) -> tuple[JobSpec, ArmRenderers]:
+    """The job's spec and renderers, kept per process (loading a tokenizer takes about a second)."""
+    key = (spec_json, files_key)
+    with _jobs_lock:
+        found = _jobs.get(key)
+        if found is not None:
+            _jobs.move_to_end(key)
+            return found
+        spec = JobSpec.model_validate_json(spec_json)
+        paths = (spec.tokenizer, spec.chat_template)
+        if _files.get(paths, files_key) != files_key:
+            # The same paths hold other files now: the process's renderers of them are stale.
+            tokenization.forget_renderers()
+        _files[paths] = files_key
+        made = (spec, arm_renderers(spec))
+        _jobs[key] = made
+        while len(_jobs) > JOBS_KEPT:
+            _jobs.popitem(last=False)
+        return made
+
+
+def _first_and_conversation(
+    items: list[Prompt | RowError], mode: MultiTurnMode
+) -> tuple[Prompt | RowError, Conversation | None]:
+    """A line's first prompt and, in multi-turn ``all`` mode, its whole conversation
+    (`service.admit.chunk_items` does the same for a stream)."""
+    first, last = items[0], items[-1]
+    if mode is MultiTurnMode.LAST or isinstance(first, RowError) or isinstance(last, RowError):
+        return first, None
+    cuts = [len(t.messages) for t in items if isinstance(t, Prompt)]
+    return first, Conversation(last.messages, last.tools, cuts, generated=[], row_class=first.cls)
+
+
+def render_batch(batch: LineBatch) -> list[RenderedRow]:
+    """Parse, render and admit each line of ``batch`` by ingestion's rule (`service.admit.admit_row`)."""
+    spec, renderers = _job(batch.spec_json, batch.files_key)
+    token_rows = spec.features is not None and spec.features.capture_only
+    out = []
+    for row in batch.lines:
+        if row.raw is None:
+            items: list[Prompt | RowError] = [
+                RowError(row.line, f"line is longer than {DEFAULT_MAX_LINE_BYTES} bytes; skipped")
+            ]
+        else:
+            items = line_items(row.raw, row.line, spec.multi_turn, token_rows=token_rows)
+        items = [
+            dataclasses.replace(i, row_index=row.row_index) if isinstance(i, Prompt) else i for i in items
+        ]
+        first, conversation = _first_and_conversation(items, spec.multi_turn)
+        verdict = admit_row(first, spec, renderers, batch.context_len)
+        rendered = isinstance(verdict, AdmittedRow) or (isinstance(verdict, Refused) and verdict.rendered)
+        ident = row_id(first) if rendered and isinstance(first, Prompt) else None
+        if isinstance(first, Prompt):
+            # The row as parsed went into its id; only what ingestion reads goes back.
+            first = dataclasses.replace(first, original={})
+        out.append(RenderedRow(row.line, row.digest, first, conversation, verdict, ident))
+    return out
+
+
+def _warm() -> None:
+    """A pool process's start: the heavy imports, before the first batch waits on them."""
+    import transformers  # noqa: F401
+
+
+def _load_job(spec_json: str, files_key: str) -> None:
+    """Load a job's renderers in a pool process while the job's first rows render elsewhere."""
+    _job(spec_json, files_key)
+
+
+# -- the pool ----------------------------------------------------------------------------------------
+
+
+class RenderPool:
+    """``processes`` rendering processes (0: render in the calling thread), shared by every
+    ingestion of the coordinator."""
+
+    def __init__(self, processes: int) -> None:
+        self.processes = processes
+        self._executor: ProcessPoolExecutor | None = None
+        self._lock = threading.Lock()
+
+    def _pool(self) -> ProcessPoolExecutor:
+        with self._lock:
+            if self._executor is None:
+                self._executor = ProcessPoolExecutor(
+                    max_workers=self.processes,
+                    mp_context=multiprocessing.get_context("spawn"),
+                    initializer=_warm,
+                )
+            return self._executor
+
+    def start(self) -> None:
+        """Start the processes now (the coordinator's start-up), not on the first submit."""
+        if self.processes:
+            pool = self._pool()
+            for _ in range(self.processes):
+                pool.submit(_warm)
+
+    def close(self) -> None:
+        with self._lock:
+            executor, self._executor = self._executor, None
+        if executor is not None:
+            executor.shutdown(wait=True, cancel_futures=True)
+
+    def _broken(self) -> None:
+        with self._lock:
+            executor, self._executor = self._executor, None
+        if executor is not None:
+            executor.shutdown(wait=False, cancel_futures=True)
+
+    def rows(
+        self,
+        stream: BinaryIO,
+        spec: JobSpec,
+        files_key: str,
+        start_line: int,
+        context_len: int | None,
+    ) -> Iterator[RenderedRow]:
+        """Each row of ``stream`` after line ``start_line``, rendered and judged, in file order."""
+        spec_json = spec.model_dump_json()
+        batches = iter(_batches(stream, spec_json, files_key, start_line, context_len))
+        if not self.processes:
+            for batch in batches:
+                yield from render_batch(batch)
+            return
+        pool = self._pool()
+        pending: collections.deque[Future[list[RenderedRow]]] = collections.deque()
+        try:
+            # The pool's processes load the job's tokenizer (about a second) while its first rows
+            # render here, with the renderer the submit loaded: the first prompts go out at once.
+            for _ in range(self.processes):
+                pool.submit(_load_job, spec_json, files_key)
+            for batch in itertools.islice(batches, IN_THREAD_BATCHES):
+                yield from render_batch(batch)
+            for batch in batches:
+                pending.append(pool.submit(render_batch, batch))
+                while len(pending) >= self.processes * BATCHES_PER_PROCESS:
+                    yield from pending.popleft().result()
+            while pending:
+                yield from pending.popleft().result()
+        except BrokenProcessPool as exc:
+            self._broken()
+            raise BrokenRenderPool(f"a rendering process died ({exc}); the pool starts again") from exc
+        finally:
+            for future in pending:
+                future.cancel()
+
+
+def _batches(
+    stream: BinaryIO, spec_json: str, files_key: str, start_line: int, context_len: int | None
+) -> Iterator[LineBatch]:
+    """The stream's non-blank lines after ``start_line`` in batches, each line with its row index
+    (counting every non-blank line from the file's start) and its bytes' digest."""
+    lines = LineDigests(stream)
+    size, batch = FIRST_BATCH_LINES, []
+    row_index = 0
+    for line, raw in read_lines(cast(BinaryIO, lines), DEFAULT_MAX_LINE_BYTES):
+        if raw is not None and line_is_blank(raw, line):
+            continue
+        index, row_index = row_index, row_index + 1
+        if line <= start_line:
+            continue
+        batch.append(RowLine(line, raw, index, lines.digest(line)))
+        if len(batch) >= size:
+            yield LineBatch(spec_json, files_key, context_len, tuple(batch))
+            size, batch = min(MAX_BATCH_LINES, size * 2), []
+    if batch:
+        yield LineBatch(spec_json, files_key, context_len, tuple(batch))
+
+
+_shared: dict[int, RenderPool] = {}
+_shared_lock = threading.Lock()
+
+
+def shared_pool(processes: int) -> RenderPool:
+    """The process's pool of ``processes`` rendering processes, made on first use: every coordinator
+    app in one process (tests run many) shares one set of processes and their loaded tokenizers."""
+    with _shared_lock:
+        pool = _shared.get(processes)
+        if pool is None:
+            pool = _shared[processes] = RenderPool(processes)
+            if processes:
+                atexit.register(pool.close)
+        return pool

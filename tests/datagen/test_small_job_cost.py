@@ -1,0 +1,145 @@
+"""What one small job costs Redis, counted command by command (MONITOR) over a real Redis, the
+coordinator's app and a worker in this process and the simulator: its submit, creation, ingestion,
+claims, its shard's ack and its completion. A command counts for the job when it names the job (its
+keys, its prompts' RQ ids), and a script's commands count with the script when any of them does (a
+claim that hands out the job's prompts costs its scans of the dispatch sets too). Claims that find
+nothing and the processes' background loops name no job: they are the fleet's idle cost, not the
+job's.
+
+Issue 41's target is 60 commands for a 3-prompt job; `MAX_COMMANDS` is what the tree reaches now
+(see bench/README.md, "tenants.py", for where the rest goes), so that it cannot grow back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import redis
+from fastapi.testclient import TestClient
+
+from datagen.control.keys import Keys
+from datagen.records.storage import Storage
+from datagen.settings import CoordinatorSettings
+from service.app import create_app
+from tests.support.sim import running_simulator
+from tests.support.specs import make_spec
+from tests.support.workers import fast_worker_settings
+from workers.fleet.servers import ServerSpec
+from workers.worker import Worker
+
+NS = "cost"
+JOB = "smalljob7"
+PROMPTS = 3
+TARGET_COMMANDS = 60  # issue 41
+MAX_COMMANDS = 112
+WAIT_S = 60.0
+
+
+class _Monitor:
+    """Every command Redis runs while it listens (client and script commands), as MONITOR shows them."""
+
+    def __init__(self, redis_url: str) -> None:
+        self.client = redis.Redis.from_url(redis_url)
+        self.lines: list[dict[str, Any]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._listen, daemon=True)
+
+    def _listen(self) -> None:
+        with self.client.monitor() as monitor:
+            for command in monitor.listen():
+                self.lines.append(command)
+                if self._stop.is_set():
+                    return
+
+    def __enter__(self) -> _Monitor:
+        self._thread.start()
+        time.sleep(0.3)  # MONITOR is on
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self.client.ping()  # one more line, so the listener sees the stop
+        self._thread.join(5)
+        self.client.close()
+
+
+def _job_commands(lines: list[dict[str, Any]], job_id: str, skip_client: str) -> Counter[str]:
+    """The commands that name the job, a script's with its call; the poller's left out."""
+    calls: list[list[dict[str, Any]]] = []
+    for line in lines:
+        if line.get("client_type") == "lua" and calls:
+            calls[-1].append(line)
+        elif f"{line['client_address']}:{line['client_port']}" != skip_client:
+            calls.append([line])
+    counts: Counter[str] = Counter()
+    for call in calls:
+        if any(job_id in command["command"] for command in call):
+            counts.update(command["command"].split()[0].upper() for command in call)
+    return counts
+
+
+async def test_one_small_job_costs_redis_at_most_max_commands(
+    redis_url: str, tmp_path: Path, tokenizer_path: str
+) -> None:
+    storage = Storage(str(tmp_path / "data"))
+    # Chunks of 32 rows from the first: no first-chunk deadline (0.1 s) that a loaded machine could
+    # miss, so the 3 rows are always one chunk, as on an idle coordinator.
+    settings = CoordinatorSettings(
+        redis_url=redis_url, storage=str(storage.root), namespace=NS, enqueue_chunk=32
+    )
+    rows = "".join(json.dumps({"id": f"r{i}", "prompt": f"question {i}"}) + "\n" for i in range(PROMPTS))
+    poller = redis.Redis.from_url(redis_url, single_connection_client=True)
+    poller_addr = str(poller.client_info()["addr"])
+    job_key = Keys(NS).job(JOB)
+    assert poller_addr.startswith("127.0.0.1:")
+    with (
+        TestClient(create_app(settings)) as client,
+        running_simulator(tokenizer_path=tokenizer_path, time_scale=0.0, context_len=4096) as url,
+    ):
+        worker = Worker(
+            fast_worker_settings(redis_url, storage, NS, poll_interval_s=0.2),
+            [ServerSpec("s0", url)],
+            install_signal_handlers=False,
+        )
+        running = asyncio.create_task(worker.main())
+        try:
+            await _until(lambda: poller.hlen(Keys(NS).servers_index()) > 0)
+            # A first job loads the scripts and the tokenizer: the one measured is one more job.
+            await _run(client, poller, "warmup", rows)
+            await asyncio.sleep(1.0)
+            with _Monitor(redis_url) as monitor:
+                await _run(client, poller, JOB, rows)
+                await asyncio.sleep(0.5)  # its last replies land
+            counts = _job_commands(monitor.lines, JOB, poller_addr)
+        finally:
+            worker.request_stop()
+            await asyncio.wait_for(running, WAIT_S)
+            poller.close()
+    total = sum(counts.values())
+    print(f"one {PROMPTS}-prompt job: {total} commands (target {TARGET_COMMANDS}): {counts.most_common()}")
+    assert int(redis.Redis.from_url(redis_url).hget(job_key, "done") or 0) == PROMPTS
+    assert total <= MAX_COMMANDS, counts.most_common()
+
+
+async def _run(client: TestClient, poller: redis.Redis, job_id: str, rows: str) -> None:
+    """Submit a job and wait for it to complete (reading its state with ``poller``, not the API)."""
+    response = client.post(
+        "/jobs",
+        data={"spec": json.dumps(make_spec(short_max_new_tokens=16, context_len=None)), "job_id": job_id},
+        files={"dataset": ("d.jsonl", rows.encode(), "application/jsonl")},
+    )
+    assert response.status_code == 202, response.text
+    await _until(lambda: poller.hget(Keys(NS).job(job_id), "state") == b"completed")
+
+
+async def _until(check: Any) -> None:
+    deadline = time.monotonic() + WAIT_S
+    while not check():
+        assert time.monotonic() < deadline, "condition not met in time"
+        await asyncio.sleep(0.02)

@@ -1,0 +1,130 @@
+"""Rendering in a pool of processes (`service.render_pool`) gives what rendering in the ingestion
+thread gives, row for row, and a dead rendering process costs a pause, never a row."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import signal
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+
+from datagen.control.enqueue import EnqueueOptions
+from datagen.control.jobs import JobStore
+from datagen.control.keys import Keys
+from datagen.prompts.tokenization import renderer_for
+from datagen.records.storage import Storage
+from datagen.states import JobState
+from service.admit import AdmittedRow, Refused
+from service.ingest import IngestOptions, Ingestor
+from service.render_pool import RenderedRow, RenderPool
+from tests.support.specs import job_spec
+from tests.support.wait import wait_until
+
+RECIPE = {
+    "assign": "cycle",
+    "arms": [
+        {"name": "think"},
+        {"name": "answer", "chat_template_kwargs": {"thinking": False}},
+        {"name": "high", "chat_template_kwargs": {"reasoning_effort": "high"}},
+    ],
+}
+
+
+def _lines() -> bytes:
+    rows = [
+        json.dumps({"id": f"r{i}", "messages": [{"role": "user", "content": f"Question {i}?"}]})
+        for i in range(300)
+    ]
+    rows[3] = "{broken"
+    rows[7] = ""  # a blank line: no row, no row index
+    rows[11] = json.dumps(
+        {
+            "id": "conv",
+            "messages": [
+                {"role": "user", "content": "Hi"},
+                {"role": "assistant", "content": "Hello."},
+                {"role": "user", "content": "Bye"},
+            ],
+        }
+    )
+    return ("\n".join(rows) + "\n").encode()
+
+
+@pytest.fixture(scope="module")
+def pool() -> Iterator[RenderPool]:
+    pool = RenderPool(2)
+    yield pool
+    pool.close()
+
+
+def _rows(pool: RenderPool, start_line: int = 0, **spec_fields: object) -> list[RenderedRow]:
+    spec = job_spec(samples=2, recipe=RECIPE, multi_turn="all", **spec_fields)
+    identity = renderer_for(spec).identity()
+    key = f"{identity['tokenizer_sha256']}:{identity['chat_template_sha256']}"
+    return list(pool.rows(io.BytesIO(_lines()), spec, key, start_line, 4096))
+
+
+def test_the_pool_renders_every_row_as_the_ingestion_thread_does(pool: RenderPool) -> None:
+    here, there = _rows(RenderPool(0)), _rows(pool)
+    assert there == here
+    assert [r.line for r in there[:4]] == [1, 2, 3, 4]
+    assert len(there) == 299  # the blank line is no row
+    # Written out: line 4 is broken; cycle over 3 arms, 2 samples: i = row index * 2 + gen.
+    broken = there[3]
+    assert isinstance(broken.verdict, Refused) and broken.verdict.reason.startswith("invalid JSON")
+    second = there[1].verdict
+    assert isinstance(second, AdmittedRow)
+    assert [arm.name for arm, _ in second.samples if arm] == ["high", "think"]  # row index 1: i = 2, 3
+    # Line 10 is row index 8, not 9: line 8 is blank. i = 16, 17.
+    after_blank = next(r for r in there if r.line == 10).verdict
+    assert isinstance(after_blank, AdmittedRow)
+    assert [arm.name for arm, _ in after_blank.samples if arm] == ["answer", "high"]
+    conversation = next(r for r in there if r.line == 12).conversation
+    assert conversation is not None and conversation.cuts == [1, 3]
+
+
+def test_a_resumed_read_starts_after_its_checkpoint_with_the_rows_own_indexes(pool: RenderPool) -> None:
+    assert _rows(pool, start_line=100) == [r for r in _rows(RenderPool(0)) if r.line > 100]
+
+
+def test_a_killed_rendering_process_costs_a_pause_not_a_row(
+    redis_client: redis.Redis, tmp_path: Path
+) -> None:
+    keys = Keys("rp")
+    jobs = JobStore(redis_client, keys)
+    storage = Storage(str(tmp_path / "data"))
+    spec = job_spec()
+    source = tmp_path / "rows.jsonl"
+    source.write_text(
+        "".join(
+            json.dumps({"id": f"k{i}", "prompt": f"Tell me about item {i} in some detail."}) + "\n"
+            for i in range(3000)
+        )
+    )
+    jobs.create("killed", spec)
+    pool = RenderPool(2)
+    options = IngestOptions(
+        chunk=100, enqueue=EnqueueOptions(result_ttl_s=60, failure_ttl_s=60, max_worker_losses=1)
+    )
+    ingestor = Ingestor(redis_client, keys, jobs, storage, options, pool=pool)
+    ended: list[bool] = []
+    thread = threading.Thread(target=lambda: ended.append(ingestor.run("killed", source, threading.Event())))
+    try:
+        thread.start()
+        wait_until(lambda: jobs.progress("killed").accepted >= 200, 60, "some rows ingested")
+        executor = pool._executor
+        assert executor is not None
+        victim = next(iter(executor._processes))
+        os.kill(victim, signal.SIGKILL)
+        thread.join(timeout=120)
+        assert ended == [True]
+    finally:
+        pool.close()
+    progress = jobs.progress("killed")
+    assert (progress.state, progress.rows, progress.accepted) == (JobState.RUNNING, 3000, 3000)
