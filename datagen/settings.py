@@ -177,13 +177,13 @@ class CoordinatorSettings(CommonSettings):
         le=100_000,
         description="rows ingested and enqueued per chunk (one Redis transaction and one checkpoint each)",
     )
-    ingest_processes: int | None = Field(
-        default=None,
+    ingest_processes: int = Field(
+        default=0,
         ge=0,
-        le=256,
+        le=64,
         description=(
-            "processes that parse and render uploaded rows, shared by every ingestion (none: one per "
-            "core; 0: in each ingestion's own thread)"
+            "processes that parse and render uploaded rows, shared by every ingestion (0: in each "
+            "ingestion's own thread); each loads the jobs' tokenizers, so count their memory"
         ),
     )
     max_upload_bytes: int = Field(

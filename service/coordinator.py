@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import os
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -84,14 +83,6 @@ class DatasetInput:
     columns: ColumnMap = field(default_factory=ColumnMap)
 
 
-def ingest_processes(settings: CoordinatorSettings) -> int:
-    """How many rendering processes ingestion uses (`service.render_pool`): the setting, or one per
-    core the coordinator may run on."""
-    if settings.ingest_processes is not None:
-        return settings.ingest_processes
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-
-
 class Coordinator:
     def __init__(self, settings: CoordinatorSettings, redis: Redis) -> None:
         self.settings = settings
@@ -116,7 +107,7 @@ class Coordinator:
                 max_queued_per_class=settings.max_queued_per_class,
             ),
             metrics=self.metrics,
-            pool=shared_pool(ingest_processes(settings)),
+            pool=shared_pool(settings.ingest_processes),
         )
         self.ingests = IngestRuns(self.jobs, self.storage, self.ingestor)
         self.controls = JobControls(redis, self.keys, self.jobs, self.storage, stop_ingest=self.ingests.stop)
@@ -154,6 +145,7 @@ class Coordinator:
     def close(self) -> None:
         self.watch.close()
         self.ingests.close()
+        self.ingestor.pool.close()  # started again on next use, should another app of this process ingest
 
     def recover(self, job_id: str) -> dict[str, Any]:
         """Rebuild one job from storage on an operator's request (`datagen recover`). A rebuild of

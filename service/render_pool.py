@@ -29,7 +29,9 @@ import dataclasses
 import itertools
 import logging
 import multiprocessing
+import os
 import threading
+import time
 from collections.abc import Iterator
 from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
@@ -67,6 +69,8 @@ IN_THREAD_BATCHES = 3
 BATCHES_PER_PROCESS = 4
 # Jobs whose renderers a pool process keeps.
 JOBS_KEPT = 8
+# How often a pool process looks whether its coordinator is still there.
+PARENT_CHECK_S = 1.0
 
 
 class BrokenRenderPool(RetryableError):
@@ -173,9 +177,19 @@ def render_batch(batch: LineBatch) -> list[RenderedRow]:
     return out
 
 
-def _warm() -> None:
-    """A pool process's start: the heavy imports, before the first batch waits on them."""
+def _warm(parent_pid: int | None = None) -> None:
+    """A pool process's start: the heavy imports, before the first batch waits on them; and a watch
+    that ends the process when its coordinator is gone (killed with no chance to stop its pool), so
+    no rendering process outlives it."""
+    if parent_pid is not None:
+        threading.Thread(target=_exit_with, args=(parent_pid,), name="parent-watch", daemon=True).start()
     import transformers  # noqa: F401
+
+
+def _exit_with(parent_pid: int) -> None:
+    while os.getppid() == parent_pid:
+        time.sleep(PARENT_CHECK_S)
+    os._exit(0)
 
 
 def _load_job(spec_json: str, files_key: str) -> None:
@@ -202,6 +216,7 @@ class RenderPool:
                     max_workers=self.processes,
                     mp_context=multiprocessing.get_context("spawn"),
                     initializer=_warm,
+                    initargs=(os.getpid(),),
                 )
             return self._executor
 

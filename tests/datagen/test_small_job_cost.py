@@ -37,7 +37,9 @@ NS = "cost"
 JOB = "smalljob7"
 PROMPTS = 3
 TARGET_COMMANDS = 60  # issue 41
-MAX_COMMANDS = 112
+# 108-109 alone; 122 once in a CI run on a loaded machine (a claim more when the worker's first one
+# comes before the whole chunk has landed). The tree before issue 41 spent about 140.
+MAX_COMMANDS = 128
 WAIT_S = 60.0
 
 

@@ -52,7 +52,9 @@ pytestmark = pytest.mark.e2e
 
 NS = "prom"
 SCRAPE_INTERVAL = "1s"
-PROMPTS = 500
+# Enough that the job outlasts every panel's first answers on a loaded CI machine (4 test workers on 2
+# cores): at 500 it once ended before the last panels had answered.
+PROMPTS = 800
 LONG_EVERY = 10  # every tenth prompt is forced into the long class
 SHORT_MAX_NEW = 200  # below the simulator's typical output length: many records are truncated
 LONG_MAX_NEW = 400
