@@ -21,24 +21,17 @@ from __future__ import annotations
 
 import argparse
 import tempfile
-import threading
-import time
 from pathlib import Path
 from typing import Any
 
 import redis
-from _common import BENCH_JOB_ID, BENCH_NAMESPACE, job_spec, offline_hub, short_rows, write_jsonl
+from _common import job_spec, offline_hub, short_rows, write_jsonl
+from _load import ingest
 
-from datagen.control.enqueue import EnqueueOptions
-from datagen.control.jobs import JobStore
-from datagen.control.keys import Keys
 from datagen.records.storage import Storage
-from datagen.settings import DEFAULT_ENQUEUE_CHUNK, DEFAULT_FAILURE_TTL_S, DEFAULT_RESULT_TTL_S
-from datagen.spec import JobSpec
-from datagen.states import JobState
+from datagen.settings import DEFAULT_ENQUEUE_CHUNK
 from datagen_cli.local.redis_server import LocalRedis
 from service.admit import arm_renderers
-from service.ingest import IngestOptions, Ingestor
 
 DEFAULT_N = 3000
 DEFAULT_REPEAT = 3
@@ -46,28 +39,6 @@ EFFORT_ARMS: list[dict[str, Any]] = [
     {"name": effort, "chat_template_kwargs": {"reasoning_effort": effort}}
     for effort in ("low", "medium", "high")
 ]
-
-
-def ingest_s(client: redis.Redis, storage: Storage, spec: JobSpec, path: Path, prompts: int) -> float:
-    """One ingestion of ``path`` under ``spec`` on a flushed Redis; its seconds."""
-    client.flushall()
-    keys = Keys(BENCH_NAMESPACE)
-    jobs = JobStore(client, keys)
-    jobs.create(BENCH_JOB_ID, spec)
-    options = IngestOptions(
-        chunk=DEFAULT_ENQUEUE_CHUNK,
-        enqueue=EnqueueOptions(
-            result_ttl_s=DEFAULT_RESULT_TTL_S, failure_ttl_s=DEFAULT_FAILURE_TTL_S, max_worker_losses=3
-        ),
-    )
-    ingestor = Ingestor(client, keys, jobs, storage, options)
-    started = time.perf_counter()
-    ingestor.run(BENCH_JOB_ID, path, threading.Event())
-    elapsed = time.perf_counter() - started
-    progress = jobs.progress(BENCH_JOB_ID)
-    if progress.state is JobState.FAILED or progress.accepted != prompts:
-        raise SystemExit(f"ingestion did not accept all {prompts} prompts: {progress}")
-    return elapsed
 
 
 def main() -> None:
@@ -98,7 +69,7 @@ def main() -> None:
         storage = Storage(tmp)
         try:
             times = {
-                label: [ingest_s(client, storage, spec, path, args.n * samples) for _ in range(args.repeat)]
+                label: [ingest(client, storage, spec, path, args.n * samples) for _ in range(args.repeat)]
                 for label, spec, samples, _ in variants
             }
         finally:

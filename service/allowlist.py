@@ -23,7 +23,7 @@ import os
 from pathlib import Path
 
 from datagen.errors import InvalidSpecError
-from datagen.prompts.sources import ResolvedSource, SourceKind, local_path, resolve_source
+from datagen.prompts.sources import ResolvedSource, SourceKind, local_path, redacted_url, resolve_source
 from datagen.prompts.tokenization import bundled_tokenizer_path, default_chat_template_path
 from datagen.records.files import is_url
 from datagen.settings import CoordinatorSettings
@@ -94,13 +94,13 @@ def check_dataset_url(url: str, settings: CoordinatorSettings) -> str:
             "DATAGEN_DATASET_ALLOWLIST, or upload the file instead of giving dataset_url"
         )
     refused = InvalidSpecError(
-        f"dataset_url {url[:200]!r} is not allowed on this coordinator; an operator must add it (or a "
-        "prefix of it) to DATAGEN_DATASET_ALLOWLIST"
+        f"dataset_url {redacted_url(url)[:200]!r} is not allowed on this coordinator; an operator must add "
+        "it (or a prefix of it) to DATAGEN_DATASET_ALLOWLIST"
     )
     local = url.removeprefix(_LOCAL_SCHEME) if url.startswith(_LOCAL_SCHEME) else url
     if not is_url(local):
         if not os.path.isabs(os.path.expanduser(local)):
-            raise InvalidSpecError(f"dataset_url {url[:200]!r}: give an absolute path or a URL")
+            raise InvalidSpecError(f"dataset_url {redacted_url(url)[:200]!r}: give an absolute path or a URL")
         real = local_path(local)
         roots = [
             local_path(e.removeprefix(_LOCAL_SCHEME))

@@ -20,12 +20,12 @@ import logging
 import time
 from collections.abc import Callable
 from typing import TypeVar
-from urllib.parse import urlsplit, urlunsplit
 
 import redis
 
 from datagen.backoff import Backoff
 from datagen.errors import BackendUnavailableError, ConfigError, RetryableError, StorageError
+from datagen.prompts.sources import redacted_url
 from datagen.records.storage import Storage
 from datagen.settings import OUTAGE_RETRY_FIRST_S, OUTAGE_RETRY_MAX_S
 
@@ -105,16 +105,6 @@ async def wait_for_async(what: str, attempt: Callable[[], T], *, timeout_s: floa
             continue
         backoff.succeeded()
         return result
-
-
-def redacted_url(url: str) -> str:
-    """``url`` without its password, for logs and messages."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    netloc = parts.netloc.rsplit("@", 1)[1]
-    user = f"{parts.username}:***@" if parts.username else ":***@"
-    return urlunsplit(parts._replace(netloc=user + netloc))
 
 
 def _redis_client(url: str, **options: object) -> redis.Redis:

@@ -50,6 +50,7 @@ import pyarrow.parquet as pq
 from fsspec.implementations.local import LocalFileSystem
 
 from datagen.errors import DatagenError, InvalidSpecError, StorageError
+from datagen.prompts.sources import redacted_url
 
 __all__ = [
     "BATCH_ROWS",
@@ -431,16 +432,16 @@ def _storage(url: str) -> Iterator[None]:
     except DatagenError:
         raise
     except (FileNotFoundError, NotADirectoryError) as exc:
-        raise InvalidSpecError(f"dataset {url} is not there ({exc}); check the URL") from exc
+        raise InvalidSpecError(f"dataset {redacted_url(url)} is not there ({exc}); check the URL") from exc
     except Exception as exc:
-        raise StorageError(f"cannot read dataset {url}: {exc}") from exc
+        raise StorageError(f"cannot read dataset {redacted_url(url)}: {exc}") from exc
 
 
 def _file_system(url: str) -> tuple[Any, str]:
     try:
         fs, path = fsspec.core.url_to_fs(url, use_listings_cache=False)
     except (ImportError, ValueError) as exc:
-        raise InvalidSpecError(f"cannot read dataset {url}: {exc}") from exc
+        raise InvalidSpecError(f"cannot read dataset {redacted_url(url)}: {exc}") from exc
     return fs, str(path).rstrip("/") or str(path)
 
 
@@ -458,11 +459,12 @@ def resolve_reference(url: str, fmt: InputFormat | None = None) -> Reference:
             fmt = fmt or format_for_name(path)
             if fmt is None:
                 raise InvalidSpecError(
-                    f"cannot tell the format of {url} from its name: give --format (one of {ACCEPTED})"
+                    f"cannot tell the format of {redacted_url(url)} from its name: "
+                    f"give --format (one of {ACCEPTED})"
                 )
             if fmt.is_directory:
                 raise InvalidSpecError(
-                    f"{url} is a file, not a directory: a {fmt.value} input is a directory"
+                    f"{redacted_url(url)} is a file, not a directory: a {fmt.value} input is a directory"
                 )
         rows_total = None
         if fmt is InputFormat.HF_DATASET:
@@ -482,7 +484,7 @@ def resolve_reference(url: str, fmt: InputFormat | None = None) -> Reference:
 def _directory_format(url: str, listing: dict[str, Any], fmt: InputFormat | None) -> InputFormat:
     if _DICT_FILE in listing:
         raise InvalidSpecError(
-            f"{url} is a dataset with several splits: give one split's directory "
+            f"{redacted_url(url)} is a dataset with several splits: give one split's directory "
             f"(e.g. {url.rstrip('/')}/train)"
         )
     if fmt is None:
@@ -491,11 +493,12 @@ def _directory_format(url: str, listing: dict[str, Any], fmt: InputFormat | None
         if any(n.endswith(".parquet") for n in listing):
             return InputFormat.PARQUET_DIR
         raise InvalidSpecError(
-            f"{url} is a directory with neither *.parquet files nor a saved dataset (dataset_info.json): "
+            f"{redacted_url(url)} is a directory with neither *.parquet files nor a saved dataset "
+            "(dataset_info.json): "
             f"give a file, or --format (one of {ACCEPTED})"
         )
     if not fmt.is_directory:
-        raise InvalidSpecError(f"{url} is a directory, not a {fmt.value} file")
+        raise InvalidSpecError(f"{redacted_url(url)} is a directory, not a {fmt.value} file")
     return fmt
 
 
@@ -506,7 +509,9 @@ def _dataset_files(fs: Any, path: str, url: str) -> tuple[list[str], int | None]
         state = json.loads(fs.cat_file(posixpath.join(path, _STATE_FILE)))
         names = [str(f["filename"]) for f in state["_data_files"]]
     except (FileNotFoundError, KeyError, TypeError, ValueError) as exc:
-        raise InvalidSpecError(f"{url}: cannot read the dataset's {_STATE_FILE} ({exc!r})") from exc
+        raise InvalidSpecError(
+            f"{redacted_url(url)}: cannot read the dataset's {_STATE_FILE} ({exc!r})"
+        ) from exc
     rows_total = None
     with contextlib.suppress(FileNotFoundError, KeyError, TypeError, ValueError, AttributeError):
         info = json.loads(fs.cat_file(posixpath.join(path, _INFO_FILE)))

@@ -21,10 +21,11 @@ import re
 import unicodedata
 from dataclasses import dataclass
 from enum import StrEnum
+from urllib.parse import urlsplit, urlunsplit
 
 from datagen.errors import InvalidSpecError
 
-__all__ = ["ResolvedSource", "SourceKind", "local_path", "resolve_source"]
+__all__ = ["ResolvedSource", "SourceKind", "local_path", "redacted_url", "resolve_source"]
 
 # A hub repo id: one or two segments of letters, digits, "-", "_", "." (no "..", no leading dot).
 _HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,95}(/[A-Za-z0-9][A-Za-z0-9._-]{0,95})?$")
@@ -79,3 +80,14 @@ def resolve_source(name: str, kind: SourceKind) -> ResolvedSource:
             "pass the directory holding tokenizer.json, or a hub id"
         )
     return ResolvedSource(name, kind, hub_id=name)
+
+
+def redacted_url(url: str) -> str:
+    """``url`` without its password, for logs and messages (a Redis URL, a dataset given by
+    reference)."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = parts.netloc.rsplit("@", 1)[1]
+    user = f"{parts.username}:***@" if parts.username else ":***@"
+    return urlunsplit(parts._replace(netloc=user + netloc))

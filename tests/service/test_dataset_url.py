@@ -225,3 +225,13 @@ def test_a_rebuild_from_storage_refuses_an_input_that_changed(redis_url: str, tm
             "the rebuilt job's ingestion to refuse the changed input",
         )
         assert job["error"].startswith(f"dataset {path}: rows.parquet changed since it was submitted (")
+
+
+def test_a_refused_reference_never_echoes_its_password(redis_url: str, tmp_path: Path) -> None:
+    with TestClient(create_app(_settings(redis_url, tmp_path, "s3://data"))) as client:
+        response = _post(client, "https://reader:s3cr3t@datasets.example.com/d.parquet")
+        assert (response.status_code, response.json()["error"]) == (
+            400,
+            "dataset_url 'https://reader:***@datasets.example.com/d.parquet' is not allowed on this "
+            "coordinator; an operator must add it (or a prefix of it) to DATAGEN_DATASET_ALLOWLIST",
+        )
