@@ -9,7 +9,7 @@ max_line_length = 110
 -- a script sees them as globals it cannot change.
 local lib = {
   "job_incarnation", "counts_in", "leave_running", "partition_label", "breakdown_field", "tally", "count_in_job",
-  "complete_if_ended", "finish_in_rq", "ack_in_job", "weight_units", "rejoin", "leave",
+  "complete_read", "complete_if_ended", "finish_in_rq", "ack_in_job", "weight_units", "rejoin", "leave",
   "count_cancelled_queued",
 }
 

@@ -26,6 +26,7 @@ Run: ``python bench/dispatch.py [--n 20000] [--jobs 1 10 100] [--repeat 3]``.
 from __future__ import annotations
 
 import argparse
+import json
 import time
 
 import redis
@@ -33,6 +34,7 @@ import redis
 from datagen.control.dispatch import Claimant, Dispatch
 from datagen.control.jobs import JobStore
 from datagen.control.keys import Keys
+from datagen.control.rq_format import QueuedJobs
 from datagen.prompts.tokenization import bundled_tokenizer_path
 from datagen.spec import JobSpec
 from datagen.states import Priority, PromptClass
@@ -66,9 +68,8 @@ def _fill_ours(client: redis.Redis, n: int, jobs: int) -> dict[str, float]:
         for start in range(0, count, FILL_SLICE):
             with client.pipeline() as pipe:
                 ids = [f"{name}-{i}" for i in range(start, min(count, start + FILL_SLICE))]
-                for rq_id in ids:
-                    pipe.hset(f"rq:job:{rq_id}", mapping={"data": b"x" * 200, "status": "queued"})
-                dispatch.add(pipe, name, CLS, priority, ids)
+                jobs = QueuedJobs(json.dumps(["status", "queued"]), tuple((i, name, b"x" * 200) for i in ids))
+                dispatch.add(pipe, name, CLS, priority, jobs)
                 pipe.execute()
     return weights
 

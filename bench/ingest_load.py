@@ -23,6 +23,14 @@ Lines printed:
     Redis PING latency from the benchmark is sampled alongside: when both are high, Redis was
     busy (a chunk's MULTI/EXEC runs as one command); when only the route is slow, the coordinator
     process was (its ingestion thread shares the GIL with the API).
+``CPU``
+    CPU time per prompt during ingestion, from ``/proc``: the coordinator process (its ingestion
+    thread, API and background threads), its rendering processes (``DATAGEN_INGEST_PROCESSES``),
+    and Redis (``INFO cpu``). From them, the projection: the prompts/s one coordinator process
+    can reach whatever its cores (its ingestion thread holds the GIL, so the coordinator's own
+    CPU per prompt bounds it), and the cores a rate needs (every process's CPU per prompt). The
+    fleet lines use the issue's figures: 65 chat-length prompts/s per H200 of an 8B target, about
+    10.5 at reasoning lengths, for 256 GPUs.
 ``memory``
     Peak RSS of the coordinator (``VmHWM``, the kernel's high-water mark) and Redis's
     ``used_memory_peak``, with bytes per prompt. ``--max-queued`` sets
@@ -44,6 +52,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
 import tempfile
 import threading
 import time
@@ -73,6 +83,9 @@ DEFAULT_CONCURRENCY = 32
 DEFAULT_SAMPLE_INTERVAL_S = 0.05
 NAMESPACE = "ingestload"
 P99_TARGET_S = 0.100
+# Prompts/s one GPU consumes (an 8B target on an H200, issue 41), and the fleet projected.
+FLEET_GPUS = 256
+PROMPTS_PER_GPU_S = {"chat": 65.0, "reasoning": 10.5}
 STARTUP_TIMEOUT_S = 120.0
 STOP_TIMEOUT_S = 30.0
 HTTP_TIMEOUT_S = 30.0
@@ -112,6 +125,56 @@ def raw_render_rate(path: Path, n: int) -> tuple[float, int]:
     started = time.perf_counter()
     tokens = sum(len(renderer.render(p.messages, p.tools)) for p in prompts)
     return len(prompts) / (time.perf_counter() - started), tokens // max(1, len(prompts))
+
+
+def cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` (``/proc/<pid>/stat``); 0 once it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def descendants(pid: int) -> list[int]:
+    """The processes below ``pid`` (its rendering processes and their helpers), from ``/proc``."""
+    parents: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                parents[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+    found, frontier = [], [pid]
+    while frontier:
+        parent = frontier.pop()
+        children = [child for child, of in parents.items() if of == parent]
+        found += children
+        frontier += children
+    return found
+
+
+@dataclass
+class CpuSeconds:
+    coordinator: float
+    rendering: dict[int, float]
+    redis: float
+
+    @classmethod
+    def read(cls, coordinator_pid: int, client: redis.Redis) -> CpuSeconds:
+        info = client.info("cpu")
+        return cls(
+            cpu_s(coordinator_pid),
+            {pid: cpu_s(pid) for pid in descendants(coordinator_pid)},
+            float(info["used_cpu_user"]) + float(info["used_cpu_sys"]),
+        )
+
+    def since(self, before: CpuSeconds) -> CpuSeconds:
+        return CpuSeconds(
+            self.coordinator - before.coordinator,
+            {pid: s - before.rendering.get(pid, 0.0) for pid, s in self.rendering.items()},
+            self.redis - before.redis,
+        )
 
 
 def peak_rss_bytes(pid: int) -> int:
@@ -223,6 +286,7 @@ class Result:
     seen: Observations
     rss_peak: int
     redis_peak: int
+    cpu: CpuSeconds
 
 
 def run(args: argparse.Namespace, tmp: Path, max_queued: int) -> Result:
@@ -253,11 +317,13 @@ def run(args: argparse.Namespace, tmp: Path, max_queued: int) -> Result:
             wait_http(children, f"{coordinator_url}/healthz")
             if args.drain_per_s:
                 threading.Thread(target=drain, args=(client, args.drain_per_s, stop), daemon=True).start()
+            before = CpuSeconds.read(coordinator.pid, client)
             posted = time.perf_counter()
             job_id = submit(coordinator_url, dataset)
             accepted_at = time.perf_counter()
             seen = observe(coordinator_url, job_id, client, args.sample_interval_s, stop)
             ingest_s = time.perf_counter() - accepted_at
+            cpu = CpuSeconds.read(coordinator.pid, client).since(before)
             stop.set()
             rss_peak = peak_rss_bytes(coordinator.pid)
             redis_peak = int(client.info("memory")["used_memory_peak"])
@@ -269,7 +335,7 @@ def run(args: argparse.Namespace, tmp: Path, max_queued: int) -> Result:
     if job.get("state") not in ("running", "completed") or job.get("total") != args.n:
         raise SystemExit(f"ingestion did not accept all {args.n} prompts: {job}")
     upload_s = accepted_at - posted
-    return Result(args.n, size, render_rate, mean_tokens, upload_s, ingest_s, seen, rss_peak, redis_peak)
+    return Result(args.n, size, render_rate, mean_tokens, upload_s, ingest_s, seen, rss_peak, redis_peak, cpu)
 
 
 def report(args: argparse.Namespace, max_queued: int, r: Result) -> None:
@@ -309,6 +375,34 @@ def report(args: argparse.Namespace, max_queued: int, r: Result) -> None:
     )
 
 
+def report_cpu(r: Result) -> None:
+    """CPU per prompt by process, and what it projects to (the upload's own CPU is included)."""
+    per_prompt_us = {
+        "coordinator": r.cpu.coordinator / r.n * 1e6,
+        "rendering": sum(r.cpu.rendering.values()) / r.n * 1e6,
+        "redis": r.cpu.redis / r.n * 1e6,
+    }
+    total_us = sum(per_prompt_us.values())
+    shown = ", ".join(f"{name} {us:.0f}" for name, us in per_prompt_us.items())
+    print(f"  CPU per prompt (µs): {shown}; {total_us:.0f} in all ({1e6 / total_us:.0f} prompts/s per core)")
+    ceiling = 1e6 / per_prompt_us["coordinator"]
+    print(
+        f"  projection: one coordinator process reaches about {ceiling:.0f} prompts/s whatever its cores "
+        "(its ingestion thread holds the GIL)"
+    )
+    for length, per_gpu in PROMPTS_PER_GPU_S.items():
+        rate = FLEET_GPUS * per_gpu
+        cores = rate * total_us / 1e6
+        processes = math.ceil(rate / ceiling)
+        feeders = (
+            "one coordinator" if processes == 1 else f"{processes} coordinators (the dataset as as many jobs)"
+        )
+        print(
+            f"  {FLEET_GPUS} GPUs at {length} length: {rate:.0f} prompts/s, {cores:.1f} cores "
+            f"(Redis {rate * per_prompt_us['redis'] / 1e6:.2f}), {feeders}"
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--n", type=int, default=DEFAULT_N, help="prompts (default %(default)s)")
@@ -330,6 +424,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="bench-ingest-load-") as tmp:
         result = run(args, Path(tmp), max_queued)
     report(args, max_queued, result)
+    report_cpu(result)
 
 
 if __name__ == "__main__":

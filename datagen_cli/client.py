@@ -71,10 +71,14 @@ class CoordinatorClient:
             response = self._request("POST", "/jobs", data=data, files=files, timeout=UPLOAD_TIMEOUT_S)
         return response
 
-    def dry_run(self, dataset: Path, spec: dict[str, Any]) -> dict[str, Any]:
-        with open(dataset, "rb") as fh:
-            files = {"dataset": (dataset.name, fh, "application/jsonl")}
-            data = {"spec": json.dumps(spec)}
+    def dry_run(self, dataset: Path | DatasetSource, spec: dict[str, Any]) -> dict[str, Any]:
+        """``POST /jobs/dry-run`` of any input `submit` takes: the coordinator reads its first rows."""
+        source = dataset if isinstance(dataset, DatasetSource) else DatasetSource(path=dataset)
+        data = {"spec": json.dumps(spec), **source.form()}
+        if source.path is None:  # by reference: nothing uploaded
+            return self._request("POST", "/jobs/dry-run", data=data, timeout=UPLOAD_TIMEOUT_S)
+        with open(source.path, "rb") as fh:
+            files = {"dataset": (source.path.name, fh, "application/octet-stream")}
             return self._request("POST", "/jobs/dry-run", data=data, files=files, timeout=UPLOAD_TIMEOUT_S)
 
     def job(self, job_id: str, *, wait_s: float = 0.0) -> dict[str, Any]:

@@ -244,13 +244,10 @@ def submit(
     )
     if features_layers is not None or features_dtype is not None:
         spec["features"] = _features(spec.get("features"), features_layers, features_dtype)
-    source = _dataset_source(
-        dataset, dataset_url, dataset_format, messages_column, id_column, dry_run=dry_run
-    )
+    source = _dataset_source(dataset, dataset_url, dataset_format, messages_column, id_column)
     with CoordinatorClient(settings.coordinator_url, api_token=settings.api_token) as client:
         if dry_run:
-            assert dataset is not None
-            _print_dry_run(client.dry_run(dataset, spec))
+            _print_dry_run(client.dry_run(source, spec))
             return
         job = submit_when_ready(
             client,
@@ -280,16 +277,12 @@ def _dataset_source(
     fmt: str | None,
     messages_column: str | None,
     id_column: str | None,
-    *,
-    dry_run: bool,
 ) -> DatasetSource:
-    """What to submit: the file or the reference, with its format and columns."""
+    """What to submit (or dry-run): the file or the reference, with its format and columns."""
     from datagen_cli.client import DatasetSource
 
     if (dataset is None) == (url is None):
         raise ConfigError("give a dataset file or --dataset-url URL (one of the two)")
-    if dry_run and (url is not None or (fmt or "jsonl") != "jsonl" or not str(dataset).endswith(".jsonl")):
-        raise ConfigError("--dry-run reads a plain .jsonl file; submit other formats without it")
     return DatasetSource(
         path=dataset, url=url, format=fmt, messages_column=messages_column, id_column=id_column
     )
@@ -336,20 +329,9 @@ def _print_dry_run(preview: dict[str, Any]) -> None:
             out.print(arm["prompt"], markup=False, highlight=False)
         out.print(f"sampling: {json.dumps(arm['sampling'])}", markup=False)
     out.rule("summary")
-    classes = preview["classes"]
-    out.print(
-        f"sampled {preview['rows_sampled']} rows "
-        f"({preview['bytes_sampled']} of {preview['bytes_total']} bytes): "
-        f"{preview['prompts']} prompts, {classes['short']} short / {classes['long']} long, "
-        f"{len(preview['rejected'])} rejected, {preview['prompt_tokens_sampled']} prompt tokens",
-        markup=False,
-    )
-    out.print(
-        f"estimated for the whole file: {preview['estimated_rows']} rows, "
-        f"{preview['estimated_prompts']} prompts, "
-        f"{preview['estimated_prompt_tokens']} prompt tokens",
-        markup=False,
-    )
+    out.print(_sample_line(preview), markup=False)
+    out.print(_input_line(preview), markup=False)
+    out.print(_estimate_line(preview), markup=False)
     for row in preview["rejected"]:
         out.print(f"rejected line {row['line']}: {row['reason']}", markup=False)
     checks = preview.get("preflight") or {}
@@ -363,3 +345,32 @@ def _print_dry_run(preview: dict[str, Any]) -> None:
         )
         for warning in checks.get("warnings", []):
             out.print(f"pre-flight warning: {warning}", markup=False)
+
+
+def _sample_line(preview: dict[str, Any]) -> str:
+    classes = preview["classes"]
+    return (
+        f"sampled {preview['rows_sampled']} rows: "
+        f"{preview['prompts']} prompts, {classes['short']} short / {classes['long']} long, "
+        f"{len(preview['rejected'])} rejected, {preview['prompt_tokens_sampled']} prompt tokens"
+    )
+
+
+def _input_line(preview: dict[str, Any]) -> str:
+    """What the input holds: its rows where its format knows them, and bytes for plain JSONL."""
+    total = preview.get("rows_total")
+    rows = f"{total} rows" if total is not None else "rows unknown without reading it all"
+    held = f"{preview.get('format')} input, {rows}"
+    if preview.get("bytes_total") is not None:
+        held += f"; {preview['bytes_sampled']} of {preview['bytes_total']} bytes sampled"
+    return held
+
+
+def _estimate_line(preview: dict[str, Any]) -> str:
+    if preview.get("estimated_prompts") is None:
+        return "estimated for the whole input: unknown"
+    return (
+        f"estimated for the whole input: {preview['estimated_rows']} rows, "
+        f"{preview['estimated_prompts']} prompts, "
+        f"{preview['estimated_prompt_tokens']} prompt tokens"
+    )

@@ -95,6 +95,46 @@ def _error(
     return JSONResponse(status_code=status, content={"error": message, "type": error_type}, headers=headers)
 
 
+def _dataset_input(
+    dataset: Annotated[
+        UploadFile | None,
+        File(
+            description="the dataset file: JSONL (.jsonl, .jsonl.gz, .jsonl.zst) or Parquet (.parquet), "
+            "told by its name or `format`; or give `dataset_url`"
+        ),
+    ] = None,
+    dataset_url: Annotated[
+        str | None,
+        Form(
+            description="instead of `dataset`: a URL (any fsspec one, s3:// included) or absolute path "
+            "the coordinator reads, under a prefix of DATAGEN_DATASET_ALLOWLIST"
+        ),
+    ] = None,
+    dataset_format: Annotated[
+        str | None,
+        Form(
+            alias="format",
+            description="jsonl, jsonl.gz, jsonl.zst, parquet, parquet-dir or hf-dataset "
+            "(default: told by the name)",
+        ),
+    ] = None,
+    messages_column: Annotated[
+        str | None, Form(description="Parquet/Arrow column read as `messages` (default: messages)")
+    ] = None,
+    id_column: Annotated[
+        str | None, Form(description="Parquet/Arrow column read as `id` (default: id)")
+    ] = None,
+) -> DatasetInput:
+    """The dataset fields of `POST /jobs` and of its dry run, which take the same inputs."""
+    return DatasetInput(
+        upload=None if dataset is None else dataset.file,
+        filename=None if dataset is None else dataset.filename,
+        url=dataset_url or None,
+        format=dataset_format or None,
+        columns=ColumnMap(messages=messages_column or None, id=id_column or None),
+    )
+
+
 def create_app(settings: CoordinatorSettings, *, redis_client: redis.Redis | None = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -193,34 +233,7 @@ def _install_routes(app: FastAPI) -> None:
     def submit_job(
         coord: Coord,
         spec: Annotated[str, Form(description="job spec as JSON")],
-        dataset: Annotated[
-            UploadFile | None,
-            File(
-                description="the dataset file: JSONL (.jsonl, .jsonl.gz, .jsonl.zst) or Parquet (.parquet), "
-                "told by its name or `format`; or give `dataset_url`"
-            ),
-        ] = None,
-        dataset_url: Annotated[
-            str | None,
-            Form(
-                description="instead of `dataset`: a URL (any fsspec one, s3:// included) or absolute path "
-                "the coordinator reads, under a prefix of DATAGEN_DATASET_ALLOWLIST"
-            ),
-        ] = None,
-        dataset_format: Annotated[
-            str | None,
-            Form(
-                alias="format",
-                description="jsonl, jsonl.gz, jsonl.zst, parquet, parquet-dir or hf-dataset "
-                "(default: told by the name)",
-            ),
-        ] = None,
-        messages_column: Annotated[
-            str | None, Form(description="Parquet/Arrow column read as `messages` (default: messages)")
-        ] = None,
-        id_column: Annotated[
-            str | None, Form(description="Parquet/Arrow column read as `id` (default: id)")
-        ] = None,
+        given: Annotated[DatasetInput, Depends(_dataset_input)],
         job_id: Annotated[
             str | None, Form(description="1-64 letters, digits or underscores; reuse one to append")
         ] = None,
@@ -228,26 +241,21 @@ def _install_routes(app: FastAPI) -> None:
         if job_id is not None:
             validate_job_id(job_id)
         parsed = parse_spec_json(spec)
-        given = DatasetInput(
-            upload=None if dataset is None else dataset.file,
-            filename=None if dataset is None else dataset.filename,
-            url=dataset_url or None,
-            format=dataset_format or None,
-            columns=ColumnMap(messages=messages_column or None, id=id_column or None),
-        )
-        job, created = coord.submit(parsed, given, job_id)
-        body = coord.jobs.progress(job, with_arms=True).to_json()
-        body["created"] = created
-        return JSONResponse(status_code=202, content=body, headers={"Location": f"/jobs/{job}"})
+        submitted = coord.submit(parsed, given, job_id)
+        body = submitted.progress.to_json()
+        body["created"] = submitted.created
+        headers = {"Location": f"/jobs/{submitted.job_id}"}
+        return JSONResponse(status_code=202, content=body, headers=headers)
 
     @app.post("/jobs/dry-run", dependencies=guarded)
     def dry_run_job(
         coord: Coord,
-        dataset: Annotated[UploadFile, File(description="JSONL dataset, one row per line")],
         spec: Annotated[str, Form(description="job spec as JSON")],
+        given: Annotated[DatasetInput, Depends(_dataset_input)],
     ) -> dict[str, Any]:
-        """Render a sample of the rows as ingestion would, and enqueue nothing."""
-        return coord.dry_run(parse_spec_json(spec), dataset.file)
+        """Render the first rows of any input `POST /jobs` takes as ingestion would, reading no
+        more of it, and enqueue nothing."""
+        return coord.dry_run(parse_spec_json(spec), given)
 
     @app.get("/jobs", dependencies=guarded)
     def list_jobs(

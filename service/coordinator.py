@@ -4,26 +4,26 @@ recovery and the epoch watch, and what the routes read."""
 
 from __future__ import annotations
 
+import io
 import itertools
 import logging
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import IO, Any
+from typing import IO, Any, BinaryIO, cast
 
-from redis import Redis
+from redis import Redis, RedisError
 
 from datagen.control.dispatch import JobShare
 from datagen.control.enqueue import EnqueueOptions
 from datagen.control.epoch import EpochWatch
-from datagen.control.jobs import JobStore
+from datagen.control.jobs import Created, JobProgress, JobStore
 from datagen.control.keys import Keys
 from datagen.control.leases import Leases
 from datagen.control.servers import live_servers
 from datagen.errors import (
     InvalidRequestError,
     InvalidSpecError,
-    JobNotFoundError,
     JobStateError,
     PreflightError,
     UploadTooLargeError,
@@ -32,21 +32,25 @@ from datagen.prompts.inputs import (
     ColumnMap,
     InputFormat,
     Reference,
+    count_rows,
     format_for_name,
+    open_reference,
+    open_upload,
     parse_format,
     resolve_reference,
 )
 from datagen.prompts.loaders import preload_libraries
 from datagen.prompts.preflight import preflight_submit
+from datagen.prompts.sources import redacted_url
 from datagen.records.layout import validate_job_id
 from datagen.records.schema import has_features
 from datagen.records.storage import Storage
 from datagen.settings import CoordinatorSettings
 from datagen.spec import JobSpec
 from datagen.states import JobState, RebuildReason
-from service.admit import arm_renderers
+from service.admit import ArmRenderers, arm_renderers
 from service.allowlist import check_allowed, check_dataset_url
-from service.dryrun import dry_run
+from service.dryrun import DryRunInput, dry_run, reading
 from service.fleetview import FleetView
 from service.ingest import IngestOptions, Ingestor
 from service.ingestions import IngestRuns
@@ -58,7 +62,7 @@ from service.render_pool import shared_pool
 from service.submit_check import CheckedSubmit, SubmitCheck, pinned
 from service.watch import RedisWatch
 
-__all__ = ["Coordinator", "DatasetInput"]
+__all__ = ["Coordinator", "DatasetInput", "Submitted"]
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +72,16 @@ _FEATURE_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]{0,180}\.safetensors")
 COPY_CHUNK_BYTES = 1024 * 1024
 # A column name given with --messages-column / --id-column: at most this long.
 MAX_COLUMN_CHARS = 200
+
+
+@dataclass(frozen=True)
+class Submitted:
+    """What a submit did: the job's id, whether it made the job (False: it appends to one), and
+    the job's progress to answer with."""
+
+    job_id: str
+    created: bool
+    progress: JobProgress
 
 
 @dataclass(frozen=True)
@@ -138,6 +152,10 @@ class Coordinator:
         preload_libraries()  # before ingestion threads load tokenizers (`datagen.prompts.loaders`)
         self.ingestor.pool.start()  # the rendering processes import their libraries meanwhile
         self.storage.claim_namespace(self.settings.namespace)
+        try:
+            self.controls.dispatch.keep_weights()
+        except RedisError as exc:  # down, or out of memory: the first read of shares keeps them
+            log.warning("cannot set up the dispatch sets' weight sums yet: %s", exc)
         if self.watch.start_up():  # False: Redis had no data and storage failed; the watch goes on
             self.ingests.resume()
         self.watch.start()
@@ -159,9 +177,9 @@ class Coordinator:
         return body
 
     # Jobs ---------------------------------------------------------------------------------------
-    def submit(self, spec: JobSpec, dataset: DatasetInput, job_id: str | None) -> tuple[str, bool]:
+    def submit(self, spec: JobSpec, dataset: DatasetInput, job_id: str | None) -> Submitted:
         """Check, store the upload (or pin the reference), create or extend the job, start
-        ingesting. Returns (id, created)."""
+        ingesting. Returns the job's id, whether it was created, and its progress."""
         checked = self.check_submit(spec, job_id)
         fmt = self._dataset_format(dataset)
         reference = None
@@ -170,7 +188,10 @@ class Coordinator:
             reference = resolve_reference(check_dataset_url(dataset.url, self.settings), fmt)
             self._check_columns(dataset.columns, reference.format)
         with self.ingests.lock:
-            return checked.job_id, self._create_or_append(checked, dataset, fmt, reference)
+            created = self._create_or_append(checked, dataset, fmt, reference)
+        # A job made now is answered as made (nothing of it has run); a resubmission's is read.
+        progress = created.progress or self.jobs.progress(checked.job_id, with_arms=True)
+        return Submitted(checked.job_id, created.made, progress)
 
     def _create_or_append(
         self,
@@ -178,7 +199,7 @@ class Coordinator:
         dataset: DatasetInput,
         fmt: InputFormat | None,
         reference: Reference | None,
-    ) -> bool:
+    ) -> Created:
         job_id = checked.job_id
         self._refuse_conflicts(checked)
         identity = checked.renderer.identity()
@@ -186,18 +207,22 @@ class Coordinator:
             input_name = self.storage.write_reference(job_id, reference, dataset.columns)
         else:
             input_name = self._store_upload(job_id, dataset, fmt)
-        created = self.jobs.create(
+        # The upload ingestion reads, written with the create (or the restart) in one command. An
+        # ingestion resumed elsewhere before the manifest below is written would start a job that
+        # storage cannot rebuild: `IngestRuns.resume` waits for the manifest of its incarnation.
+        ingest = self.jobs.ingest_input_fields(input_name, checked.preflight.context_len)
+        created = self.jobs.create_job(
             job_id,
             checked.spec,
             tokenizer_identity=f"{identity['tokenizer']}@sha256:{identity['tokenizer_sha256']}",
             stop_ids=checked.preflight.stop_ids,
+            fields=ingest,
         )
-        if not created:
-            self.jobs.restart_ingest(job_id)
+        if not created.made:
+            self.jobs.restart_ingest(job_id, ingest)
         self._write_manifest(checked, identity, created)
-        self.jobs.set_ingest_input(job_id, input_name, checked.preflight.context_len)
         self.metrics.jobs_submitted.inc()
-        self.ingests.start(job_id, [input_name])
+        self.ingests.start(job_id, [input_name], incarnation=created.incarnation)
         return created
 
     @staticmethod
@@ -235,8 +260,9 @@ class Coordinator:
                 f"job {job_id} is still ingesting an earlier upload; wait until GET /jobs/{job_id} "
                 "says running, then resubmit"
             )
-        existing = self._existing_spec(job_id)
-        if existing is not None and self.jobs.progress(job_id).state is JobState.CANCELLED:
+        found = self.jobs.spec_and_state(job_id)
+        existing = found[0] if found is not None else None
+        if found is not None and found[1] is JobState.CANCELLED:
             raise JobStateError(f"job {job_id} was cancelled; submit under a new job id")
         before = pinned(existing, strict=False) if existing is not None else None
         if before is not None and before != checked.spec:
@@ -257,18 +283,19 @@ class Coordinator:
         else:
             check_no_leftovers(self.storage, job_id)
 
-    def _write_manifest(self, checked: CheckedSubmit, identity: dict[str, str], created: bool) -> None:
+    def _write_manifest(self, checked: CheckedSubmit, identity: dict[str, str], created: Created) -> None:
         """This incarnation's manifest (also when the first submit's answer was lost after its
         create); records of an earlier one (committed late, after its delete) stay out of every
-        export. Storage rebuilds the job from it if Redis loses it."""
+        export. Storage rebuilds the job from it if Redis loses it. The incarnation and creation
+        time are those the create found (one script: nothing to read again)."""
         job_id = checked.job_id
-        incarnation = self.jobs.incarnation(job_id) or ""
-        stored = self.storage.read_manifest(job_id) if not created else None
-        if not created and stored is not None and str(stored.get("incarnation") or "") == incarnation:
+        incarnation = created.incarnation
+        stored = self.storage.read_manifest(job_id) if not created.made else None
+        if not created.made and stored is not None and str(stored.get("incarnation") or "") == incarnation:
             return
         manifest = job_manifest(checked, identity)
         manifest["incarnation"] = incarnation
-        manifest["created_at_ms"] = self.jobs.progress(job_id).created_at_ms
+        manifest["created_at_ms"] = created.created_at_ms
         # Redis's epoch now, after the create: a coordinator starting on a Redis whose epoch
         # (the same id) counts less lacks the job because Redis went back (`service.rebuild`).
         epoch_id, epoch_seq = self.epoch.current()
@@ -293,9 +320,40 @@ class Coordinator:
         shares = self.controls.dispatch.page_shares([p.job_id for p in found if p is not None])
         return [_with_share(progress.to_json(), shares) for progress in found if progress is not None]
 
-    def dry_run(self, spec: JobSpec, dataset: IO[bytes]) -> dict[str, Any]:
+    def dry_run(self, spec: JobSpec, dataset: DatasetInput) -> dict[str, Any]:
+        """What submitting ``dataset`` would make of its first rows (`service.dryrun`): the input
+        checked and opened as submit checks it, and only a sample of it read."""
         check_allowed(spec, self.settings)
         renderers = arm_renderers(spec)  # the job's own renderer built now: a 400 for a bad one
+        name = (dataset.filename or "the upload") if dataset.url is None else redacted_url(dataset.url)
+        with reading(name, None, dataset.url):
+            opened = self._dry_run_input(dataset, name)
+        with opened.rows:
+            return self._dry_run_preview(spec, renderers, opened)
+
+    def _dry_run_input(self, dataset: DatasetInput, name: str) -> DryRunInput:
+        """The input opened as ingestion opens it, after the submit's checks (format, columns, the
+        allowlist)."""
+        fmt = self._dataset_format(dataset)
+        if dataset.url is not None:
+            reference = resolve_reference(check_dataset_url(dataset.url, self.settings), fmt)
+            self._check_columns(dataset.columns, reference.format)
+            rows = open_reference(reference, dataset.columns)
+            return DryRunInput(rows, name, dataset.url, count_rows=lambda: count_rows(reference))
+        upload = dataset.upload
+        assert upload is not None
+        fmt = fmt or format_for_name(dataset.filename or "") or InputFormat.JSONL
+        self._check_columns(dataset.columns, fmt)
+        upload.seek(0, io.SEEK_END)
+        size = upload.tell()  # the upload is on the coordinator already: its size costs no read
+        upload.seek(0)
+        return DryRunInput(
+            open_upload(cast(BinaryIO, upload), fmt, dataset.columns, name=name, size=size), name
+        )
+
+    def _dry_run_preview(
+        self, spec: JobSpec, renderers: ArmRenderers, dataset: DryRunInput
+    ) -> dict[str, Any]:
         # A dry run shows what submit would refuse (arms that render alike among it), and still
         # renders the sample under every arm.
         try:
@@ -313,12 +371,6 @@ class Coordinator:
             "warnings": preflight.warnings,
         }
         return preview
-
-    def _existing_spec(self, job_id: str) -> JobSpec | None:
-        try:
-            return self.jobs.spec(job_id)
-        except JobNotFoundError:
-            return None
 
     def _store_upload(self, job_id: str, dataset: DatasetInput, fmt: InputFormat | None) -> str:
         """Stream the upload into storage in blocks, named with its format (told by its file name

@@ -239,22 +239,22 @@ class Ingestor:
         storage_failed: bool,
         fence: str | None = None,
     ) -> bool:
-        current = self.jobs.incarnation(job_id)
-        if current is None or (incarnation is not None and current != incarnation):
+        # The job as this run starts on it, in one command.
+        facts = self.jobs.ingest_facts(job_id)
+        if facts is None or (incarnation is not None and facts.incarnation != incarnation):
             raise _Cancelled  # deleted, or its id already reused, before ingestion began
-        incarnation = current
+        incarnation = facts.incarnation
         fence = incarnation if fence is None else fence
-        # A wait for room shown by a coordinator that stopped during it is over: this run shows its own.
-        self.jobs.set_waiting_for_room(job_id, None)
-        spec = self.jobs.spec(job_id)
+        if facts.waiting_for_room:
+            # A wait for room shown by a coordinator that stopped during it is over: this run shows its own.
+            self.jobs.set_waiting_for_room(job_id, None)
+        spec = facts.spec
         # Built here, so a bad tokenizer or template fails the ingestion before a row is read; its
         # files' digests tell the rendering processes when a path holds other files.
         identity = renderer_for(spec).identity()
         files_key = f"{identity['tokenizer_sha256']}:{identity['chat_template_sha256']}"
-        context_len = (
-            self.jobs.context_len(job_id) or spec.context_len or fleet_context_len(self.redis, self.keys)
-        )
-        start_line = self.jobs.ingest_line(job_id)
+        context_len = facts.context_len or spec.context_len or fleet_context_len(self.redis, self.keys)
+        start_line = facts.ingest_line
         input_name = source.name if isinstance(source, Path) else source
         if start_line:
             log.info("job %s: resuming ingestion of %s after line %d", job_id, input_name, start_line)

@@ -55,11 +55,15 @@ class IngestRuns:
         committed: Committed | None = None,
         fresh: bool = False,
         fence: str | None = None,
+        incarnation: str | None = None,
     ) -> None:
         """Ingest ``inputs`` in order in one thread (the job's current upload first, from its
         checkpoint; ``fresh``: every upload from its first line, as a rebuild does). ``fence``: the
-        value the job's ingest fence holds for this run (`service.ingest`; None: the incarnation)."""
-        incarnation = self._jobs.incarnation(job_id)
+        value the job's ingest fence holds for this run (`service.ingest`; None: the incarnation).
+        ``incarnation``: the job's, as the caller read it (None: read here); the run lands nothing
+        for another (`Ingestor.run`)."""
+        if incarnation is None:
+            incarnation = self._jobs.incarnation(job_id)
         if incarnation is None or not inputs:
             return
         stop = threading.Event()
@@ -107,13 +111,30 @@ class IngestRuns:
             incarnation = self._jobs.incarnation(job_id)
             if not inputs or incarnation is None:
                 continue
+            if incarnation and not self._has_manifest(job_id, incarnation):
+                # Made (its upload named with the create) by a submit that has not written its
+                # manifest yet, or never will (its coordinator died): not run until a resubmit
+                # writes it, so that storage can always rebuild what runs.
+                log.info("job %s: no manifest of its incarnation yet; not resumed", job_id)
+                continue
             # This run takes the job's ingestion: one still running elsewhere lands nothing more
             # (a job made before incarnations has no fence to take).
             fence = self._jobs.take_ingest(job_id, incarnation) if incarnation else None
             if incarnation and fence is None:
                 continue  # cancelled, failed or deleted meanwhile
             committed = read_committed(self._storage, job_id) if progress.rebuilt else None
-            self.start(job_id, inputs, committed=committed, fence=fence)
+            self.start(job_id, inputs, committed=committed, fence=fence, incarnation=incarnation)
+
+    def _has_manifest(self, job_id: str, incarnation: str) -> bool:
+        """Whether the job's stored manifest is that of ``incarnation`` (or of a job from before
+        manifests named incarnations); False, said in the log, when it cannot be read (the other
+        jobs resume all the same)."""
+        try:
+            manifest = self._storage.read_manifest(job_id)
+        except DatagenError as exc:
+            log.warning("job %s: cannot read its manifest; not resumed: %s", job_id, exc)
+            return False
+        return manifest is not None and str(manifest.get("incarnation") or incarnation) == incarnation
 
     def _ingest_all(
         self,

@@ -39,7 +39,7 @@ from datagen.control.epoch import EpochWatch
 from datagen.control.jobs import JobStore
 from datagen.control.keys import Keys
 from datagen.control.redistext import as_text, as_texts
-from datagen.control.rq_format import JOB_KEY_PREFIX, rq_now
+from datagen.control.rq_format import JOB_KEY_PREFIX, QueuedJobs, rq_now
 from datagen.control.scripts import KEY, LuaScript, ScriptArgs
 from datagen.states import JobState, Priority, PromptClass
 
@@ -109,7 +109,9 @@ class BacklogAddArgs(ScriptArgs):
     slice: int
     cls: str
     cancelled_state: str
-    rq_ids: tuple[str, ...]
+    rq_job_prefix: str
+    rq_fields: str
+    prompts: tuple[tuple[str, str, bytes], ...]
 
 
 @dataclass(frozen=True)
@@ -252,10 +254,10 @@ class Dispatch:
 
     # Enqueueing ----------------------------------------------------------------------------------
     def add(
-        self, pipe: Pipeline, job_id: str, cls: PromptClass, priority: Priority, rq_ids: Sequence[str]
+        self, pipe: Pipeline, job_id: str, cls: PromptClass, priority: Priority, jobs: QueuedJobs
     ) -> None:
-        """Append prompts to the job's backlog inside the caller's transaction."""
-        if not rq_ids:
+        """Save prompts' RQ jobs and append them to the job's backlog, inside the caller's transaction."""
+        if not jobs.own:
             return
         args = BacklogAddArgs(
             job_key=self.keys.job(job_id),
@@ -268,7 +270,9 @@ class Dispatch:
             slice=PUSH_SLICE,
             cls=cls.value,
             cancelled_state=JobState.CANCELLED.value,
-            rq_ids=tuple(rq_ids),
+            rq_job_prefix=JOB_KEY_PREFIX,
+            rq_fields=jobs.shared_json,
+            prompts=jobs.own,
         )
         self._add(args, client=pipe)
 
@@ -387,7 +391,7 @@ class Dispatch:
         windows = cast(list[list[bytes | None]], replies[2:-1])
         paused = {job for job, flag in zip(ids, replies[-1], strict=True) if flag}
         if not kept:
-            raw_sums = self._keep_weights(sets)
+            raw_sums = self._keep_weights(sets)  # once per Redis: `keep_weights` runs at start-up
         sums = {each: int(raw or 0) for each, raw in zip(sets, raw_sums, strict=True)}
         # Per class, the highest priority with a job in its set: only its jobs are entitled.
         top = {cls: next((p for p in Priority if sums[(cls, p)] > 0), None) for cls in PromptClass}
@@ -425,6 +429,13 @@ class Dispatch:
                 dispatched=fact.dispatched,
             )
         return out
+
+    def keep_weights(self) -> None:
+        """Make sure the dispatch sets' weight sums are kept (a coordinator's start-up), so that
+        reading shares never writes: a Redis out of memory refuses writes, and a progress read
+        must still answer."""
+        if not self.redis.exists(self.keys.dispatch_weights_mark()):
+            self._keep_weights([(cls, p) for p in Priority for cls in PromptClass])
 
     def _keep_weights(self, sets: list[tuple[PromptClass, Priority]]) -> list[Any]:
         """Compute the sets' weight sums from their members (a Redis filled before the scripts kept

@@ -42,6 +42,8 @@ __all__ = [
     "FAILED_REPORTS_CAP",
     "AckItem",
     "AckTarget",
+    "Created",
+    "IngestFacts",
     "JobProgress",
     "JobStore",
     "RequeueItem",
@@ -101,6 +103,19 @@ class CreateArgs(ScriptArgs):
 
 
 @dataclass(frozen=True)
+class FinishIngestArgs(ScriptArgs):
+    script = "finish_ingest"
+    job_key: str = field(metadata=KEY)
+    fence: str = field(metadata=KEY)
+    running: str = field(metadata=KEY)
+    token: str
+    now_ms: int
+    ingesting_state: str
+    running_state: str
+    completed_state: str
+
+
+@dataclass(frozen=True)
 class IngestTakeArgs(ScriptArgs):
     script = "ingest_take"
     fence: str = field(metadata=KEY)
@@ -144,6 +159,34 @@ class DispatchLeaveArgs(ScriptArgs):
     job_id: str
 
 
+@dataclass(frozen=True)
+class Created:
+    """What :meth:`JobStore.create_job` found: whether it made the job (False: a job of the id
+    exists, and a resubmission appends to it), that job's incarnation ('' for one made before
+    incarnations) and creation time; and, for a new job it made (not a rebuild's ``replace``), its
+    progress as made (no read needed: nothing of it has run)."""
+
+    made: bool
+    incarnation: str
+    created_at_ms: int
+    progress: JobProgress | None = None
+
+
+@dataclass(frozen=True)
+class IngestFacts:
+    """What an ingestion run reads of its job as it starts, in one command
+    (:meth:`JobStore.ingest_facts`)."""
+
+    incarnation: str
+    spec: JobSpec
+    # The context length checked at submit (None: the spec's, or the fleet's).
+    context_len: int | None
+    # The checkpoint: the last line of the current input whose chunk landed.
+    ingest_line: int
+    # Whether the job shows a wait for room (left by a run that stopped during one).
+    waiting_for_room: bool
+
+
 class JobStore:
     def __init__(self, redis: Redis, keys: Keys) -> None:
         self.redis = redis
@@ -154,6 +197,7 @@ class JobStore:
         self._set_if_exists = LuaScript(redis, SetIfExistsArgs)
         self._incr_if_exists = LuaScript(redis, IncrIfExistsArgs)
         self._ingest_take = LuaScript(redis, IngestTakeArgs)
+        self._finish_ingest = LuaScript(redis, FinishIngestArgs)
         # How the job's prompts end: a part of its own, on the same hash and keys.
         self.outcomes = JobOutcomes(redis, keys)
         # Which jobs exist, a page at a time (the index is a key of its own; states are read here).
@@ -174,16 +218,47 @@ class JobStore:
         replace: bool = False,
         rebuild: Fencing | None = None,
     ) -> bool:
-        """Create the job; False if it exists already (a resubmission appends to it).
+        """Create the job; False if it exists already (a resubmission appends to it). As
+        :meth:`create_job`, which says more."""
+        return self.create_job(
+            job_id,
+            spec,
+            tokenizer_identity=tokenizer_identity,
+            stop_ids=stop_ids,
+            incarnation=incarnation,
+            created_at_ms=created_at_ms,
+            state=state,
+            fields=fields,
+            replace=replace,
+            rebuild=rebuild,
+        ).made
+
+    def create_job(
+        self,
+        job_id: str,
+        spec: JobSpec,
+        *,
+        tokenizer_identity: str = "",
+        stop_ids: list[int] | None = None,
+        incarnation: str | None = None,
+        created_at_ms: int | None = None,
+        state: JobState = JobState.INGESTING,
+        fields: dict[str, str | int] | None = None,
+        replace: bool = False,
+        rebuild: Fencing | None = None,
+    ) -> Created:
+        """Create the job, or find the one of the id that exists (a resubmission appends to it).
 
         ``tokenizer_identity`` (name and file hash) is what workers write into each record;
-        ``stop_ids`` (from the pre-flight checks) are sent with every request of the job. A job
-        rebuilt from storage (`service.rebuild`) passes the incarnation, creation time, state and
-        fields it had, and ``replace`` (whatever hash is there is replaced in the same step), and
-        ``rebuild``, its lease: nothing is written unless the lease still holds its token
-        (`LeaseLostError` otherwise), the hash keeps the token (``rebuild_token``) and the ingest
-        fence admits only the ingestion this rebuild starts (:func:`ingest_fence_value`). One
-        script: sent again after a lost reply, it answers as the first time.
+        ``stop_ids`` (from the pre-flight checks) are sent with every request of the job;
+        ``fields``: more of the hash, written with it (a submit's ingest input,
+        :meth:`ingest_input_fields`). A job rebuilt from storage (`service.rebuild`) passes the
+        incarnation, creation time, state and fields it had, and ``replace`` (whatever hash is
+        there is replaced in the same step), and ``rebuild``, its lease: nothing is written unless
+        the lease still holds its token (`LeaseLostError` otherwise), the hash keeps the token
+        (``rebuild_token``) and the ingest fence admits only the ingestion this rebuild starts
+        (:func:`ingest_fence_value`). One script: sent again after a lost reply, it answers as the
+        first time.
         """
         # A new incarnation on every create: whatever an earlier job of this id (deleted) still
         # has in flight carries the old one, and is refused by the counters, the writer and exports.
@@ -214,14 +289,24 @@ class JobStore:
             lease_token=rebuild.token if rebuild is not None else "",
             fields=tuple(mapping.items()),
         )
-        made = int(self._create(args))
-        if made == CREATE_REFUSED:
+        reply = cast(list[Any], self._create(args))
+        if int(reply[0]) == CREATE_REFUSED:
             raise LeaseLostError(
                 f"job {job_id}: this rebuild lost its lease (it expired, or another rebuild holds it) "
                 f"before it could make the job again; nothing was written. GET /jobs/{job_id} shows the "
                 "other rebuild's result"
             )
-        return bool(made)
+        made, found, at_ms = bool(int(reply[0])), as_text(reply[1]), int(reply[2])
+        if not made or replace:  # a rebuild reads the job it made again if it needs to
+            return Created(made, found, at_ms)
+        # The hash as the script wrote it: its progress needs no read (nothing of it ran, nothing
+        # is paused or running).
+        made_hash = {**mapping, "created_at_ms": at_ms, "incarnation": found}
+        raw = {name.encode(): str(value).encode() for name, value in made_hash.items()}
+        progress = progress_from_hash(job_id, raw, 0, False)
+        if progress.recipe_arms:
+            progress = dataclasses.replace(progress, arms=arm_counts(progress.recipe_arms, {}))
+        return Created(True, found, at_ms, progress)
 
     def rebuild_token(self, job_id: str) -> str | None:
         """The lease token of the rebuild that made the job's hash (None: not rebuilt)."""
@@ -257,14 +342,42 @@ class JobStore:
     def set_ingest_input(
         self, job_id: str, input_name: str, context_len: int | None, *, queue: list[str] | None = None
     ) -> None:
-        """The upload ingestion reads next, from its first line, and the context length that was
-        checked at submit (ingestion rejects over-long prompts by it); ``queue``: the uploads a
-        rebuilt job ingests after it (a coordinator that restarts meanwhile goes on with them)."""
-        fields: dict[Any, Any] = {"ingest_input": input_name, "ingest_line": 0}
+        """Set :meth:`ingest_input_fields` on the job (a submit passes them to its create or its
+        restart instead, in the same command)."""
+        fields = self.ingest_input_fields(input_name, context_len, queue=queue)
+        self.redis.hset(self.keys.job(job_id), mapping=cast(dict[Any, Any], fields))
+
+    @staticmethod
+    def ingest_input_fields(
+        input_name: str, context_len: int | None, *, queue: list[str] | None = None
+    ) -> dict[str, str | int]:
+        """The job's fields that name the upload ingestion reads next, from its first line, and the
+        context length that was checked at submit (ingestion rejects over-long prompts by it);
+        ``queue``: the uploads a rebuilt job ingests after it (a coordinator that restarts
+        meanwhile goes on with them)."""
+        fields: dict[str, str | int] = {"ingest_input": input_name, "ingest_line": 0}
         fields["ingest_queue"] = json.dumps(queue or [])
         if context_len is not None:
             fields["context_len"] = context_len
-        self.redis.hset(self.keys.job(job_id), mapping=fields)
+        return fields
+
+    def ingest_facts(self, job_id: str) -> IngestFacts | None:
+        """What an ingestion run reads of its job as it starts, in one command; None for a job that
+        is gone (a hash with neither incarnation nor state is none, as for :meth:`incarnation`)."""
+        raw = self.redis.hmget(
+            self.keys.job(job_id),
+            ["incarnation", "state", "spec", "context_len", "ingest_line", "waiting_for_room"],
+        )
+        incarnation, state, spec, context_len, line, waiting = raw
+        if spec is None or (incarnation is None and state is None):
+            return None
+        return IngestFacts(
+            incarnation=as_text(incarnation) if incarnation is not None else "",
+            spec=JobSpec.model_validate_json(spec),
+            context_len=int(context_len) if context_len else None,
+            ingest_line=int(line or 0),
+            waiting_for_room=bool(waiting),
+        )
 
     def ingest_queue(self, job_id: str) -> list[str]:
         raw = self.redis.hget(self.keys.job(job_id), "ingest_queue")
@@ -319,6 +432,15 @@ class JobStore:
             )
             for row in rows
         ]
+
+    def spec_and_state(self, job_id: str) -> tuple[JobSpec, JobState | None] | None:
+        """The job's spec and state in one command (None: no job of the id; a state None: a hash
+        half made by an older version)."""
+        raw_spec, raw_state = self.redis.hmget(self.keys.job(job_id), ["spec", "state"])
+        if raw_spec is None:
+            return None
+        state = JobState(as_text(raw_state)) if raw_state is not None else None
+        return JobSpec.model_validate_json(raw_spec), state
 
     def spec(self, job_id: str) -> JobSpec:
         raw = self.redis.hget(self.keys.job(job_id), "spec")
@@ -423,12 +545,21 @@ class JobStore:
             pipe.append(self.keys.job_seen(job_id, segment % SEEN_SEGMENTS), records)
 
     def finish_ingest(self, job_id: str) -> None:
-        # Only from ingesting: a job cancelled meanwhile stays cancelled. One transaction, so that
-        # a job with nothing left to run is never seen running before it is seen completed.
-        with self.redis.pipeline(transaction=True) as pipe:
-            self.transition(job_id, (JobState.INGESTING,), JobState.RUNNING, pipe=pipe, fence="drop")
-            self._complete_if_ended(job_id, pipe)
-            pipe.execute()
+        """Ingestion ended: an ingesting job runs (its fence dropped) and completes at once if
+        nothing is left to run; only from ingesting (a job cancelled meanwhile stays cancelled).
+        One script (``lua/finish_ingest.lua``), so that a job with nothing left to run is never
+        seen running before it is seen completed, and safe to send again after a lost reply."""
+        args = FinishIngestArgs(
+            job_key=self.keys.job(job_id),
+            fence=self.keys.job_ingest_fence(job_id),
+            running=self.keys.job_running(job_id),
+            token=uuid.uuid4().hex[:12],
+            now_ms=now_ms(),
+            ingesting_state=JobState.INGESTING.value,
+            running_state=JobState.RUNNING.value,
+            completed_state=JobState.COMPLETED.value,
+        )
+        self._finish_ingest(args)
 
     def reopen(self, job_id: str) -> bool:
         """A completed job runs again (a retry is about to put prompts back): from now on a cancel
@@ -471,8 +602,9 @@ class JobStore:
         )
         return bool(self._transition(args, client=pipe))
 
-    def restart_ingest(self, job_id: str) -> None:
-        """A resubmission to the job: it ingests again (not a cancelled job: that stays cancelled).
+    def restart_ingest(self, job_id: str, fields: dict[str, str | int] | None = None) -> None:
+        """A resubmission to the job: it ingests again (not a cancelled job: that stays cancelled),
+        ``fields`` set in the same step (its new upload, :meth:`ingest_input_fields`).
 
         A completed job keeps what it was at its completion in ``completed_before`` (``<finished_at_ms>
         <accepted> <output_tokens>``): if it completes again with nothing new run, it keeps that
@@ -483,7 +615,7 @@ class JobStore:
             key, ["state", "finished_at_ms", "accepted", "output_tokens"]
         )
         target = JobState.INGESTING
-        reopened: dict[str, str | int] = {"finished_at_ms": 0}
+        reopened: dict[str, str | int] = {**(fields or {}), "finished_at_ms": 0}
         if state is not None and as_text(state) == JobState.COMPLETED and int(finished or 0):
             before = f"{int(finished or 0)} {int(accepted or 0)} {int(tokens or 0)}"
             completed = (JobState.COMPLETED,)

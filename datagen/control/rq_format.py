@@ -42,6 +42,7 @@ __all__ = [
     "STARTED_AT",
     "STATUS",
     "WORKER_NAME",
+    "QueuedJobs",
     "RqTime",
     "failure_meta",
     "payload_of",
@@ -70,7 +71,8 @@ RETRIES_LEFT = "retries_left"
 # What each script writes into RQ job hashes besides RQ's own API: field -> the literal value it
 # writes (None: a value of the call's). ``lib`` is ``datagen/control/lua/lib.lua`` (`finish_in_rq`,
 # which ``ack_done`` and ``ack_next_turn`` run); ``ack_next_turn`` also saves a next turn's whole
-# hash, as `datagen.control.enqueue.queued_job_fields` computed it with RQ's `Job.to_dict`.
+# hash, as `datagen.control.enqueue.queued_job_fields` computed it with RQ's `Job.to_dict`, and
+# ``backlog_add`` new prompts' whole hashes (`QueuedJobs`, from `datagen.control.enqueue.queued_jobs`).
 SCRIPT_WRITES: Mapping[str, Mapping[str, str | None]] = {
     "claim_many": {
         STATUS: JobStatus.STARTED.value,
@@ -90,6 +92,21 @@ ENQUEUE = "enqueue"
 ATTEMPTS = "attempts"
 RETRIED = "retried"
 FAILURE_REASON = "failure_reason"
+
+
+@dataclass(frozen=True)
+class QueuedJobs:
+    """Queued RQ jobs as ``backlog_add.lua`` saves them while it appends their ids to a backlog:
+    the hash fields they all share (``shared_json``, a JSON list of field/value strings, taken from
+    RQ's own ``Job.to_dict``: `datagen.control.enqueue.queued_jobs`), and each one's RQ id,
+    ``description`` and ``data`` (RQ's zlib'ed serialized call)."""
+
+    shared_json: str
+    own: tuple[tuple[str, str, bytes], ...]
+
+    @property
+    def ids(self) -> list[str]:
+        return [rq_id for rq_id, _, _ in self.own]
 
 
 @dataclass(frozen=True)

@@ -61,6 +61,7 @@ __all__ = [
     "Reference",
     "RowStream",
     "check_unchanged",
+    "count_rows",
     "format_for_name",
     "open_reference",
     "open_upload",
@@ -485,7 +486,7 @@ def _directory_format(url: str, listing: dict[str, Any], fmt: InputFormat | None
     if _DICT_FILE in listing:
         raise InvalidSpecError(
             f"{redacted_url(url)} is a dataset with several splits: give one split's directory "
-            f"(e.g. {url.rstrip('/')}/train)"
+            f"(e.g. {redacted_url(url).rstrip('/')}/train)"
         )
     if fmt is None:
         if _STATE_FILE in listing or _INFO_FILE in listing:
@@ -540,16 +541,17 @@ def _pin(fs: Any, path: str, info: dict[str, Any] | None) -> dict[str, Any]:
 
 def check_unchanged(pinned: Reference, now: Reference) -> None:
     """Refuse an input that is not what was submitted (a resumed or rebuilt ingestion reads it again)."""
+    shown = redacted_url(pinned.url)
     if [f.name for f in pinned.files] != [f.name for f in now.files]:
         raise InvalidSpecError(
-            f"dataset {pinned.url} changed since it was submitted (its files are not the same); "
+            f"dataset {shown} changed since it was submitted (its files are not the same); "
             "the job cannot go on from its checkpoint: submit the input as it is under a new job id"
         )
     for was, is_ in zip(pinned.files, now.files, strict=True):
         differs = sorted(k for k in was.pin if is_.pin.get(k) != was.pin[k])
         if differs:
             raise InvalidSpecError(
-                f"dataset {pinned.url}: {was.name} changed since it was submitted ({', '.join(differs)} "
+                f"dataset {shown}: {was.name} changed since it was submitted ({', '.join(differs)} "
                 "differ); the job cannot go on from its checkpoint: submit the input as it is under a "
                 "new job id"
             )
@@ -622,3 +624,15 @@ def _count_rows(fs: Any, reference: Reference, progress: _Progress) -> None:
     except Exception:  # progress without a total; the read itself reports its own errors
         return
     progress.rows_total = total
+
+
+def count_rows(reference: Reference) -> int | None:
+    """The rows of a resolved reference where they are cheap to know: its dataset info, else as
+    `open_reference` counts them (Parquet footers, a local saved dataset's record batch headers);
+    None for JSONL, or where counting would read every file."""
+    columnar = (InputFormat.PARQUET, InputFormat.PARQUET_DIR, InputFormat.HF_DATASET)
+    if reference.rows_total is not None or reference.format not in columnar:
+        return reference.rows_total
+    progress = _Progress()
+    _count_rows(reference.fs, reference, progress)
+    return progress.rows_total

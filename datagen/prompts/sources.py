@@ -85,7 +85,11 @@ def resolve_source(name: str, kind: SourceKind) -> ResolvedSource:
 def redacted_url(url: str) -> str:
     """``url`` without its password, for logs and messages (a Redis URL, a dataset given by
     reference)."""
-    parts = urlsplit(url)
+    try:
+        parts = urlsplit(url)
+    except ValueError:  # not a URL urlsplit reads (an unclosed "["): all before an "@" is hidden
+        scheme, sep, rest = url.partition("://")
+        return f"{scheme}{sep}***@{rest.rsplit('@', 1)[1]}" if "@" in rest else url
     if parts.password is None:
         return url
     netloc = parts.netloc.rsplit("@", 1)[1]

@@ -12,6 +12,7 @@ from datagen.control.keys import Keys
 from datagen.prompts.tokenization import bundled_tokenizer_path
 from datagen.spec import JobSpec
 from datagen.states import JobState, Priority, PromptClass
+from tests.support.queued import queued
 
 NS = "disp"
 SHORT = PromptClass.SHORT
@@ -28,7 +29,7 @@ def _job(redis_client: redis.Redis, job_id: str, n: int, **spec: object) -> None
     ids = [f"{job_id}-{i}" for i in range(n)]
     _rq_jobs(redis_client, ids)
     with redis_client.pipeline() as pipe:
-        dispatch.add(pipe, job_id, SHORT, priority, ids)
+        dispatch.add(pipe, job_id, SHORT, priority, queued(ids))
         pipe.execute()
 
 
@@ -168,7 +169,7 @@ def _paused_jobs(redis_client: redis.Redis, n: int) -> None:
             ids = [f"p{i:05d}-0"]
             jobs.create(f"p{i:05d}", spec)
             pipe.hset(f"rq:job:{ids[0]}", mapping={"data": b"x", "status": "queued"})
-            dispatch.add(pipe, f"p{i:05d}", SHORT, Priority.NORMAL, ids)
+            dispatch.add(pipe, f"p{i:05d}", SHORT, Priority.NORMAL, queued(ids))
         pipe.execute()
     for i in range(n):
         dispatch.pause(f"p{i:05d}")
@@ -218,7 +219,7 @@ def test_equal_jobs_get_even_shares_at_five_hundred_jobs(redis_client: redis.Red
             ids = [f"{job_id}-{k}" for k in range(20)]
             for rq_id in ids:
                 pipe.hset(f"rq:job:{rq_id}", mapping={"data": b"x", "status": "queued"})
-            dispatch.add(pipe, job_id, SHORT, Priority.NORMAL, ids)
+            dispatch.add(pipe, job_id, SHORT, Priority.NORMAL, queued(ids))
         pipe.execute()
     taken: dict[str, int] = {}
     for _ in range(5000 // 200):

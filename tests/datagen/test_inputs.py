@@ -20,9 +20,11 @@ from datagen.prompts.dataset import Prompt, RowError, iter_prompts
 from datagen.prompts.inputs import (
     PIN_EDGE_BYTES,
     ColumnMap,
+    InputFile,
     InputFormat,
     Reference,
     RowStream,
+    check_unchanged,
     format_for_name,
     open_reference,
     open_upload,
@@ -171,6 +173,22 @@ def test_a_saved_dataset_is_read_from_its_arrow_files(tmp_path: Path) -> None:
         ]
         assert stream.progress()["rows_read"] == 3
         assert stream.locate(3) == (reference.files[0].name, 3)
+
+
+def test_a_changed_input_is_refused_without_the_url_s_password() -> None:
+    url = "https://reader:s3cr3t@data.example/d.parquet"
+    pinned = Reference(url, InputFormat.PARQUET, [InputFile("d.parquet", {"size": 1, "etag": "a"})])
+    now = Reference(url, InputFormat.PARQUET, [InputFile("d.parquet", {"size": 1, "etag": "b"})])
+    with pytest.raises(InvalidSpecError) as caught:
+        check_unchanged(pinned, now)
+    assert str(caught.value).startswith(
+        "dataset https://reader:***@data.example/d.parquet: d.parquet changed since it was submitted "
+        "(etag differ)"
+    )
+    elsewhere = Reference(url, InputFormat.PARQUET, [InputFile("e.parquet", {"size": 1})])
+    with pytest.raises(InvalidSpecError) as caught:
+        check_unchanged(pinned, elsewhere)
+    assert "s3cr3t" not in str(caught.value) and "reader:***@" in str(caught.value)
 
 
 def test_a_local_file_is_pinned_by_its_ends_and_a_change_is_refused(tmp_path: Path) -> None:

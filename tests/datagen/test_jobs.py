@@ -145,3 +145,75 @@ def test_a_batch_ack_of_another_incarnation_counts_nothing_and_leaves_rq_alone(
     assert redis_client.hget("rq:job:rq-a", "status") == b"queued"  # the new job's prompt
     assert store.outcomes.ack_done(TARGET, [_ack("gone", "rq-g", 10)]) == 0
     assert not redis_client.exists(Keys("t").job("gone"), Keys("t").job_running("gone"), "rq:job:rq-g")
+
+
+def test_a_create_answers_what_it_made_and_a_second_what_it_found(store: JobStore) -> None:
+    spec = JobSpec.model_validate({"tokenizer": "tok", "recipe": {"arms": [{"name": "low"}]}})
+    ingest = store.ingest_input_fields("up.jsonl", 4096)
+    made = store.create_job("j1", spec, fields=ingest, created_at_ms=1234)
+    assert (made.made, made.created_at_ms) == (True, 1234)
+    assert made.incarnation == store.incarnation("j1")
+    # The progress answered without a read is the one a read gives.
+    assert made.progress is not None
+    read = store.progress("j1", with_arms=True)
+    assert made.progress.to_json(at_ms=5000) == read.to_json(at_ms=5000)
+    assert made.progress.arms == {"low": {"done": 0, "generated_tokens": 0}}
+    # The ingest input went with the create.
+    facts = store.ingest_facts("j1")
+    assert facts is not None
+    assert (facts.incarnation, facts.spec, facts.context_len, facts.ingest_line) == (
+        made.incarnation,
+        spec,
+        4096,
+        0,
+    )
+    assert store.ingest_input("j1") == "up.jsonl"
+    assert not facts.waiting_for_room
+    found = store.create_job("j1", spec)
+    assert (found.made, found.incarnation, found.created_at_ms, found.progress) == (
+        False,
+        made.incarnation,
+        1234,
+        None,
+    )
+
+
+def test_ingest_facts_and_spec_and_state_of_a_job_that_is_gone(store: JobStore) -> None:
+    assert store.ingest_facts("nope") is None
+    assert store.spec_and_state("nope") is None
+    store.create("j1", JobSpec(tokenizer="tok"))
+    assert store.spec_and_state("j1") == (JobSpec(tokenizer="tok"), JobState.INGESTING)
+
+
+def test_a_restart_sets_its_fields_with_the_move(store: JobStore) -> None:
+    store.create("j1", JobSpec(tokenizer="tok"), fields=store.ingest_input_fields("a.jsonl", None))
+    store.finish_ingest("j1")
+    assert store.state("j1") is JobState.COMPLETED
+    store.restart_ingest("j1", store.ingest_input_fields("b.jsonl", 2048))
+    facts = store.ingest_facts("j1")
+    assert facts is not None
+    assert (store.state("j1"), store.ingest_input("j1"), facts.context_len) == (
+        JobState.INGESTING,
+        "b.jsonl",
+        2048,
+    )
+
+
+def test_finish_ingest_moves_only_an_ingesting_job_and_drops_its_fence(
+    store: JobStore, redis_client: redis.Redis
+) -> None:
+    keys = Keys("t")
+    store.create("j1", JobSpec(tokenizer="tok"))
+    with redis_client.pipeline() as pipe:
+        store.add_ingest_counts(pipe, "j1", {"rows": 2, "accepted": 2}, line=2)
+        pipe.execute()
+    assert redis_client.exists(keys.job_ingest_fence("j1"))
+    store.finish_ingest("j1")
+    assert store.state("j1") is JobState.RUNNING  # two prompts to run
+    assert not redis_client.exists(keys.job_ingest_fence("j1"))
+    store.create("j2", JobSpec(tokenizer="tok"))
+    assert store.cancel("j2")
+    store.finish_ingest("j2")
+    assert store.state("j2") is JobState.CANCELLED  # stays cancelled
+    store.finish_ingest("gone")
+    assert not redis_client.exists(keys.job("gone"))  # never recreated

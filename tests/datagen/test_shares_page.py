@@ -13,6 +13,7 @@ from datagen.control.keys import Keys
 from datagen.prompts.tokenization import bundled_tokenizer_path
 from datagen.spec import JobSpec
 from datagen.states import Priority, PromptClass
+from tests.support.queued import queued
 
 NS = "pages"
 SHORT = PromptClass.SHORT
@@ -29,7 +30,7 @@ def _job(
     for rq_id in ids:
         redis_client.hset(f"rq:job:{rq_id}", mapping={"data": b"x", "status": "queued"})
     with redis_client.pipeline() as pipe:
-        Dispatch(redis_client, KEYS).add(pipe, job_id, SHORT, Priority(priority), ids)
+        Dispatch(redis_client, KEYS).add(pipe, job_id, SHORT, Priority(priority), queued(ids))
         pipe.execute()
 
 

@@ -235,6 +235,8 @@ def test_uploads_over_the_limit_leave_nothing_and_ingestion_resumes_on_s3(
     data = ("\n".join(_dataset(10, {2, 5})) + "\n").encode()
     name = storage.write_input("job", [data[:40], data[40:]])
     redis_client.hset(keys.job("job"), mapping={"ingest_input": name, "ingest_line": 0})
+    # As a submit leaves a job: its manifest written (a job without one is not resumed).
+    storage.write_manifest("job", {"job_id": "job", "incarnation": jobs.incarnation("job")})
     enqueue = EnqueueOptions(result_ttl_s=600, failure_ttl_s=600, max_worker_losses=3)
     ingestor = Ingestor(redis_client, keys, jobs, storage, IngestOptions(chunk=3, enqueue=enqueue))
     ingestor.run("job", name, StopAfter(1 + 5))  # chunk 1-3 flushed; lines 4-5 read, not flushed

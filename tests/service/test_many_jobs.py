@@ -87,6 +87,8 @@ def test_a_coordinator_resumes_every_job_left_ingesting(
     with redis_client.pipeline(transaction=False) as pipe:
         for job_id in ids:
             name = storage.write_input(job_id, [row.encode()])
+            # As a submit leaves a job: its manifest written (a job without one is not resumed).
+            storage.write_manifest(job_id, {"job_id": job_id, "incarnation": jobs.incarnation(job_id)})
             pipe.hset(Keys(NS).job(job_id), mapping={"ingest_input": name, "ingest_line": 0})
         pipe.execute()
     oldest = ids[-1]

@@ -1,10 +1,13 @@
--- Creates a whole job at once. Returns 1 if the job now has this incarnation (made by this call,
--- or by the same call sent again after its reply was lost), 0 if another job of the id exists. A
+-- Creates a whole job at once. Returns {1, incarnation, created_at_ms} if the job now has this
+-- incarnation (made by this call, or by the same call sent again after its reply was lost), {0,
+-- its incarnation ('' for a job made before incarnations), its created_at_ms} if another job of
+-- the id exists (a resubmission appends to it, and its caller needs to read neither again). A
 -- hash without a state (half made by an older version, whose create was two commands) is made
 -- whole, never left as an id that refuses every submit. Mode "replace" (a job rebuilt from
 -- storage) makes it anew whatever is there, in one step, so that readers never see the job
--- missing meanwhile; given a lease token (the rebuild's), it writes nothing and returns -1 unless
--- the job's rebuild lease still holds that token (a rebuilder that lost its lease is fenced off).
+-- missing meanwhile; given a lease token (the rebuild's), it writes nothing and returns {-1}
+-- unless the job's rebuild lease still holds that token (a rebuilder that lost its lease is fenced
+-- off).
 --
 -- KEYS[1]   job_key        the job's hash
 -- KEYS[2]   index          the jobs index (job ids scored by creation time)
@@ -18,15 +21,19 @@
 -- ARGV[6]   lease_token    the rebuild's lease token ('' for none: no lease is checked)
 -- ARGV[7..] fields         field, value, field, value, ... of the job's hash
 
-if lease_token ~= '' and redis.call('GET', lease) ~= lease_token then return -1 end
-local state = redis.call('HGET', job_key, 'state')
-if state and mode ~= 'replace' then
-  if redis.call('HGET', job_key, 'incarnation') == incarnation then return 1 end
-  return 0
+if lease_token ~= '' and redis.call('GET', lease) ~= lease_token then return {-1} end
+-- A new id (most creates) costs one read here and nothing to clear.
+if redis.call('EXISTS', job_key) == 1 then
+  local found = redis.call('HMGET', job_key, 'state', 'incarnation', 'created_at_ms')
+  if found[1] and mode ~= 'replace' then
+    local made = 0
+    if found[2] == incarnation then made = 1 end
+    return {made, found[2] or '', found[3] or '0'}
+  end
+  redis.call('DEL', job_key)
 end
-redis.call('DEL', job_key)
 -- One HSET for the whole hash (a small job's creation is a few commands, not one per field).
 redis.call('HSET', job_key, 'created_at_ms', created_at_ms, 'incarnation', incarnation, unpack(fields))
 redis.call('ZADD', index, created_at_ms, job_id)
 if fence_value ~= '' then redis.call('SET', fence, fence_value) end
-return 1
+return {1, incarnation, created_at_ms}

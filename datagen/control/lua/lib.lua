@@ -23,8 +23,8 @@
 --   `accepted` is the whole job) with done + failed + cancelled >= ceil(0.95 * accepted), i.e.
 --   20 * ended >= 19 * accepted in integers: the job's last 5 % of prompts ("the tail") start then.
 --   It is set before the completion check, so the call that completes a job sets it too (a tail
---   of 0 s at the least), and so does the zero-increment call that `finish_ingest` makes as
---   ingestion ends (a job 95 % done by then has its tail start at the end of ingestion). A prompt
+--   of 0 s at the least), and so does finish_ingest.lua as ingestion ends (a job 95 % done by
+--   then has its tail start at the end of ingestion). A prompt
 --   added later (the next turn of multi-turn `all` mode) does not move it.
 -- - A running job completes when all of its accepted prompts have ended, at `finished_at_ms` now;
 --   but a job that a resubmission reopened after its completion (`completed_before`, written by
@@ -117,10 +117,9 @@ end
 
 -- Applies the tail and completion rules to a job in `running_state`: its tail starts, and it moves
 -- to `completed_state` (its running set goes) when all of its prompts have ended. Answers whether
--- it completed.
-local function complete_if_ended(job, running_state, completed_state, now_ms)
-  local v = redis.call('HMGET', job.key, 'state', 'done', 'failed', 'cancelled', 'accepted',
-    'output_tokens', 'completed_before')
+-- it completed. `v`: the job's state, done, failed, cancelled, accepted, output_tokens and
+-- completed_before, in this order, as the caller read them (one HMGET; more fields may follow).
+local function complete_read(job, v, running_state, completed_state, now_ms)
   if v[1] ~= running_state then return false end
   local ended = tonumber(v[2] or '0') + tonumber(v[3] or '0') + tonumber(v[4] or '0')
   local accepted = tonumber(v[5] or '0')
@@ -137,6 +136,13 @@ local function complete_if_ended(job, running_state, completed_state, now_ms)
   redis.call('HSET', job.key, 'state', completed_state, 'finished_at_ms', finished_at_ms)
   redis.call('DEL', job.running)
   return true
+end
+
+-- `complete_read` on the job's fields as they are now.
+local function complete_if_ended(job, running_state, completed_state, now_ms)
+  local v = redis.call('HMGET', job.key, 'state', 'done', 'failed', 'cancelled', 'accepted',
+    'output_tokens', 'completed_before')
+  return complete_read(job, v, running_state, completed_state, now_ms)
 end
 
 -- Acknowledging committed prompts ----------------------------------------------------------------

@@ -20,8 +20,8 @@ for from in string.gmatch(sources, '%S+') do
   if from == state then allowed = true end
 end
 if not allowed then return 0 end
-redis.call('HSET', job_key, 'state', target, 'transition', token)
-for i = 1, #fields, 2 do redis.call('HSET', job_key, fields[i], fields[i + 1]) end
+-- One HSET with the fields (a resubmission's ingest input and checkpoint among them).
+redis.call('HSET', job_key, 'state', target, 'transition', token, unpack(fields))
 if fence_op == 'drop' then redis.call('DEL', fence) end
 if fence_op == 'arm' then
   redis.call('SET', fence, redis.call('HGET', job_key, 'incarnation') or '')
