@@ -185,8 +185,8 @@ class CoordinatorSettings(CommonSettings):
             "processes that parse and render uploaded rows, shared by every ingestion (0: in each "
             "ingestion's own thread); each loads the jobs' tokenizers, so count their memory. For "
             "datasets of a million rows or more give it the coordinator's cores less one: a "
-            "rendering process takes about 150 µs of CPU a chat-length row, the coordinator's "
-            "own thread about 80 µs, which bounds one coordinator near 12,000 rows/s"
+            "chat-length row costs about 150 µs of CPU to render, the coordinator's own work about "
+            "70 µs, which bounds one coordinator near 14,000 rows/s"
         ),
     )
     max_upload_bytes: int = Field(

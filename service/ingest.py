@@ -266,7 +266,7 @@ class Ingestor:
         # Only the first chunk has a deadline; None once it is out (or when chunks are small anyway).
         deadline = time.monotonic() + self.options.first_chunk_s if size < most else None
         with self._open(job_id, source) as stream:
-            for row in self.pool.rows(stream, spec, files_key, start_line, context_len):
+            for row in self.pool.rows(stream, spec, files_key, start_line, context_len, self._rendered):
                 if stop.is_set():
                     log.info("job %s: ingestion paused at line %d (shutdown)", job_id, chunk.last_line)
                     return False
@@ -287,6 +287,11 @@ class Ingestor:
             self.jobs.finish_ingest(job_id)
             log.info("job %s: ingestion finished", job_id)
         return True
+
+    def _rendered(self, where: str, rows: int, cpu_s: float) -> None:
+        if self.metrics is not None:
+            self.metrics.ingest_rendered_rows.labels(where).inc(rows)
+            self.metrics.ingest_render_cpu.labels(where).inc(cpu_s)
 
     def _hygiene(self, job_id: str, spec: JobSpec) -> Hygiene:
         """The job's decontamination index (held to the sets' digest in its manifest), and the rows

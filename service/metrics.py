@@ -226,6 +226,21 @@ class CoordinatorMetrics:
         self.ingested_prompts = Counter(
             "datagen_ingested_prompts", "Prompts enqueued by class", ["class"], registry=r
         )
+        self.ingest_rendered_rows = Counter(
+            "datagen_ingest_rendered_rows",
+            "Dataset rows parsed and rendered, by where: a rendering process (process) or the "
+            "ingestion's own thread (thread: DATAGEN_INGEST_PROCESSES 0, a job's first rows, and "
+            "rows it rendered while the processes were behind)",
+            ["where"],
+            registry=r,
+        )
+        self.ingest_render_cpu = Counter(
+            "datagen_ingest_render_cpu_seconds",
+            "CPU seconds spent parsing and rendering dataset rows, by where (as "
+            "datagen_ingest_rendered_rows)",
+            ["where"],
+            registry=r,
+        )
         self.jobs_rebuilt = Counter(
             "datagen_jobs_rebuilt",
             "Jobs rebuilt from storage, by why: Redis lost its data (lost), went back to an older "

@@ -11,10 +11,11 @@ against the rows guard, hygiene against the rows kept so far, chunks and their t
 
 `RenderPool.rows` reads the upload (line digests taken as each line is read, `service.rowids`),
 sends batches ahead to the pool, at most a few per process so memory stays flat whatever the
-file's size, and yields each row's result in file order. A pool process keeps each job's renderers
-(the tokenizer is loaded once per process and job files, not per batch); a changed tokenizer or
-template file (another digest) is loaded again. Pool processes are started with ``spawn``: the
-coordinator runs threads, which ``fork`` would copy half-way.
+file's size, and yields each row's result in file order; while the oldest batch sent is not back,
+the ingestion thread renders the next one itself rather than wait (`_Ahead`). A pool process keeps
+each job's renderers (the tokenizer is loaded once per process and job files, not per batch); a
+changed tokenizer or template file (another digest) is loaded again. Pool processes are started
+with ``spawn``: the coordinator runs threads, which ``fork`` would copy half-way.
 
 A process that dies (killed, out of memory) breaks the pool: `BrokenRenderPool` is raised, the
 pool is started again on next use, and the ingestion resumes from its checkpoint like after any
@@ -33,7 +34,7 @@ import multiprocessing
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
@@ -55,7 +56,16 @@ from datagen.states import MultiTurnMode
 from service.admit import AdmittedRow, ArmRenderers, Refused, admit_row, arm_renderers
 from service.rowids import LineDigests, RowId, row_id
 
-__all__ = ["BrokenRenderPool", "LineBatch", "RenderPool", "RenderedRow", "render_batch", "shared_pool"]
+__all__ = [
+    "PROCESS",
+    "THREAD",
+    "BrokenRenderPool",
+    "LineBatch",
+    "RenderPool",
+    "RenderedRow",
+    "render_batch",
+    "shared_pool",
+]
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +86,13 @@ PARENT_CHECK_S = 1.0
 # API's thread and Redis get the CPU first when they need it (a 2-core machine answered GET /jobs
 # in 134-154 ms at p99 with the pool at the default niceness, under 100 ms with it).
 NICENESS = 10
+
+
+# Where a batch is rendered: `RenderPool.rows` tells its caller (for the metrics) where each batch
+# was rendered, its rows and the CPU seconds rendering it took there.
+THREAD = "thread"
+PROCESS = "process"
+Counted = Callable[[str, int, float], None]
 
 
 class BrokenRenderPool(RetryableError):
@@ -182,6 +199,23 @@ def render_batch(batch: LineBatch) -> list[RenderedRow]:
     return out
 
 
+_Timed = tuple[list[RenderedRow], float]
+
+
+def _timed_render(batch: LineBatch) -> _Timed:
+    """`render_batch` in a pool process, with the CPU seconds it took."""
+    started = time.thread_time()
+    rows = render_batch(batch)
+    return rows, time.thread_time() - started
+
+
+def _rendered_here(batch: LineBatch, counted: Counted) -> list[RenderedRow]:
+    """`render_batch` in the calling thread, counted."""
+    rows, cpu_s = _timed_render(batch)
+    counted(THREAD, len(rows), cpu_s)
+    return rows
+
+
 def _warm(parent_pid: int | None = None) -> None:
     """A pool process's start: the heavy imports, before the first batch waits on them; and a watch
     that ends the process when its coordinator is gone (killed with no chance to stop its pool), so
@@ -253,35 +287,83 @@ class RenderPool:
         files_key: str,
         start_line: int,
         context_len: int | None,
+        counted: Counted = lambda where, rows, cpu_s: None,
     ) -> Iterator[RenderedRow]:
-        """Each row of ``stream`` after line ``start_line``, rendered and judged, in file order."""
+        """Each row of ``stream`` after line ``start_line``, rendered and judged, in file order;
+        ``counted(where, rows, cpu_s)`` is told where each batch was rendered (`THREAD`,
+        `PROCESS`) and the CPU it took."""
         spec_json = spec.model_dump_json()
         batches = iter(_batches(stream, spec_json, files_key, start_line, context_len))
         if not self.processes:
             for batch in batches:
-                yield from render_batch(batch)
+                yield from _rendered_here(batch, counted)
             return
         pool = self._pool()
-        pending: collections.deque[Future[list[RenderedRow]]] = collections.deque()
+        ahead = _Ahead(pool, batches, self.processes * BATCHES_PER_PROCESS, counted)
         try:
             # The pool's processes load the job's tokenizer (about a second) while its first rows
             # render here, with the renderer the submit loaded: the first prompts go out at once.
             for _ in range(self.processes):
                 pool.submit(_load_job, spec_json, files_key)
             for batch in itertools.islice(batches, IN_THREAD_BATCHES):
-                yield from render_batch(batch)
-            for batch in batches:
-                pending.append(pool.submit(render_batch, batch))
-                while len(pending) >= self.processes * BATCHES_PER_PROCESS:
-                    yield from pending.popleft().result()
-            while pending:
-                yield from pending.popleft().result()
+                yield from _rendered_here(batch, counted)
+            while (rows := ahead.next_rows()) is not None:
+                yield from rows
         except BrokenProcessPool as exc:
             self._broken()
             raise BrokenRenderPool(f"a rendering process died ({exc}); the pool starts again") from exc
         finally:
-            for future in pending:
-                future.cancel()
+            ahead.cancel()
+
+
+class _Ahead:
+    """An ingestion's batches ahead of it, in file order: ``window`` in the pool's processes, and
+    while the oldest of those is not back, more rendered in the ingestion's own thread rather than
+    waited for (it waits only while it is the one behind). With one process on two cores this
+    thread's idle time renders too; when the thread is what bounds ingestion, its batches are
+    always back, and it renders none."""
+
+    def __init__(
+        self, pool: ProcessPoolExecutor, batches: Iterator[LineBatch], window: int, counted: Counted
+    ) -> None:
+        self._pool = pool
+        self._batches = batches
+        self._window = window
+        self._counted = counted
+        self._pending: collections.deque[Future[_Timed] | list[RenderedRow]] = collections.deque()
+        self._in_flight = 0
+        self._more = True
+
+    def _next_batch(self) -> LineBatch | None:
+        batch = next(self._batches, None) if self._more else None
+        self._more = batch is not None
+        return batch
+
+    def next_rows(self) -> list[RenderedRow] | None:
+        """The next batch's rows, in file order; None after the last."""
+        while True:
+            while self._in_flight < self._window and (batch := self._next_batch()) is not None:
+                self._pending.append(self._pool.submit(_timed_render, batch))
+                self._in_flight += 1
+            if not self._pending:
+                return None
+            head = self._pending[0]
+            behind = isinstance(head, Future) and not head.done()
+            if behind and len(self._pending) < 2 * self._window and (batch := self._next_batch()) is not None:
+                self._pending.append(_rendered_here(batch, self._counted))
+                continue
+            self._pending.popleft()
+            if isinstance(head, Future):
+                self._in_flight -= 1
+                rows, cpu_s = head.result()
+                self._counted(PROCESS, len(rows), cpu_s)
+                return rows
+            return head
+
+    def cancel(self) -> None:
+        for item in self._pending:
+            if isinstance(item, Future):
+                item.cancel()
 
 
 def _batches(

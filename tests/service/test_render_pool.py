@@ -93,6 +93,32 @@ def test_a_resumed_read_starts_after_its_checkpoint_with_the_rows_own_indexes(po
     assert _rows(pool, start_line=100) == [r for r in _rows(RenderPool(0)) if r.line > 100]
 
 
+def test_the_thread_renders_while_the_processes_are_behind_and_order_holds() -> None:
+    # A new pool's process imports transformers and loads the tokenizer (seconds) before its first
+    # batch: meanwhile the ingestion thread renders the batches after the first three itself.
+    spec = job_spec(samples=2, recipe=RECIPE, multi_turn="all")
+    identity = renderer_for(spec).identity()
+    key = f"{identity['tokenizer_sha256']}:{identity['chat_template_sha256']}"
+    where: dict[str, int] = {}
+
+    def counted(place: str, rows: int, cpu_s: float) -> None:
+        assert cpu_s > 0
+        where[place] = where.get(place, 0) + rows
+
+    # Enough rows that batches are left once the process has its window (4 batches) in hand.
+    lines = _lines() * 10
+    slow = RenderPool(1)
+    try:
+        rows = list(slow.rows(io.BytesIO(lines), spec, key, 0, 4096, counted))
+    finally:
+        slow.close()
+    assert rows == list(RenderPool(0).rows(io.BytesIO(lines), spec, key, 0, 4096))
+    assert [r.line for r in rows] == sorted(r.line for r in rows)
+    assert sum(where.values()) == 2990
+    first_three = 8 + 16 + 32
+    assert where["thread"] > first_three, where
+
+
 def test_a_killed_rendering_process_costs_a_pause_not_a_row(
     redis_client: redis.Redis, tmp_path: Path
 ) -> None:

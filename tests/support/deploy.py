@@ -88,6 +88,8 @@ EXPECTED_METRICS: dict[str, tuple[str, frozenset[str]]] = {
         ("datagen_upload_bytes", "counter", ()),
         ("datagen_ingested_rows", "counter", ("outcome",)),
         ("datagen_ingested_prompts", "counter", ("class",)),
+        ("datagen_ingest_rendered_rows", "counter", ("where",)),
+        ("datagen_ingest_render_cpu_seconds", "counter", ("where",)),
         ("datagen_queue_depth", "gauge", ("class",)),
         ("datagen_queue_started", "gauge", ("class",)),
         ("datagen_queue_paused", "gauge", ("class",)),
