@@ -125,8 +125,8 @@ def queued_jobs(
     enqueue time. What every prompt shares comes from RQ's own ``Job.to_dict`` once per queue and
     options (`_shared_fields`); each prompt adds its description and data, serialized as RQ does and
     compressed faster (`compressed`; ``tests/datagen/test_enqueue_fields.py`` holds the two to RQ's
-    whole hash). Building an RQ
-    ``Job`` per prompt and sending its 20 fields cost ingestion about 150 µs a prompt."""
+    whole hash). Building an RQ ``Job`` per prompt and sending its 20 fields cost ingestion about
+    150 µs a prompt."""
     own = tuple(
         (
             keys.rq_job_id(p.job, p.sample_id, p.turn, p.gen),

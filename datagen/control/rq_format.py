@@ -104,10 +104,6 @@ class QueuedJobs:
     shared_json: str
     own: tuple[tuple[str, str, bytes], ...]
 
-    @property
-    def ids(self) -> list[str]:
-        return [rq_id for rq_id, _, _ in self.own]
-
 
 @dataclass(frozen=True)
 class RqTime:

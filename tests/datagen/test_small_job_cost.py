@@ -24,6 +24,7 @@ import redis
 from fastapi.testclient import TestClient
 
 from datagen.control.keys import Keys
+from datagen.control.servers import live_servers
 from datagen.records.storage import Storage
 from datagen.settings import CoordinatorSettings
 from service.app import create_app
@@ -115,7 +116,11 @@ async def test_one_small_job_costs_redis_at_most_max_commands(
         )
         running = asyncio.create_task(worker.main())
         try:
-            await _until(lambda: poller.hlen(Keys(NS).servers_index()) > 0)
+            # The pre-flight needs a live server whose context length a worker reported (a loaded
+            # machine lists the server a moment before it knows its length).
+            await _until(
+                lambda: any(info.get("context_len") for info in live_servers(poller, Keys(NS)).values())
+            )
             # A first job loads the scripts and the tokenizer: the one measured is one more job.
             await _run(client, poller, "warmup", rows)
             await asyncio.sleep(1.0)
