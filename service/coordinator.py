@@ -338,7 +338,7 @@ class Coordinator:
         if dataset.url is not None:
             reference = resolve_reference(check_dataset_url(dataset.url, self.settings), fmt)
             self._check_columns(dataset.columns, reference.format)
-            rows = open_reference(reference, dataset.columns)
+            rows = open_reference(reference, dataset.columns, fresh=True)
             return DryRunInput(rows, name, dataset.url, count_rows=lambda: count_rows(reference))
         upload = dataset.upload
         assert upload is not None

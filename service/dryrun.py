@@ -26,7 +26,6 @@ import gzip
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, BinaryIO, cast
-from urllib.parse import urlsplit
 
 import pyarrow as pa
 import zstandard
@@ -36,6 +35,7 @@ from datagen.hygiene.screen import Hygiene, HygieneRow
 from datagen.prompts.dataset import Prompt, iter_prompts
 from datagen.prompts.inputs import InputFormat, RowStream
 from datagen.prompts.recipes import arm_shares
+from datagen.prompts.sources import without_password
 from datagen.spec import Arm, JobSpec
 from service.admit import Admitted, AdmittedRow, ArmRenderers, Refused, admit, admit_row
 from service.rowids import RowId, check_row_ids, repeated_lines, row_id
@@ -306,17 +306,8 @@ def reading(name: str, fmt: InputFormat | None, url: str | None = None) -> Itera
         except OSError as exc:
             raise StorageError(f"cannot read {name}: {exc}") from exc
     except DatagenError as exc:
-        password = _password(url)
-        if password is None or password not in str(exc):
+        shown = without_password(str(exc), url)
+        if shown == str(exc):
             raise
         # Not chained: the cause's message holds the password too.
-        raise type(exc)(str(exc).replace(password, "***")) from None
-
-
-def _password(url: str | None) -> str | None:
-    if url is None:
-        return None
-    try:
-        return urlsplit(url).password or None
-    except ValueError:  # not a URL urlsplit can read: no password to find
-        return None
+        raise type(exc)(shown) from None

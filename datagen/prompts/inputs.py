@@ -50,7 +50,7 @@ import pyarrow.parquet as pq
 from fsspec.implementations.local import LocalFileSystem
 
 from datagen.errors import DatagenError, InvalidSpecError, StorageError
-from datagen.prompts.sources import redacted_url
+from datagen.prompts.sources import redacted_url, without_password
 
 __all__ = [
     "BATCH_ROWS",
@@ -433,16 +433,22 @@ def _storage(url: str) -> Iterator[None]:
     except DatagenError:
         raise
     except (FileNotFoundError, NotADirectoryError) as exc:
-        raise InvalidSpecError(f"dataset {redacted_url(url)} is not there ({exc}); check the URL") from exc
+        raise InvalidSpecError(
+            f"dataset {redacted_url(url)} is not there ({without_password(str(exc), url)}); check the URL"
+        ) from exc
     except Exception as exc:
-        raise StorageError(f"cannot read dataset {redacted_url(url)}: {exc}") from exc
+        raise StorageError(
+            f"cannot read dataset {redacted_url(url)}: {without_password(str(exc), url)}"
+        ) from exc
 
 
 def _file_system(url: str) -> tuple[Any, str]:
     try:
         fs, path = fsspec.core.url_to_fs(url, use_listings_cache=False)
     except (ImportError, ValueError) as exc:
-        raise InvalidSpecError(f"cannot read dataset {redacted_url(url)}: {exc}") from exc
+        raise InvalidSpecError(
+            f"cannot read dataset {redacted_url(url)}: {without_password(str(exc), url)}"
+        ) from exc
     return fs, str(path).rstrip("/") or str(path)
 
 
@@ -557,10 +563,13 @@ def check_unchanged(pinned: Reference, now: Reference) -> None:
             )
 
 
-def open_reference(pinned: Reference, columns: ColumnMap) -> RowStream:
-    """The referenced input as a `RowStream`, after checking its pins; files open one at a time."""
-    now = resolve_reference(pinned.url, pinned.format)
-    check_unchanged(pinned, now)
+def open_reference(pinned: Reference, columns: ColumnMap, *, fresh: bool = False) -> RowStream:
+    """The referenced input as a `RowStream`, after checking its pins; files open one at a time.
+    ``fresh``: ``pinned`` was resolved just now (`resolve_reference`, a dry run's), so its pins are
+    not read again."""
+    now = pinned if fresh else resolve_reference(pinned.url, pinned.format)
+    if not fresh:
+        check_unchanged(pinned, now)
     progress = _Progress(rows_total=pinned.rows_total)
     stream = RowStream(pinned.format, progress)
     fs = now.fs

@@ -25,7 +25,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 from datagen.errors import InvalidSpecError
 
-__all__ = ["ResolvedSource", "SourceKind", "local_path", "redacted_url", "resolve_source"]
+__all__ = ["ResolvedSource", "SourceKind", "local_path", "redacted_url", "resolve_source", "without_password"]
 
 # A hub repo id: one or two segments of letters, digits, "-", "_", "." (no "..", no leading dot).
 _HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,95}(/[A-Za-z0-9][A-Za-z0-9._-]{0,95})?$")
@@ -95,3 +95,13 @@ def redacted_url(url: str) -> str:
     netloc = parts.netloc.rsplit("@", 1)[1]
     user = f"{parts.username}:***@" if parts.username else ":***@"
     return urlunsplit(parts._replace(netloc=user + netloc))
+
+
+def without_password(text: str, url: str | None) -> str:
+    """``text`` (a lower layer's error message, which may quote the URL whole) with ``url``'s
+    password hidden wherever it appears."""
+    try:
+        password = urlsplit(url).password if url else None
+    except ValueError:  # not a URL urlsplit reads: redacted_url hides all before its "@"
+        password = url.partition("://")[2].rpartition("@")[0] if url else None
+    return text.replace(password, "***") if password else text

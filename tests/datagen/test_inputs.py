@@ -24,6 +24,7 @@ from datagen.prompts.inputs import (
     InputFormat,
     Reference,
     RowStream,
+    _storage,
     check_unchanged,
     format_for_name,
     open_reference,
@@ -31,6 +32,7 @@ from datagen.prompts.inputs import (
     parse_format,
     resolve_reference,
 )
+from datagen.prompts.sources import without_password
 
 ROWS: list[dict[str, Any]] = [
     {"id": "a", "messages": [{"role": "user", "content": "Hi"}]},
@@ -189,6 +191,29 @@ def test_a_changed_input_is_refused_without_the_url_s_password() -> None:
     with pytest.raises(InvalidSpecError) as caught:
         check_unchanged(pinned, elsewhere)
     assert "s3cr3t" not in str(caught.value) and "reader:***@" in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    ("url", "message", "shown"),
+    [
+        ("https://reader:s3cr3t@h/d", "404 for https://reader:s3cr3t@h/d", "404 for https://reader:***@h/d"),
+        ("https://h/d", "404 for https://h/d", "404 for https://h/d"),
+        ("s3://k:s3cr3t@[x/d", "bad s3://k:s3cr3t@[x/d", "bad s3://***@[x/d"),
+        (None, "no url", "no url"),
+    ],
+)
+def test_a_lower_layer_s_message_loses_the_url_s_password(url: str | None, message: str, shown: str) -> None:
+    assert without_password(message, url) == shown
+
+
+def test_a_missing_input_is_refused_without_the_password_its_store_quoted() -> None:
+    url = "https://reader:s3cr3t@data.example/d.parquet"
+    with pytest.raises(InvalidSpecError) as caught, _storage(url):
+        raise FileNotFoundError(f"{url} answered 404")
+    assert str(caught.value) == (
+        "dataset https://reader:***@data.example/d.parquet is not there "
+        "(https://reader:***@data.example/d.parquet answered 404); check the URL"
+    )
 
 
 def test_a_local_file_is_pinned_by_its_ends_and_a_change_is_refused(tmp_path: Path) -> None:
