@@ -58,7 +58,7 @@ class JobProgress:
     flagged: int = 0
     priority: str = "normal"
     weight: float = 1.0
-    # Set once by the count script (`count_in_job` in datagen/control/lua/lib.lua); 0 until then.
+    # Set once by the count scripts (`count_and_complete` in datagen/control/lua/lib.lua); 0 until then.
     first_record_at_ms: int = 0
     tail_from_ms: int = 0
     # Set when the job was rebuilt from storage after Redis lost or rolled back its data
@@ -213,7 +213,7 @@ def arm_counts(arms: Sequence[str], breakdown: Mapping[BreakdownField, int]) -> 
 def _completed_before_ms(raw: str | None, ints: dict[str, int]) -> int:
     """The completion time in ``completed_before`` (``<finished_at_ms> <accepted> <output_tokens>``,
     `JobStore.restart_ingest`) while the job's accepted prompts and output tokens are still those of
-    then; else 0 (as `complete_if_ended` in lua/lib.lua decides at the job's next completion)."""
+    then; else 0 (as `count_and_complete` in lua/lib.lua decides at the job's next completion)."""
     parts = (raw or "").split()
     if len(parts) != 3 or not all(p.isdigit() for p in parts):
         return 0

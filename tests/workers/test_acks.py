@@ -4,6 +4,7 @@ shard finish in RQ and count in their job with one script call, and a repeated a
 from __future__ import annotations
 
 import asyncio
+from collections import Counter
 
 import redis
 from rq.job import JobStatus
@@ -59,3 +60,74 @@ async def test_a_shards_prompts_are_acknowledged_in_one_script_call(
     # A lost reply retried, or a stalled worker's ack after its rescuer's: nothing counts twice.
     await ack(items[0])
     assert jobs.progress("acks").done == 5
+
+
+def _commands(redis_client: redis.Redis) -> Counter[str]:
+    """Calls per command so far (Redis counts a script's commands too)."""
+    return Counter(
+        {
+            name.removeprefix("cmdstat_"): int(stat["calls"])
+            for name, stat in redis_client.info("commandstats").items()
+        }
+    )
+
+
+async def test_a_shards_ack_reads_and_writes_its_job_once_and_keeps_counts_exact(
+    redis_client: redis.Redis, storage: Storage
+) -> None:
+    ingest(redis_client, storage, "acks3", 3)
+    identity = QueueIdentity(KEYS.queue_name(PromptClass.SHORT), "w-acks3", redis_client, 0.5, "1-acks3")
+    identity.register()
+    items = identity.claim_many(Dispatch(redis_client, KEYS), PromptClass.SHORT, 3)
+    assert len(items) == 3
+    jobs = JobStore(redis_client, KEYS)
+    # Counters past 15 digits, where Lua's own number printing turns to exponents.
+    redis_client.hset(KEYS.job("acks3"), "output_tokens", 999_999_999_999_999)
+    acks = Acks(jobs)
+
+    def ack(item: InFlight) -> object:
+        made = ack_item(
+            item,
+            job_id="acks3",
+            incarnation="",
+            output_tokens=7,
+            partition="default",
+            cls="short",
+            finish="stop",
+        )
+        return acks.done(identity, item, made)
+
+    redis_client.script_load(source("ack_done"))
+    before = _commands(redis_client)
+    await asyncio.gather(*(ack(item) for item in items))
+    spent = _commands(redis_client) - before
+    del spent["info"]  # the INFO that read ``before``
+    # Written out by hand: the call; the started registry's ZREM; the job read once (HMGET) and
+    # written once (HSET); which prompts ran (SMISMEMBER); the partition's label (SISMEMBER); per
+    # prompt RQ's finished hash and TTL (HSET, EXPIRE); the breakdown's three counters read and
+    # written once (HMGET, HSET); the running set dropped as the job completes (DEL, no SREM); the
+    # finished registry (ZADD). Each rule's own HINCRBY, HSETNX and HMGET cost 15 on the job before.
+    assert spent == Counter(
+        {
+            "evalsha": 1,
+            "zrem": 1,
+            "hmget": 2,
+            "hset": 5,
+            "smismember": 1,
+            "sismember": 1,
+            "expire": 3,
+            "del": 1,
+            "zadd": 1,
+        }
+    ), spent
+    job = redis_client.hgetall(KEYS.job("acks3"))
+    assert job[b"output_tokens"] == b"1000000000000020"  # 999,999,999,999,999 + 3 x 7
+    assert (job[b"done"], job[b"state"]) == (b"3", b"completed")
+    assert int(job[b"first_record_at_ms"]) == int(job[b"tail_from_ms"]) == int(job[b"finished_at_ms"]) > 0
+    assert redis_client.hgetall(KEYS.job_breakdown("acks3")) == {
+        b"accepted|default|short": b"3",
+        b"done|default|short": b"3",
+        b"output_tokens|default|short": b"21",
+        b"finish:stop|default|short": b"3",
+    }
+    assert not redis_client.exists(KEYS.job_running("acks3"))

@@ -369,21 +369,22 @@ class RecordWriter:
     def _write(
         self, job_id: str, incarnation: str, shard: str, records: list[Record], info: dict[str, object]
     ) -> None:
-        self._check_live(job_id, incarnation)
         self.storage.commit_shard(job_id, shard, records_to_table(records), info)
         try:
             self._check_live(job_id, incarnation)
         except JobNotFoundError:
-            # Deleted while the shard was written: a delete removes the job's keys before its files,
-            # so either its removal of the files comes after this write, or this check sees it.
+            # Deleted before or while the shard was written: a delete removes the job's keys before
+            # its files, so either its removal of the files comes after this write, or this check
+            # sees it. One check, after the write, is enough: a check before it too would cost every
+            # shard a command to spare the rare shard of a deleted job its write.
             self.storage.remove_shard(job_id, shard)
             raise
 
     def _check_live(self, job_id: str, incarnation: str) -> None:
         """Refuse records of a job deleted meanwhile (or of an earlier job of a reused id: records
-        that no longer count in it, `datagen.control.payload.counts_in`), before and after the
-        shard is written. Whatever is left over (a delete that kept its files)
-        stays out of exports all the same: its commit names the old incarnation."""
+        that no longer count in it, `datagen.control.payload.counts_in`), once its shard is written.
+        Whatever is left over (a delete that kept its files, a removal that failed) stays out of
+        exports all the same: its commit names the old incarnation."""
         if self.current_incarnation is None:
             return
         try:

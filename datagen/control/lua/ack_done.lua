@@ -50,19 +50,18 @@ end
 redis.call('ZREM', started, unpack(members))
 
 local rq = {prefix = rq_job_prefix, now = now_rq, now_s = now_s, expiring = {}}
-local counted = 0
+local acked_n = 0
 for _, job_id in ipairs(order) do
   local key = job_prefix .. job_id
   local job = {
     key = key, running = key .. running_suffix, breakdown = key .. breakdown_suffix,
     partitions = key .. partitions_suffix,
   }
-  local done, tokens, fields = ack_in_job(job, groups[job_id], rq)
+  local done, tokens, breakdown, fields = ack_in_job(job, groups[job_id], rq)
   if done > 0 then
-    counted = counted + done
-    count_in_job(job, 'done', done, tokens, fields, now_ms)
-    complete_if_ended(job, running_state, completed_state, now_ms)
+    acked_n = acked_n + done
+    count_and_complete(job, fields, 'done', done, tokens, breakdown, now_ms, running_state, completed_state)
   end
 end
 if #rq.expiring > 0 then redis.call('ZADD', finished, unpack(rq.expiring)) end
-return counted
+return acked_n

@@ -56,14 +56,15 @@ local prompt = {
 redis.call('ZREM', started, rq_id .. ':' .. execution_id)
 local job = {key = job_key, running = running, breakdown = breakdown, partitions = partitions}
 local rq = {prefix = rq_job_prefix, now = now_rq, now_s = now_s, expiring = {}}
-local done, tokens, fields = ack_in_job(job, {prompt}, rq)
+local done, tokens, counts, fields = ack_in_job(job, {prompt}, rq)
 if #rq.expiring > 0 then redis.call('ZADD', finished, unpack(rq.expiring)) end
 if done == 0 then return 0 end
 
 if redis.call('SADD', enqueued, next_member) == 1 then
   local label = partition_label(job, partition, {})
-  if redis.call('HGET', job_key, 'state') == cancelled_state then
+  if fields.state == cancelled_state then
     count_cancelled_queued(job_key, breakdown, next_cls, 1)
+    fields.cancelled = counted(fields, 'cancelled') + 1 -- as written just now, for the completion rule
   else
     redis.call('HSET', next_rq_key, unpack(next_fields))
     redis.call('SADD', queues, queue_key)
@@ -71,10 +72,10 @@ if redis.call('SADD', enqueued, next_member) == 1 then
     rejoin(dispatch_set, paused, job_id, job_key)
     redis.call('PUBLISH', wake, next_cls)
   end
-  redis.call('HINCRBY', job_key, 'accepted', 1)
+  job_set(fields, 'accepted', decimal(counted(fields, 'accepted') + 1))
   redis.call('HINCRBY', job_key, 'prompt_tokens', next_tokens)
-  redis.call('HINCRBY', breakdown, breakdown_field('accepted', label, next_cls), 1)
+  local field = breakdown_field('accepted', label, next_cls)
+  counts[field] = (counts[field] or 0) + 1
 end
-count_in_job(job, 'done', done, tokens, fields, now_ms)
-complete_if_ended(job, running_state, completed_state, now_ms)
+count_and_complete(job, fields, 'done', done, tokens, counts, now_ms, running_state, completed_state)
 return 1

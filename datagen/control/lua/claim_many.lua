@@ -164,13 +164,14 @@ for _, set in ipairs({high, normal, low}) do
   end
 end
 -- The window bucket counts each job's dispatches and, under `*` (no job id has one), all of them.
+-- Only claims write a bucket, and the one that makes it makes its `*` in the same atomic step: a
+-- `*` that counts just this claim's is a new bucket, the only one without its TTL yet.
 local total = 0
 for job, n in pairs(dispatched) do
   redis.call('HINCRBY', window, job, n)
   total = total + n
 end
-if total > 0 then
-  redis.call('HINCRBY', window, '*', total)
+if total > 0 and redis.call('HINCRBY', window, '*', total) == total then
   redis.call('EXPIRE', window, window_ttl_s)
 end
 local out = {}

@@ -25,17 +25,20 @@
 -- ARGV[13] completed_state  the state a job moves to when its last prompt ends
 
 local job = {key = job_key, running = running, breakdown = breakdown, partitions = partitions}
-local current = job_incarnation(job)
+local fields = job_read(job)
+local current = job_incarnation(fields)
 if current == nil or not counts_in(incarnation, current) then return 0 end
-if rq_id ~= '' and leave_running(job, {rq_id})[1] == 0 then return -1 end
-local fields = {}
+if rq_id ~= '' and leave_running(job, {rq_id}, fields)[1] == 0 then return -1 end
+local counts = {}
 if increment ~= 0 then
-  tally(fields, counter, partition_label(job, partition, {}), cls, increment, output_tokens, finish)
+  tally(counts, counter, partition_label(job, partition, {}), cls, increment, output_tokens, finish)
 end
-count_in_job(job, counter, increment, output_tokens, fields, now_ms)
 if report ~= '' then
   redis.call('RPUSH', reports, report)
   redis.call('LTRIM', reports, 0, report_cap - 1)
 end
-if complete_if_ended(job, running_state, completed_state, now_ms) then return 2 end
+if count_and_complete(job, fields, counter, increment, output_tokens, counts, now_ms, running_state,
+  completed_state) then
+  return 2
+end
 return 1

@@ -16,18 +16,18 @@
 -- ARGV[4]  running_state    the state it moves to (a job whose prompts run)
 -- ARGV[5]  completed_state  the state a job moves to when its last prompt ends
 
--- One read for both steps: what `complete_read` reads, then the last move's token.
-local v = redis.call('HMGET', job_key, 'state', 'done', 'failed', 'cancelled', 'accepted',
-  'output_tokens', 'completed_before', 'transition')
-if not v[1] then return 0 end
-local moved = v[1] == running_state and v[8] == token
-if v[1] == ingesting_state then
-  redis.call('HSET', job_key, 'state', running_state, 'transition', token)
+-- One read for both steps: what the counting rules read, and the last move's token.
+local job = {key = job_key, running = running}
+local fields = job_read(job, {'transition'})
+if not fields.state then return 0 end
+local moved = fields.state == running_state and fields.transition == token
+if fields.state == ingesting_state then
+  job_set(fields, 'state', running_state)
+  job_set(fields, 'transition', token)
   redis.call('DEL', fence)
-  v[1] = running_state
   moved = true
 end
-if complete_read({key = job_key, running = running}, v, running_state, completed_state, now_ms) then
+if count_and_complete(job, fields, 'done', 0, 0, {}, now_ms, running_state, completed_state) then
   return 2
 end
 if moved then return 1 end

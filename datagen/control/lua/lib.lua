@@ -8,17 +8,17 @@
 -- count_and_maybe_complete.lua counts one prompt (done, failed or cancelled), ack_done.lua the
 -- prompts of a committed shard (done), by the same rules:
 -- - A prompt of another incarnation of its job (one deleted meanwhile, its id reused) is not
---   counted (one HGET answers both "is the job there" and "which incarnation" for every job made
---   since incarnations).
+--   counted (the job's one read, `job_read`, answers both "is the job there" and "which
+--   incarnation" for every job made since incarnations).
 -- - A prompt is counted only if it was still in the job's running set, so finishing the same prompt
 --   twice (a stalled worker and its rescuer) counts once.
 -- - The job's counter and its breakdown (counter, output tokens and finish reason per partition
 --   label and class) move together; a partition the job did not label counts as 'other'.
--- - Two timestamps, each set once with HSETNX (the first writer wins; a retry or a second count
---   never moves them), show how a run starts and ends:
+-- - Two timestamps, each set once, only where the job's read found none (the first writer wins;
+--   a retry or a second count never moves them), show how a run starts and ends:
 --   `first_record_at_ms`: by the count that moves `done` from 0 to positive (the job's first
---   record; the HINCRBY's answer tells, so later counts cost no extra command); failed and
---   cancelled prompts never set it. A job counted before this field existed keeps none.
+--   record); failed and cancelled prompts never set it. A job counted before this field existed
+--   keeps none.
 --   `tail_from_ms`: by the first call that finds the job running (ingestion finished, so
 --   `accepted` is the whole job) with done + failed + cancelled >= ceil(0.95 * accepted), i.e.
 --   20 * ended >= 19 * accepted in integers: the job's last 5 % of prompts ("the tail") start then.
@@ -31,18 +31,56 @@
 --   `JobStore.restart_ingest`: `<finished_at_ms> <accepted> <output_tokens>` then) and that has run
 --   nothing new since (the same accepted prompts and output tokens) keeps its completion time, so
 --   re-attaching by resubmitting moves none of its rates or its tail. The field goes either way.
+-- A call reads the job's hash once and writes it once (`job_read`, `count_and_complete`): a
+-- 3-prompt ack cost 15 commands on its job when each rule read or wrote for itself, 7 now.
 -- `job` names one job's keys: {key = its hash, running = its running set, breakdown = its
 -- breakdown hash, partitions = its labelled partitions}.
+
+-- What the counting rules read of a job's hash, in one HMGET (`job_read`), by name.
+local COUNTED_FIELDS = {
+  'incarnation', 'state', 'done', 'failed', 'cancelled', 'accepted', 'output_tokens', 'completed_before',
+  'first_record_at_ms', 'tail_from_ms',
+}
+
+-- The job's counted fields (COUNTED_FIELDS, then `extra`), read once: {field = value or false}, and
+-- `writes`, the fields a call sets (`job_set`), all of them in one HSET at its end
+-- (`count_and_complete`). A script reads once and writes once instead of one HINCRBY, HSETNX or
+-- HMGET per rule: atomic, so the same as those commands one after another. `leaving`: the ids
+-- `leave_running` found running and left for `count_and_complete` to take out.
+local function job_read(job, extra)
+  local names = {unpack(COUNTED_FIELDS)}
+  for _, name in ipairs(extra or {}) do names[#names + 1] = name end
+  local v = redis.call('HMGET', job.key, unpack(names))
+  local fields = {writes = {}, leaving = {}}
+  for i, name in ipairs(names) do fields[name] = v[i] end
+  return fields
+end
+
+-- A counter of `fields` as a number (absent: 0).
+local function counted(fields, name)
+  return tonumber(fields[name] or '0') or 0
+end
+
+-- Sets `name` to `value` in `fields` and in what its call writes.
+local function job_set(fields, name, value)
+  fields[name] = value
+  fields.writes[name] = value
+end
+
+-- A count as Redis keeps it: an integer in decimal (Lua's own numbers print 15 digits and more in
+-- exponent form, which HINCRBY would refuse).
+local function decimal(n)
+  return string.format('%d', n)
+end
 
 -- The job's incarnation: '' for a job made before incarnations, nil for a job that is gone. A hash
 -- with neither an incarnation nor a state is no job: a remnant that writes of an older version
 -- made after Redis lost the job (a next turn's counters, `accepted` alone); as `create.lua` and
 -- `JobStore.incarnation` do, it counts as gone, so nothing counts in it and a rebuild makes the job
--- anew over it.
-local function job_incarnation(job)
-  local v = redis.call('HMGET', job.key, 'incarnation', 'state')
-  if v[1] then return v[1] end
-  if v[2] then return '' end
+-- anew over it. `fields`: from `job_read`.
+local function job_incarnation(fields)
+  if fields.incarnation then return fields.incarnation end
+  if fields.state then return '' end
   return nil
 end
 
@@ -51,11 +89,16 @@ local function counts_in(wanted, incarnation)
   return wanted == '' or wanted == incarnation
 end
 
--- Takes `ids` out of the job's running set; answers, per id, 1 if it was there and 0 if not.
-local function leave_running(job, ids)
+-- Which of `ids` are in the job's running set: per id, 1 if it was there and 0 if not. One id
+-- leaves the set at once (SREM answers both). Several are left in `fields.leaving`
+-- (`fields` from `job_read`) for `count_and_complete` to take out, or to drop with the whole set
+-- when the job completes: a caller that counts none of them has none there.
+local function leave_running(job, ids, fields)
   if #ids == 1 then return {redis.call('SREM', job.running, ids[1])} end
   local was_running = redis.call('SMISMEMBER', job.running, unpack(ids))
-  redis.call('SREM', job.running, unpack(ids))
+  for n, id in ipairs(ids) do
+    if was_running[n] == 1 then fields.leaving[#fields.leaving + 1] = id end
+  end
   return was_running
 end
 
@@ -102,47 +145,75 @@ local function tally(fields, counter, label, cls, n, tokens, finish, arm)
   end
 end
 
+-- Adds `increments` (field -> n) to the counters of hash `key`: one HINCRBY for one field, one read
+-- and one write for more.
+local function add_counts(key, increments)
+  local names = {}
+  for field in pairs(increments) do names[#names + 1] = field end
+  if #names == 0 then return end
+  if #names == 1 then
+    redis.call('HINCRBY', key, names[1], increments[names[1]])
+    return
+  end
+  local v = redis.call('HMGET', key, unpack(names))
+  local sums = {}
+  for i, field in ipairs(names) do
+    sums[#sums + 1] = field
+    sums[#sums + 1] = decimal((tonumber(v[i] or '0') or 0) + increments[field])
+  end
+  redis.call('HSET', key, unpack(sums))
+end
+
 -- Counts `n` prompts as `counter` in the job (setting `first_record_at_ms` by the rule above), their
--- `tokens` output tokens, and `fields` (from `tally`) in its breakdown.
-local function count_in_job(job, counter, n, tokens, fields, now_ms)
+-- `tokens` output tokens and `breakdown` (from `tally`) in its breakdown, then applies the tail and
+-- completion rules to a job in `running_state`: its tail starts, and it moves to `completed_state`
+-- (its running set goes) when all of its prompts have ended. `fields`: the job as `job_read` read
+-- it, with what the caller set since (`job_set`), all written here in one HSET; the ids it left
+-- running (`leave_running`) leave the running set unless the whole set goes. Answers whether the
+-- job completed.
+local function count_and_complete(job, fields, counter, n, tokens, breakdown, now_ms, running_state,
+                                  completed_state)
   if n ~= 0 then
-    local count = redis.call('HINCRBY', job.key, counter, n)
-    if counter == 'done' and count > 0 and count == n then
-      redis.call('HSETNX', job.key, 'first_record_at_ms', now_ms)
+    local before = counted(fields, counter)
+    job_set(fields, counter, decimal(before + n))
+    if counter == 'done' and before == 0 and before + n > 0 and not fields.first_record_at_ms then
+      job_set(fields, 'first_record_at_ms', now_ms)
     end
   end
-  if tokens ~= 0 then redis.call('HINCRBY', job.key, 'output_tokens', tokens) end
-  for field, k in pairs(fields) do redis.call('HINCRBY', job.breakdown, field, k) end
-end
-
--- Applies the tail and completion rules to a job in `running_state`: its tail starts, and it moves
--- to `completed_state` (its running set goes) when all of its prompts have ended. Answers whether
--- it completed. `v`: the job's state, done, failed, cancelled, accepted, output_tokens and
--- completed_before, in this order, as the caller read them (one HMGET; more fields may follow).
-local function complete_read(job, v, running_state, completed_state, now_ms)
-  if v[1] ~= running_state then return false end
-  local ended = tonumber(v[2] or '0') + tonumber(v[3] or '0') + tonumber(v[4] or '0')
-  local accepted = tonumber(v[5] or '0')
-  if 20 * ended >= 19 * accepted then redis.call('HSETNX', job.key, 'tail_from_ms', now_ms) end
-  if ended < accepted then return false end
-  local finished_at_ms = now_ms
-  if v[7] then
-    local then_ms, then_accepted, then_tokens = string.match(v[7], '^(%d+) (%d+) (%d+)$')
-    if then_ms and tonumber(then_accepted) == accepted and tonumber(then_tokens) == tonumber(v[6] or '0') then
-      finished_at_ms = then_ms
+  if tokens ~= 0 then job_set(fields, 'output_tokens', decimal(counted(fields, 'output_tokens') + tokens)) end
+  add_counts(job.breakdown, breakdown)
+  local completed = false
+  if fields.state == running_state then
+    local ended = counted(fields, 'done') + counted(fields, 'failed') + counted(fields, 'cancelled')
+    local accepted = counted(fields, 'accepted')
+    if 20 * ended >= 19 * accepted and not fields.tail_from_ms then
+      job_set(fields, 'tail_from_ms', now_ms)
     end
-    redis.call('HDEL', job.key, 'completed_before')
+    if ended >= accepted then
+      local finished_at_ms = now_ms
+      if fields.completed_before then
+        local then_ms, then_accepted, then_tokens =
+          string.match(fields.completed_before, '^(%d+) (%d+) (%d+)$')
+        if then_ms and tonumber(then_accepted) == accepted
+          and tonumber(then_tokens) == counted(fields, 'output_tokens') then
+          finished_at_ms = then_ms
+        end
+        redis.call('HDEL', job.key, 'completed_before')
+      end
+      job_set(fields, 'state', completed_state)
+      job_set(fields, 'finished_at_ms', finished_at_ms)
+      redis.call('DEL', job.running)
+      completed = true
+    end
   end
-  redis.call('HSET', job.key, 'state', completed_state, 'finished_at_ms', finished_at_ms)
-  redis.call('DEL', job.running)
-  return true
-end
-
--- `complete_read` on the job's fields as they are now.
-local function complete_if_ended(job, running_state, completed_state, now_ms)
-  local v = redis.call('HMGET', job.key, 'state', 'done', 'failed', 'cancelled', 'accepted',
-    'output_tokens', 'completed_before')
-  return complete_read(job, v, running_state, completed_state, now_ms)
+  local writes = {}
+  for name, value in pairs(fields.writes) do
+    writes[#writes + 1] = name
+    writes[#writes + 1] = value
+  end
+  if #writes > 0 then redis.call('HSET', job.key, unpack(writes)) end
+  if not completed and #fields.leaving > 0 then redis.call('SREM', job.running, unpack(fields.leaving)) end
+  return completed
 end
 
 -- Acknowledging committed prompts ----------------------------------------------------------------
@@ -171,13 +242,16 @@ local function finish_in_rq(rq, prompt)
 end
 
 -- Finishes in RQ the prompts of one job that count by the counting rules (the job's incarnation,
--- still running), taking them out of its running set; a prompt that does not count keeps its RQ job
--- as it is (a stale ack never finishes a copy that waits to run). Answers how many counted, their
--- output tokens and their breakdown fields (`tally`), for `count_in_job`.
+-- still running); a prompt that does not count keeps its RQ job as it is (a stale ack never
+-- finishes a copy that waits to run). Answers how many counted, their output tokens, their
+-- breakdown (`tally`) and the job as read (`job_read`, nil for a job that is gone), for
+-- `count_and_complete`, which a caller with any counted must call: it takes them out of the
+-- running set.
 local function ack_in_job(job, prompts, rq)
-  local done, tokens, fields = 0, 0, {}
-  local current = job_incarnation(job)
-  if not current then return done, tokens, fields end
+  local done, tokens, breakdown = 0, 0, {}
+  local fields = job_read(job)
+  local current = job_incarnation(fields)
+  if not current then return done, tokens, breakdown, nil end
   local mine, ids = {}, {}
   for _, prompt in ipairs(prompts) do
     if counts_in(prompt.incarnation, current) then
@@ -185,19 +259,19 @@ local function ack_in_job(job, prompts, rq)
       ids[#ids + 1] = prompt.rq_id
     end
   end
-  if #mine == 0 then return done, tokens, fields end
-  local was_running = leave_running(job, ids)
+  if #mine == 0 then return done, tokens, breakdown, fields end
+  local was_running = leave_running(job, ids, fields)
   local known = {}
   for n, prompt in ipairs(mine) do
     if was_running[n] == 1 then
       finish_in_rq(rq, prompt)
       done = done + 1
       tokens = tokens + prompt.output_tokens
-      tally(fields, 'done', partition_label(job, prompt.partition, known), prompt.cls, 1,
+      tally(breakdown, 'done', partition_label(job, prompt.partition, known), prompt.cls, 1,
         prompt.output_tokens, prompt.finish, prompt.arm)
     end
   end
-  return done, tokens, fields
+  return done, tokens, breakdown, fields
 end
 
 -- Dispatch ---------------------------------------------------------------------------------------
