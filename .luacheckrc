@@ -8,9 +8,9 @@ max_line_length = 110
 -- The library's functions: the loader puts lib.lua before a script that starts `--! uses lib`, so
 -- a script sees them as globals it cannot change.
 local lib = {
-  "job_read", "counted", "job_set", "decimal", "job_incarnation", "counts_in", "leave_running", "partition_label",
+  "job_read", "counted", "job_set", "job_write", "decimal", "job_incarnation", "counts_in", "leave_running", "partition_label",
   "breakdown_field", "tally", "add_counts", "count_and_complete", "finish_in_rq", "ack_in_job", "weight_units",
-  "rejoin", "leave", "count_cancelled_queued",
+  "rejoin", "save_queued", "backlog_push", "leave", "count_cancelled_queued",
 }
 
 -- A script's arguments: the loader (datagen/control/scripts.py, `source`) binds each name its signature

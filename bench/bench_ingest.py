@@ -14,8 +14,8 @@ Lines printed:
 ``ours``
     ``service.ingest.Ingestor.run`` on the JSONL file, end to end: parse rows, render and
     tokenize each with the bundled DeepSeek tokenizer and the shipped R1 template, check the
-    ``enqueued`` guard set (SMISMEMBER), then ``enqueue_many`` plus the job's counters and
-    checkpoint in one MULTI/EXEC per chunk of ``--chunk`` prompts.
+    job's rows guard, then land each chunk of ``--chunk`` prompts (RQ hashes, backlog, the job's
+    counters and checkpoint) in one script (``ingest_land.lua``).
 ``rendering alone``
     ``PromptRenderer.render`` on the same prompts, nothing else: the part of ours the baseline
     does not do.
@@ -202,7 +202,7 @@ def main() -> None:
     )
     base_s, ours_s, render_s = min(base), min(ours), min(render_times)
     print(line("baseline: Queue.enqueue() per prompt (pre-rendered)", base, args.n))
-    print(line("ours: Ingestor.run (parse+render+guard+enqueue_many)", ours, args.n, base_s))
+    print(line("ours: Ingestor.run (parse+render+guard+landing)", ours, args.n, base_s))
     print(line("rendering alone: PromptRenderer.render", render_times, args.n))
     if ours_s > render_s:
         minus = [t - render_s for t in ours]

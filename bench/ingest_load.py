@@ -13,15 +13,15 @@ Lines printed:
     thread, measured in the same run.
 ``ingest``
     From the ``202`` of ``POST /jobs`` to the job leaving ``ingesting``: parse, render, duplicate
-    guard, ``enqueue_many`` and checkpoint per chunk, in the coordinator process, with Redis, the
-    worker and the simulator sharing the machine. The ratio to the raw tokenizer rate is printed
-    (1.0 would mean ingestion costs nothing beyond rendering). The upload (``POST /jobs`` until
-    ``202``) is printed on its own line.
+    guard, and each chunk landed in one script (prompts, counters, checkpoint), in the coordinator
+    process, with Redis, the worker and the simulator sharing the machine. The ratio to the raw
+    tokenizer rate is printed (1.0 would mean ingestion costs nothing beyond rendering). The upload
+    (``POST /jobs`` until ``202``) is printed on its own line.
 ``GET /jobs/{id}``
     Latency of the progress route sampled every ``--sample-interval-s`` during ingestion, p50, p99
     and max (target: p99 < 100 ms), so that a busy ingestion thread does not stall the API.
     Redis PING latency from the benchmark is sampled alongside: when both are high, Redis was
-    busy (a chunk's MULTI/EXEC runs as one command); when only the route is slow, the coordinator
+    busy (a chunk's landing script runs as one command); when only the route is slow, the coordinator
     process was (its ingestion thread shares the GIL with the API).
 ``CPU``
     CPU time per prompt during ingestion, from ``/proc``: the coordinator process (its ingestion

@@ -53,10 +53,11 @@ __all__ = [
     "admit",
     "admit_row",
     "arm_renderers",
-    "breakdown",
     "chunk_items",
     "chunk_limit",
     "chunk_sizes",
+    "partition_breakdown",
+    "rejected_breakdown",
 ]
 
 
@@ -123,28 +124,32 @@ def chunk_items(
         yield first, Conversation(last.messages, last.tools, cuts, generated=[], row_class=first.cls)
 
 
-def breakdown(
-    chunk: Chunk,
-    fresh: list[PromptPayload],
-    labels: dict[str, str],
+def partition_breakdown(
+    fresh: Sequence[PromptPayload],
     done: Sequence[tuple[PromptPayload, int]] = (),
     continued: Sequence[PromptPayload] = (),
 ) -> dict[BreakdownField, int]:
-    """Accepted prompts and rejected rows by partition label and class, for the metrics; ``done``:
-    prompts of ``fresh`` already committed (a rebuilt job), with how many turns each counts;
-    ``continued``: the next turns of its conversations, enqueued from the records."""
+    """Accepted prompts by partition and class, for the metrics: each field's label is the
+    prompt's partition, which the chunk's landing replaces by the job's label for it
+    (`datagen.control.ingest_chunks`). ``done``: prompts of ``fresh`` already committed (a rebuilt
+    job), with how many turns each counts; ``continued``: the next turns of its conversations,
+    enqueued from the records."""
     counts: Counter[BreakdownField] = Counter()
     for payload in [*fresh, *continued]:
-        counts[BreakdownField("accepted", labels[payload.partition], payload.cls.value)] += 1
+        counts[BreakdownField("accepted", payload.partition, payload.cls.value)] += 1
     for payload, turns in done:
-        label = labels[payload.partition]
-        counts[BreakdownField("accepted", label, payload.cls.value)] += turns - 1
-        counts[BreakdownField("done", label, payload.cls.value)] += turns
+        counts[BreakdownField("accepted", payload.partition, payload.cls.value)] += turns - 1
+        counts[BreakdownField("done", payload.partition, payload.cls.value)] += turns
         if payload.arm:  # as the ack scripts count a recipe's prompts (`tally` in lib.lua)
-            counts[BreakdownField.of_arm("done", payload.arm, label, payload.cls.value)] += turns
-    if chunk.rejected:
-        counts[BreakdownField("rejected", UNKNOWN_LABEL, UNKNOWN_LABEL)] += len(chunk.rejected)
+            counts[BreakdownField.of_arm("done", payload.arm, payload.partition, payload.cls.value)] += turns
     return dict(counts)
+
+
+def rejected_breakdown(chunk: Chunk) -> dict[BreakdownField, int]:
+    """The chunk's rejected rows in the breakdown (no partition or class: their label is unknown)."""
+    if not chunk.rejected:
+        return {}
+    return {BreakdownField("rejected", UNKNOWN_LABEL, UNKNOWN_LABEL): len(chunk.rejected)}
 
 
 @dataclass(frozen=True)

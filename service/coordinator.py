@@ -17,7 +17,7 @@ from redis import Redis, RedisError
 from datagen.control.dispatch import JobShare
 from datagen.control.enqueue import EnqueueOptions
 from datagen.control.epoch import EpochWatch
-from datagen.control.jobs import Created, JobProgress, JobStore
+from datagen.control.jobs import Created, IngestFacts, JobProgress, JobStore
 from datagen.control.keys import Keys
 from datagen.control.leases import Leases
 from datagen.control.servers import live_servers
@@ -222,7 +222,20 @@ class Coordinator:
             self.jobs.restart_ingest(job_id, ingest)
         self._write_manifest(checked, identity, created)
         self.metrics.jobs_submitted.inc()
-        self.ingests.start(job_id, [input_name], incarnation=created.incarnation)
+        # A job made now is what the create wrote: its ingestion starts without reading it back
+        # (the spec parsed from what was stored, as a run that reads it has it).
+        facts = (
+            IngestFacts(
+                incarnation=created.incarnation,
+                spec=JobSpec.model_validate_json(checked.spec.model_dump_json()),
+                context_len=checked.preflight.context_len,
+                ingest_line=0,
+                waiting_for_room=False,
+            )
+            if created.made
+            else None
+        )
+        self.ingests.start(job_id, [input_name], incarnation=created.incarnation, facts=facts)
         return created
 
     @staticmethod

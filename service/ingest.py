@@ -1,18 +1,19 @@
 """Streaming ingestion: dataset file → rendered prompt ids → RQ jobs, in checkpointed chunks.
 
-Each chunk is enqueued in one MULTI/EXEC (`datagen.control.ingest_chunks`: under WATCH of the job's
-ingest fence, so nothing lands for a cancelled, failed or deleted job) together with (a) its rows
-added to the job's rows guard (`service.rowids`) and (b) the job's counters and the line
+Each chunk lands in one script (`datagen.control.ingest_chunks`: only while the job's ingest fence
+holds this run's value, so nothing lands for a cancelled, failed or deleted job) together with (a)
+its rows added to the job's rows guard (`service.rowids`) and (b) the job's counters and the line
 checkpoint. A crash anywhere leaves either the whole chunk or none of it; a resumed ingestion starts
 after the checkpoint, and the rows guard (read before each chunk) keeps a resubmitted row from
-being enqueued twice, since RQ itself accepts a second enqueue of the same job id. Chunks start
-small and double up to the configured size (`service.admit.chunk_sizes`), and the first one also
-goes out after a deadline, so warm workers start on a new job within a fraction of a second of its
-submit.
+being enqueued twice, since RQ itself accepts a second enqueue of the same job id. A run that starts
+on a job no chunk has landed a row for (a new job) reads nothing of it before its first chunk lands
+(`_NoRows`). Chunks start small and double up to the configured size (`service.admit.chunk_sizes`),
+and the first one also goes out after a deadline, so warm workers start on a new job within a
+fraction of a second of its submit.
 
 Evaluation hygiene (`datagen.hygiene.screen`) judges each chunk's rows last: contaminated rows and
 duplicates become rejected rows, and the kept rows' packed records are appended to the job's
-``seen`` keys in the same transaction (read back into memory whenever ingestion starts).
+``seen`` keys as the chunk lands (read back into memory whenever ingestion starts).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from datagen.backoff import Backoff
 from datagen.control.dispatch import Dispatch
 from datagen.control.enqueue import EnqueueOptions
 from datagen.control.ingest_chunks import ChunkWrite, IngestChunks, Landing
-from datagen.control.jobs import JobStore
+from datagen.control.jobs import IngestFacts, JobStore
 from datagen.control.keys import Keys, prompt_key
 from datagen.control.payload import PromptPayload
 from datagen.control.redismemory import is_out_of_memory, out_of_memory_error
@@ -48,11 +49,12 @@ from datagen.states import DedupMode, JobState, PromptClass
 from service.admit import (
     Chunk,
     Refused,
-    breakdown,
     chunk_limit,
     chunk_sizes,
+    partition_breakdown,
+    rejected_breakdown,
 )
-from service.committed import Committed, Settled, settle_committed
+from service.committed import Committed, settle_committed
 from service.metrics import CoordinatorMetrics
 from service.render_pool import BrokenRenderPool, RenderedRow, RenderPool
 from service.rowids import (
@@ -108,6 +110,23 @@ class _TakenOver(Exception):
     it): this one lands nothing more."""
 
 
+class _StartOver(Exception):
+    """The run's first chunk found rows landed since the run started (`Landing.STALE`): it starts
+    over from the checkpoint, reading what they left."""
+
+
+@dataclass
+class _NoRows:
+    """A run that started on a job for which no chunk has landed a row (its ``rows`` counter 0):
+    nothing is in the job's rows guard or seen records, nor in its enqueued set (every entry there
+    is a prompt of a row a chunk counted: an older version's ingestion, or a next turn). So the run
+    reads neither the guard nor the seen records before its first chunk lands, and never the
+    enqueued set; its first chunk lands only if the counter is still 0 (else it starts over,
+    `_StartOver`), so nothing landed in between either."""
+
+    landed: bool = False
+
+
 class Ingestor:
     def __init__(
         self,
@@ -129,7 +148,7 @@ class Ingestor:
         self.storage = storage
         self.options = options
         self.dispatch = Dispatch(redis, keys)
-        self.chunks = IngestChunks(redis, keys, jobs, options.enqueue)
+        self.chunks = IngestChunks(redis, keys, options.enqueue)
         # The inputs being read, by (job, input name), while their streams live (`_open`).
         self._inputs: weakref.WeakValueDictionary[tuple[str, str], RowStream] = weakref.WeakValueDictionary()
 
@@ -143,6 +162,7 @@ class Ingestor:
         committed: Committed | None = None,
         finish: bool = True,
         fence: str | None = None,
+        facts: IngestFacts | None = None,
     ) -> bool:
         """Ingest one uploaded file; resumable from the job's checkpoint. Never raises.
 
@@ -156,17 +176,23 @@ class Ingestor:
         runs never both land chunks); None: the incarnation, as a submit arms it.
 
         While Redis is unreachable (a restart) it waits and resumes from the checkpoint: each
-        chunk's enqueue and checkpoint are one transaction, so nothing is enqueued twice.
+        chunk's enqueue and checkpoint are one script, so nothing is enqueued twice.
 
         ``committed`` (a job rebuilt from storage, `service.rebuild`): prompts with a committed
         record are counted done, not enqueued. ``finish`` False leaves the job ingesting at the end
-        (more uploads follow). Returns whether the upload was ingested to its end.
+        (more uploads follow). ``facts``: the job as the submit that made it just now knows it (its
+        first run starts without reading it; a retry reads it). Returns whether the upload was
+        ingested to its end.
         """
         backoff = Backoff(INGEST_RETRY_FIRST_S, INGEST_RETRY_MAX_S)
         storage_failed = False
         while not stop.is_set():
+            # Only a first attempt starts from what the submit knew: a retry reads what landed.
+            given, facts = facts, None
             try:
-                ended = self._run(job_id, source, stop, incarnation, committed, finish, storage_failed, fence)
+                ended = self._run(
+                    job_id, source, stop, incarnation, committed, finish, storage_failed, fence, given
+                )
                 return ended
             except _Stopped:
                 log.info(
@@ -238,9 +264,32 @@ class Ingestor:
         finish: bool,
         storage_failed: bool,
         fence: str | None = None,
+        facts: IngestFacts | None = None,
     ) -> bool:
-        # The job as this run starts on it, in one command.
-        facts = self.jobs.ingest_facts(job_id)
+        while True:
+            try:
+                return self._run_once(
+                    job_id, source, stop, incarnation, committed, finish, storage_failed, fence, facts
+                )
+            except _StartOver:
+                facts = None  # read again: what landed since
+                log.info("job %s: rows landed since this ingestion run started; it starts over", job_id)
+
+    def _run_once(
+        self,
+        job_id: str,
+        source: str | Path,
+        stop: threading.Event,
+        incarnation: str | None,
+        committed: Committed | None,
+        finish: bool,
+        storage_failed: bool,
+        fence: str | None = None,
+        facts: IngestFacts | None = None,
+    ) -> bool:
+        # The job as this run starts on it, in one command (none for a job a submit made just now).
+        if facts is None:
+            facts = self.jobs.ingest_facts(job_id)
         if facts is None or (incarnation is not None and facts.incarnation != incarnation):
             raise _Cancelled  # deleted, or its id already reused, before ingestion began
         incarnation = facts.incarnation
@@ -258,7 +307,8 @@ class Ingestor:
         input_name = source.name if isinstance(source, Path) else source
         if start_line:
             log.info("job %s: resuming ingestion of %s after line %d", job_id, input_name, start_line)
-        hygiene = self._hygiene(job_id, spec)
+        no_rows = _NoRows() if facts.rows == 0 else None
+        hygiene = self._hygiene(job_id, spec, no_rows)
         chunk = Chunk(input_name)
         most = chunk_limit(self.options.chunk, self.options.max_queued_per_class, spec.samples)
         sizes = chunk_sizes(self.options.first_chunk, most)
@@ -274,17 +324,21 @@ class Ingestor:
                 self._add(chunk, row, job_id, spec, incarnation)
                 full = len(chunk.prompts) + len(chunk.rejected) >= size
                 if full or (deadline is not None and chunk.prompts and time.monotonic() >= deadline):
-                    self._flush(job_id, spec, chunk, stop, hygiene, incarnation, committed, fence)
+                    self._flush(job_id, spec, chunk, stop, hygiene, incarnation, committed, fence, no_rows)
                     if storage_failed:
                         self._set_storage_error(job_id, None)
                         storage_failed = False
                     chunk = Chunk(input_name)
                     size, deadline = next(sizes), None
-        self._flush(job_id, spec, chunk, stop, hygiene, incarnation, committed, fence)
+        # The input's last chunk ends the ingestion as it lands, in the same script; with no row
+        # left to land, the ingestion ends on its own.
+        ending = finish and chunk.rows > 0
+        self._flush(job_id, spec, chunk, stop, hygiene, incarnation, committed, fence, no_rows, ending)
         if storage_failed:
             self._set_storage_error(job_id, None)
         if finish:
-            self.jobs.finish_ingest(job_id)
+            if not ending:
+                self.jobs.finish_ingest(job_id)
             log.info("job %s: ingestion finished", job_id)
         return True
 
@@ -293,15 +347,15 @@ class Ingestor:
             self.metrics.ingest_rendered_rows.labels(where).inc(rows)
             self.metrics.ingest_render_cpu.labels(where).inc(cpu_s)
 
-    def _hygiene(self, job_id: str, spec: JobSpec) -> Hygiene:
+    def _hygiene(self, job_id: str, spec: JobSpec, no_rows: _NoRows | None) -> Hygiene:
         """The job's decontamination index (held to the sets' digest in its manifest), and the rows
-        it kept so far (from Redis)."""
+        it kept so far (from Redis; none where ``no_rows`` says no row landed)."""
         pinned = None
         if spec.decontaminate:
             manifest = self.storage.read_manifest(job_id) or {}
             pinned = (manifest.get("decontaminate") or {}).get("sha256")
         hygiene = Hygiene.for_spec(spec, pinned_sha256=pinned)
-        if hygiene.dedup is not DedupMode.OFF:
+        if hygiene.dedup is not DedupMode.OFF and no_rows is None:
             for records in self.jobs.seen_records(job_id):
                 hygiene.seen.load(records)
         return hygiene
@@ -373,18 +427,6 @@ class Ingestor:
             )
             chunk.prompts.append((item, payload))
 
-    def _wait_for_room(self, job_id: str, payloads: list[PromptPayload], stop: threading.Event) -> None:
-        """Wait while the job's backlog of a class has no room for the chunk's prompts of that class
-        within the window. A chunk fits the window (`service.admit.chunk_limit`) but for one row
-        whose samples outnumber it: that one asks for the whole window, so it goes once the backlog
-        is empty."""
-        window = self.options.max_queued_per_class
-        for cls in PromptClass:
-            wanted = min(window, sum(1 for p in payloads if p.cls is cls))
-            backlog = self.dispatch.backlog(job_id, cls) if wanted else 0
-            if backlog + wanted > window:
-                self._wait_for_class(job_id, cls, wanted, backlog, stop)
-
     def _wait_for_class(
         self, job_id: str, cls: PromptClass, wanted: int, backlog: int, stop: threading.Event
     ) -> None:
@@ -434,23 +476,36 @@ class Ingestor:
         incarnation: str = "",
         committed: Committed | None = None,
         fence: str = "",
+        no_rows: _NoRows | None = None,
+        finish: bool = False,
     ) -> None:
+        """Land the chunk (``finish``: the input's last, which ends the ingestion as it lands)."""
         if chunk.rows == 0:
             return
-        self._check_cancelled(job_id)
-        new_ids, repeats, reread = self._check_ids(job_id, chunk)
+        # Nothing in the rows guard before a run's first chunk lands where no row landed before it.
+        guarded = no_rows is None or no_rows.landed
+        new_ids, repeats, reread = self._check_ids(job_id, chunk, guarded)
         verdicts = self._judge(hygiene, chunk, repeats)
-        new_rejected, reread = self._leave_out_reread(job_id, chunk, reread)
+        new_rejected, reread = self._leave_out_reread(job_id, chunk, reread, guarded)
         members = [prompt_key(p.sample_id, p.turn, p.gen) for _, p in chunk.prompts]
         # A row enqueued before is in the rows hash (`repeats`: same id, same content). Jobs made
-        # before rows were remembered kept one guard entry per prompt in the enqueued set instead.
-        legacy = self.redis.smismember(self.keys.job_enqueued(job_id), members) if members else []
+        # before rows were remembered kept one guard entry per prompt in the enqueued set instead;
+        # a run that started with no row landed (`_NoRows`) finds none there.
+        legacy = (
+            self.redis.smismember(self.keys.job_enqueued(job_id), members)
+            if members and no_rows is None
+            else [False] * len(members)
+        )
         fresh: list[tuple[Prompt, PromptPayload, str]] = []
         in_chunk: set[str] = set()
         for (item, payload), member, enqueued in zip(chunk.prompts, members, legacy, strict=True):
             if not enqueued and item.line not in repeats and member not in in_chunk:
                 in_chunk.add(member)
                 fresh.append((item, payload, member))
+        if chunk.rejected or chunk.flagged:
+            # Nothing is written for a job cancelled or deleted meanwhile (the landing itself is
+            # fenced: a chunk that writes nothing here needs no look).
+            self._check_cancelled(job_id)
         if chunk.rejected:
             # One object per chunk (object stores cannot append); a resumed chunk rewrites it.
             self.storage.write_rejected(
@@ -472,20 +527,20 @@ class Ingestor:
             "done": settled.done,
             "output_tokens": settled.output_tokens,
         }
-        self._wait_for_room(job_id, [*settled.enqueue, *settled.continued], stop)
         records = verdicts.record_bytes(hygiene.bands) if verdicts is not None else b""
-        self._commit(
-            job_id,
-            spec,
-            chunk,
-            fresh_payloads,
-            counts,
-            {**new_ids, **new_rejected},
-            records,
-            incarnation,
-            settled,
-            fence,
+        write = ChunkWrite(
+            input_name=chunk.input_name,
+            last_line=chunk.last_line,
+            enqueue=settled.enqueue,
+            continued=settled.continued,
+            counts=counts,
+            partitions={p.partition for p in fresh_payloads},
+            partitioned=partition_breakdown(fresh_payloads, settled.turns, settled.continued),
+            breakdown=rejected_breakdown(chunk),
+            rows={**new_ids, **new_rejected},
+            seen=records,
         )
+        self._commit(job_id, spec, write, stop, incarnation, fence, no_rows, finish)
         if verdicts is not None:
             hygiene.keep(verdicts)
         if self.metrics is not None:
@@ -498,45 +553,54 @@ class Ingestor:
         self,
         job_id: str,
         spec: JobSpec,
-        chunk: Chunk,
-        fresh: list[PromptPayload],
-        counts: dict[str, int],
-        new_ids: dict[str, str],
-        seen: bytes,
+        write: ChunkWrite,
+        stop: threading.Event,
         incarnation: str,
-        settled: Settled,
-        fence_value: str = "",
+        fence_value: str,
+        no_rows: _NoRows | None,
+        finish: bool,
     ) -> None:
-        """The chunk's enqueue, counters and checkpoint in one transaction, which lands only while
-        the job's ingest fence holds ``fence_value`` (this incarnation, and this run's token if it
-        has one): a cancel, failure or delete drops the fence, another run of the ingestion takes it.
-        ``settled``: which of ``fresh`` have a committed record already (counted, not enqueued)."""
-        write = ChunkWrite(
-            input_name=chunk.input_name,
-            last_line=chunk.last_line,
-            enqueue=settled.enqueue,
-            continued=settled.continued,
-            counts=counts,
-            partitions={p.partition for p in fresh},
-            breakdown=lambda labels: breakdown(chunk, fresh, labels, settled.turns, settled.continued),
-            rows=new_ids,
-            seen=seen,
-        )
+        """The chunk's enqueue, counters and checkpoint in one step, which lands only while the
+        job's ingest fence holds ``fence_value`` (this incarnation, and this run's token if it has
+        one): a cancel, failure or delete drops the fence, another run of the ingestion takes it.
+        Backpressure: it waits while the job's backlog of a class has no room for the chunk's
+        prompts of that class within the window (`IngestChunks.land`). A chunk fits the window
+        (`service.admit.chunk_limit`) but for one row whose samples outnumber it: that one asks for
+        the whole window, so it goes once the backlog is empty."""
+        expect_rows = 0 if no_rows is not None and not no_rows.landed else None
         landing = self.chunks.land(
-            job_id, write, priority=spec.priority, incarnation=incarnation, fence_value=fence_value
+            job_id,
+            write,
+            priority=spec.priority,
+            incarnation=incarnation,
+            fence_value=fence_value,
+            window=self.options.max_queued_per_class,
+            wait_for_room=lambda cls, wanted, backlog: self._wait_for_class(
+                job_id, cls, wanted, backlog, stop
+            ),
+            expect_rows=expect_rows,
+            finish=finish,
         )
         if landing is Landing.TAKEN_OVER:
             raise _TakenOver
         if landing is Landing.FENCED:
             raise _Cancelled
+        if landing is Landing.STALE:
+            raise _StartOver
+        if no_rows is not None:
+            no_rows.landed = True
 
-    def _check_ids(self, job_id: str, chunk: Chunk) -> tuple[dict[str, str], set[int], set[int]]:
+    def _check_ids(
+        self, job_id: str, chunk: Chunk, guarded: bool = True
+    ) -> tuple[dict[str, str], set[int], set[int]]:
         """Reject rows that reuse an earlier row's id with other content; returns the ids this chunk
         uses first, to remember, the lines that repeat an earlier row, and those of them that repeat
-        an earlier upload's row (`service.rowids`)."""
+        an earlier upload's row (`service.rowids`). ``guarded`` False: the job's rows guard is
+        known to be empty, and is not read."""
         if not chunk.ids:
             return {}, set(), set()
-        stored = self.jobs.first_rows(job_id, sorted({r.sample_key for r in chunk.ids.values()}))
+        keys = sorted({r.sample_key for r in chunk.ids.values()})
+        stored = self.jobs.first_rows(job_id, keys) if guarded else {}
         upload = chunk.input_name.removesuffix(".jsonl")
         new, refused = check_row_ids(chunk.ids, stored, upload=upload)
         repeats = repeated_lines(chunk.ids, stored)
@@ -552,7 +616,7 @@ class Ingestor:
         return new, repeats, reread
 
     def _leave_out_reread(
-        self, job_id: str, chunk: Chunk, reread: set[int]
+        self, job_id: str, chunk: Chunk, reread: set[int], guarded: bool = True
     ) -> tuple[dict[str, str], set[int]]:
         """Leave out of the chunk's counts and reports the rows an earlier upload counted already:
         ``reread`` (repeats of an earlier upload's row, by id) and rejected rows whose line, bytes
@@ -562,7 +626,7 @@ class Ingestor:
             r["line"]: rejected_field(r["line"], chunk.line_digests.get(r["line"], ""))
             for r in chunk.rejected
         }
-        stored = self.jobs.first_rows(job_id, sorted(set(fields.values()))) if fields else {}
+        stored = self.jobs.first_rows(job_id, sorted(set(fields.values()))) if fields and guarded else {}
         before = counted_before(fields.values(), stored, upload=chunk.input_name)
         reread = reread | {line for line, name in fields.items() if name in before}
         if reread:

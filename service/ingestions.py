@@ -11,7 +11,7 @@ from typing import Any
 
 from redis import RedisError
 
-from datagen.control.jobs import JobStore
+from datagen.control.jobs import IngestFacts, JobStore
 from datagen.errors import DatagenError, JobNotFoundError
 from datagen.records.storage import Storage
 from datagen.states import JobState
@@ -56,12 +56,14 @@ class IngestRuns:
         fresh: bool = False,
         fence: str | None = None,
         incarnation: str | None = None,
+        facts: IngestFacts | None = None,
     ) -> None:
         """Ingest ``inputs`` in order in one thread (the job's current upload first, from its
         checkpoint; ``fresh``: every upload from its first line, as a rebuild does). ``fence``: the
         value the job's ingest fence holds for this run (`service.ingest`; None: the incarnation).
         ``incarnation``: the job's, as the caller read it (None: read here); the run lands nothing
-        for another (`Ingestor.run`)."""
+        for another (`Ingestor.run`). ``facts``: the job as a submit that made it just now knows it
+        (the first upload's run starts without reading it)."""
         if incarnation is None:
             incarnation = self._jobs.incarnation(job_id)
         if incarnation is None or not inputs:
@@ -69,7 +71,7 @@ class IngestRuns:
         stop = threading.Event()
         thread = threading.Thread(
             target=self._ingest_all,
-            args=(job_id, inputs, stop, incarnation, committed, fresh, fence),
+            args=(job_id, inputs, stop, incarnation, committed, fresh, fence, facts),
             name=f"ingest-{job_id}",
             daemon=True,
         )
@@ -145,6 +147,7 @@ class IngestRuns:
         committed: Committed | None,
         fresh: bool,
         fence: str | None,
+        facts: IngestFacts | None,
     ) -> None:
         for n, name in enumerate(inputs):
             if n > 0 or fresh:
@@ -158,7 +161,14 @@ class IngestRuns:
                     return
             last = n == len(inputs) - 1
             ended = self._ingestor.run(
-                job_id, name, stop, incarnation=incarnation, committed=committed, finish=last, fence=fence
+                job_id,
+                name,
+                stop,
+                incarnation=incarnation,
+                committed=committed,
+                finish=last,
+                fence=fence,
+                facts=facts if n == 0 and not fresh else None,
             )
             if not ended:
                 return

@@ -7,7 +7,8 @@ or a resubmission): its prompts are skipped as already enqueued, and content ded
 (`datagen.hygiene.screen`) leaves it alone. Only the same content under another id is a duplicate.
 
 Each job remembers, per sample id, ``<content digest>:<line>:<upload>`` of the row that used it first
-(`JobStore.first_rows` / `remember_rows`), across every upload to the job.
+(`JobStore.first_rows`; written as each chunk lands, `datagen.control.ingest_chunks`), across
+every upload to the job.
 
 A resubmission re-reads rows the job counted already (re-attaching to a job by resubmitting its
 dataset): a row that repeats, id and content, a row of an *earlier upload* (`reread_lines`) counts

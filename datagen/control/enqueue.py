@@ -2,30 +2,29 @@
 (coordinator) and by workers, which enqueue turn k+1 of a multi-turn ``all`` conversation
 when turn k is committed.
 
-Every enqueue goes into the caller's transaction together with the prompts' keys in the job's
-``enqueued`` set, which is what keeps a prompt from being enqueued twice (RQ itself accepts a
-second enqueue of the same job id). A worker's next turn is saved by the script that counts its
-turn done (``ack_next_turn.lua``), from the fields `queued_job_fields` computes.
+Every enqueue is guarded, because RQ itself accepts a second enqueue of the same job id: an
+ingestion chunk's prompts by the job's rows guard, written in the same script that saves them
+(`datagen.control.ingest_chunks`, from the hashes `queued_jobs` computes); a next turn by its key
+in the job's ``enqueued`` set, added by the script that counts its turn done
+(``ack_next_turn.lua``, from the fields `queued_job_fields` computes).
 """
 
 from __future__ import annotations
 
 import json
 import zlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from redis.client import Pipeline
 from rq import Queue, Retry
 from rq.job import Job, JobStatus
 from rq.utils import now
 
-from datagen.control.dispatch import Dispatch
 from datagen.control.job_outcomes import QueuedTurn
 from datagen.control.keys import Keys, prompt_key
 from datagen.control.payload import PromptPayload
-from datagen.control.rq_format import ENQUEUE, SERIALIZER, QueuedJobs, rq_now
+from datagen.control.rq_format import ENQUEUE, SERIALIZER, QueuedJobs
 from datagen.settings import DEFAULT_FAILURE_TTL_S, DEFAULT_MAX_WORKER_LOSSES, DEFAULT_RESULT_TTL_S
 from datagen.states import Priority, PromptClass
 
@@ -33,7 +32,6 @@ __all__ = [
     "JOB_TIMEOUT_S",
     "RQ_JOB_FUNC",
     "EnqueueOptions",
-    "enqueue_prompts",
     "queued_job_fields",
     "queued_jobs",
     "queued_turn",
@@ -83,38 +81,6 @@ def stored_worker_losses(meta: dict[str, Any]) -> int | None:
     """The worker-loss budget a job's ``meta`` says it was made with (None: it does not say)."""
     losses = (meta.get(ENQUEUE) or {}).get("max_worker_losses")
     return None if losses is None else int(losses)
-
-
-def enqueue_prompts(
-    pipe: Pipeline,
-    queues: Mapping[PromptClass, Queue],
-    keys: Keys,
-    job_id: str,
-    payloads: Sequence[PromptPayload],
-    options: EnqueueOptions,
-    *,
-    dispatch: Dispatch,
-    priority: Priority,
-    guard: bool = True,
-) -> None:
-    """Add RQ jobs for ``payloads`` (not yet enqueued: the caller checked) to ``pipe``.
-
-    The RQ jobs are saved as queued on their class's queue by the script that appends their ids to
-    the job's backlog, where they wait until a worker's claim dispatches them
-    (:mod:`datagen.control.dispatch`). ``guard=False`` leaves the prompts out of the ``enqueued``
-    set: ingestion guards its rows by the job's rows hash instead (one entry per row, written in
-    the same transaction; `service.rowids`), which costs Redis one entry per row rather than one
-    more per prompt.
-    """
-    at = rq_now().text
-    for cls, queue in queues.items():
-        mine = [p for p in payloads if p.cls is cls]
-        if not mine:
-            continue
-        pipe.sadd(queue.redis_queues_keys, queue.key)
-        dispatch.add(pipe, job_id, cls, priority, queued_jobs(queue, keys, mine, options, at))
-    if payloads and guard:
-        pipe.sadd(keys.job_enqueued(job_id), *[prompt_key(p.sample_id, p.turn, p.gen) for p in payloads])
 
 
 def queued_jobs(
@@ -199,7 +165,7 @@ def _description(payload: PromptPayload) -> str:
 def queued_job_fields(
     queue: Queue, keys: Keys, payload: PromptPayload, options: EnqueueOptions
 ) -> tuple[str, dict[str, Any]]:
-    """The RQ id and the hash fields that :func:`enqueue_prompts` saves for ``payload``, for a
+    """The RQ id and the hash fields that ingestion saves for ``payload`` (`queued_jobs`), for a
     script that saves them only on a condition (a next turn: ``ack_next_turn.lua``)."""
     job = _queued_job(queue, _job_data(keys, payload, options))
     return job.id, job.to_dict()

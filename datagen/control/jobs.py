@@ -1,9 +1,10 @@
 """Job state in Redis, shared by the coordinator (which creates and ingests jobs) and the workers
 (which count prompts done and failed).
 
-A job is one hash. Counters move only in transactions: ingestion adds accepted prompts in the
-same MULTI/EXEC as their RQ enqueue, and a worker counts a prompt done inside RQ's own
-"job finished" transaction, so a counter never disagrees with RQ's registries after a crash.
+A job is one hash. Counters move only in atomic steps: ingestion adds accepted prompts in the
+same script as their RQ enqueue (`datagen.control.ingest_chunks`), and a worker counts a prompt
+done in the same script that finishes it in RQ, so a counter never disagrees with RQ's registries
+after a crash.
 The job turns ``completed`` in the same script that counts its last prompt.
 """
 
@@ -29,10 +30,10 @@ from datagen.control.job_outcomes import (
     JobOutcomes,
     RequeueItem,
 )
-from datagen.control.keys import SEEN_SEGMENTS, BreakdownField, Keys, partition_label
+from datagen.control.keys import SEEN_SEGMENTS, BreakdownField, Keys
 from datagen.control.leases import Fencing, LeaseLostError
 from datagen.control.progress import RETAINED_FEATURES, JobProgress, arm_counts, progress_from_hash
-from datagen.control.redistext import as_text, as_texts
+from datagen.control.redistext import as_text
 from datagen.control.scripts import KEY, LuaScript, ScriptArgs
 from datagen.errors import JobNotFoundError, JobStateError
 from datagen.spec import JobSpec
@@ -65,7 +66,7 @@ CREATE_REFUSED = -1
 # Between the incarnation and an ingestion run's token in a job's ingest fence.
 FENCE_SEPARATOR = "/"
 # A job hash's field: what a completed job was when a resubmission reopened it (`restart_ingest`;
-# read by `complete_if_ended` in lua/lib.lua).
+# read by `count_and_complete` in lua/lib.lua).
 COMPLETED_BEFORE = "completed_before"
 
 
@@ -185,6 +186,8 @@ class IngestFacts:
     ingest_line: int
     # Whether the job shows a wait for room (left by a run that stopped during one).
     waiting_for_room: bool
+    # Rows counted so far (0: no chunk has landed a row: its rows guard and seen records are empty).
+    rows: int = 0
 
 
 class JobStore:
@@ -366,9 +369,9 @@ class JobStore:
         is gone (a hash with neither incarnation nor state is none, as for :meth:`incarnation`)."""
         raw = self.redis.hmget(
             self.keys.job(job_id),
-            ["incarnation", "state", "spec", "context_len", "ingest_line", "waiting_for_room"],
+            ["incarnation", "state", "spec", "context_len", "ingest_line", "waiting_for_room", "rows"],
         )
-        incarnation, state, spec, context_len, line, waiting = raw
+        incarnation, state, spec, context_len, line, waiting, rows = raw
         if spec is None or (incarnation is None and state is None):
             return None
         return IngestFacts(
@@ -377,6 +380,7 @@ class JobStore:
             context_len=int(context_len) if context_len else None,
             ingest_line=int(line or 0),
             waiting_for_room=bool(waiting),
+            rows=int(rows or 0),
         )
 
     def ingest_queue(self, job_id: str) -> list[str]:
@@ -504,27 +508,16 @@ class JobStore:
     def ingest_line(self, job_id: str) -> int:
         return int(self.redis.hget(self.keys.job(job_id), "ingest_line") or 0)
 
-    def add_ingest_counts(self, pipe: Pipeline, job_id: str, counts: dict[str, int], line: int) -> None:
-        key = self.keys.job(job_id)
-        for name, value in counts.items():
-            if value:
-                pipe.hincrby(key, name, value)
-        pipe.hset(key, "ingest_line", line)
-
     def first_rows(self, job_id: str, sample_keys: list[str]) -> dict[str, str]:
-        """What :meth:`remember_rows` stored for these sample keys, or rejected rows' fields
-        (`service.rowids.rejected_field`) (absent: no row used them yet)."""
+        """What ingestion's chunks stored (`datagen.control.ingest_chunks`) for these sample keys:
+        ``<content digest>:<line>:<upload>`` of the row that first used the id; or for rejected
+        rows' fields (`service.rowids.rejected_field`), their upload (absent: no row used them yet)."""
         raw = self.redis.hmget(self.keys.job_rows(job_id), sample_keys)
         return {k: as_text(v) for k, v in zip(sample_keys, raw, strict=True) if v is not None}
 
-    def remember_rows(self, pipe: Pipeline, job_id: str, rows: dict[str, str]) -> None:
-        """Sample key -> ``<content digest>:<line>:<upload>`` of the row that first used the id; a
-        rejected row's field -> its upload."""
-        if rows:
-            pipe.hset(self.keys.job_rows(job_id), mapping=cast(dict[Any, Any], rows))
-
     def seen_records(self, job_id: str) -> Iterator[bytes]:
-        """Each segment of what :meth:`add_seen` appended for the job (`datagen.hygiene.dedup`)."""
+        """Each segment of the packed records ingestion's chunks appended for the job
+        (`datagen.control.ingest_chunks`, `datagen.hygiene.dedup`)."""
         keys = [self.keys.job_seen(job_id, segment) for segment in range(SEEN_SEGMENTS)]
         if not self.redis.exists(*keys):
             return  # a new job (most of them): one command, not one per segment
@@ -538,11 +531,6 @@ class JobStore:
                     break
             if pieces:
                 yield b"".join(pieces)
-
-    def add_seen(self, pipe: Pipeline, job_id: str, segment: int, records: bytes) -> None:
-        """Packed records of the rows a chunk kept, in the chunk's transaction."""
-        if records:
-            pipe.append(self.keys.job_seen(job_id, segment % SEEN_SEGMENTS), records)
 
     def finish_ingest(self, job_id: str) -> None:
         """Ingestion ended: an ingesting job runs (its fence dropped) and completes at once if
@@ -608,7 +596,7 @@ class JobStore:
 
         A completed job keeps what it was at its completion in ``completed_before`` (``<finished_at_ms>
         <accepted> <output_tokens>``): if it completes again with nothing new run, it keeps that
-        completion time (`complete_if_ended` in lib.lua), so re-attaching to a job by resubmitting its
+        completion time (`count_and_complete` in lib.lua), so re-attaching to a job by resubmitting its
         dataset moves none of its rates or its tail."""
         key = self.keys.job(job_id)
         state, finished, accepted, tokens = self.redis.hmget(
@@ -701,32 +689,9 @@ class JobStore:
         return self.transition(job_id, (JobState.INGESTING,), JobState.FAILED, fields, fence="drop")
 
     # Breakdown by partition and class --------------------------------------------------------------
-    def partition_labels(self, job_id: str, partitions: set[str]) -> tuple[dict[str, str], list[str]]:
-        """Label of each partition: itself for the job's first partitions, ``other`` beyond the cap
-        or beyond ``MAX_PARTITION_LABEL_CHARS``; and the partitions newly labelled, for
-        :meth:`add_partition_labels` in the caller's transaction (so nothing is written for a job
-        that is gone by then)."""
-        labelled = set(as_texts(self.redis.smembers(self.keys.job_partitions(job_id))))
-        new: list[str] = []
-        for partition in sorted(partitions - labelled):
-            if len(labelled) >= MAX_PARTITION_LABELS:
-                break
-            if len(partition) > MAX_PARTITION_LABEL_CHARS:
-                continue
-            new.append(partition)
-            labelled.add(partition)
-        return {p: partition_label(p, labelled) for p in partitions}, new
-
-    def add_partition_labels(self, pipe: Pipeline, job_id: str, partitions: list[str]) -> None:
-        if partitions:
-            pipe.sadd(self.keys.job_partitions(job_id), *partitions)
-
-    def add_breakdown(self, pipe: Pipeline, job_id: str, counts: dict[BreakdownField, int]) -> None:
-        """Add ``(counter, partition label, class) -> n`` to the job's breakdown."""
-        key = self.keys.job_breakdown(job_id)
-        for name, n in counts.items():
-            pipe.hincrby(key, name.encode(), n)
-
+    # Ingestion labels a job's partitions as its chunks land (``lua/ingest_land.lua``): its first
+    # ``MAX_PARTITION_LABELS`` of at most ``MAX_PARTITION_LABEL_CHARS`` characters; the rest count
+    # under OTHER_LABEL.
     def breakdown(self, job_id: str) -> dict[BreakdownField, int]:
         return _decode_breakdown(self.redis.hgetall(self.keys.job_breakdown(job_id)))
 

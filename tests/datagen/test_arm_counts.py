@@ -30,6 +30,7 @@ from service.app import create_app
 from service.fleetview import FleetView
 from service.metrics import CoordinatorMetrics
 from tests.support.ingest import wait_ingested
+from tests.support.jobfields import add_ingest_counts, add_partition_labels
 from tests.support.sim import running_simulator
 from tests.support.specs import make_spec
 from tests.support.workers import fast_worker_settings
@@ -60,8 +61,10 @@ def _running(
     partition ``math`` has its own label. Returns its incarnation."""
     store.create(job_id, spec)
     with redis_client.pipeline() as pipe:
-        store.add_ingest_counts(pipe, job_id, {"rows": len(rq_ids) + 1, "accepted": len(rq_ids) + 1}, line=1)
-        store.add_partition_labels(pipe, job_id, ["math"])
+        add_ingest_counts(
+            pipe, store.keys, job_id, {"rows": len(rq_ids) + 1, "accepted": len(rq_ids) + 1}, line=1
+        )
+        add_partition_labels(pipe, store.keys, job_id, ["math"])
         pipe.execute()
     store.finish_ingest(job_id)
     for rq_id in rq_ids:

@@ -1,6 +1,7 @@
 """The RQ job hashes that ingestion saves (`datagen.control.enqueue.queued_jobs`, written by
-``backlog_add.lua``) are the hashes RQ's own ``Queue.create_job`` and ``Job.save`` write, field for
-field, and RQ reads them back as the prompt they were made from."""
+``ingest_land.lua``, as ``backlog_add.lua`` writes them) are the hashes RQ's own
+``Queue.create_job`` and ``Job.save`` write, field for field, and RQ reads them back as the prompt
+they were made from."""
 
 from __future__ import annotations
 
@@ -9,8 +10,8 @@ import zlib
 import redis
 from rq.job import Job, JobStatus
 
-from datagen.control.dispatch import Dispatch
-from datagen.control.enqueue import EnqueueOptions, enqueue_prompts, queued_job_fields
+from datagen.control.enqueue import EnqueueOptions, queued_job_fields
+from datagen.control.ingest_chunks import ChunkWrite, IngestChunks, Landing
 from datagen.control.jobs import JobStore
 from datagen.control.keys import Keys
 from datagen.control.payload import Conversation, PromptPayload, parse_payload
@@ -50,22 +51,32 @@ def _payloads(job_id: str) -> list[PromptPayload]:
 
 def test_saved_hashes_are_rq_s_own(redis_client: redis.Redis) -> None:
     keys = Keys(NS)
-    JobStore(redis_client, keys).create("j1", JobSpec(tokenizer=bundled_tokenizer_path()))
+    jobs = JobStore(redis_client, keys)
+    jobs.create("j1", JobSpec(tokenizer=bundled_tokenizer_path()))
     by_class = queues(redis_client, keys)
     payloads = _payloads("j1")
-    with redis_client.pipeline() as pipe:
-        enqueue_prompts(
-            pipe,
-            by_class,
-            keys,
-            "j1",
-            payloads,
-            OPTIONS,
-            dispatch=Dispatch(redis_client, keys),
-            priority=Priority.NORMAL,
-            guard=False,
-        )
-        pipe.execute()
+    write = ChunkWrite(
+        input_name="up.jsonl",
+        last_line=len(payloads),
+        enqueue=payloads,
+        continued=(),
+        counts={"accepted": len(payloads)},
+        partitions=set(),
+        partitioned={},
+        breakdown={},
+        rows={},
+        seen=b"",
+    )
+    landing = IngestChunks(redis_client, keys, OPTIONS).land(
+        "j1",
+        write,
+        priority=Priority.NORMAL,
+        incarnation=jobs.incarnation("j1") or "",
+        fence_value="",
+        window=len(payloads),
+        wait_for_room=lambda *_: None,
+    )
+    assert landing is Landing.LANDED
     for payload in payloads:
         rq_id, expected = queued_job_fields(by_class[payload.cls], keys, payload, OPTIONS)
         saved = redis_client.hgetall(f"rq:job:{rq_id}")

@@ -8,6 +8,7 @@ from datagen.control.keys import Keys
 from datagen.errors import JobNotFoundError
 from datagen.spec import JobSpec
 from datagen.states import JobState
+from tests.support.jobfields import add_ingest_counts
 
 
 @pytest.fixture
@@ -27,7 +28,7 @@ def test_create_is_idempotent(store: JobStore) -> None:
 def test_job_completes_when_the_last_prompt_is_counted(store: JobStore, redis_client: redis.Redis) -> None:
     store.create("j1", JobSpec(tokenizer="tok"))
     with redis_client.pipeline() as pipe:
-        store.add_ingest_counts(pipe, "j1", {"rows": 3, "accepted": 2, "rejected": 1}, line=3)
+        add_ingest_counts(pipe, store.keys, "j1", {"rows": 3, "accepted": 2, "rejected": 1}, line=3)
         pipe.execute()
     store.finish_ingest("j1")
     store.outcomes.started("j1", "rq-a")
@@ -70,7 +71,7 @@ def test_a_prompt_finished_twice_is_counted_once(store: JobStore, redis_client: 
     finish it: the second count finds it gone from the running set and counts nothing."""
     store.create("j1", JobSpec(tokenizer="tok"))
     with redis_client.pipeline() as pipe:
-        store.add_ingest_counts(pipe, "j1", {"rows": 2, "accepted": 2}, line=2)
+        add_ingest_counts(pipe, store.keys, "j1", {"rows": 2, "accepted": 2}, line=2)
         pipe.execute()
     store.finish_ingest("j1")
     store.outcomes.started("j1", "rq-a")
@@ -100,7 +101,7 @@ def test_a_batch_ack_counts_each_prompt_once_and_finishes_it_in_rq(
     """Issue 11: one script finishes a shard's prompts; repeated (a lost reply), it counts nothing."""
     store.create("j1", JobSpec(tokenizer="tok"))
     with redis_client.pipeline() as pipe:
-        store.add_ingest_counts(pipe, "j1", {"rows": 40, "accepted": 40}, line=40)
+        add_ingest_counts(pipe, store.keys, "j1", {"rows": 40, "accepted": 40}, line=40)
         pipe.execute()
     store.finish_ingest("j1")
     ids = [f"rq-{i}" for i in range(40)]
@@ -205,7 +206,7 @@ def test_finish_ingest_moves_only_an_ingesting_job_and_drops_its_fence(
     keys = Keys("t")
     store.create("j1", JobSpec(tokenizer="tok"))
     with redis_client.pipeline() as pipe:
-        store.add_ingest_counts(pipe, "j1", {"rows": 2, "accepted": 2}, line=2)
+        add_ingest_counts(pipe, store.keys, "j1", {"rows": 2, "accepted": 2}, line=2)
         pipe.execute()
     assert redis_client.exists(keys.job_ingest_fence("j1"))
     store.finish_ingest("j1")

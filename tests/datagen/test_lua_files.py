@@ -16,6 +16,7 @@ import redis
 
 import datagen.control.dispatch
 import datagen.control.epoch
+import datagen.control.ingest_chunks
 import datagen.control.job_outcomes
 import datagen.control.jobs
 import datagen.control.leases
@@ -53,6 +54,7 @@ OWNERS = (
     datagen.control.job_outcomes,
     datagen.control.dispatch,
     datagen.control.epoch,
+    datagen.control.ingest_chunks,
     datagen.control.leases,
     workers.claim.reaper,
     workers.claim.rqbridge,

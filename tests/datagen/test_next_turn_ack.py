@@ -20,6 +20,7 @@ from datagen.control.payload import Conversation, PromptPayload
 from datagen.errors import JobNotFoundError
 from datagen.spec import JobSpec
 from datagen.states import JobState, Priority, PromptClass
+from tests.support.jobfields import add_ingest_counts
 
 KEYS = Keys("nt")
 TARGET = AckTarget(started_key="started", finished_key="finished", execution_id="x")
@@ -41,7 +42,7 @@ def _running_job(store: JobStore, redis_client: redis.Redis) -> str:
     """Job j1, running, one turn (rq-a) in flight; returns its incarnation."""
     store.create("j1", JobSpec(tokenizer="tok"))
     with redis_client.pipeline() as pipe:
-        store.add_ingest_counts(pipe, "j1", {"rows": 1, "accepted": 1}, line=1)
+        add_ingest_counts(pipe, store.keys, "j1", {"rows": 1, "accepted": 1}, line=1)
         pipe.execute()
     store.finish_ingest("j1")
     store.outcomes.started("j1", "rq-a")

@@ -19,6 +19,7 @@ from service.metrics import CoordinatorMetrics
 from simulator.sglang.metrics import SimMetrics
 from simulator.vllm.metrics import VllmMetrics
 from tests.support.deploy import EXPECTED_METRICS, EXPECTED_SGLANG, EXPECTED_VLLM
+from tests.support.jobfields import add_breakdown, add_ingest_counts
 from workers.metrics import WorkerMetrics
 
 Family = tuple[str, frozenset[str]]
@@ -59,9 +60,10 @@ def test_coordinator_metrics_are_pinned(redis_client: redis.Redis) -> None:
     # A running job with progress and a paused server, so every collected family has samples.
     jobs.create("j1", JobSpec.model_validate({"tokenizer": "tok", "recipe": {"arms": [{"name": "low"}]}}))
     with redis_client.pipeline() as pipe:
-        jobs.add_ingest_counts(pipe, "j1", {"accepted": 4, "done": 1, "output_tokens": 30}, line=4)
-        jobs.add_breakdown(
+        add_ingest_counts(pipe, jobs.keys, "j1", {"accepted": 4, "done": 1, "output_tokens": 30}, line=4)
+        add_breakdown(
             pipe,
+            jobs.keys,
             "j1",
             {
                 BreakdownField("accepted", "math", "short"): 4,

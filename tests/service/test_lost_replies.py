@@ -140,8 +140,11 @@ def test_an_ingestion_chunk_whose_reply_is_lost_is_applied_once(
 ) -> None:
     JobStore(redis_client, Keys(NS)).create(JOB, job_spec())
     ingestor, name = _ingestor(proxied, tmp_path)
-    # The chunks' transactions end in EXEC; lose the reply of the first ``lost`` of them.
-    proxy.drop_reply(b"EXEC", times=lost)
+    # Each chunk lands in one script: lose the reply of the first ``lost`` of its calls (the first
+    # chunk's, sent again on a new connection, which finds it landed; or, should the client give
+    # up, the run resumes after its checkpoint).
+    landing = redis_client.script_load(source("ingest_land"))
+    proxy.drop_reply(landing.encode(), times=lost)
     ingestor.run(JOB, name, threading.Event())
     assert proxy.dropped == lost
     progress = JobStore(redis_client, Keys(NS)).progress(JOB)

@@ -68,9 +68,10 @@ if redis.call('SADD', enqueued, next_member) == 1 then
   else
     redis.call('HSET', next_rq_key, unpack(next_fields))
     redis.call('SADD', queues, queue_key)
-    redis.call('RPUSH', backlog, next_rq_id)
-    rejoin(dispatch_set, paused, job_id, job_key)
-    redis.call('PUBLISH', wake, next_cls)
+    backlog_push({
+      backlog = backlog, set = dispatch_set, paused = paused, job_id = job_id, job_key = job_key, wake = wake,
+      cls = next_cls,
+    }, {next_rq_id}, 1)
   end
   job_set(fields, 'accepted', decimal(counted(fields, 'accepted') + 1))
   redis.call('HINCRBY', job_key, 'prompt_tokens', next_tokens)

@@ -21,25 +21,17 @@
 -- ARGV[6]   rq_fields        JSON list of the field/value pairs every one of the RQ jobs shares
 -- ARGV[7..] prompts          per prompt: its RQ id, its description and its data (RQ's fields)
 
-local shared = cjson.decode(rq_fields)
-local rq_ids = {}
-for i = 1, #prompts, 3 do
-  local rq_id = prompts[i]
-  rq_ids[#rq_ids + 1] = rq_id
-  redis.call('HSET', rq_job_prefix .. rq_id, 'description', prompts[i + 1], 'data', prompts[i + 2],
-    unpack(shared))
-end
-local n = #rq_ids
+local n = math.floor(#prompts / 3)
 if n <= 0 then return 0 end
-local state = redis.call('HGET', job_key, 'state')
-if not state then return 0 end
-if state == cancelled_state then
+local rq_ids = save_queued(rq_job_prefix, prompts, 1, n, cjson.decode(rq_fields))
+local job = redis.call('HMGET', job_key, 'state', 'weight')
+if not job[1] then return 0 end
+if job[1] == cancelled_state then
   count_cancelled_queued(job_key, breakdown, cls, n)
   return 0
 end
-for i = 1, n, slice do
-  redis.call('RPUSH', backlog, unpack(rq_ids, i, math.min(i + slice - 1, n)))
-end
-rejoin(dispatch_set, paused, job_id, job_key)
-redis.call('PUBLISH', wake, cls)
+backlog_push({
+  backlog = backlog, set = dispatch_set, paused = paused, job_id = job_id, job_key = job_key, weight = job[2],
+  wake = wake, cls = cls,
+}, rq_ids, slice)
 return n

@@ -164,6 +164,16 @@ local function add_counts(key, increments)
   redis.call('HSET', key, unpack(sums))
 end
 
+-- Writes what a call set on the job (`job_set`), in one HSET.
+local function job_write(job, fields)
+  local writes = {}
+  for name, value in pairs(fields.writes) do
+    writes[#writes + 1] = name
+    writes[#writes + 1] = value
+  end
+  if #writes > 0 then redis.call('HSET', job.key, unpack(writes)) end
+end
+
 -- Counts `n` prompts as `counter` in the job (setting `first_record_at_ms` by the rule above), their
 -- `tokens` output tokens and `breakdown` (from `tally`) in its breakdown, then applies the tail and
 -- completion rules to a job in `running_state`: its tail starts, and it moves to `completed_state`
@@ -206,12 +216,7 @@ local function count_and_complete(job, fields, counter, n, tokens, breakdown, no
       completed = true
     end
   end
-  local writes = {}
-  for name, value in pairs(fields.writes) do
-    writes[#writes + 1] = name
-    writes[#writes + 1] = value
-  end
-  if #writes > 0 then redis.call('HSET', job.key, unpack(writes)) end
+  job_write(job, fields)
   if not completed and #fields.leaving > 0 then redis.call('SREM', job.running, unpack(fields.leaving)) end
   return completed
 end
@@ -290,12 +295,41 @@ end
 -- A job with prompts to dispatch (enqueued, retried, handed back, resumed) joins a dispatch set at
 -- the set's lowest virtual time, so it gets its share from then on without a catch-up burst (and a
 -- resumed job none below the jobs beside it), unless it is in the set already. A paused job is in
--- no set, so that no claim ever scans it: it joins on resume. `job_key`: the job's hash (its weight).
-local function rejoin(set, paused, job_id, job_key)
+-- no set, so that no claim ever scans it: it joins on resume. `job_key`: the job's hash (its
+-- weight); `weight`: the job's weight if the caller read it (nil: read from `job_key` on joining).
+local function rejoin(set, paused, job_id, job_key, weight)
   if redis.call('SISMEMBER', paused, job_id) == 1 or redis.call('ZSCORE', set, job_id) then return end
   local first = redis.call('ZRANGE', set, 0, 0, 'WITHSCORES')
   redis.call('ZADD', set, first[2] or 0, job_id)
-  redis.call('INCRBY', set .. ':weight', weight_units(redis.call('HGET', job_key, 'weight')))
+  if weight == nil then weight = redis.call('HGET', job_key, 'weight') end
+  redis.call('INCRBY', set .. ':weight', weight_units(weight))
+end
+
+-- Saves `n` prompts' RQ jobs as queued, the hash RQ's `Job.save` writes
+-- (`datagen.control.enqueue.queued_jobs`): from `prompts[first]` on, per prompt its RQ id, its
+-- description and its data, with `shared` (field, value, ...: what every one of them shares).
+-- Answers their RQ ids.
+local function save_queued(rq_job_prefix, prompts, first, n, shared)
+  local rq_ids = {}
+  for p = first, first + 3 * (n - 1), 3 do
+    rq_ids[#rq_ids + 1] = prompts[p]
+    redis.call('HSET', rq_job_prefix .. prompts[p], 'description', prompts[p + 1], 'data', prompts[p + 2],
+      unpack(shared))
+  end
+  return rq_ids
+end
+
+-- Appends `rq_ids` to a job's backlog of one class, `slice` at a time (Lua's unpack has a stack
+-- limit); the job joins the class's dispatch set (`rejoin`), and idle workers are told
+-- (`workers.claim.wake`). `to` = {backlog = the backlog, set = the dispatch set of the class at the
+-- job's priority, paused = the paused jobs, job_id, job_key = its hash, weight = its weight if read
+-- (else nil), wake = the wake channel, cls = the class}.
+local function backlog_push(to, rq_ids, slice)
+  for s = 1, #rq_ids, slice do
+    redis.call('RPUSH', to.backlog, unpack(rq_ids, s, math.min(s + slice - 1, #rq_ids)))
+  end
+  rejoin(to.set, to.paused, to.job_id, to.job_key, to.weight)
+  redis.call('PUBLISH', to.wake, to.cls)
 end
 
 -- The job leaves a dispatch set (no prompts left there, paused, cancelled, deleted); `weight`: its
