@@ -43,8 +43,8 @@ local COUNTED_FIELDS = {
 }
 
 -- The job's counted fields (COUNTED_FIELDS, then `extra`), read once: {field = value or false}, and
--- `writes`, the fields a call sets (`job_set`), all of them in one HSET at its end
--- (`count_and_complete`). A script reads once and writes once instead of one HINCRBY, HSETNX or
+-- `writes`, the fields a call sets (`job_set`), all of them in one HSET at its end (`job_write`,
+-- which `count_and_complete` calls). A script reads once and writes once instead of one HINCRBY, HSETNX or
 -- HMGET per rule: atomic, so the same as those commands one after another. `leaving`: the ids
 -- `leave_running` found running and left for `count_and_complete` to take out.
 local function job_read(job, extra)
