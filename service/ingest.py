@@ -587,6 +587,11 @@ class Ingestor:
             raise _Cancelled
         if landing is Landing.STALE:
             raise _StartOver
+        if landing is Landing.LANDED_BEFORE and finish:
+            # Landed by an earlier send, which need not have ended the ingestion (a run that read
+            # more uploads after this one, or cut its chunks otherwise): end it. Safe to repeat:
+            # only an ingesting job moves, and the rules apply as they would have.
+            self.jobs.finish_ingest(job_id)
         if no_rows is not None:
             no_rows.landed = True
 
