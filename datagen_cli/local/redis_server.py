@@ -7,6 +7,7 @@ Production points ``DATAGEN_REDIS_URL`` at a real Redis or Valkey; this exists s
 from __future__ import annotations
 
 import importlib.util
+import secrets
 import shutil
 import socket
 import subprocess
@@ -21,10 +22,44 @@ __all__ = ["LocalRedis", "find_redis_binary", "free_port"]
 STARTUP_TIMEOUT_S = 10.0
 
 
+# Ports are handed out below the kernel's ephemeral range where it leaves room: a port the kernel
+# picks for bind(0) comes from the range outgoing connections also draw their local ports from, so
+# one free now could be a client's before the server it was asked for binds it (seen as "address
+# already in use" with the tests running in parallel).
+_EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+_LOWEST_PORT = 20000
+_MIN_SPAN = 1000
+_TRIES = 64
+
+
 def free_port() -> int:
+    """A loopback port nothing listens on now, below the ephemeral range where it can be."""
+    top = _ephemeral_low()
+    if top - _LOWEST_PORT >= _MIN_SPAN:
+        for _ in range(_TRIES):
+            port = _LOWEST_PORT + secrets.randbelow(top - _LOWEST_PORT)
+            if _bindable(port):
+                return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (0 where it cannot be read)."""
+    try:
+        return int(_EPHEMERAL_RANGE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
 
 
 def find_redis_binary() -> str:
