@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter
+from collections.abc import Awaitable, Callable
 
 import redis
 from rq.job import JobStatus
@@ -23,23 +24,48 @@ def _evalsha_calls(redis_client: redis.Redis) -> int:
     return int(redis_client.info("commandstats").get("cmdstat_evalsha", {}).get("calls", 0))
 
 
+def _claimed(
+    redis_client: redis.Redis, storage: Storage, job_id: str, n: int
+) -> tuple[QueueIdentity, list[InFlight]]:
+    """A job of ``n`` prompts, all claimed by one registered worker identity."""
+    ingest(redis_client, storage, job_id, n)
+    identity = QueueIdentity(
+        KEYS.queue_name(PromptClass.SHORT), f"w-{job_id}", redis_client, 0.5, f"1-{job_id}"
+    )
+    identity.register()
+    return identity, identity.claim_many(Dispatch(redis_client, KEYS), PromptClass.SHORT, n)
+
+
+def _acker(
+    jobs: JobStore, identity: QueueIdentity, job_id: str, *, partition: str
+) -> Callable[[InFlight], Awaitable[object]]:
+    """Acknowledges one claimed prompt done (7 output tokens, finish ``stop``), batched by ``Acks``
+    as the tasks of one committed shard are."""
+    acks = Acks(jobs)
+
+    def ack(item: InFlight) -> Awaitable[object]:
+        made = ack_item(
+            item,
+            job_id=job_id,
+            incarnation="",
+            output_tokens=7,
+            partition=partition,
+            cls="short",
+            finish="stop",
+        )
+        return acks.done(identity, item, made)
+
+    return ack
+
+
 async def test_a_shards_prompts_are_acknowledged_in_one_script_call(
     redis_client: redis.Redis, storage: Storage
 ) -> None:
-    ingest(redis_client, storage, "acks", 5)
-    identity = QueueIdentity(KEYS.queue_name(PromptClass.SHORT), "w-acks", redis_client, 0.5, "1-acks")
-    identity.register()
-    items = identity.claim_many(Dispatch(redis_client, KEYS), PromptClass.SHORT, 5)
+    identity, items = _claimed(redis_client, storage, "acks", 5)
     assert len(items) == 5 and len(identity.in_flight) == 5
     jobs = JobStore(redis_client, KEYS)
     assert jobs.progress("acks").in_flight == 5
-    acks = Acks(jobs)
-
-    def ack(item: InFlight) -> object:
-        made = ack_item(
-            item, job_id="acks", incarnation="", output_tokens=7, partition="", cls="short", finish="stop"
-        )
-        return acks.done(identity, item, made)
+    ack = _acker(jobs, identity, "acks", partition="")
 
     redis_client.script_load(source("ack_done"))  # as after the worker's first ack: no NOSCRIPT round
     before = _evalsha_calls(redis_client)
@@ -75,27 +101,12 @@ def _commands(redis_client: redis.Redis) -> Counter[str]:
 async def test_a_shards_ack_reads_and_writes_its_job_once_and_keeps_counts_exact(
     redis_client: redis.Redis, storage: Storage
 ) -> None:
-    ingest(redis_client, storage, "acks3", 3)
-    identity = QueueIdentity(KEYS.queue_name(PromptClass.SHORT), "w-acks3", redis_client, 0.5, "1-acks3")
-    identity.register()
-    items = identity.claim_many(Dispatch(redis_client, KEYS), PromptClass.SHORT, 3)
+    identity, items = _claimed(redis_client, storage, "acks3", 3)
     assert len(items) == 3
     jobs = JobStore(redis_client, KEYS)
     # Counters past 15 digits, where Lua's own number printing turns to exponents.
     redis_client.hset(KEYS.job("acks3"), "output_tokens", 999_999_999_999_999)
-    acks = Acks(jobs)
-
-    def ack(item: InFlight) -> object:
-        made = ack_item(
-            item,
-            job_id="acks3",
-            incarnation="",
-            output_tokens=7,
-            partition="default",
-            cls="short",
-            finish="stop",
-        )
-        return acks.done(identity, item, made)
+    ack = _acker(jobs, identity, "acks3", partition="default")
 
     redis_client.script_load(source("ack_done"))
     before = _commands(redis_client)
