@@ -13,6 +13,9 @@ from datagen.prompts.tokenization import bundled_tokenizer_path
 from datagen.records.storage import Storage
 from datagen_cli.local.redis_server import LocalRedis
 
+# A test hung past its time ends its process with every thread's stack, not the whole run.
+pytest_plugins = ["tests.support.watchdog"]
+
 # Tests over real processes, each from seconds to a minute.
 SLOW_MARKERS = ("faults", "e2e")
 

@@ -61,7 +61,7 @@ async def test_returns_once_the_writer_releases_its_lock(tmp_path: Path) -> None
         assert time.monotonic() - started >= 0.15
         assert file.read_bytes() == b"written"
     finally:
-        writer.join()
+        writer.join(timeout=5)
     assert lock_held(file) is False
     assert lock_path(file).exists()  # never deleted here
 

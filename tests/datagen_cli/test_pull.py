@@ -88,7 +88,7 @@ class Coordinator:
     def __exit__(self, *exc: object) -> None:
         self.server.shutdown()
         self.server.server_close()
-        self._thread.join()
+        self._thread.join(timeout=10)
 
 
 @pytest.fixture

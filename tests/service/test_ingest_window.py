@@ -132,7 +132,7 @@ def _step_through(redis_client: redis.Redis, ingestor: Ingestor, name: str) -> t
             )
     finally:
         stop.set()
-        thread.join()
+        thread.join(timeout=WAIT_S)
     return waited_at, taken + _take_all(dispatch, claimant)
 
 

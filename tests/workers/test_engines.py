@@ -350,7 +350,7 @@ def neither_url() -> Iterator[str]:
     finally:
         server.shutdown()
         server.server_close()
-        thread.join()
+        thread.join(timeout=10)
 
 
 async def _started(settings: WorkerSettings, server: str) -> tuple[EngineChoice, str | None, bool]:
