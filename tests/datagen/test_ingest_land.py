@@ -253,3 +253,24 @@ def test_a_last_chunk_with_nothing_accepted_completes_the_job(redis_client: redi
     # The tail and completion rules, as `finish_ingest.lua` applies them: both at the end of ingestion.
     assert int(job[b"finished_at_ms"]) == int(job[b"tail_from_ms"]) > 0
     assert redis_client.hgetall(KEYS.job_breakdown(JOB)) == {b"rejected|unknown|unknown": b"2"}
+
+
+def test_a_job_joins_its_dispatch_set_once_and_keeps_its_place(redis_client: redis.Redis) -> None:
+    """A landing into an empty backlog joins the set without looking for the job there first; one
+    while prompts wait finds it there; one into a backlog emptied while the job stayed a member (as
+    a claim finds and drops it) keeps its place. The set's weight sum counts the job once."""
+    _, incarnation = _job(redis_client)
+    members, weight_sum = KEYS.dispatch_jobs(SHORT, Priority.NORMAL), KEYS.dispatch_weight(SHORT, Priority.NORMAL)
+    redis_client.config_resetstat()
+    assert _land(redis_client, _write(_payloads(0, 2), 2), incarnation) is Landing.LANDED
+    zscores = redis_client.info("commandstats").get("cmdstat_zscore", {}).get("calls", 0)
+    assert zscores == 0
+    # Weight 1 is 1000 units; the first job of an empty set joins at virtual time 0.
+    assert (redis_client.zscore(members, JOB), redis_client.get(weight_sum)) == (0.0, b"1000")
+    assert _land(redis_client, _write(_payloads(2, 2), 4), incarnation) is Landing.LANDED
+    assert (redis_client.zscore(members, JOB), redis_client.get(weight_sum)) == (0.0, b"1000")
+    redis_client.zadd(members, {JOB: 7})
+    redis_client.delete(KEYS.job_backlog(JOB, SHORT))
+    assert _land(redis_client, _write(_payloads(4, 1), 5), incarnation) is Landing.LANDED
+    assert (redis_client.zscore(members, JOB), redis_client.get(weight_sum)) == (7.0, b"1000")
+    assert len(_backlog(redis_client)) == 1

@@ -38,7 +38,7 @@ NS = "cost"
 JOB = "smalljob7"
 PROMPTS = 3
 TARGET_COMMANDS = 60  # issue 41
-# 67 alone (a worker heartbeat's ZADD, every 0.5 s, is the 68th when it falls inside the job), plus
+# 66 alone (a worker heartbeat's ZADD, every 0.5 s, is the 67th when it falls inside the job), plus
 # a margin for a loaded machine's heartbeats (prompts in flight for up to 4 s). The chunk lands in
 # one script, so a claim never finds half of it and a second claim script (about 20 more) cannot
 # come. Issue 41 took it from 108-109: the submit

@@ -297,10 +297,14 @@ end
 -- resumed job none below the jobs beside it), unless it is in the set already. A paused job is in
 -- no set, so that no claim ever scans it: it joins on resume. `job_key`: the job's hash (its
 -- weight); `weight`: the job's weight if the caller read it (nil: read from `job_key` on joining).
-local function rejoin(set, paused, job_id, job_key, weight)
-  if redis.call('SISMEMBER', paused, job_id) == 1 or redis.call('ZSCORE', set, job_id) then return end
+-- `was_empty`: the caller knows the job's backlog was empty before its push. Such a job is rarely
+-- in the set (a claim that empties a backlog takes the job out), so it skips the look and joins
+-- with NX: a member keeps its place, and the sum its weight once.
+local function rejoin(set, paused, job_id, job_key, weight, was_empty)
+  if redis.call('SISMEMBER', paused, job_id) == 1 then return end
+  if not was_empty and redis.call('ZSCORE', set, job_id) then return end
   local first = redis.call('ZRANGE', set, 0, 0, 'WITHSCORES')
-  redis.call('ZADD', set, first[2] or 0, job_id)
+  if redis.call('ZADD', set, 'NX', first[2] or 0, job_id) == 0 then return end
   if weight == nil then weight = redis.call('HGET', job_key, 'weight') end
   redis.call('INCRBY', set .. ':weight', weight_units(weight))
 end
@@ -325,10 +329,11 @@ end
 -- job's priority, paused = the paused jobs, job_id, job_key = its hash, weight = its weight if read
 -- (else nil), wake = the wake channel, cls = the class}.
 local function backlog_push(to, rq_ids, slice)
+  local length = 0
   for s = 1, #rq_ids, slice do
-    redis.call('RPUSH', to.backlog, unpack(rq_ids, s, math.min(s + slice - 1, #rq_ids)))
+    length = redis.call('RPUSH', to.backlog, unpack(rq_ids, s, math.min(s + slice - 1, #rq_ids)))
   end
-  rejoin(to.set, to.paused, to.job_id, to.job_key, to.weight)
+  rejoin(to.set, to.paused, to.job_id, to.job_key, to.weight, length == #rq_ids)
   redis.call('PUBLISH', to.wake, to.cls)
 end
 
