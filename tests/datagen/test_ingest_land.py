@@ -260,7 +260,8 @@ def test_a_job_joins_its_dispatch_set_once_and_keeps_its_place(redis_client: red
     while prompts wait finds it there; one into a backlog emptied while the job stayed a member (as
     a claim finds and drops it) keeps its place. The set's weight sum counts the job once."""
     _, incarnation = _job(redis_client)
-    members, weight_sum = KEYS.dispatch_jobs(SHORT, Priority.NORMAL), KEYS.dispatch_weight(SHORT, Priority.NORMAL)
+    members = KEYS.dispatch_jobs(SHORT, Priority.NORMAL)
+    weight_sum = KEYS.dispatch_weight(SHORT, Priority.NORMAL)
     redis_client.config_resetstat()
     assert _land(redis_client, _write(_payloads(0, 2), 2), incarnation) is Landing.LANDED
     zscores = redis_client.info("commandstats").get("cmdstat_zscore", {}).get("calls", 0)
