@@ -8,7 +8,8 @@ requeued by the reaper), then each from the backlog of the unpaused job with the
 time at the highest priority that has work, and starts them as RQ's worker would (started
 registry, job status, heartbeat expiry), so ``rq info`` and RQ's recovery keep working. This is
 stride scheduling: over any stretch where two jobs both have work, their dispatches follow their
-weights, and a 10M-prompt job cannot hold back a small urgent one.
+weights (to within `TAIL_PROMPTS` at the end of a job's backlog, which goes whole), and a 10M-prompt
+job cannot hold back a small urgent one.
 
 A paused job leaves the sets (and rejoins on resume), so a claim never looks at it: its cost is
 O(log jobs) plus the prompts it hands out, however many jobs wait or are paused. A prompt on RQ's
@@ -61,6 +62,12 @@ WINDOW_BUCKET_S = 10
 RQ_LIST_SCAN = 1000
 # Prompts per claim at most (the script's replies and ZADD arguments stay small).
 MAX_CLAIM = 256
+# A job picked with this many prompts or fewer left in its backlog gets them all in that pick (up
+# to what the claim still wants), its virtual time moved by all of them: a small job's prompts go
+# to one worker in one claim, so that they share a shard and an ack, and the claim's per-job
+# commands are paid once, not once a prompt. A job then runs at most this many prompts ahead of
+# its stride turn, once, at the end of its backlog.
+TAIL_PROMPTS = 8
 # Ids pushed per RPUSH inside a script (Lua's unpack has a stack limit).
 PUSH_SLICE = 1000
 
@@ -93,6 +100,7 @@ class ClaimManyArgs(ScriptArgs):
     execution_id: str
     running_suffix: str
     epoch_floor: int
+    tail: int
     skip: tuple[str, ...]
 
 
@@ -243,6 +251,7 @@ class Dispatch:
             execution_id=claimant.execution_id,
             running_suffix=keys.running_suffix(),
             epoch_floor=self.epoch.floor if self.epoch is not None else 0,
+            tail=TAIL_PROMPTS,
             skip=tuple(sorted(skip)),
         )
         replies = self._claim(args)

@@ -6,7 +6,7 @@ import time
 
 import redis
 
-from datagen.control.dispatch import Claimant, Dispatch
+from datagen.control.dispatch import TAIL_PROMPTS, Claimant, Dispatch
 from datagen.control.jobs import JobStore
 from datagen.control.keys import Keys
 from datagen.prompts.tokenization import bundled_tokenizer_path
@@ -149,6 +149,26 @@ def test_one_claim_of_many_takes_the_same_order_as_single_claims(redis_client: r
     # More than is left: everything, and b's set entry goes once its backlog is empty.
     rest = dispatch.claim_many(SHORT, 100, CLAIMANT)
     assert len(rest) == 52 and dispatch.claim_many(SHORT, 5, CLAIMANT) == []
+
+
+def test_a_job_picked_with_a_tail_left_gets_it_whole_as_far_as_the_claim_wants(
+    redis_client: redis.Redis,
+) -> None:
+    assert TAIL_PROMPTS == 8  # the figures below are written by hand for it
+    keys = Keys(NS)
+    _job(redis_client, "a", 30)
+    _job(redis_client, "t", 5)
+    dispatch = Dispatch(redis_client, keys)
+    # a first (vt 0, ties to the lower id; 30 left: one), then t (vt 0; 5 left, a tail): the three
+    # the claim still wants, its virtual time moved by each, to 3.
+    claimed = dispatch.claim_many(SHORT, 4, CLAIMANT)
+    assert [c.rq_id for c in claimed] == ["a-0", "t-0", "t-1", "t-2"]
+    members = keys.dispatch_jobs(SHORT, Priority.NORMAL)
+    assert (redis_client.zscore(members, "a"), redis_client.zscore(members, "t")) == (1.0, 3.0)
+    # Single claims: a until it is level with t (ties to a), then t, one at a time.
+    assert _claims(dispatch, 4) == ["a", "a", "a", "t"]
+    # t's last prompt empties its backlog: it leaves the set.
+    assert _claims(dispatch, 2) == ["a", "t"] and redis_client.zscore(members, "t") is None
 
 
 def test_a_claim_skips_prompts_whose_rq_job_is_gone(redis_client: redis.Redis) -> None:

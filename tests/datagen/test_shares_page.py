@@ -7,7 +7,14 @@ import time
 
 import redis
 
-from datagen.control.dispatch import SHARE_WINDOW_S, WINDOW_BUCKET_S, WINDOW_TOTAL, Claimant, Dispatch
+from datagen.control.dispatch import (
+    SHARE_WINDOW_S,
+    TAIL_PROMPTS,
+    WINDOW_BUCKET_S,
+    WINDOW_TOTAL,
+    Claimant,
+    Dispatch,
+)
 from datagen.control.jobs import JobStore
 from datagen.control.keys import Keys
 from datagen.prompts.tokenization import bundled_tokenizer_path
@@ -45,7 +52,8 @@ def _commands(redis_client: redis.Redis) -> int:
 
 def test_the_weight_sum_follows_joins_and_leaves(redis_client: redis.Redis) -> None:
     dispatch = Dispatch(redis_client, KEYS)
-    _job(redis_client, "a", 4, weight=3.0)
+    # More than a tail (`TAIL_PROMPTS`): a is claimed a prompt a pick, in stride order.
+    _job(redis_client, "a", TAIL_PROMPTS + 4, weight=3.0)
     _job(redis_client, "b", 1, weight=0.5)
     assert _sum(redis_client) == 3500
     shares = dispatch.page_shares(["a", "b"])

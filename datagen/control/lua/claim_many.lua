@@ -12,7 +12,9 @@
 -- at a time: a claim costs O(log jobs + N), however many jobs wait or are paused. The N single
 -- claims are simulated with a heap over those jobs, then applied with one LPOP and one ZINCRBY per
 -- job (a job whose backlog it empties leaves the set instead, and the set's weight sum with it):
--- the same order as N single claims, at a fraction of the commands.
+-- the same order as N single claims, at a fraction of the commands, but for a job's tail: a job
+-- picked with `tail` prompts left or fewer gets them all at once (as many as are still wanted),
+-- its virtual time moved by each, so that a small job's prompts share one claim, shard and ack.
 --
 -- Each prompt is started as RQ's `prepare_job_execution` would (status, worker, started_at,
 -- heartbeat; a started-registry member `<id>:<execution>` scored by the heartbeat's expiry) and
@@ -44,7 +46,9 @@
 -- ARGV[11]   execution_id      the execution id of its started-registry members
 -- ARGV[12]   running_suffix    what follows a job's key in its running set's
 -- ARGV[13]   epoch_floor: number  the worker's epoch floor
--- ARGV[14..] skip              job ids this worker passes over (too many of their records wait for a
+-- ARGV[14]   tail: number      a job picked with this many prompts left or fewer gets them all
+--                              (`TAIL_PROMPTS`)
+-- ARGV[15..] skip              job ids this worker passes over (too many of their records wait for a
 --                              commit here)
 
 if tonumber(redis.call('HGET', epoch, 'seq') or '0') < epoch_floor then return {} end
@@ -134,11 +138,15 @@ for _, set in ipairs({high, normal, low}) do
     if #jobs == 0 then break end
     local heap = {}
     for _, j in ipairs(jobs) do push(heap, j) end
-    for _ = 1, need do
-      if #heap == 0 then break end
+    local got = 0
+    while got < need and #heap > 0 do
       local best = pop(heap)
-      best.take = best.take + 1
-      best.vt = best.vt + 1 / best.w
+      local rest = best.left - best.take
+      local n = 1
+      if rest <= tail then n = math.min(rest, need - got) end
+      best.take = best.take + n
+      best.vt = best.vt + n / best.w
+      got = got + n
       if best.left > best.take then push(heap, best) end
     end
     for _, j in ipairs(jobs) do
