@@ -5,7 +5,8 @@ hangs after that (a thread join, a wait on a process or on a stopped server) wou
 worker, and so the whole run, until CI's own limit kills it with nothing to say where. Here each
 test, setup to teardown, arms `faulthandler` at its limit plus a grace: past that, the stacks of
 every thread go to a file and the process exits; xdist reports the test as crashed and starts
-another worker, and the run's summary prints the file."""
+another worker, and the run's summary prints the file. faulthandler has one such timer a process:
+pytest's own ``faulthandler_timeout`` must stay unset."""
 
 from __future__ import annotations
 
