@@ -24,11 +24,18 @@ import pytest
 # Where each process writes the stacks of a test it gives up on (made by the run's main process).
 DUMPS_ENV = "TESTS_HANG_DUMPS"
 # Past the test's own limit: a stack's teardown stops its processes within 30 s, then kills them.
+# The ini option ``watchdog_grace_s`` sets another (tests/test_watchdog.py: a short one).
 GRACE_S = 90.0
 
 _dumps = pytest.StashKey[Path]()
 # The test's deadline, and the file its stacks go to.
 _armed = pytest.StashKey[tuple[float, TextIO]]()
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addini(
+        "watchdog_grace_s", "seconds a test may run past its timeout, teardown included", default=str(GRACE_S)
+    )
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -45,7 +52,7 @@ def pytest_runtest_protocol(item: pytest.Item) -> Iterator[None]:
     if not folder or not Path(folder).is_dir():
         yield
         return
-    limit_s = _timeout_s(item) + GRACE_S
+    limit_s = _timeout_s(item) + float(item.config.getini("watchdog_grace_s"))
     path = Path(folder) / f"{os.environ.get('PYTEST_XDIST_WORKER', 'main')}-{os.getpid()}.txt"
     with path.open("w") as dump:
         dump.write(f"{item.nodeid} ran past {limit_s:.0f} s, setup to teardown; every thread's stack:\n")
