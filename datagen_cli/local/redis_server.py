@@ -108,21 +108,37 @@ class LocalRedis:
         return self
 
     def _wait_ready(self) -> None:
+        """Until this process answers on the port. Another Redis there (a port taken between the
+        choice and the bind, or during a restart on the same port) answers too, and is not taken
+        for this one: its ``process_id`` differs, and this one exits on the failed bind."""
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
         while time.monotonic() < deadline:
             assert self.process is not None
             if self.process.poll() is not None:
                 raise ConfigError(
-                    f"redis-server exited with code {self.process.returncode} on port {self.port}"
+                    f"redis-server exited with code {self.process.returncode} on port {self.port} "
+                    "(is the port taken?)"
                 )
             try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as sock:
-                    sock.sendall(b"PING\r\n")
-                    if sock.recv(16).startswith(b"+PONG"):
-                        return
+                if self._answering_pid() == self.process.pid:
+                    return
             except OSError:
-                time.sleep(0.05)
+                pass
+            time.sleep(0.05)
         raise ConfigError(f"redis-server did not answer on port {self.port} within {STARTUP_TIMEOUT_S} s")
+
+    def _answering_pid(self) -> int | None:
+        """The ``process_id`` of the Redis answering on the port (``INFO server``), None if unread."""
+        with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as sock:
+            sock.sendall(b"INFO server\r\n")
+            reply = b""
+            while b"process_id:" not in reply or not reply.split(b"process_id:", 1)[1].count(b"\r\n"):
+                piece = sock.recv(4096)
+                if not piece or len(reply) > 65536:
+                    return None
+                reply += piece
+        digits = reply.split(b"process_id:", 1)[1].split(b"\r\n", 1)[0]
+        return int(digits) if digits.isdigit() else None
 
     def stop(self) -> None:
         if self.process is not None and self.process.poll() is None:
