@@ -128,15 +128,19 @@ class LocalRedis:
         raise ConfigError(f"redis-server did not answer on port {self.port} within {STARTUP_TIMEOUT_S} s")
 
     def _answering_pid(self) -> int | None:
-        """The ``process_id`` of the Redis answering on the port (``INFO server``), None if unread."""
+        """The ``process_id`` of the Redis answering on the port (``INFO server``) once it serves
+        commands (``PING`` answers ``+PONG``, not ``-LOADING`` while it reads its AOF back); None
+        before that."""
         with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as sock:
-            sock.sendall(b"INFO server\r\n")
+            sock.sendall(b"PING\r\nINFO server\r\n")
             reply = b""
             while b"process_id:" not in reply or not reply.split(b"process_id:", 1)[1].count(b"\r\n"):
                 piece = sock.recv(4096)
                 if not piece or len(reply) > 65536:
                     return None
                 reply += piece
+        if not reply.startswith(b"+PONG\r\n"):
+            return None
         digits = reply.split(b"process_id:", 1)[1].split(b"\r\n", 1)[0]
         return int(digits) if digits.isdigit() else None
 
