@@ -15,6 +15,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import redis
+
 from datagen.errors import ConfigError
 
 __all__ = ["LocalRedis", "find_redis_binary", "free_port"]
@@ -119,30 +121,22 @@ class LocalRedis:
                     f"redis-server exited with code {self.process.returncode} on port {self.port} "
                     "(is the port taken?)"
                 )
-            try:
-                if self._answering_pid() == self.process.pid:
-                    return
-            except OSError:
-                pass
+            if self._answering_pid() == self.process.pid:
+                return
             time.sleep(0.05)
         raise ConfigError(f"redis-server did not answer on port {self.port} within {STARTUP_TIMEOUT_S} s")
 
     def _answering_pid(self) -> int | None:
-        """The ``process_id`` of the Redis answering on the port (``INFO server``) once it serves
-        commands (``PING`` answers ``+PONG``, not ``-LOADING`` while it reads its AOF back); None
-        before that."""
-        with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as sock:
-            sock.sendall(b"PING\r\nINFO server\r\n")
-            reply = b""
-            while b"process_id:" not in reply or not reply.split(b"process_id:", 1)[1].count(b"\r\n"):
-                piece = sock.recv(4096)
-                if not piece or len(reply) > 65536:
-                    return None
-                reply += piece
-        if not reply.startswith(b"+PONG\r\n"):
+        """The ``process_id`` of the Redis answering on the port once it serves commands (``PING``
+        fails with ``LOADING`` while it reads its AOF back); None before that."""
+        client = redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=0.2, socket_connect_timeout=0.2)
+        try:
+            client.ping()
+            return int(client.info("server")["process_id"])
+        except redis.RedisError:
             return None
-        digits = reply.split(b"process_id:", 1)[1].split(b"\r\n", 1)[0]
-        return int(digits) if digits.isdigit() else None
+        finally:
+            client.close()
 
     def stop(self) -> None:
         if self.process is not None and self.process.poll() is None:
