@@ -7,6 +7,7 @@ Production points ``DATAGEN_REDIS_URL`` at a real Redis or Valkey; this exists s
 from __future__ import annotations
 
 import importlib.util
+import os
 import secrets
 import shutil
 import socket
@@ -32,6 +33,11 @@ _EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
 _LOWEST_PORT = 20000
 _MIN_SPAN = 1000
 _TRIES = 64
+# A port handed out is claimed for a while in a file every process on the machine sees, so that no
+# other process (another test worker) is handed it before its server binds it: free now, it stays
+# bindable until then (seen as "address already in use" when two were handed the same port).
+_CLAIMS = Path(tempfile.gettempdir()) / f"datagen-ports-{os.getuid()}"
+_CLAIM_S = 120.0
 
 
 def free_port() -> int:
@@ -40,11 +46,32 @@ def free_port() -> int:
     if top - _LOWEST_PORT >= _MIN_SPAN:
         for _ in range(_TRIES):
             port = _LOWEST_PORT + secrets.randbelow(top - _LOWEST_PORT)
-            if _bindable(port):
+            if _bindable(port) and _claim(port):
                 return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+def _claim(port: int) -> bool:
+    """Claim ``port`` for `_CLAIM_S` (an older claim has lapsed: its server bound or never came);
+    False if another process holds a claim on it. Where no claim can be written, the port goes
+    unclaimed."""
+    try:
+        _CLAIMS.mkdir(exist_ok=True)
+        path = _CLAIMS / str(port)
+        try:
+            if time.time() - path.stat().st_mtime < _CLAIM_S:
+                return False
+            path.unlink(missing_ok=True)
+        except FileNotFoundError:
+            pass
+        os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        return True
+    except FileExistsError:
+        return False  # another process claimed it just now
+    except OSError:
+        return True
 
 
 def _ephemeral_low() -> int:
