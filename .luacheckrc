@@ -10,7 +10,8 @@ max_line_length = 110
 local lib = {
   "job_read", "counted", "job_set", "job_write", "decimal", "job_incarnation", "counts_in", "leave_running", "partition_label",
   "breakdown_field", "tally", "add_counts", "count_and_complete", "finish_in_rq", "ack_in_job", "weight_units",
-  "rejoin", "save_queued", "backlog_push", "leave", "count_cancelled_queued",
+  "rejoin", "save_queued", "backlog_push", "leave", "count_cancelled_queued", "label_field", "label_fields",
+  "labels_read",
 }
 
 -- A script's arguments: the loader (datagen/control/scripts.py, `source`) binds each name its signature

@@ -20,6 +20,7 @@ from datagen.control.epoch import EpochWatch
 from datagen.control.jobs import Created, IngestFacts, JobProgress, JobStore
 from datagen.control.keys import Keys
 from datagen.control.leases import Leases
+from datagen.control.rq_format import register_queues
 from datagen.control.servers import live_servers
 from datagen.errors import (
     InvalidRequestError,
@@ -141,7 +142,7 @@ class Coordinator:
         )
         # Redis's epoch, checked every second; a loss or rollback reconciled by one coordinator.
         self.watch = RedisWatch(
-            self.epoch, self.leases, self.keys, self.jobs, self.rebuilder, resume=self.ingests.resume
+            self.epoch, self.leases, self.keys, self.jobs, self.rebuilder, resume=self._carry_on
         )
 
     # Lifecycle ----------------------------------------------------------------------------------
@@ -157,8 +158,17 @@ class Coordinator:
         except RedisError as exc:  # down, or out of memory: the first read of shares keeps them
             log.warning("cannot set up the dispatch sets' weight sums yet: %s", exc)
         if self.watch.start_up():  # False: Redis had no data and storage failed; the watch goes on
-            self.ingests.resume()
+            self._carry_on()
         self.watch.start()
+
+    def _carry_on(self) -> None:
+        """After the start's reconcile, or a rebuild after Redis lost or rolled back its data:
+        the queues named for RQ's tools again, and the ingestions left half done resumed."""
+        try:
+            register_queues(self.redis, self.keys)
+        except RedisError as exc:  # RQ's tools miss the queues until the next start; nothing else reads them
+            log.warning("cannot name the queues in RQ's set of queues: %s", exc)
+        self.ingests.resume()
 
     def close(self) -> None:
         self.watch.close()

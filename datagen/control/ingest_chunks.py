@@ -70,8 +70,6 @@ WaitForRoom = Callable[[PromptClass, int, int], None]
 class IngestLandArgs(ScriptArgs):
     script = "ingest_land"
     job_key: str = field(metadata=KEY)
-    fence: str = field(metadata=KEY)
-    checkpoint: str = field(metadata=KEY)
     partitions: str = field(metadata=KEY)
     breakdown: str = field(metadata=KEY)
     rows_guard: str = field(metadata=KEY)
@@ -79,7 +77,6 @@ class IngestLandArgs(ScriptArgs):
     enqueued: str = field(metadata=KEY)
     paused: str = field(metadata=KEY)
     wake: str = field(metadata=KEY)
-    queues: str = field(metadata=KEY)
     running: str = field(metadata=KEY)
     backlogs: tuple[tuple[str, str], ...] = field(metadata=KEY)
     job_id: str
@@ -197,7 +194,7 @@ class IngestChunks:
             if not mine:
                 continue
             jobs = queued_jobs(queue, self.keys, mine, self.options, at)
-            classes.append([cls.value, queue.key, wanted[cls], len(mine), jobs.shared_json])
+            classes.append([cls.value, wanted[cls], len(mine), jobs.shared_json])
             backlogs.append((self.keys.job_backlog(job_id, cls), self.keys.dispatch_jobs(cls, priority)))
             prompts += jobs.own
         chunk = {
@@ -213,8 +210,6 @@ class IngestChunks:
         segment = zlib.crc32(write.chunk_id.encode()) % SEEN_SEGMENTS
         return IngestLandArgs(
             job_key=self.keys.job(job_id),
-            fence=self.keys.job_ingest_fence(job_id),
-            checkpoint=self.keys.job_ingest_checkpoint(job_id),
             partitions=self.keys.job_partitions(job_id),
             breakdown=self.keys.job_breakdown(job_id),
             rows_guard=self.keys.job_rows(job_id),
@@ -222,7 +217,6 @@ class IngestChunks:
             enqueued=self.keys.job_enqueued(job_id),
             paused=self.keys.paused_jobs(),
             wake=self.keys.wake_channel(),
-            queues=next(iter(self._queues.values())).redis_queues_keys,
             running=self.keys.job_running(job_id),
             backlogs=tuple(backlogs),
             job_id=job_id,

@@ -68,6 +68,9 @@ FENCE_SEPARATOR = "/"
 # A job hash's field: what a completed job was when a resubmission reopened it (`restart_ingest`;
 # read by `count_and_complete` in lua/lib.lua).
 COMPLETED_BEFORE = "completed_before"
+# The job's ingest fence, a field of its hash ('' or absent: no ingestion may enqueue), as the
+# scripts name it; its ingest checkpoint is `ingest_at` beside it (`ingest_land.lua`).
+INGEST_FENCE = "ingest_fence"
 
 
 def ingest_fence_value(incarnation: str, token: str) -> str:
@@ -92,7 +95,7 @@ class CreateArgs(ScriptArgs):
     script = "create"
     job_key: str = field(metadata=KEY)
     index: str = field(metadata=KEY)
-    fence: str = field(metadata=KEY)
+    legacy_fence: str = field(metadata=KEY)
     lease: str = field(metadata=KEY)
     job_id: str
     created_at_ms: int
@@ -107,7 +110,6 @@ class CreateArgs(ScriptArgs):
 class FinishIngestArgs(ScriptArgs):
     script = "finish_ingest"
     job_key: str = field(metadata=KEY)
-    fence: str = field(metadata=KEY)
     running: str = field(metadata=KEY)
     token: str
     now_ms: int
@@ -119,7 +121,8 @@ class FinishIngestArgs(ScriptArgs):
 @dataclass(frozen=True)
 class IngestTakeArgs(ScriptArgs):
     script = "ingest_take"
-    fence: str = field(metadata=KEY)
+    job_key: str = field(metadata=KEY)
+    legacy_fence: str = field(metadata=KEY)
     incarnation: str
     token: str
 
@@ -128,7 +131,7 @@ class IngestTakeArgs(ScriptArgs):
 class TransitionArgs(ScriptArgs):
     script = "transition"
     job_key: str = field(metadata=KEY)
-    fence: str = field(metadata=KEY)
+    legacy_fence: str = field(metadata=KEY)
     sources: str
     target: str
     fence_op: str
@@ -274,6 +277,9 @@ class JobStore:
             "priority": spec.priority.value,
             "weight": repr(spec.weight),
             "stop_ids": json.dumps(sorted(set(stop_ids or []))),
+            # How many partitions it labelled: its labels are kept in the hash too (`label_field`
+            # in lib.lua), so that counting a prompt looks its label up with the job's one read.
+            "labels": 0,
             **(fields or {}),
         }
         if rebuild is not None:
@@ -282,7 +288,7 @@ class JobStore:
         args = CreateArgs(
             job_key=self.keys.job(job_id),
             index=self.keys.jobs_index(),
-            fence=self.keys.job_ingest_fence(job_id),
+            legacy_fence=self.keys.job_ingest_fence(job_id),
             lease=self.keys.job_rebuild_lease(job_id),
             job_id=job_id,
             created_at_ms=created_at_ms or now_ms(),
@@ -318,8 +324,8 @@ class JobStore:
 
     def ingest_fence(self, job_id: str) -> str | None:
         """What the job's ingest fence admits now (None: no ingestion may enqueue)."""
-        raw = self.redis.get(self.keys.job_ingest_fence(job_id))
-        return as_text(raw) if raw is not None else None
+        raw = self.redis.hget(self.keys.job(job_id), INGEST_FENCE)
+        return as_text(raw) if raw else None
 
     def take_ingest(self, job_id: str, incarnation: str) -> str | None:
         """Hand the job's ingestion to a new run: if the fence admits ``incarnation`` (the job is
@@ -327,7 +333,10 @@ class JobStore:
         elsewhere lands nothing more). Returns the value the new run holds the fence to, or None
         when the job is not ingesting that incarnation."""
         args = IngestTakeArgs(
-            fence=self.keys.job_ingest_fence(job_id), incarnation=incarnation, token=secrets.token_hex(8)
+            job_key=self.keys.job(job_id),
+            legacy_fence=self.keys.job_ingest_fence(job_id),
+            incarnation=incarnation,
+            token=secrets.token_hex(8),
         )
         taken = self._ingest_take(args)
         return as_text(taken) if taken else None
@@ -539,7 +548,6 @@ class JobStore:
         seen running before it is seen completed, and safe to send again after a lost reply."""
         args = FinishIngestArgs(
             job_key=self.keys.job(job_id),
-            fence=self.keys.job_ingest_fence(job_id),
             running=self.keys.job_running(job_id),
             token=uuid.uuid4().hex[:12],
             now_ms=now_ms(),
@@ -581,7 +589,7 @@ class JobStore:
         """
         args = TransitionArgs(
             job_key=self.keys.job(job_id),
-            fence=self.keys.job_ingest_fence(job_id),
+            legacy_fence=self.keys.job_ingest_fence(job_id),
             sources=" ".join(s.value for s in sources),
             target=target.value,
             fence_op=fence,

@@ -82,13 +82,16 @@ class Keys:
         return f"{self.namespace}:job:{job_id}:seen:{segment}"
 
     def job_ingest_fence(self, job_id: str) -> str:
-        """The incarnation that ingestion may enqueue for; absent once the job is cancelled,
-        failed or deleted. Ingestion WATCHes it around each chunk's transaction."""
+        """The ingest fence of a job an older version made, a key of its own. The fence is now a
+        field of the job's hash (`datagen.control.jobs.INGEST_FENCE`), read and written with the
+        job by the scripts that land chunks: one that a resume takes over (``ingest_take.lua``)
+        moves there, a rebuild or a cancel drops it, and a delete removes it."""
         return f"{self.namespace}:job:{job_id}:ingest"
 
     def job_ingest_checkpoint(self, job_id: str) -> str:
-        """``<upload>:<last line>`` of the last ingestion chunk that landed, written in that chunk's
-        transaction: a chunk whose reply was lost (and is sent again) is recognised, not applied twice."""
+        """The ingest checkpoint of a job an older version made, a key of its own; now the job's
+        ``ingest_at`` field (``ingest_land.lua``). Only a run of that version read it, so nothing
+        moves it: a delete removes it."""
         return f"{self.namespace}:job:{job_id}:ingest-at"
 
     def job_retry_lock(self, job_id: str) -> str:

@@ -47,6 +47,7 @@ __all__ = [
     "failure_meta",
     "payload_of",
     "queues",
+    "register_queues",
     "requeue_meta",
     "rq_id_of_member",
     "rq_now",
@@ -138,6 +139,13 @@ def rq_id_of_member(member: str) -> str:
 def queues(redis: Redis, keys: Keys) -> dict[PromptClass, Queue]:
     """The RQ queue of each class, with the JSON serializer."""
     return {cls: Queue(keys.queue_name(cls), connection=redis, serializer=SERIALIZER) for cls in PromptClass}
+
+
+def register_queues(redis: Redis, keys: Keys) -> None:
+    """Name both queues in RQ's set of queues (what ``rq info`` and ``Queue.all`` list): at a
+    coordinator's start and after Redis lost its data, not with every chunk. A prompt waits in its
+    job's backlog, not on the queue's own list: only RQ's tools read the set."""
+    redis.sadd(Queue.redis_queues_keys, *(queue.key for queue in queues(redis, keys).values()))
 
 
 def payload_of(job: Job) -> dict[str, Any] | None:

@@ -2,18 +2,20 @@
 real Redis: whole or nothing, once (a chunk sent again after a lost reply answers "landed before"),
 never for a job whose fence is gone or taken, or that is cancelled or deleted; it waits for room in
 the job's backlog, checks the ``rows`` counter a run assumed, and labels partitions as the job's
-first few."""
+first few, and keeps its labels and its fence in the job's hash (a job an older version made keeps
+working)."""
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
 
+import pytest
 import redis
 
 from datagen.control.enqueue import EnqueueOptions
 from datagen.control.ingest_chunks import ChunkWrite, IngestChunks, Landing
-from datagen.control.jobs import MAX_PARTITION_LABEL_CHARS, MAX_PARTITION_LABELS, JobStore
+from datagen.control.jobs import MAX_PARTITION_LABEL_CHARS, MAX_PARTITION_LABELS, AckItem, AckTarget, JobStore
 from datagen.control.keys import OTHER_LABEL, BreakdownField, Keys, prompt_key
 from datagen.control.payload import PromptPayload
 from datagen.control.redistext import as_texts
@@ -129,7 +131,7 @@ def test_a_chunk_lands_whole_and_once_when_it_is_sent_again(redis_client: redis.
     assert redis_client.hlen(KEYS.job_rows(JOB)) == 3
     seen = [redis_client.get(KEYS.job_seen(JOB, s)) for s in range(16)]
     assert [s for s in seen if s] == [b"records"]
-    assert redis_client.get(KEYS.job_ingest_checkpoint(JOB)) == b"up.jsonl:3"
+    assert redis_client.hget(KEYS.job(JOB), "ingest_at") == b"up.jsonl:3"
     assert redis_client.zscore(KEYS.dispatch_jobs(SHORT, Priority.NORMAL), JOB) is not None
 
 
@@ -142,7 +144,8 @@ def test_a_chunk_lands_nothing_once_the_fence_is_dropped_or_taken(redis_client: 
     assert _land(redis_client, _write(_payloads(0, 2), 2), incarnation, fence_value=token) is Landing.FENCED
     assert _backlog(redis_client) == []
     assert _counts(redis_client) == {"rows": 0, "accepted": 0, "prompt_tokens": 0, "ingest_line": 0}
-    assert not redis_client.exists(KEYS.job_rows(JOB), KEYS.job_ingest_checkpoint(JOB))
+    assert not redis_client.exists(KEYS.job_rows(JOB))
+    assert redis_client.hget(KEYS.job(JOB), "ingest_at") is None
     assert not redis_client.keys("rq:job:*")
 
 
@@ -226,12 +229,12 @@ def test_the_last_chunk_ends_the_ingestion_as_it_lands(redis_client: redis.Redis
     jobs, incarnation = _job(redis_client)
     assert _land(redis_client, _write(_payloads(0, 2), 2), incarnation) is Landing.LANDED
     assert jobs.progress(JOB).state is JobState.INGESTING
-    assert redis_client.exists(KEYS.job_ingest_fence(JOB))
+    assert jobs.ingest_fence(JOB) == incarnation
     write = _write(_payloads(2, 1), last_line=3)
     assert _land(redis_client, write, incarnation, finish=True) is Landing.LANDED
     # Ingesting -> running in the same step, the fence gone (nothing more lands), every count in.
     assert jobs.progress(JOB).state is JobState.RUNNING
-    assert not redis_client.exists(KEYS.job_ingest_fence(JOB))
+    assert jobs.ingest_fence(JOB) is None
     assert _counts(redis_client) == {"rows": 3, "accepted": 3, "prompt_tokens": 9, "ingest_line": 3}
     assert redis_client.hget(KEYS.job(JOB), "tail_from_ms") is None  # nothing ended yet
     # Sent again after a lost reply: landed before (though its landing dropped the fence), nothing
@@ -275,3 +278,98 @@ def test_a_job_joins_its_dispatch_set_once_and_keeps_its_place(redis_client: red
     assert _land(redis_client, _write(_payloads(4, 1), 5), incarnation) is Landing.LANDED
     assert (redis_client.zscore(members, JOB), redis_client.get(weight_sum)) == (7.0, b"1000")
     assert len(_backlog(redis_client)) == 1
+
+
+def _calls(redis_client: redis.Redis, command: str) -> int:
+    return int(redis_client.info("commandstats").get(f"cmdstat_{command}", {}).get("calls", 0))
+
+
+@pytest.mark.parametrize("made", ["now", "before"])
+def test_labels_kept_in_the_job_hash_give_the_labels_its_labelled_partitions_give(
+    redis_client: redis.Redis, made: str
+) -> None:
+    """A job keeps its labels in its hash too (`labels`, `label:<partition>`), so a chunk and an ack
+    read them with the job: no SMEMBERS, no SISMEMBER. A job an older version made (no `labels`)
+    looks them up in its labelled partitions, as does a chunk of more partitions than one read takes
+    (64). Either way: the same labels, and the same breakdown."""
+    jobs, incarnation = _job(redis_client)
+    if made == "before":
+        redis_client.hdel(KEYS.job(JOB), "labels")
+    first = [*_payloads(0, 2, "chat"), *_payloads(2, 1, "math")]
+    assert _land(redis_client, _write(first, 3), incarnation) is Landing.LANDED
+    # 70 partitions in one chunk, more than a read takes: 18 more get labels, 20 in all.
+    wide = [p for i in range(70) for p in _payloads(10 + i, 1, f"w{i:02d}")]
+    assert _land(redis_client, _write(wide, 73), incarnation) is Landing.LANDED
+    again = [*_payloads(100, 1, "chat"), *_payloads(101, 1, "w00"), *_payloads(102, 1, "w69")]
+    redis_client.config_resetstat()
+    assert _land(redis_client, _write(again, 76), incarnation) is Landing.LANDED
+    assert _calls(redis_client, "smembers") == (0 if made == "now" else 1)
+
+    labelled = ["chat", "math", *(f"w{i:02d}" for i in range(18))]
+    assert sorted(as_texts(redis_client.smembers(KEYS.job_partitions(JOB)))) == labelled
+    fields = {k.decode(): v.decode() for k, v in redis_client.hgetall(KEYS.job(JOB)).items()}
+    kept = sorted(name.removeprefix("label:") for name in fields if name.startswith("label:"))
+    if made == "now":
+        assert (fields["labels"], kept) == ("20", labelled)
+    else:
+        assert ("labels" in fields, kept) == (False, [])
+    accepted = {label: n for (counter, label, _), n in jobs.breakdown(JOB).items() if counter == "accepted"}
+    assert accepted == {
+        "chat": 3,
+        "math": 1,
+        "w00": 2,
+        **{f"w{i:02d}": 1 for i in range(1, 18)},
+        OTHER_LABEL: 70 - 18 + 1,  # w18..w69, and w69 again
+    }
+
+    # Acks of prompts of a labelled partition, of one labelled in the wide chunk and of another.
+    acked = [("s100", "chat"), ("s101", "w00"), ("s102", "w69")]
+    for sample, _ in acked:
+        rq_id = KEYS.rq_job_id(JOB, sample, 0, 0)
+        jobs.outcomes.started(JOB, rq_id)
+        redis_client.zadd("started", {f"{rq_id}:x": 1e12})
+    target = AckTarget(started_key="started", finished_key="finished", execution_id="x")
+    batch = [
+        AckItem(KEYS.rq_job_id(JOB, sample, 0, 0), JOB, incarnation, 5, partition, "short", "stop", 600)
+        for sample, partition in acked
+    ]
+    redis_client.config_resetstat()
+    assert jobs.outcomes.ack_done(target, batch) == 3
+    assert _calls(redis_client, "sismember") == (0 if made == "now" else 3)
+    done = {label: n for (counter, label, _), n in jobs.breakdown(JOB).items() if counter == "done"}
+    assert done == {"chat": 1, "w00": 1, OTHER_LABEL: 1}
+
+
+def test_a_fence_an_older_version_kept_in_a_key_moves_into_the_hash_when_a_resume_takes_it(
+    redis_client: redis.Redis,
+) -> None:
+    jobs, incarnation = _job(redis_client)
+    assert jobs.ingest_fence(JOB) == incarnation  # written with the hash, by the create
+    # As an older version made the job: its fence in a key of its own, none in the hash.
+    redis_client.hdel(KEYS.job(JOB), "ingest_fence")
+    redis_client.set(KEYS.job_ingest_fence(JOB), incarnation)
+    assert jobs.ingest_fence(JOB) is None
+    token = jobs.take_ingest(JOB, incarnation)
+    assert token is not None and token.startswith(f"{incarnation}/")
+    assert jobs.ingest_fence(JOB) == token
+    assert not redis_client.exists(KEYS.job_ingest_fence(JOB))  # a run of the older version stops
+    assert _land(redis_client, _write(_payloads(0, 2), 2), incarnation, fence_value=token) is Landing.LANDED
+    assert _land(redis_client, _write(_payloads(2, 2), 4), incarnation) is Landing.TAKEN_OVER
+
+
+def test_a_cancel_or_a_rebuild_drops_a_fence_an_older_version_kept_in_a_key(
+    redis_client: redis.Redis,
+) -> None:
+    jobs, incarnation = _job(redis_client)
+    legacy = KEYS.job_ingest_fence(JOB)
+    redis_client.set(legacy, incarnation)
+    assert jobs.cancel(JOB)
+    assert not redis_client.exists(legacy) and jobs.ingest_fence(JOB) is None
+    redis_client.set(legacy, incarnation)
+    created = jobs.create_job(JOB, job_spec(), incarnation=incarnation, replace=True)
+    assert created.made and not redis_client.exists(legacy)
+    assert jobs.ingest_fence(JOB) == incarnation
+    # A fence key left of a job that is gone is nothing to take: no hash is made for it.
+    redis_client.set(KEYS.job_ingest_fence("gone"), "i1")
+    assert jobs.take_ingest("gone", "i1") is None
+    assert not redis_client.exists(KEYS.job("gone"))

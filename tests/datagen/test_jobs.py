@@ -208,10 +208,10 @@ def test_finish_ingest_moves_only_an_ingesting_job_and_drops_its_fence(
     with redis_client.pipeline() as pipe:
         add_ingest_counts(pipe, store.keys, "j1", {"rows": 2, "accepted": 2}, line=2)
         pipe.execute()
-    assert redis_client.exists(keys.job_ingest_fence("j1"))
+    assert store.ingest_fence("j1")
     store.finish_ingest("j1")
     assert store.state("j1") is JobState.RUNNING  # two prompts to run
-    assert not redis_client.exists(keys.job_ingest_fence("j1"))
+    assert store.ingest_fence("j1") is None
     store.create("j2", JobSpec(tokenizer="tok"))
     assert store.cancel("j2")
     store.finish_ingest("j2")

@@ -70,9 +70,8 @@ def test_a_create_whose_reply_is_lost_creates_the_job_once(
     progress = JobStore(redis_client, Keys(NS)).progress(JOB)
     assert progress.state is JobState.INGESTING
     assert redis_client.zscore(Keys(NS).jobs_index(), JOB) is not None
-    assert redis_client.get(Keys(NS).job_ingest_fence(JOB)) == redis_client.hget(
-        Keys(NS).job(JOB), "incarnation"
-    )
+    fence, incarnation = redis_client.hmget(Keys(NS).job(JOB), ["ingest_fence", "incarnation"])
+    assert fence == incarnation
     # A second, separate create of the id is a resubmission, not a new job.
     assert jobs.create(JOB, job_spec()) is False
 

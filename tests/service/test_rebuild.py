@@ -95,9 +95,13 @@ def test_a_job_that_redis_lost_is_rebuilt_from_storage(
     _commit(storage, "j1", ["r0", "r1", "r2", "r3", "r4"])
     before = _backlog_samples(redis_client, "j1")
     assert len(before) == ROWS
+    # RQ's tools list both queues: named at the coordinator's start, not by every chunk.
+    queues = {b"rq:queue:rb-short", b"rq:queue:rb-long"}
+    assert redis_client.smembers("rq:queues") == queues
 
     redis_client.flushall()  # as a Redis restarted without persistence
     job = _wait_rebuilt(client, "j1")
+    wait_until(lambda: redis_client.smembers("rq:queues") == queues, 10, "the queues to be named again")
     # 20 rows, 5 committed by hand: 15 run again, none of the 5.
     assert (job["state"], job["rows"], job["total"], job["done"], job["queued"]) == ("running", 20, 20, 5, 15)
     assert job["rebuilt"]["reason"] == "Redis lost its data"

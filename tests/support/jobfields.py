@@ -19,9 +19,12 @@ def add_ingest_counts(pipe: Pipeline, keys: Keys, job_id: str, counts: dict[str,
 
 
 def add_partition_labels(pipe: Pipeline, keys: Keys, job_id: str, partitions: list[str]) -> None:
-    """Label ``partitions`` as the job's own (not ``other``), in ``pipe``."""
+    """Label ``partitions`` as the job's own (not ``other``), in ``pipe``: in its labelled
+    partitions, and in its hash (``labels`` and ``label:<partition>``, `label_field` in lib.lua)."""
     if partitions:
         pipe.sadd(keys.job_partitions(job_id), *partitions)
+        pipe.hset(keys.job(job_id), mapping={f"label:{p}": 1 for p in partitions})
+        pipe.hincrby(keys.job(job_id), "labels", len(partitions))
 
 
 def add_breakdown(pipe: Pipeline, keys: Keys, job_id: str, counts: dict[BreakdownField, int]) -> None:

@@ -61,7 +61,7 @@ if #rq.expiring > 0 then redis.call('ZADD', finished, unpack(rq.expiring)) end
 if done == 0 then return 0 end
 
 if redis.call('SADD', enqueued, next_member) == 1 then
-  local label = partition_label(job, partition, {})
+  local label = partition_label(job, partition, labels_read(fields, {partition}))
   if fields.state == cancelled_state then
     count_cancelled_queued(job_key, breakdown, next_cls, 1)
     fields.cancelled = counted(fields, 'cancelled') + 1 -- as written just now, for the completion rule

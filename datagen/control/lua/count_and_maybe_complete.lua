@@ -25,13 +25,14 @@
 -- ARGV[13] completed_state  the state a job moves to when its last prompt ends
 
 local job = {key = job_key, running = running, breakdown = breakdown, partitions = partitions}
-local fields = job_read(job)
+local fields = job_read(job, label_fields({partition}))
 local current = job_incarnation(fields)
 if current == nil or not counts_in(incarnation, current) then return 0 end
 if rq_id ~= '' and leave_running(job, {rq_id}, fields)[1] == 0 then return -1 end
 local counts = {}
 if increment ~= 0 then
-  tally(counts, counter, partition_label(job, partition, {}), cls, increment, output_tokens, finish)
+  tally(counts, counter, partition_label(job, partition, labels_read(fields, {partition})), cls, increment,
+    output_tokens, finish)
 end
 if report ~= '' then
   redis.call('RPUSH', reports, report)

@@ -7,11 +7,13 @@
 -- storage) makes it anew whatever is there, in one step, so that readers never see the job
 -- missing meanwhile; given a lease token (the rebuild's), it writes nothing and returns {-1}
 -- unless the job's rebuild lease still holds that token (a rebuilder that lost its lease is fenced
--- off).
+-- off). The ingest fence is a field of the hash (`ingest_fence`), written with it; a rebuild also
+-- drops the fence key of a job an older version made, so that an ingestion that version still runs
+-- lands nothing more in the job made anew.
 --
 -- KEYS[1]   job_key        the job's hash
 -- KEYS[2]   index          the jobs index (job ids scored by creation time)
--- KEYS[3]   fence          the job's ingest fence
+-- KEYS[3]   legacy_fence   the job's ingest fence key of older versions
 -- KEYS[4]   lease          the job's rebuild lease
 -- ARGV[1]   job_id         the job id
 -- ARGV[2]   created_at_ms  when it was created (ms)
@@ -32,8 +34,12 @@ if redis.call('EXISTS', job_key) == 1 then
   end
   redis.call('DEL', job_key)
 end
--- One HSET for the whole hash (a small job's creation is a few commands, not one per field).
-redis.call('HSET', job_key, 'created_at_ms', created_at_ms, 'incarnation', incarnation, unpack(fields))
+if mode == 'replace' then redis.call('DEL', legacy_fence) end
+-- One HSET for the whole hash, its fence included (a small job's creation is a few commands, not
+-- one per field).
+local values = {'created_at_ms', created_at_ms, 'incarnation', incarnation}
+if fence_value ~= '' then values[5], values[6] = 'ingest_fence', fence_value end
+for _, value in ipairs(fields) do values[#values + 1] = value end
+redis.call('HSET', job_key, unpack(values))
 redis.call('ZADD', index, created_at_ms, job_id)
-if fence_value ~= '' then redis.call('SET', fence, fence_value) end
 return {1, incarnation, created_at_ms}

@@ -7,9 +7,8 @@
 -- (its reply was lost) finds its own token and answers as the first time. Returns 2 if the job
 -- completed, 1 if it moved (or had moved by this token), else 0.
 --
--- KEYS[1]  job_key          the job's hash
--- KEYS[2]  fence            its ingest fence
--- KEYS[3]  running          its running set
+-- KEYS[1]  job_key          the job's hash (its ingest fence is its `ingest_fence`)
+-- KEYS[2]  running          its running set
 -- ARGV[1]  token            this call's token
 -- ARGV[2]  now_ms           now (ms)
 -- ARGV[3]  ingesting_state  the state it moves from
@@ -24,7 +23,7 @@ local moved = fields.state == running_state and fields.transition == token
 if fields.state == ingesting_state then
   job_set(fields, 'state', running_state)
   job_set(fields, 'transition', token)
-  redis.call('DEL', fence)
+  job_set(fields, 'ingest_fence', '')
   moved = true
 end
 if count_and_complete(job, fields, 'done', 0, 0, {}, now_ms, running_state, completed_state) then

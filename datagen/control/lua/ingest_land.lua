@@ -28,19 +28,18 @@
 -- prompts and its rejected rows come from rows it counts; a row an earlier upload counted makes
 -- `rows` positive already), so a job whose `rows` counter is 0 has none of them.
 --
--- KEYS[1]   job_key          the job's hash
--- KEYS[2]   fence            its ingest fence
--- KEYS[3]   checkpoint       its ingest checkpoint (`<upload>:<last line>` of the last chunk landed)
--- KEYS[4]   partitions       its labelled partitions
--- KEYS[5]   breakdown        its breakdown hash
--- KEYS[6]   rows_guard       its rows guard
--- KEYS[7]   seen             the segment of its seen records this chunk appends to
--- KEYS[8]   enqueued         its guard set of next turns enqueued
--- KEYS[9]   paused           the paused jobs
--- KEYS[10]  wake             the wake channel
--- KEYS[11]  queues           RQ's set of queue keys
--- KEYS[12]  running          its running set
--- KEYS[13..] backlogs        per class in `classes`: the job's backlog of it, the dispatch set of
+-- KEYS[1]   job_key          the job's hash: its ingest fence (`ingest_fence`, '' for none) and
+--                            checkpoint (`ingest_at`, `<upload>:<last line>` of the last chunk
+--                            landed) are two of its fields, read and written with the others
+-- KEYS[2]   partitions       its labelled partitions
+-- KEYS[3]   breakdown        its breakdown hash
+-- KEYS[4]   rows_guard       its rows guard
+-- KEYS[5]   seen             the segment of its seen records this chunk appends to
+-- KEYS[6]   enqueued         its guard set of next turns enqueued
+-- KEYS[7]   paused           the paused jobs
+-- KEYS[8]   wake             the wake channel
+-- KEYS[9]   running          its running set
+-- KEYS[10..] backlogs        per class in `classes`: the job's backlog of it, the dispatch set of
 --                            it at the job's priority
 -- ARGV[1]   job_id           the job id
 -- ARGV[2]   fence_value      what the fence must hold ('': not looked at)
@@ -56,8 +55,8 @@
 -- ARGV[12]  chunk_json       JSON: {counts = {counter: n}, partitions = [sorted], partitioned =
 --                            [[counter, partition, class, n]] (breakdown by partition, labelled
 --                            here), breakdown = {field: n} (labels fixed), rows = [field, value,
---                            ...], guard = [next turns' prompt keys], classes = [[class, queue
---                            key, wanted, prompts, RQ fields every one shares (JSON)]]}
+--                            ...], guard = [next turns' prompt keys], classes = [[class,
+--                            wanted, prompts, RQ fields every one shares (JSON)]]}
 -- ARGV[13]  seen_records     packed hygiene records of the kept rows ('' for none)
 -- ARGV[14]  finish           '1': the input's last chunk, which ends the ingestion ('' for none)
 -- ARGV[15]  now_ms           now (ms)
@@ -67,23 +66,25 @@
 -- ARGV[19..] prompts         per prompt, class by class as in `classes`: its RQ id, its description
 --                            and its data (RQ's fields)
 
-local got = redis.call('MGET', fence, checkpoint)
-if got[2] == chunk_id then return {'landed_before'} end
-if fence_value ~= '' and got[1] ~= fence_value then return {'fence', got[1]} end
-
 local chunk = cjson.decode(chunk_json)
 local names = {}
 for name in pairs(chunk.counts) do names[#names + 1] = name end
--- The job read once (what the counting rules read, its `rows`, its weight and the chunk's
--- counters) and written once, at the end.
+-- The job read once (its fence and checkpoint, what the counting rules read, its `rows`, its
+-- weight and the chunk's counters) and written once, at the end.
 local job = {key = job_key, running = running, breakdown = breakdown, partitions = partitions}
-local fields = job_read(job, {'rows', 'weight', unpack(names)})
+local extra = {'ingest_fence', 'ingest_at', 'rows', 'weight'}
+for _, name in ipairs(names) do extra[#extra + 1] = name end
+local label_reads = label_fields(chunk.partitions)
+for _, name in ipairs(label_reads) do extra[#extra + 1] = name end
+local fields = job_read(job, extra)
+if fields.ingest_at == chunk_id then return {'landed_before'} end
+if fence_value ~= '' and fields.ingest_fence ~= fence_value then return {'fence', fields.ingest_fence} end
 if not fields.state or fields.state == cancelled_state then return {'fenced'} end
 local rows_before = counted(fields, 'rows')
 if expect_rows ~= '' and rows_before ~= tonumber(expect_rows) then return {'stale'} end
 local accepted = counted(fields, 'accepted')
 for i, class in ipairs(chunk.classes) do
-  local wanted = class[3]
+  local wanted = class[2]
   if accepted + wanted > window then
     local backlog = redis.call('LLEN', backlogs[2 * i - 1])
     if backlog + wanted > window then return {'no_room', class[1], backlog} end
@@ -93,10 +94,9 @@ end
 -- Its prompts, class by class.
 local at = 0
 for i, class in ipairs(chunk.classes) do
-  local cls, queue_key, n = class[1], class[2], class[4]
-  local rq_ids = save_queued(rq_job_prefix, prompts, at + 1, n, cjson.decode(class[5]))
+  local cls, n = class[1], class[3]
+  local rq_ids = save_queued(rq_job_prefix, prompts, at + 1, n, cjson.decode(class[4]))
   at = at + 3 * n
-  redis.call('SADD', queues, queue_key)
   backlog_push({
     backlog = backlogs[2 * i - 1], set = backlogs[2 * i], paused = paused, job_id = job_id, job_key = job_key,
     weight = fields.weight, wake = wake, cls = cls,
@@ -110,14 +110,17 @@ end
 job_set(fields, 'ingest_line', last_line)
 for _, name in ipairs(names) do job_set(fields, name, decimal(counted(fields, name) + chunk.counts[name])) end
 
--- Its partitions' labels, then its breakdown by label.
-local known = {}
+-- Its partitions' labels, then its breakdown by label: looked up in the job's hash as read above
+-- (`labels_read`), or in its labelled partitions for a job made before the hash kept them.
+local known = labels_read(fields, chunk.partitions)
 if #chunk.partitions > 0 then
-  -- Only a chunk that counted a row labelled partitions: none before the first.
-  local labelled = {}
-  if rows_before > 0 then labelled = redis.call('SMEMBERS', partitions) end
-  for _, partition in ipairs(labelled) do known[partition] = true end
-  local count, new = #labelled, {}
+  local count, new = tonumber(fields.labels or '0') or 0, {}
+  if not (fields.labels and #label_reads > 0) and rows_before > 0 then
+    -- Only a chunk that counted a row labelled partitions: none before the first.
+    local labelled = redis.call('SMEMBERS', partitions)
+    for _, partition in ipairs(labelled) do known[partition] = true end
+    count = #labelled
+  end
   for _, partition in ipairs(chunk.partitions) do
     if not known[partition] then
       -- Characters, not bytes (as Python counts them): in UTF-8, the bytes that are not
@@ -128,10 +131,14 @@ if #chunk.partitions > 0 then
       if known[partition] then
         count = count + 1
         new[#new + 1] = partition
+        if fields.labels then job_set(fields, label_field(partition), '1') end
       end
     end
   end
-  if #new > 0 then redis.call('SADD', partitions, unpack(new)) end
+  if #new > 0 then
+    redis.call('SADD', partitions, unpack(new))
+    if fields.labels then job_set(fields, 'labels', decimal(count)) end
+  end
 end
 local counts = chunk.breakdown
 for _, entry in ipairs(chunk.partitioned) do
@@ -146,14 +153,14 @@ for s = 1, #chunk.rows, 2 * slice do
   redis.call('HSET', rows_guard, unpack(chunk.rows, s, math.min(s + 2 * slice - 1, #chunk.rows)))
 end
 if seen_records ~= '' then redis.call('APPEND', seen, seen_records) end
-redis.call('SET', checkpoint, chunk_id)
+job_set(fields, 'ingest_at', chunk_id)
 if finish == '' then
   job_write(job, fields)
   return {'landed'}
 end
 if fields.state == ingesting_state then
   job_set(fields, 'state', running_state)
-  redis.call('DEL', fence)
+  job_set(fields, 'ingest_fence', '')
 end
 count_and_complete(job, fields, 'done', 0, 0, {}, now_ms, running_state, completed_state)
 return {'landed'}

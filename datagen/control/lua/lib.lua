@@ -39,7 +39,7 @@
 -- What the counting rules read of a job's hash, in one HMGET (`job_read`), by name.
 local COUNTED_FIELDS = {
   'incarnation', 'state', 'done', 'failed', 'cancelled', 'accepted', 'output_tokens', 'completed_before',
-  'first_record_at_ms', 'tail_from_ms',
+  'first_record_at_ms', 'tail_from_ms', 'labels',
 }
 
 -- The job's counted fields (COUNTED_FIELDS, then `extra`), read once: {field = value or false}, and
@@ -102,8 +102,47 @@ local function leave_running(job, ids, fields)
   return was_running
 end
 
+-- A job keeps the partitions it labelled in its hash too: `labels`, how many (written as 0 by its
+-- create), and `label:<partition>` = '1' for each, read with the job (`job_read`, the fields
+-- `label_fields` names), so that a count or an ingestion chunk looks its labels up at no command.
+-- Its labelled partitions (a set) stay the list, for readers and for workers of the version
+-- before, and the only record of a job made before it (no `labels`: looked up there).
+local function label_field(partition)
+  return 'label:' .. partition
+end
+
+-- The fields `job_read` reads for the labels of `partitions` (a list, repeats allowed): none for
+-- more than `LABEL_READS` partitions, which are looked up in the set as before (one HMGET stays
+-- short, and far below Lua's limit on unpacked values).
+local LABEL_READS = 64
+local function label_fields(partitions)
+  local names, seen = {}, {}
+  for _, partition in ipairs(partitions) do
+    if not seen[partition] then
+      seen[partition] = true
+      names[#names + 1] = label_field(partition)
+    end
+  end
+  if #names > LABEL_READS then return {} end
+  return names
+end
+
+-- Which of `partitions` the job labelled (partition -> true or false), as its hash read says,
+-- for `partition_label`'s `known`: none of a job made before its hash kept its labels, of a job
+-- that is gone, or whose label fields were not read.
+local function labels_read(fields, partitions)
+  local known = {}
+  if not (fields and fields.labels) then return known end
+  for _, partition in ipairs(partitions) do
+    local read = fields[label_field(partition)]
+    if read ~= nil then known[partition] = read == '1' end
+  end
+  return known
+end
+
 -- The breakdown label of a partition: the partition if the job labelled it (its first ones, up to
--- a cap), else 'other'. `known` keeps the answers of one script call (partition -> labelled).
+-- a cap), else 'other'. `known` keeps the answers of one script call (partition -> labelled),
+-- filled from the job's hash where it can be (`labels_read`).
 local function partition_label(job, partition, known)
   if known[partition] == nil then
     known[partition] = redis.call('SISMEMBER', job.partitions, partition) == 1
@@ -254,7 +293,9 @@ end
 -- running set.
 local function ack_in_job(job, prompts, rq)
   local done, tokens, breakdown = 0, 0, {}
-  local fields = job_read(job)
+  local partitions = {}
+  for _, prompt in ipairs(prompts) do partitions[#partitions + 1] = prompt.partition end
+  local fields = job_read(job, label_fields(partitions))
   local current = job_incarnation(fields)
   if not current then return done, tokens, breakdown, nil end
   local mine, ids = {}, {}
@@ -266,7 +307,7 @@ local function ack_in_job(job, prompts, rq)
   end
   if #mine == 0 then return done, tokens, breakdown, fields end
   local was_running = leave_running(job, ids, fields)
-  local known = {}
+  local known = labels_read(fields, partitions)
   for n, prompt in ipairs(mine) do
     if was_running[n] == 1 then
       finish_in_rq(rq, prompt)

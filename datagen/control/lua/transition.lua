@@ -3,14 +3,14 @@
 -- hash: the same call sent again (its reply was lost, and redis-py or the caller repeated it)
 -- finds its own token and answers 1 again instead of "not moved".
 --
--- KEYS[1]   job_key   the job's hash
--- KEYS[2]   fence     its ingest fence
--- ARGV[1]   sources   the states it may move from, space-separated
--- ARGV[2]   target    the state it moves to
--- ARGV[3]   fence_op  what happens to the fence: '' nothing, 'drop' (ingestion may enqueue no
---                     more), 'arm' (ingestion may enqueue for the job's incarnation)
--- ARGV[4]   token     this call's token
--- ARGV[5..] fields    field, value, field, value, ... to set with the move
+-- KEYS[1]   job_key       the job's hash (its ingest fence is its `ingest_fence`, '' for none)
+-- KEYS[2]   legacy_fence  its ingest fence key of older versions
+-- ARGV[1]   sources       the states it may move from, space-separated
+-- ARGV[2]   target        the state it moves to
+-- ARGV[3]   fence_op      what happens to the fence: '' nothing, 'drop' (ingestion may enqueue no
+--                         more), 'arm' (ingestion may enqueue for the job's incarnation)
+-- ARGV[4]   token         this call's token
+-- ARGV[5..] fields        field, value, field, value, ... to set with the move
 
 local state = redis.call('HGET', job_key, 'state')
 if not state then return 0 end
@@ -21,9 +21,13 @@ for from in string.gmatch(sources, '%S+') do
 end
 if not allowed then return 0 end
 -- One HSET with the fields (a resubmission's ingest input and checkpoint among them).
-redis.call('HSET', job_key, 'state', target, 'transition', token, unpack(fields))
-if fence_op == 'drop' then redis.call('DEL', fence) end
+local values = {'state', target, 'transition', token}
+if fence_op == 'drop' then values[5], values[6] = 'ingest_fence', '' end
 if fence_op == 'arm' then
-  redis.call('SET', fence, redis.call('HGET', job_key, 'incarnation') or '')
+  values[5], values[6] = 'ingest_fence', redis.call('HGET', job_key, 'incarnation') or ''
 end
+for _, value in ipairs(fields) do values[#values + 1] = value end
+redis.call('HSET', job_key, unpack(values))
+-- An ingestion an older version still runs checks the fence key it knows.
+if fence_op == 'drop' then redis.call('DEL', legacy_fence) end
 return 1
