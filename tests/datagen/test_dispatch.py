@@ -171,6 +171,35 @@ def test_a_job_picked_with_a_tail_left_gets_it_whole_as_far_as_the_claim_wants(
     assert _claims(dispatch, 2) == ["a", "t"] and redis_client.zscore(members, "t") is None
 
 
+def test_a_claim_reads_only_the_jobs_whose_first_picks_cover_it_and_picks_as_if_it_read_more(
+    redis_client: redis.Redis,
+) -> None:
+    """A job with its tail left gives a claim all of it at its first pick, any other job one: once
+    the jobs read cover what the claim wants, no job past them can come first, so the claim reads
+    no more of them (a claim among many small jobs read ``want`` jobs' backlogs and weights)."""
+    keys = Keys(NS)
+    for job_id, n in [("a", 20), ("b", 3), ("c", 2), ("d", 12), ("e", 1), ("f", 3), ("g", 3)]:
+        _job(redis_client, job_id, n)
+    dispatch = Dispatch(redis_client, keys)
+    redis_client.config_resetstat()
+    # All at virtual time 0, in id order. a (20 left) gives 1, b 3, c 2, d (12) 1, e 1: 8 covered,
+    # f and g not read.
+    claimed = dispatch.claim_many(SHORT, 8, CLAIMANT)
+    assert [c.rq_id for c in claimed] == ["a-0", "b-0", "b-1", "b-2", "c-0", "c-1", "d-0", "e-0"]
+    assert redis_client.info("commandstats")["cmdstat_llen"]["calls"] == 5
+    members = keys.dispatch_jobs(SHORT, Priority.NORMAL)
+    assert redis_client.zrange(members, 0, -1, withscores=True) == [
+        (b"f", 0.0),
+        (b"g", 0.0),
+        (b"a", 1.0),
+        (b"d", 1.0),
+    ]
+    # f's 3 and one of g's (the claim wants no more): two jobs read; g moves to 1, level with a and d.
+    assert [c.rq_id for c in dispatch.claim_many(SHORT, 4, CLAIMANT)] == ["f-0", "f-1", "f-2", "g-0"]
+    assert redis_client.zscore(members, "g") == 1.0
+    assert _claims(dispatch, 4) == ["a", "d", "g", "a"]
+
+
 def test_a_claim_skips_prompts_whose_rq_job_is_gone(redis_client: redis.Redis) -> None:
     _job(redis_client, "a", 3)
     redis_client.delete("rq:job:a-1")  # its job was deleted meanwhile

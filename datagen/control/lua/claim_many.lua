@@ -8,8 +8,9 @@
 -- priority and, within a priority, by stride scheduling: each prompt goes to the job with the
 -- lowest virtual time (dispatches / weight; ties to the lexically first id, as ZRANGE orders them),
 -- which then advances by 1 / weight. Paused jobs are in no set (pause.lua), so the jobs looked at
--- are the first N with work in score order (N: prompts wanted, plus those passed over), read a page
--- at a time: a claim costs O(log jobs + N), however many jobs wait or are paused. The N single
+-- are at most the first N with work in score order (N: prompts wanted, plus those passed over;
+-- fewer where jobs with their tail left cover what is wanted, below), read a page at a time: a
+-- claim costs O(log jobs + N), however many jobs wait or are paused. The N single
 -- claims are simulated with a heap over those jobs, then applied with one LPOP and one ZINCRBY per
 -- job (a job whose backlog it empties leaves the set instead, and the set's weight sum with it):
 -- the same order as N single claims, at a fraction of the commands, but for a job's tail: a job
@@ -110,11 +111,17 @@ for _, set in ipairs({high, normal, low}) do
     local page = need + #skip
     local offset = 0
     local to_end = false -- the page scan reached the set's end: every job with work is in `jobs`
-    while #jobs < need do
+    -- What the jobs read so far give at their first picks: a job with its tail left, all of it;
+    -- any other, one. Once that covers `need`, the picks below reach `need` before every job read
+    -- has had its first pick, and a job read but not picked yet scores below every job not read:
+    -- so no job past the scan would have come first, and it stops there. A claim among many small
+    -- jobs reads a few of them, not `need` (the same picks as reading `need` jobs, each giving one).
+    local covered = 0
+    while covered < need do
       local entries = redis.call('ZRANGE', set, offset, offset + page - 1, 'WITHSCORES')
       local removed = 0
       for i = 1, #entries, 2 do
-        if #jobs >= need then break end
+        if covered >= need then break end
         local job = entries[i]
         if not skipped[job] then
           local jobkey = job_prefix .. job
@@ -126,10 +133,11 @@ for _, set in ipairs({high, normal, low}) do
             local weight = tonumber(redis.call('HGET', jobkey, 'weight') or '1') or 1
             if weight <= 0 then weight = 1 end
             jobs[#jobs + 1] = {job = job, vt = tonumber(entries[i + 1]), w = weight, left = left, take = 0}
+            if left <= tail then covered = covered + left else covered = covered + 1 end
           end
         end
       end
-      if #entries < 2 * page then
+      if covered < need and #entries < 2 * page then
         to_end = true
         break
       end
