@@ -292,6 +292,8 @@ class Worker:
             uncommitted=lambda: self.writer.pending + self.capturer.pending,
             max_uncommitted_records=self.settings.max_uncommitted_records,
             crowded_jobs=self.writer.crowded_jobs,
+            known_jobs=job_infos.known,
+            learn_job=job_infos.learn,
         )
 
     def _probe(self, server: Server) -> HealthProbe:

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, cast
@@ -37,7 +37,7 @@ from redis import Redis
 from redis.client import Pipeline
 
 from datagen.control.epoch import EpochWatch
-from datagen.control.jobs import JobStore
+from datagen.control.jobs import JobStore, RunFacts
 from datagen.control.keys import Keys
 from datagen.control.redistext import as_text, as_texts
 from datagen.control.rq_format import JOB_KEY_PREFIX, QueuedJobs, rq_now
@@ -68,6 +68,9 @@ MAX_CLAIM = 256
 # commands are paid once, not once a prompt. A job then runs at most this many prompts ahead of
 # its stride turn, once, at the end of its backlog.
 TAIL_PROMPTS = 8
+# What a claim with no one to tell run facts to sends as ``known``: no job id has a space, so the
+# script reads every job's weight alone (its HGET), as if the caller knew every job.
+_KNOWS_ALL = "*"
 # Ids pushed per RPUSH inside a script (Lua's unpack has a stack limit).
 PUSH_SLICE = 1000
 
@@ -101,6 +104,7 @@ class ClaimManyArgs(ScriptArgs):
     running_suffix: str
     epoch_floor: int
     tail: int
+    known: str
     skip: tuple[str, ...]
 
 
@@ -221,11 +225,20 @@ class Dispatch:
 
     # Workers -------------------------------------------------------------------------------------
     def claim_many(
-        self, cls: PromptClass, n: int, claimant: Claimant, *, skip: Collection[str] = ()
+        self,
+        cls: PromptClass,
+        n: int,
+        claimant: Claimant,
+        *,
+        skip: Collection[str] = (),
+        known: Collection[str] = (),
+        learn: Callable[[str, RunFacts], None] | None = None,
     ) -> list[Claimed]:
         """Start up to ``n`` prompts of ``cls`` for ``claimant`` (``datagen/control/lua/claim_many.lua``):
         each is in RQ's started registry and its job's running set when this returns. Jobs in
-        ``skip`` are passed over as paused ones are (this worker cannot take more of them now)."""
+        ``skip`` are passed over as paused ones are (this worker cannot take more of them now).
+        ``learn`` is told the run facts of each job it hands prompts of from a backlog unless the
+        job is in ``known`` (the script reads them with the job's weight, at no command more)."""
         keys = self.keys
         bucket = int(time.time() // WINDOW_BUCKET_S)
         now = rq_now()
@@ -252,13 +265,17 @@ class Dispatch:
             running_suffix=keys.running_suffix(),
             epoch_floor=self.epoch.floor if self.epoch is not None else 0,
             tail=TAIL_PROMPTS,
+            known=" ".join(known) if learn is not None else _KNOWS_ALL,
             skip=tuple(sorted(skip)),
         )
-        replies = self._claim(args)
+        prompts, told = cast(list[list[Any]], self._claim(args))
         claimed = []
-        for rq_id, flat in cast(list[list[Any]], replies):
+        for rq_id, flat in prompts:
             fields = dict(zip(flat[::2], flat[1::2], strict=True))
             claimed.append(Claimed(as_text(rq_id), fields, now.at))
+        if learn is not None:
+            for job_id, raw_spec, raw_identity, raw_stops, raw_incarnation in told:
+                learn(as_text(job_id), RunFacts.parse(raw_spec, raw_identity, raw_stops, raw_incarnation))
         return claimed
 
     # Enqueueing ----------------------------------------------------------------------------------

@@ -48,6 +48,7 @@ __all__ = [
     "JobProgress",
     "JobStore",
     "RequeueItem",
+    "RunFacts",
 ]
 
 
@@ -71,6 +72,31 @@ COMPLETED_BEFORE = "completed_before"
 # The job's ingest fence, a field of its hash ('' or absent: no ingestion may enqueue), as the
 # scripts name it; its ingest checkpoint is `ingest_at` beside it (`ingest_land.lua`).
 INGEST_FENCE = "ingest_fence"
+
+
+@dataclass(frozen=True)
+class RunFacts:
+    """What a worker reads of a job once (`workers.run.jobinfo`): its spec, the tokenizer identity
+    for its records, the stop ids the pre-flight checks resolved (empty for older jobs), and the
+    incarnation they are of; read by `JobStore.run_facts`, or handed out with a claim."""
+
+    spec: JobSpec
+    tokenizer: str
+    stop_ids: tuple[int, ...]
+    incarnation: str
+
+    @classmethod
+    def parse(
+        cls,
+        raw_spec: bytes | str,
+        raw_identity: bytes | str,
+        raw_stops: bytes | str | None,
+        raw_incarnation: bytes | str | None,
+    ) -> RunFacts:
+        """From the job hash's ``spec``, ``tokenizer_identity``, ``stop_ids`` and ``incarnation``."""
+        stops = tuple(int(i) for i in json.loads(raw_stops)) if raw_stops else ()
+        incarnation = as_text(raw_incarnation) if raw_incarnation is not None else ""
+        return cls(JobSpec.model_validate_json(raw_spec), as_text(raw_identity), stops, incarnation)
 
 
 def ingest_fence_value(incarnation: str, token: str) -> str:
@@ -461,16 +487,15 @@ class JobStore:
             raise JobNotFoundError(f"no job {job_id!r}")
         return JobSpec.model_validate_json(raw)
 
-    def run_facts(self, job_id: str) -> tuple[JobSpec, str, list[int]]:
-        """What a worker needs once per job, in one command: its spec, the tokenizer identity for
-        its records, and the stop ids the pre-flight checks resolved (empty for older jobs)."""
-        raw_spec, raw_identity, raw_stops = self.redis.hmget(
-            self.keys.job(job_id), ["spec", "tokenizer_identity", "stop_ids"]
+    def run_facts(self, job_id: str) -> RunFacts:
+        """What a worker needs once per job, in one command (`RunFacts`; a claim hands them out with
+        a job's first prompts to a worker that lacks them, `datagen.control.dispatch`)."""
+        raw_spec, raw_identity, raw_stops, raw_incarnation = self.redis.hmget(
+            self.keys.job(job_id), ["spec", "tokenizer_identity", "stop_ids", "incarnation"]
         )
         if raw_spec is None or raw_identity is None:
             raise JobNotFoundError(f"no job {job_id!r}")
-        stops = [int(i) for i in json.loads(raw_stops)] if raw_stops else []
-        return JobSpec.model_validate_json(raw_spec), as_text(raw_identity), stops
+        return RunFacts.parse(raw_spec, raw_identity, raw_stops, raw_incarnation)
 
     def progress(self, job_id: str, *, with_arms: bool = False) -> JobProgress:
         found = self.progress_many([job_id], with_arms=with_arms)[0]

@@ -7,7 +7,7 @@ import time
 import redis
 
 from datagen.control.dispatch import TAIL_PROMPTS, Claimant, Dispatch
-from datagen.control.jobs import JobStore
+from datagen.control.jobs import JobStore, RunFacts
 from datagen.control.keys import Keys
 from datagen.prompts.tokenization import bundled_tokenizer_path
 from datagen.spec import JobSpec
@@ -198,6 +198,36 @@ def test_a_claim_reads_only_the_jobs_whose_first_picks_cover_it_and_picks_as_if_
     assert [c.rq_id for c in dispatch.claim_many(SHORT, 4, CLAIMANT)] == ["f-0", "f-1", "f-2", "g-0"]
     assert redis_client.zscore(members, "g") == 1.0
     assert _claims(dispatch, 4) == ["a", "d", "g", "a"]
+
+
+def test_a_claim_hands_out_the_run_facts_of_jobs_the_worker_lacks_in_the_read_of_their_weight(
+    redis_client: redis.Redis,
+) -> None:
+    keys = Keys(NS)
+    _job(redis_client, "a", 2)
+    _job(redis_client, "b", 2)
+    _job(redis_client, "c", 2)
+    jobs = JobStore(redis_client, keys)
+    redis_client.hset(keys.job("b"), mapping={"tokenizer_identity": "tok@sha256:ab", "stop_ids": "[7, 9]"})
+    dispatch = Dispatch(redis_client, keys)
+    told: dict[str, RunFacts] = {}
+    incarnation = jobs.incarnation("b")
+    redis_client.config_resetstat()
+    # a's 2 and b's 2 (which cover the claim: c is not read); the worker holds a's facts already.
+    claimed = dispatch.claim_many(SHORT, 4, CLAIMANT, known=["a"], learn=told.__setitem__)
+    assert [c.rq_id for c in claimed] == ["a-0", "a-1", "b-0", "b-1"]
+    assert list(told) == ["b"]
+    facts = told["b"]
+    assert (facts.tokenizer, facts.stop_ids, facts.incarnation) == ("tok@sha256:ab", (7, 9), incarnation)
+    assert facts.spec.tokenizer == bundled_tokenizer_path()
+    # One read per job the scan reads, as without facts: a's weight alone (and the epoch's HGET),
+    # b's with its facts.
+    stats = redis_client.info("commandstats")
+    assert (stats["cmdstat_hget"]["calls"], stats["cmdstat_hmget"]["calls"]) == (2, 1)
+    # A claim with no one to tell reads weights alone.
+    redis_client.config_resetstat()
+    assert [c.rq_id for c in dispatch.claim_many(SHORT, 2, CLAIMANT)] == ["c-0", "c-1"]
+    assert "cmdstat_hmget" not in redis_client.info("commandstats")
 
 
 def test_a_claim_skips_prompts_whose_rq_job_is_gone(redis_client: redis.Redis) -> None:

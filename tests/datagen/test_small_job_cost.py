@@ -1,8 +1,8 @@
 """What one small job costs Redis, counted command by command (MONITOR) over a real Redis, the
 coordinator's app and a worker in this process and the simulator: its submit, creation, ingestion,
 claims, its shard's ack and its completion. A command counts for the job when it names the job (its
-keys, its prompts' RQ ids), and a script's commands count with the script when any of them does (a
-claim that hands out the job's prompts costs its scans of the dispatch sets too). Claims that find
+keys, its prompts' RQ ids), and a script's commands count with the script when any of those it ran
+does (a claim that hands out the job's prompts costs its scans of the dispatch sets too). Claims that find
 nothing and the processes' background loops name no job: they are the fleet's idle cost, not the
 job's.
 
@@ -96,7 +96,10 @@ def _job_commands(lines: list[dict[str, Any]], job_id: str, skip_client: str) ->
     counts: Counter[str] = Counter()
     timed = 0
     for call in calls:
-        if any(job_id in command["command"] for command in call):
+        # A script's call by what it ran, not its arguments: a worker's claims name the jobs it
+        # knows (`known`), whether or not they hand out any of their prompts.
+        ran = call[1:] if len(call) > 1 else call
+        if any(job_id in command["command"] for command in ran):
             words = [command["command"].split() for command in call]
             counts.update(w[0].upper() for w in words)
             if len(words) == 1 and words[0][0].upper() == "ZADD" and words[0][1].startswith("rq:wip:"):

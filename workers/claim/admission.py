@@ -27,6 +27,7 @@ import redis
 
 from datagen.backoff import Backoff
 from datagen.control.dispatch import MAX_CLAIM, Dispatch
+from datagen.control.jobs import RunFacts
 from datagen.control.payload import ParsedPayload, parse_payload
 from datagen.control.redismemory import is_out_of_memory
 from datagen.control.rq_format import payload_of
@@ -152,6 +153,8 @@ class Admission:
         uncommitted: Callable[[], int] | None = None,
         max_uncommitted_records: int = 0,
         crowded_jobs: Callable[[int], set[str]] | None = None,
+        known_jobs: Callable[[], Collection[str]] | None = None,
+        learn_job: Callable[[str, RunFacts], None] | None = None,
     ) -> None:
         self.slots = slots
         self.identities = identities
@@ -169,6 +172,10 @@ class Admission:
         self.max_uncommitted_records = max_uncommitted_records
         # The jobs with at least N records waiting for their commit (`RecordWriter.crowded_jobs`).
         self.crowded_jobs = crowded_jobs
+        # The jobs whose run facts the worker holds, and where a claim's run facts of the others go
+        # (`workers.run.jobinfo`): a job's first prompts come with them, not after a read of them.
+        self.known_jobs = known_jobs
+        self.learn_job = learn_job
         self._commits_behind = False
         # Claims that found work and the prompts they started, for the stop's log line.
         self.claims = 0
@@ -230,7 +237,10 @@ class Admission:
     def _claim(self, identity: QueueIdentity, cls: PromptClass, free: int) -> list[InFlight]:
         if self.wakeups is not None:
             self.wakeups.answered(cls)  # this claim finds what they told of
-        return identity.claim_many(self.dispatch, cls, free, skip=self._crowded())
+        known = self.known_jobs() if self.known_jobs is not None else ()
+        return identity.claim_many(
+            self.dispatch, cls, free, skip=self._crowded(), known=known, learn=self.learn_job
+        )
 
     def _start(self, cls: PromptClass, identity: QueueIdentity, items: list[InFlight]) -> None:
         """Run a task per claimed prompt."""

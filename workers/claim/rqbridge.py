@@ -27,7 +27,7 @@ from rq.worker import BaseWorker, WorkerStatus
 from rq.worker_registration import clean_worker_registry
 
 from datagen.control.dispatch import Claimant, Dispatch
-from datagen.control.jobs import AckTarget
+from datagen.control.jobs import AckTarget, RunFacts
 from datagen.control.payload import parse_payload
 from datagen.control.rq_format import META, RETRIES_LEFT, SERIALIZER, failure_meta, started_member
 from datagen.control.scripts import KEY, LuaScript, ScriptArgs
@@ -171,13 +171,20 @@ class QueueIdentity(BaseWorker):
         )
 
     def claim_many(
-        self, dispatch: Dispatch, cls: PromptClass, n: int, *, skip: Collection[str] = ()
+        self,
+        dispatch: Dispatch,
+        cls: PromptClass,
+        n: int,
+        *,
+        skip: Collection[str] = (),
+        known: Collection[str] = (),
+        learn: Callable[[str, RunFacts], None] | None = None,
     ) -> list[InFlight]:
-        """Start up to ``n`` prompts due (:mod:`datagen.control.dispatch`), none of the jobs in ``skip``;
-        never blocks."""
+        """Start up to ``n`` prompts due (:mod:`datagen.control.dispatch`), none of the jobs in ``skip``
+        (``learn`` told the run facts of the jobs outside ``known`` it starts prompts of); never blocks."""
         queue = self.queue
         items = []
-        for claimed in dispatch.claim_many(cls, n, self.claimant, skip=skip):
+        for claimed in dispatch.claim_many(cls, n, self.claimant, skip=skip, known=known, learn=learn):
             job = self.job_class(claimed.rq_id, connection=self.connection, serializer=self.serializer)
             job.restore(claimed.fields)
             # What the claim script wrote, as RQ's prepare_for_execution sets it on its object.

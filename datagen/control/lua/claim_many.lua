@@ -24,7 +24,11 @@
 -- deleted meanwhile) is dropped. Nothing is handed out while Redis's epoch is below the worker's
 -- floor (`datagen.control.epoch`): that is a Redis restored from an older snapshot, whose backlogs
 -- hold prompts already done, until the coordinator has rebuilt the jobs from storage and stamped a
--- new `seq`. Returns {id, HGETALL of its RQ job as it was queued} per prompt.
+-- new `seq`. Returns {prompts, facts}: prompts {id, HGETALL of its RQ job as it was queued} per
+-- prompt; facts, per job it hands prompts of from a backlog that is not in `known`, what a worker
+-- reads of it once (its id, spec, tokenizer identity, stop ids and incarnation), read with its
+-- weight in the one HMGET the scan makes of it anyway: a worker's first prompt of a job costs it no
+-- read of its own.
 --
 -- KEYS[1]    queue             RQ's queue list of the class
 -- KEYS[2]    paused            the paused jobs
@@ -49,12 +53,18 @@
 -- ARGV[13]   epoch_floor: number  the worker's epoch floor
 -- ARGV[14]   tail: number      a job picked with this many prompts left or fewer gets them all
 --                              (`TAIL_PROMPTS`)
--- ARGV[15..] skip              job ids this worker passes over (too many of their records wait for a
+-- ARGV[15]   known             the job ids whose run facts this worker holds, space-separated
+--                              ('*': every job's; it wants none)
+-- ARGV[16..] skip              job ids this worker passes over (too many of their records wait for a
 --                              commit here)
 
 if tonumber(redis.call('HGET', epoch, 'seq') or '0') < epoch_floor then return {} end
 local skipped = {}
 for _, job in ipairs(skip) do skipped[job] = true end
+local knows = {}
+local knows_all = known == '*'
+for job in string.gmatch(known, '%S+') do knows[job] = true end
+local facts = {}
 local sets = {high = high, normal = normal, low = low}
 local function job_of(id)
   local rest = string.sub(id, #rq_id_prefix + 1)
@@ -130,7 +140,16 @@ for _, set in ipairs({high, normal, low}) do
             leave(set, job, jobkey)
             removed = removed + 1
           else
-            local weight = tonumber(redis.call('HGET', jobkey, 'weight') or '1') or 1
+            local raw_weight
+            if knows_all or knows[job] then
+              raw_weight = redis.call('HGET', jobkey, 'weight')
+            else
+              local got = redis.call('HMGET', jobkey, 'weight', 'spec', 'tokenizer_identity', 'stop_ids',
+                'incarnation')
+              raw_weight = got[1]
+              if got[2] then facts[job] = {job, got[2], got[3] or '', got[4] or '', got[5] or ''} end
+            end
+            local weight = tonumber(raw_weight or '1') or 1
             if weight <= 0 then weight = 1 end
             jobs[#jobs + 1] = {job = job, vt = tonumber(entries[i + 1]), w = weight, left = left, take = 0}
             if left <= tail then covered = covered + left else covered = covered + 1 end
@@ -213,4 +232,8 @@ if #members > 0 then redis.call('ZADD', started, unpack(members)) end
 for job, ids_started in pairs(running) do
   redis.call('SADD', job_prefix .. job .. running_suffix, unpack(ids_started))
 end
-return out
+local told = {}
+for job, n in pairs(dispatched) do
+  if n > 0 and facts[job] then told[#told + 1] = facts[job] end
+end
+return {out, told}
