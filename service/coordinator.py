@@ -23,6 +23,7 @@ from datagen.control.leases import Leases
 from datagen.control.rq_format import register_queues
 from datagen.control.servers import live_servers
 from datagen.errors import (
+    DatagenError,
     InvalidRequestError,
     InvalidSpecError,
     JobStateError,
@@ -211,7 +212,18 @@ class Coordinator:
         reference: Reference | None,
     ) -> Created:
         job_id = checked.job_id
-        self._refuse_conflicts(checked)
+        if self.ingests.running(job_id):
+            raise JobStateError(
+                f"job {job_id} is still ingesting an earlier upload; wait until GET /jobs/{job_id} "
+                "says running, then resubmit"
+            )
+        # Storage first: an id whose storage holds no manifest has no job with records, and almost
+        # always no job at all (the rare other: a job whose create's manifest is not written yet,
+        # or never was). Such a submit looks for a job of the id only when the create finds one,
+        # so a new job costs Redis no read before it is made.
+        stored = self.storage.read_manifest(job_id) is not None
+        if stored:
+            self._refuse_conflicts(checked, self.jobs.spec_and_state(job_id))
         identity = checked.renderer.identity()
         if reference is not None:
             input_name = self.storage.write_reference(job_id, reference, dataset.columns)
@@ -229,6 +241,12 @@ class Coordinator:
             fields=ingest,
         )
         if not created.made:
+            if not stored:
+                try:
+                    self._refuse_conflicts(checked, self.jobs.spec_and_state(job_id))
+                except DatagenError:
+                    self.storage.remove_input(job_id, input_name)  # a refused submit leaves nothing
+                    raise
             self.jobs.restart_ingest(job_id, ingest)
         self._write_manifest(checked, identity, created)
         self.metrics.jobs_submitted.inc()
@@ -274,16 +292,12 @@ class Coordinator:
                 f"{fmt.value}: name its fields messages and id"
             )
 
-    def _refuse_conflicts(self, checked: CheckedSubmit) -> None:
-        """Refuse a submit to a job still ingesting, cancelled, of another spec or made with other
-        files; or, for a new job, one whose id still holds an earlier job's records."""
+    def _refuse_conflicts(
+        self, checked: CheckedSubmit, found: tuple[JobSpec, JobState | None] | None
+    ) -> None:
+        """Refuse a submit to a job (``found``: its spec and state) cancelled, of another spec or
+        made with other files; or, for a new job, one whose id still holds an earlier job's records."""
         job_id = checked.job_id
-        if self.ingests.running(job_id):
-            raise JobStateError(
-                f"job {job_id} is still ingesting an earlier upload; wait until GET /jobs/{job_id} "
-                "says running, then resubmit"
-            )
-        found = self.jobs.spec_and_state(job_id)
         existing = found[0] if found is not None else None
         if found is not None and found[1] is JobState.CANCELLED:
             raise JobStateError(f"job {job_id} was cancelled; submit under a new job id")

@@ -107,6 +107,13 @@ class JobInputs(JobManifests):
         self._write_object(self._path(job_id, "input", name), _json_bytes(body))
         return name
 
+    def remove_input(self, job_id: str, name: str) -> None:
+        """Remove an input a refused submit stored, and what goes beside it (best effort): a
+        rebuild ingests every input its job's storage holds."""
+        stem = name.split(".", 1)[0]
+        self._files.remove(self._path(job_id, "input", name))
+        self._files.remove(self._path(job_id, "input", stem + READ_SIDECAR_SUFFIX))
+
     def input_names(self, job_id: str) -> list[str]:
         """The job's inputs (uploads and references), oldest first."""
         directory = self._path(job_id, "input")
