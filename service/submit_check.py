@@ -5,12 +5,16 @@ In order, each refusing with what to fix: the job id (400), the names the spec m
 (`renderer_for`, 400), the decontamination sets within their limits and parsed once
 (`check_benchmarks`, 400), and the pre-flight checks, a recipe's arms rendering apart among them,
 against the servers workers publish (`preflight_submit`, 409; what could not be checked is logged as
-a warning).
+a warning). The servers read for a submit that passed serve the submits of the next second too
+(`SERVERS_REUSE_S`): a burst of small jobs reads the fleet about once a second, not twice a job; a
+refused submit's read serves no other, so a fleet that was not ready is looked at afresh.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
+import time
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -34,6 +38,10 @@ __all__ = ["CheckedSubmit", "SubmitCheck", "pinned"]
 
 log = logging.getLogger(__name__)
 
+# How long the servers read for a submit that passed serve later submits (seconds): about the
+# interval at which workers publish them.
+SERVERS_REUSE_S = 1.0
+
 
 @dataclass(frozen=True)
 class CheckedSubmit:
@@ -53,6 +61,10 @@ class SubmitCheck:
         self._settings = settings
         self._redis = redis
         self._keys = keys
+        # (when read, monotonic; the servers) of the last read a submit passed with. Submits run
+        # in the API's threads.
+        self._passed: tuple[float, dict[str, dict[str, Any]]] | None = None
+        self._lock = threading.Lock()
 
     def __call__(self, spec: JobSpec, job_id: str | None) -> CheckedSubmit:
         """Check a submit of ``spec`` (to ``job_id``, or to a new id); raises what a check refused."""
@@ -61,11 +73,22 @@ class SubmitCheck:
         spec = pinned(spec)
         renderer = renderer_for(spec)  # fails fast with a 400 on a bad tokenizer or template
         sets = check_benchmarks(spec)  # 400 on a set over the limits or unreadable; parsed once
-        servers = live_servers(self._redis, self._keys)
+        read_at, servers = self._servers()
         preflight = preflight_submit(spec, renderer, servers)  # 409 with what to fix
+        with self._lock:
+            if self._passed is None or self._passed[0] < read_at:
+                self._passed = (read_at, servers)
         for warning in preflight.warnings:
             log.warning("job %s: %s", job_id, warning)
         return CheckedSubmit(job_id, spec, renderer, sets, servers, preflight)
+
+    def _servers(self) -> tuple[float, dict[str, dict[str, Any]]]:
+        """The live servers, as a submit that passed read them within `SERVERS_REUSE_S`, or read now."""
+        with self._lock:
+            passed = self._passed
+        if passed is not None and time.monotonic() - passed[0] < SERVERS_REUSE_S:
+            return passed
+        return time.monotonic(), live_servers(self._redis, self._keys)
 
 
 def pinned(spec: JobSpec, *, strict: bool = True) -> JobSpec:
