@@ -7,6 +7,7 @@ import time
 import redis
 
 from datagen.control.dispatch import TAIL_PROMPTS, Claimant, Dispatch
+from datagen.control.epoch import EpochWatch
 from datagen.control.jobs import JobStore, RunFacts
 from datagen.control.keys import Keys
 from datagen.prompts.tokenization import bundled_tokenizer_path
@@ -228,6 +229,26 @@ def test_a_claim_hands_out_the_run_facts_of_jobs_the_worker_lacks_in_the_read_of
     redis_client.config_resetstat()
     assert [c.rq_id for c in dispatch.claim_many(SHORT, 2, CLAIMANT)] == ["c-0", "c-1"]
     assert "cmdstat_hmget" not in redis_client.info("commandstats")
+
+
+def test_a_claim_hands_out_nothing_while_redis_is_older_than_the_workers_floor(
+    redis_client: redis.Redis,
+) -> None:
+    keys = Keys(NS)
+    _job(redis_client, "a", 2)
+    epoch = EpochWatch(redis_client, keys)
+    epoch.floor = 5  # the worker saw seq 5; Redis came back from an older snapshot
+    redis_client.hset(keys.epoch(), "seq", 3)
+    dispatch = Dispatch(redis_client, keys, epoch=epoch)
+    told: dict[str, RunFacts] = {}
+    assert dispatch.claim_many(SHORT, 2, CLAIMANT, learn=told.__setitem__) == []
+    assert told == {} and redis_client.llen(keys.job_backlog("a", SHORT)) == 2
+    redis_client.hset(keys.epoch(), "seq", 5)  # settled by a coordinator's rebuild
+    assert [c.rq_id for c in dispatch.claim_many(SHORT, 2, CLAIMANT, learn=told.__setitem__)] == [
+        "a-0",
+        "a-1",
+    ]
+    assert list(told) == ["a"]
 
 
 def test_a_claim_skips_prompts_whose_rq_job_is_gone(redis_client: redis.Redis) -> None:

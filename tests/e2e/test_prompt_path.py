@@ -27,6 +27,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from types import CodeType
 
+import pytest
 import redis
 from fastapi.testclient import TestClient
 from typer.testing import CliRunner
@@ -37,6 +38,7 @@ from datagen.records.storage import Storage
 from datagen.settings import CoordinatorSettings
 from datagen.states import JobState
 from datagen_cli import app as cli
+from service import submit_check
 from service.app import create_app
 from tests.support.calltrace import CallTrace
 from tests.support.sim import running_simulator
@@ -181,8 +183,15 @@ async def _one_job(client: TestClient, jobs: JobStore, trace: CallTrace, spec: s
 
 
 async def test_the_listed_path_is_what_one_prompt_runs(
-    redis_url: str, redis_client: redis.Redis, tmp_path: Path, tokenizer_path: str
+    redis_url: str,
+    redis_client: redis.Redis,
+    tmp_path: Path,
+    tokenizer_path: str,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    # The traced job's submit reads the fleet, as a submit alone does: the warm-up's read, less
+    # than a second old, would serve it (`SERVERS_REUSE_S`, for bursts of submits).
+    monkeypatch.setattr(submit_check, "SERVERS_REUSE_S", 0.0)
     section = _section()
     for module in (*VOCABULARY, *ENTRY_POINTS):
         assert (ROOT / module).is_file(), f"{module} is gone: update VOCABULARY or ENTRY_POINTS"

@@ -58,7 +58,7 @@
 -- ARGV[16..] skip              job ids this worker passes over (too many of their records wait for a
 --                              commit here)
 
-if tonumber(redis.call('HGET', epoch, 'seq') or '0') < epoch_floor then return {} end
+if tonumber(redis.call('HGET', epoch, 'seq') or '0') < epoch_floor then return {{}, {}} end
 local skipped = {}
 for _, job in ipairs(skip) do skipped[job] = true end
 local knows = {}
