@@ -68,8 +68,9 @@ MAX_CLAIM = 256
 # commands are paid once, not once a prompt. A job then runs at most this many prompts ahead of
 # its stride turn, once, at the end of its backlog.
 TAIL_PROMPTS = 8
-# What a claim with no one to tell run facts to sends as ``known``: no job id has a space, so the
-# script reads every job's weight alone (its HGET), as if the caller knew every job.
+# What a claim with no one to tell run facts to sends as ``known`` (no job id is ``*``: ids are
+# letters, digits and underscores): the script reads every job's weight alone, as if the caller
+# knew every job.
 _KNOWS_ALL = "*"
 # Ids pushed per RPUSH inside a script (Lua's unpack has a stack limit).
 PUSH_SLICE = 1000
