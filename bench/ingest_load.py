@@ -9,8 +9,10 @@ Lines printed:
 
 ``raw tokenizer``
     ``PromptRenderer.render`` on the first ``--render-n`` rows of the same file, parsed beforehand,
-    in this process before anything else starts: the ceiling of the coordinator's single ingestion
-    thread, measured in the same run.
+    in this process before anything else starts and again once the stack has stopped: the ceiling
+    of the coordinator's single ingestion thread, measured in the same run. The ratio is to the mean
+    of the two; on a shared machine whose speed drifts from minute to minute, the two differ, and
+    one measured only before would tilt the ratio either way.
 ``ingest``
     From the ``202`` of ``POST /jobs`` to the job leaving ``ingesting``: parse, render, duplicate
     guard, and each chunk landed in one script (prompts, counters, checkpoint), in the coordinator
@@ -295,7 +297,8 @@ def submit(coordinator_url: str, dataset: Path) -> str:
 class Result:
     n: int
     dataset_bytes: int
-    render_rate: float
+    # The raw rate measured before the stack started and after it stopped.
+    render_rates: tuple[float, float]
     mean_tokens: int
     upload_s: float
     ingest_s: float
@@ -306,11 +309,15 @@ class Result:
     # The coordinator's rendering metrics (`rendered_rows`).
     rendered: dict[str, float]
 
+    @property
+    def render_rate(self) -> float:
+        return sum(self.render_rates) / 2
+
 
 def run(args: argparse.Namespace, tmp: Path, max_queued: int) -> Result:
     dataset = tmp / "prompts.jsonl"
     size = write_dataset(dataset, args.n)
-    render_rate, mean_tokens = raw_render_rate(dataset, min(args.n, args.render_n))
+    before_rate, mean_tokens = raw_render_rate(dataset, min(args.n, args.render_n))
     with LocalRedis() as server, simulator_process(time_scale=args.time_scale) as sim_url:
         client = redis.Redis.from_url(server.url)
         port = free_port()
@@ -354,8 +361,19 @@ def run(args: argparse.Namespace, tmp: Path, max_queued: int) -> Result:
     if job.get("state") not in ("running", "completed") or job.get("total") != args.n:
         raise SystemExit(f"ingestion did not accept all {args.n} prompts: {job}")
     upload_s = accepted_at - posted
+    after_rate, _ = raw_render_rate(dataset, min(args.n, args.render_n))
     return Result(
-        args.n, size, render_rate, mean_tokens, upload_s, ingest_s, seen, rss_peak, redis_peak, cpu, rendered
+        args.n,
+        size,
+        (before_rate, after_rate),
+        mean_tokens,
+        upload_s,
+        ingest_s,
+        seen,
+        rss_peak,
+        redis_peak,
+        cpu,
+        rendered,
     )
 
 
@@ -371,7 +389,11 @@ def report(args: argparse.Namespace, max_queued: int, r: Result) -> None:
         f"{args.workers} rendering process(es) (DATAGEN_INGEST_PROCESSES)"
     )
     rendered = min(r.n, args.render_n)
-    print(f"  raw tokenizer: PromptRenderer.render, {rendered} rows  {r.render_rate:9.0f} prompts/s")
+    before, after = r.render_rates
+    print(
+        f"  raw tokenizer: PromptRenderer.render, {rendered} rows  {r.render_rate:9.0f} prompts/s "
+        f"(before {before:.0f}, after {after:.0f})"
+    )
     print(f"  upload: POST /jobs until 202                       {r.upload_s:9.1f} s")
     print(
         f"  ingest: 202 until the job left ingesting           {r.ingest_s:9.1f} s {ingest_rate:7.0f} "
@@ -417,7 +439,10 @@ def report_cpu(r: Result) -> None:
         + (f" ({cpu_s[w] / rows[w] * 1e6:.0f} µs a row)" if rows[w] else "")
         for w in ("thread", "process")
     )
-    print(f"  rows rendered: {each}; the coordinator's own work {own_us:.0f} µs a prompt")
+    print(
+        f"  rows rendered: {each}, against {1e6 / r.render_rate:.0f} µs a row of the raw tokenizer; "
+        f"the coordinator's own work {own_us:.0f} µs a prompt"
+    )
     how = "with enough rendering processes" if rows["process"] else "rendering in its ingestion thread"
     print(
         f"  projection: one coordinator process reaches about {ceiling:.0f} prompts/s {how} "

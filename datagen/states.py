@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from enum import StrEnum
 
@@ -153,6 +154,9 @@ class SpecialTextPolicy(StrEnum):
     REJECT = "reject"
 
 
+# Ingestion digests each prompt's id three times (its row's id, its guard member, its RQ id) within
+# a chunk; kept for about a chunk's prompts.
+@functools.lru_cache(maxsize=4096)
 def sample_digest(sample_id: str) -> str:
     """A sample id as 16 hex characters: safe in RQ ids, Redis members and stored names, whatever
     the id holds."""

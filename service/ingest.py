@@ -22,6 +22,7 @@ import logging
 import threading
 import time
 import weakref
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO, cast
@@ -546,8 +547,8 @@ class Ingestor:
         if self.metrics is not None:
             for outcome in ("accepted", "rejected", "skipped"):
                 self.metrics.ingested_rows.labels(outcome).inc(counts[outcome])
-            for payload in fresh_payloads:
-                self.metrics.ingested_prompts.labels(payload.cls.value).inc()
+            for cls, prompts in Counter(p.cls.value for p in fresh_payloads).items():
+                self.metrics.ingested_prompts.labels(cls).inc(prompts)
 
     def _commit(
         self,

@@ -27,7 +27,6 @@ from __future__ import annotations
 import atexit
 import collections
 import contextlib
-import dataclasses
 import itertools
 import logging
 import multiprocessing
@@ -184,19 +183,35 @@ def render_batch(batch: LineBatch) -> list[RenderedRow]:
                 RowError(row.line, f"line is longer than {DEFAULT_MAX_LINE_BYTES} bytes; skipped")
             ]
         else:
-            items = line_items(row.raw, row.line, spec.multi_turn, token_rows=token_rows)
-        items = [
-            dataclasses.replace(i, row_index=row.row_index) if isinstance(i, Prompt) else i for i in items
-        ]
+            items = line_items(
+                row.raw, row.line, spec.multi_turn, token_rows=token_rows, row_index=row.row_index
+            )
         first, conversation = _first_and_conversation(items, spec.multi_turn)
         verdict = admit_row(first, spec, renderers, batch.context_len)
         rendered = isinstance(verdict, AdmittedRow) or (isinstance(verdict, Refused) and verdict.rendered)
         ident = row_id(first) if rendered and isinstance(first, Prompt) else None
         if isinstance(first, Prompt):
-            # The row as parsed went into its id; only what ingestion reads goes back.
-            first = dataclasses.replace(first, original={})
+            first = _without_original(first)
         out.append(RenderedRow(row.line, row.digest, first, conversation, verdict, ident))
     return out
+
+
+def _without_original(item: Prompt) -> Prompt:
+    """The prompt less its row as parsed, which went into its id: only what ingestion reads goes
+    back (built field by field: ``dataclasses.replace`` costs half as much again)."""
+    return Prompt(
+        line=item.line,
+        sample_id=item.sample_id,
+        turn=item.turn,
+        messages=item.messages,
+        tools=item.tools,
+        partition=item.partition,
+        cls=item.cls,
+        original={},
+        token_ids=item.token_ids,
+        prompt_len=item.prompt_len,
+        row_index=item.row_index,
+    )
 
 
 _Timed = tuple[list[RenderedRow], float]

@@ -26,8 +26,8 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import BinaryIO
 
-from datagen.control.keys import prompt_key
 from datagen.prompts.dataset import Prompt
+from datagen.states import sample_digest
 
 __all__ = [
     "LineDigests",
@@ -63,7 +63,7 @@ def row_id(item: Prompt) -> RowId:
     except (TypeError, ValueError, RecursionError):
         content = repr(item.original)
     digest = hashlib.sha1(content.encode("utf-8", "surrogatepass")).hexdigest()[:DIGEST_CHARS]
-    sample_key = prompt_key(item.sample_id, 0, 0).split(":", 1)[0]
+    sample_key = sample_digest(item.sample_id)
     return RowId(sample_key, item.sample_id, digest)
 
 

@@ -30,6 +30,7 @@ from datagen.states import Priority, PromptClass
 
 __all__ = [
     "JOB_TIMEOUT_S",
+    "RAW_DATA_BYTES",
     "RQ_JOB_FUNC",
     "EnqueueOptions",
     "queued_job_fields",
@@ -89,10 +90,10 @@ def queued_jobs(
     """The RQ jobs of ``payloads`` (one class, queued on ``queue``) as ``backlog_add.lua`` saves
     them: the hash RQ's ``Queue.create_job`` and ``Job.save`` would write, ``at`` its creation and
     enqueue time. What every prompt shares comes from RQ's own ``Job.to_dict`` once per queue and
-    options (`_shared_fields`); each prompt adds its description and data, serialized as RQ does and
-    compressed faster (`compressed`; ``tests/datagen/test_enqueue_fields.py`` holds the two to RQ's
-    whole hash). Building an RQ ``Job`` per prompt and sending its 20 fields cost ingestion about
-    150 µs a prompt."""
+    options (`_shared_fields`); each prompt adds its description and data, serialized as RQ does,
+    compressed only when long and then faster (`compressed`; ``tests/datagen/test_enqueue_fields.py``
+    holds the two to RQ's whole hash). Building an RQ ``Job`` per prompt and sending its 20 fields
+    cost ingestion about 150 µs a prompt."""
     own = tuple(
         (
             keys.rq_job_id(p.job, p.sample_id, p.turn, p.gen),
@@ -104,19 +105,27 @@ def queued_jobs(
     return QueuedJobs(_shared_fields(queue, keys, payloads[0].cls, options, at), own)
 
 
-# Payloads up to this size are compressed with a small window: setting up zlib's default state
-# (a 32 KiB window, memLevel 8) takes about 20 µs, four times what compressing a chat prompt's
-# payload takes in a 4 KiB window; longer ones with the default window, at level 1 (at level 6, as
-# RQ's ``Job.to_dict`` compresses, a 4,000-token prompt's payload took 980 µs, at level 1 230 µs
-# and 5 % larger).
+# Payloads under this size are stored as they are: zlib saves about a quarter of a chat prompt's
+# 280 bytes (70 bytes, under 3 % of what Redis holds for a queued prompt) at about 8 µs a prompt,
+# setting up its state most of it, which was the coordinator's largest cost of landing a chunk.
+# RQ reads an uncompressed ``data`` as it is (``Job.restore`` falls back to the raw bytes when
+# ``zlib.decompress`` fails, which it always does on JSON: ``[`` is no zlib header).
+RAW_DATA_BYTES = 1024
+# Payloads up to this size are compressed with a small window: zlib's default state (a 32 KiB
+# window, memLevel 8) takes about 20 µs to set up, four times what compressing a payload of a few
+# KiB takes in a 4 KiB window; longer ones with the default window, at level 1 (at level 6, as RQ's
+# ``Job.to_dict`` compresses, a 4,000-token prompt's payload took 980 µs, at level 1 230 µs and
+# 5 % larger).
 SMALL_DATA_BYTES = 4096
 _SMALL_WINDOW_BITS = 12
 _SMALL_MEM_LEVEL = 4
 
 
 def compressed(data: bytes) -> bytes:
-    """An RQ job's ``data`` as RQ stores it: a zlib stream, which RQ's ``zlib.decompress`` reads
-    whatever the level and window it was written with."""
+    """An RQ job's ``data`` as RQ reads it: as it is under `RAW_DATA_BYTES`, a zlib stream above
+    (RQ's ``zlib.decompress`` reads it whatever the level and window it was written with)."""
+    if len(data) < RAW_DATA_BYTES:
+        return data
     if len(data) > SMALL_DATA_BYTES:
         return zlib.compress(data, 1)
     packer = zlib.compressobj(1, zlib.DEFLATED, _SMALL_WINDOW_BITS, _SMALL_MEM_LEVEL)

@@ -30,7 +30,6 @@ goes on; memory stays flat for any file size because lines are read one at a tim
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import logging
@@ -360,7 +359,9 @@ def _turn_cuts(messages: list[dict[str, Any]], mode: MultiTurnMode) -> list[int]
     return cuts
 
 
-def _row_prompts(row: dict[str, Any], line: int, mode: MultiTurnMode, sample_id: str | None) -> list[Prompt]:
+def _row_prompts(
+    row: dict[str, Any], line: int, mode: MultiTurnMode, sample_id: str | None, row_index: int
+) -> list[Prompt]:
     messages = _conversation(row)
     tools = _row_tools(row)
     partition, cls = _row_partition(row), _row_class(row)
@@ -377,6 +378,7 @@ def _row_prompts(row: dict[str, Any], line: int, mode: MultiTurnMode, sample_id:
             partition=partition,
             cls=cls,
             original=row,
+            row_index=row_index,
         )
         for cut in cuts
     ]
@@ -397,7 +399,7 @@ def _int_list(row: Mapping[str, Any], key: str) -> list[int]:
     return value
 
 
-def _token_row(row: dict[str, Any], line: int, sample_id: str | None) -> Prompt:
+def _token_row(row: dict[str, Any], line: int, sample_id: str | None, row_index: int) -> Prompt:
     """The token-id form (module docstring): the sequence and where its supervised tail starts."""
     if "input_ids" not in row:
         raise InvalidRowError(
@@ -430,6 +432,7 @@ def _token_row(row: dict[str, Any], line: int, sample_id: str | None) -> Prompt:
         original=row,
         token_ids=ids,
         prompt_len=prompt_len,
+        row_index=row_index,
     )
 
 
@@ -443,9 +446,10 @@ def line_is_blank(raw: bytes, line: int) -> bool:
 
 
 def line_items(
-    raw: bytes, line: int, mode: MultiTurnMode, *, token_rows: bool = False
+    raw: bytes, line: int, mode: MultiTurnMode, *, token_rows: bool = False, row_index: int = 0
 ) -> list[Prompt | RowError]:
-    """The prompts of one line (a row's turns), or its error; nothing for a blank line."""
+    """The prompts of one line (a row's turns), or its error; nothing for a blank line. ``row_index``:
+    the row's place among the file's non-blank lines (`Prompt.row_index`)."""
     sample_id = None
     try:
         text = _decode(raw, line)
@@ -454,8 +458,8 @@ def line_items(
         row = _parse_json(text)
         sample_id = _row_id(row)
         if token_rows:
-            return [_token_row(row, line, sample_id)]
-        return list[Prompt | RowError](_row_prompts(row, line, mode, sample_id))
+            return [_token_row(row, line, sample_id, row_index)]
+        return list[Prompt | RowError](_row_prompts(row, line, mode, sample_id, row_index))
     except InvalidRowError as exc:
         return [RowError(line, str(exc), sample_id)]
     except Exception as exc:  # one row, whatever it holds, must never stop the rest of the file
@@ -483,11 +487,8 @@ def iter_prompts(
             yield RowError(line, f"line is longer than {max_line_bytes} bytes; skipped")
             row_index += 1
             continue
-        items = line_items(raw, line, multi_turn, token_rows=token_rows)
+        items = line_items(raw, line, multi_turn, token_rows=token_rows, row_index=row_index)
         if not items:  # a blank line
             continue
-        for item in items:
-            if isinstance(item, Prompt) and row_index:
-                item = dataclasses.replace(item, row_index=row_index)
-            yield item
+        yield from items
         row_index += 1

@@ -5,7 +5,7 @@ run and `datagen report`, and flagged or rejected by ingestion (spec ``special_t
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 __all__ = ["SpecialTextFinder", "special_text_reason"]
@@ -17,14 +17,27 @@ class SpecialTextFinder:
     """Finds the texts of a tokenizer's added tokens in any string of a JSON value, in one pass."""
 
     def __init__(self, added_tokens: Iterable[str]) -> None:
-        self._pattern = re.compile(_trie_pattern(text for text in added_tokens if text))
+        texts = [text for text in added_tokens if text]
+        self._pattern = re.compile(_trie_pattern(texts))
+        # The strings are searched as one text, joined by a character no token holds, so no match
+        # spans two of them: one regex call a row instead of one per string.
+        used = set("".join(texts))
+        self._joint = next((c for c in _JOINTS if c not in used), None)
 
     def find(self, value: object) -> list[str]:
         """The distinct added-token texts spelled in ``value``'s strings (keys included), sorted."""
+        strings = _strings(value)
+        if self._joint is not None:
+            return sorted(set(self._pattern.findall(self._joint.join(strings))))
         found: set[str] = set()
-        for text in _strings(value):
+        for text in strings:
             found.update(self._pattern.findall(text))
         return sorted(found)
+
+
+# Control characters, tried in turn as the joint; a tokenizer whose added tokens hold every one
+# is searched string by string.
+_JOINTS = tuple(chr(code) for code in (0, 1, 2, 3, 4, 5, 6, 7, 8, 11, 12, 14, 15, 16))
 
 
 def _trie_pattern(texts: Iterable[str]) -> str:
@@ -46,17 +59,23 @@ def _trie_pattern(texts: Iterable[str]) -> str:
     return emit(trie) if trie else "(?!)"
 
 
-def _strings(value: object) -> Iterator[str]:
+def _strings(value: object) -> list[str]:
     """Every string in a JSON value, keys included: all of them can reach the rendered prompt."""
-    if isinstance(value, str):
-        yield value
-    elif isinstance(value, Mapping):
-        for key, item in value.items():
-            yield from _strings(key)
-            yield from _strings(item)
-    elif isinstance(value, list | tuple):
-        for item in value:
-            yield from _strings(item)
+    found: list[str] = []
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            found.append(item)
+        elif isinstance(item, list | tuple):
+            stack.extend(item)
+        # dict before the Mapping ABC: a row's objects are dicts, and the ABC's check costs more
+        # than the rest of the walk.
+        elif isinstance(item, dict | Mapping):
+            for key, inner in item.items():
+                stack.append(inner)
+                stack.append(key)
+    return found
 
 
 def special_text_reason(found: Sequence[str]) -> str:

@@ -10,7 +10,7 @@ import zlib
 import redis
 from rq.job import Job, JobStatus
 
-from datagen.control.enqueue import EnqueueOptions, queued_job_fields
+from datagen.control.enqueue import RAW_DATA_BYTES, EnqueueOptions, queued_job_fields
 from datagen.control.ingest_chunks import ChunkWrite, IngestChunks, Landing
 from datagen.control.jobs import JobStore
 from datagen.control.keys import Keys
@@ -22,14 +22,25 @@ from datagen.states import Priority, PromptClass
 
 NS = "enqf"
 OPTIONS = EnqueueOptions(result_ttl_s=3600, failure_ttl_s=7200, max_worker_losses=4)
-# Times of the enqueue; data compressed faster than RQ does (compared decompressed).
+# Times of the enqueue; data stored uncompressed when short, compressed faster than RQ does when
+# long (compared as RQ reads it).
 OWN = {"created_at", "enqueued_at", "data"}
+
+
+def _as_rq_reads(data: bytes) -> bytes:
+    """``data`` as RQ's ``Job.restore`` reads it: decompressed, or as it is when it is no zlib stream."""
+    try:
+        return zlib.decompress(data)
+    except zlib.error:
+        return data
 
 
 def _payloads(job_id: str) -> list[PromptPayload]:
     return [
         # Over SMALL_DATA_BYTES of payload: the other compression.
         PromptPayload(job_id, "long", 0, 0, PromptClass.LONG, list(range(5000)), 64, "default"),
+        # Between RAW_DATA_BYTES and SMALL_DATA_BYTES: compressed in the small window.
+        PromptPayload(job_id, "mid", 0, 0, PromptClass.LONG, list(range(300)), 64, "default"),
         PromptPayload(
             job_id, "a", 0, 0, PromptClass.SHORT, [0, 128803, 23166], 16, "default", incarnation="i1"
         ),
@@ -88,7 +99,9 @@ def test_saved_hashes_are_rq_s_own(redis_client: redis.Redis) -> None:
         assert {k: v for k, v in saved.items() if k.decode() not in OWN} == {
             k: v for k, v in wanted.items() if k.decode() not in OWN
         }
-        assert zlib.decompress(saved[b"data"]) == zlib.decompress(wanted[b"data"])
+        assert _as_rq_reads(saved[b"data"]) == zlib.decompress(wanted[b"data"])
+        # Short payloads are stored as they are, longer ones compressed.
+        assert saved[b"data"].startswith(b"[") is (len(_as_rq_reads(saved[b"data"])) < RAW_DATA_BYTES)
         assert saved[b"created_at"] == saved[b"enqueued_at"]
         assert saved[b"status"] == b"queued"
         # RQ reads the hash back as the prompt it was made from.
@@ -97,7 +110,7 @@ def test_saved_hashes_are_rq_s_own(redis_client: redis.Redis) -> None:
         assert job.origin == by_class[payload.cls].name
         assert job.retries_left == 4 and job.result_ttl == 3600 and job.failure_ttl == 7200
         assert parse_payload(payload_of(job)).require() == payload
-        assert zlib.decompress(saved[b"data"]).startswith(
+        assert _as_rq_reads(saved[b"data"]).startswith(
             b'["workers.claim.rqbridge.refuse_stock_rq_worker", null, [{'
         )
     assert redis_client.lrange(keys.job_backlog("j1", PromptClass.SHORT), 0, -1) == [
@@ -105,5 +118,5 @@ def test_saved_hashes_are_rq_s_own(redis_client: redis.Redis) -> None:
     ]
     # Written by hand: [0, 128803, 23166] as little-endian uint32s in base64, and the description.
     first = redis_client.hgetall(f"rq:job:{keys.rq_job_id('j1', 'a', 0, 0)}")
-    assert b'"prompt_ids": "AAAAACP3AQB+WgAA"' in zlib.decompress(first[b"data"])
+    assert b'"prompt_ids": "AAAAACP3AQB+WgAA"' in first[b"data"]
     assert first[b"description"] == b"j1 a t0 g0"

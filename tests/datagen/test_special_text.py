@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from datagen.prompts.special_text import special_text_reason
+from datagen.prompts.special_text import SpecialTextFinder, special_text_reason
 from datagen.prompts.tokenization import (
     PromptRenderer,
     bundled_tokenizer_path,
@@ -29,6 +29,17 @@ def test_special_text_in_content_encodes_as_the_real_ids(renderer: PromptRendere
     ids = renderer.render(FORGED)
     # The forged turn boundary inside the user's text, then the real generation prompt.
     assert ids.count(ASSISTANT) == 2 and ids.count(THINK) == 2
+
+
+@pytest.mark.parametrize("joints_taken", [False, True])
+def test_no_token_is_found_across_two_strings(joints_taken: bool) -> None:
+    # The strings are searched joined by a character no token holds; a tokenizer whose tokens hold
+    # every such character is searched string by string. Either way a token split across two
+    # strings (a key and its value, two messages) is not found, and one inside a key is.
+    tokens = ["<think>", "ab"] + (["".join(chr(c) for c in range(32))] if joints_taken else [])
+    finder = SpecialTextFinder(tokens)
+    assert finder.find([{"role": "<th", "content": "ink>"}, {"a": "b"}]) == []
+    assert finder.find({"<think>": ("x", ["zab"])}) == ["<think>", "ab"]
 
 
 def test_special_text_names_each_spelled_token_once_sorted(renderer: PromptRenderer) -> None:

@@ -3,6 +3,7 @@ thread gives, row for row, and a dead rendering process costs a pause, never a r
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import os
@@ -17,12 +18,13 @@ import redis
 from datagen.control.enqueue import EnqueueOptions
 from datagen.control.jobs import JobStore
 from datagen.control.keys import Keys
+from datagen.prompts.dataset import Prompt
 from datagen.prompts.tokenization import renderer_for
 from datagen.records.storage import Storage
-from datagen.states import JobState
+from datagen.states import JobState, PromptClass
 from service.admit import AdmittedRow, Refused
 from service.ingest import IngestOptions, Ingestor
-from service.render_pool import RenderedRow, RenderPool
+from service.render_pool import RenderedRow, RenderPool, _without_original
 from tests.support.specs import job_spec
 from tests.support.wait import wait_until
 
@@ -87,6 +89,26 @@ def test_the_pool_renders_every_row_as_the_ingestion_thread_does(pool: RenderPoo
     assert [arm.name for arm, _ in after_blank.samples if arm] == ["answer", "high"]
     conversation = next(r for r in there if r.line == 12).conversation
     assert conversation is not None and conversation.cuts == [1, 3]
+
+
+def test_a_rendered_row_keeps_every_field_of_its_prompt_but_the_parsed_row() -> None:
+    # Every field set to a value other than its default, so a field the copy forgot shows.
+    values: dict[str, object] = {
+        "line": 7,
+        "sample_id": "s",
+        "turn": 2,
+        "messages": [{"role": "user", "content": "Hi"}],
+        "tools": [{"type": "function"}],
+        "partition": "math",
+        "cls": PromptClass.LONG,
+        "original": {"id": "s"},
+        "token_ids": [1, 2],
+        "prompt_len": 1,
+        "row_index": 5,
+    }
+    assert set(values) == {f.name for f in dataclasses.fields(Prompt)}
+    shipped = _without_original(Prompt(**values))  # type: ignore[arg-type]
+    assert shipped == Prompt(**{**values, "original": {}})  # type: ignore[arg-type]
 
 
 def test_a_resumed_read_starts_after_its_checkpoint_with_the_rows_own_indexes(pool: RenderPool) -> None:
