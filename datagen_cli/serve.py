@@ -150,10 +150,13 @@ def _serve(
     start-up, which may wait (a coordinator's reconcile). Returns whether it started."""
     import uvicorn
 
+    from datagen.heap import freeze_start_up
+
     class Announced(server_class or uvicorn.Server):  # type: ignore[misc]  # a base chosen at run time
         async def startup(self, sockets: list[socket.socket] | None = None) -> None:
             await super().startup(sockets=sockets)
             if self.started:
+                freeze_start_up()
                 log.info("%s", line)
 
     server = Announced(config)
@@ -273,6 +276,7 @@ def worker(
     and storage at startup. Any DATAGEN_* setting, and `server` and `burst`, may also come from
     --config FILE (YAML); a flag wins over the environment, which wins over the file.
     """
+    from datagen.heap import freeze_start_up
     from workers.fleet.servers import ServerSpec, with_api_keys
     from workers.worker import Worker
 
@@ -312,7 +316,10 @@ def worker(
         capture_specs, {k: v for k, v in keys.items() if k not in {c.name for c in specs}}
     )
     _logging(settings.log_level)
-    asyncio.run(Worker(settings, specs, capture_servers=capture_specs, burst=burst).main())
+    worker = Worker(settings, specs, capture_servers=capture_specs, burst=burst)
+    # Its modules imported: what the worker makes from here on is all a full collection walks.
+    freeze_start_up()
+    asyncio.run(worker.main())
 
 
 @app.command(

@@ -41,6 +41,7 @@ from typing import BinaryIO, cast
 
 from datagen.control.payload import Conversation
 from datagen.errors import RetryableError
+from datagen.heap import freeze_start_up
 from datagen.prompts import tokenization
 from datagen.prompts.dataset import (
     DEFAULT_MAX_LINE_BYTES,
@@ -240,6 +241,10 @@ def _warm(parent_pid: int | None = None) -> None:
         with contextlib.suppress(OSError):
             os.nice(NICENESS)
     import transformers  # noqa: F401
+
+    # Not after a job's renderers load: the process's cache lets them go, and a frozen object in
+    # a reference cycle is never collected (a tokenizer adds a tenth of what the imports hold).
+    freeze_start_up()
 
 
 def _exit_with(parent_pid: int) -> None:

@@ -1,10 +1,7 @@
 """What one small job costs Redis, counted command by command (MONITOR) over a real Redis, the
 coordinator's app and a worker in this process and the simulator: its submit, creation, ingestion,
-claims, its shard's ack and its completion. A command counts for the job when it names the job (its
-keys, its prompts' RQ ids), and a script's commands count with the script when any of those it ran
-does (a claim that hands out the job's prompts costs its scans of the dispatch sets too). Claims that find
-nothing and the processes' background loops name no job: they are the fleet's idle cost, not the
-job's.
+claims, its shard's ack and its completion, by the job's own commands
+(`tests.support.redis_monitor.job_commands`, which `bench/tenants.py` counts by too).
 
 Issue 41's target is 60 commands for a 3-prompt job, held here but for what the fleet's timers add
 while the job runs; `MAX_COMMANDS` bounds them too (see bench/README.md, "tenants.py", for where the
@@ -15,9 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
 import time
-from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +24,7 @@ from datagen.control.servers import live_servers
 from datagen.records.storage import Storage
 from datagen.settings import CoordinatorSettings
 from service.app import create_app
+from tests.support.redis_monitor import RedisMonitor, job_commands
 from tests.support.sim import running_simulator
 from tests.support.specs import make_spec
 from tests.support.workers import fast_worker_settings
@@ -55,59 +51,6 @@ TARGET_COMMANDS = 60  # issue 41
 # 41: about 140.
 MAX_COMMANDS = 67
 WAIT_S = 60.0
-
-
-class _Monitor:
-    """Every command Redis runs while it listens (client and script commands), as MONITOR shows them."""
-
-    def __init__(self, redis_url: str) -> None:
-        self.client = redis.Redis.from_url(redis_url)
-        self.lines: list[dict[str, Any]] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._listen, daemon=True)
-
-    def _listen(self) -> None:
-        with self.client.monitor() as monitor:
-            for command in monitor.listen():
-                self.lines.append(command)
-                if self._stop.is_set():
-                    return
-
-    def __enter__(self) -> _Monitor:
-        self._thread.start()
-        time.sleep(0.3)  # MONITOR is on
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self.client.ping()  # one more line, so the listener sees the stop
-        self._thread.join(5)
-        self.client.close()
-
-
-def _job_commands(lines: list[dict[str, Any]], job_id: str, skip_client: str) -> tuple[Counter[str], int]:
-    """The commands that name the job, a script's with its call, the poller's left out; and how
-    many of them the fleet's timers put there: a worker heartbeat's ZADD of the job's prompts to
-    the started registry (a call of its own), and the TTL a claim sets on a window bucket it made."""
-    calls: list[list[dict[str, Any]]] = []
-    for line in lines:
-        if line.get("client_type") == "lua" and calls:
-            calls[-1].append(line)
-        elif f"{line['client_address']}:{line['client_port']}" != skip_client:
-            calls.append([line])
-    counts: Counter[str] = Counter()
-    timed = 0
-    for call in calls:
-        # A script's call by what it ran, not its arguments: a worker's claims name the jobs it
-        # knows (`known`), whether or not they hand out any of their prompts.
-        ran = call[1:] if len(call) > 1 else call
-        if any(job_id in command["command"] for command in ran):
-            words = [command["command"].split() for command in call]
-            counts.update(w[0].upper() for w in words)
-            if len(words) == 1 and words[0][0].upper() == "ZADD" and words[0][1].startswith("rq:wip:"):
-                timed += 1
-            timed += sum(1 for w in words if w[0].upper() == "EXPIRE" and f"{NS}:dispatch:window:" in w[1])
-    return counts, timed
 
 
 async def test_one_small_job_costs_redis_at_most_max_commands(
@@ -143,10 +86,10 @@ async def test_one_small_job_costs_redis_at_most_max_commands(
             # A first job loads the scripts and the tokenizer: the one measured is one more job.
             await _run(client, poller, "warmup", rows)
             await asyncio.sleep(1.0)
-            with _Monitor(redis_url) as monitor:
+            with RedisMonitor(redis_url) as monitor:
                 await _run(client, poller, JOB, rows)
                 await asyncio.sleep(0.5)  # its last replies land
-            counts, timed = _job_commands(monitor.lines, JOB, poller_addr)
+            counts, timed = job_commands(monitor.lines, JOB, NS, poller_addr)
         finally:
             worker.request_stop()
             await asyncio.wait_for(running, WAIT_S)
