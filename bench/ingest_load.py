@@ -12,7 +12,10 @@ Lines printed:
     in this process before anything else starts and again once the stack has stopped: the ceiling
     of the coordinator's single ingestion thread, measured in the same run. The ratio is to the mean
     of the two; on a shared machine whose speed drifts from minute to minute, the two differ, and
-    one measured only before would tilt the ratio either way.
+    one measured only before would tilt the ratio either way. Then the same in two processes at
+    once, their rates added: what this machine's cores give together (a shared VM's two cores can
+    give well under twice one's rate once both are busy), the ceiling of any ingestion that keeps
+    both busy and what two rendering processes could reach against one.
 ``ingest``
     From the ``202`` of ``POST /jobs`` to the job leaving ``ingesting``: parse, render, duplicate
     guard, and each chunk landed in one script (prompts, counters, checkpoint), in the coordinator
@@ -55,6 +58,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import multiprocessing
 import os
 import tempfile
 import threading
@@ -113,8 +117,10 @@ def write_dataset(path: Path, n: int) -> int:
     return path.stat().st_size
 
 
-def raw_render_rate(path: Path, n: int) -> tuple[float, int]:
-    """Prompts per second of ``PromptRenderer.render`` alone, on the first ``n`` rows of the file."""
+def raw_render_rate(path: Path, n: int, barrier: Any = None) -> tuple[float, int]:
+    """Prompts per second of ``PromptRenderer.render`` alone, on the first ``n`` rows of the file
+    (``barrier``: waited on once loaded, so that renderers in several processes start together)."""
+    offline_hub()  # again: this runs in processes of its own too
     spec = job_spec()
     renderer = renderer_for(spec)  # loads the tokenizer once, outside the timing
     prompts: list[Prompt] = []
@@ -124,9 +130,22 @@ def raw_render_rate(path: Path, n: int) -> tuple[float, int]:
                 break
             assert isinstance(item, Prompt), item
             prompts.append(item)
+    if barrier is not None:
+        barrier.wait()
     started = time.perf_counter()
     tokens = sum(len(renderer.render(p.messages, p.tools)) for p in prompts)
     return len(prompts) / (time.perf_counter() - started), tokens // max(1, len(prompts))
+
+
+def parallel_render_rate(path: Path, n: int, processes: int = 2) -> float:
+    """Prompts per second of ``processes`` raw renderers at once, in processes of their own, all
+    added: what this machine's cores give together this run (a shared VM's cores can give well
+    under their number once all are busy), the ceiling of an ingestion that keeps them all busy."""
+    context = multiprocessing.get_context("spawn")
+    with context.Manager() as manager, context.Pool(processes) as pool:
+        barrier = manager.Barrier(processes)
+        rates = pool.starmap(raw_render_rate, [(path, n, barrier)] * processes)
+    return sum(rate for rate, _ in rates)
 
 
 def cpu_s(pid: int) -> float:
@@ -299,6 +318,8 @@ class Result:
     dataset_bytes: int
     # The raw rate measured before the stack started and after it stopped.
     render_rates: tuple[float, float]
+    # Two raw renderers at once, in processes of their own, added (after the stack stopped).
+    parallel_rate: float
     mean_tokens: int
     upload_s: float
     ingest_s: float
@@ -362,10 +383,12 @@ def run(args: argparse.Namespace, tmp: Path, max_queued: int) -> Result:
         raise SystemExit(f"ingestion did not accept all {args.n} prompts: {job}")
     upload_s = accepted_at - posted
     after_rate, _ = raw_render_rate(dataset, min(args.n, args.render_n))
+    parallel_rate = parallel_render_rate(dataset, min(args.n, args.render_n))
     return Result(
         args.n,
         size,
         (before_rate, after_rate),
+        parallel_rate,
         mean_tokens,
         upload_s,
         ingest_s,
@@ -393,6 +416,10 @@ def report(args: argparse.Namespace, max_queued: int, r: Result) -> None:
     print(
         f"  raw tokenizer: PromptRenderer.render, {rendered} rows  {r.render_rate:9.0f} prompts/s "
         f"(before {before:.0f}, after {after:.0f})"
+    )
+    print(
+        f"  raw tokenizer in 2 processes at once, added          {r.parallel_rate:9.0f} prompts/s "
+        f"({r.parallel_rate / r.render_rate:.2f}x one: what both cores give this run)"
     )
     print(f"  upload: POST /jobs until 202                       {r.upload_s:9.1f} s")
     print(
