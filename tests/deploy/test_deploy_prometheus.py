@@ -53,10 +53,8 @@ pytestmark = pytest.mark.e2e
 NS = "prom"
 SCRAPE_INTERVAL = "1s"
 # Enough that the job outlasts every panel's first answers on a loaded CI machine (4 test workers on 2
-# cores): at 500 it once ended before the last panels had answered, and at 800 once on a machine
-# running at a third of its usual speed. The watch ends once every panel has answered, so a longer
-# job costs a quick run nothing.
-PROMPTS = 1600
+# cores): at 500 it once ended before the last panels had answered.
+PROMPTS = 800
 LONG_EVERY = 10  # every tenth prompt is forced into the long class
 SHORT_MAX_NEW = 200  # below the simulator's typical output length: many records are truncated
 LONG_MAX_NEW = 400
