@@ -99,7 +99,8 @@ async def test_one_small_job_costs_redis_at_most_max_commands(
         f"one {PROMPTS}-prompt job: {total} commands, {timed} of them the fleet's timers' "
         f"(target {TARGET_COMMANDS}): {counts.most_common()}"
     )
-    assert int(redis.Redis.from_url(redis_url).hget(job_key, "done") or 0) == PROMPTS
+    with redis.Redis.from_url(redis_url) as client:
+        assert int(client.hget(job_key, "done") or 0) == PROMPTS
     assert total - timed <= TARGET_COMMANDS, counts.most_common()
     assert total <= MAX_COMMANDS, counts.most_common()
 

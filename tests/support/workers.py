@@ -25,6 +25,7 @@ __all__ = [
     "NOT_MET",
     "NS",
     "WAIT_S",
+    "close_left_open",
     "fast_worker_settings",
     "ingest",
     "records",
@@ -114,9 +115,16 @@ def settings(redis_url: str, storage: Storage, **overrides: Any) -> WorkerSettin
     return fast_worker_settings(redis_url, storage, NS, **{**COMPONENT_WORKER, **overrides})
 
 
+# Workers `start` made that `stop` has not closed: a test that fails before its `stop` would leave
+# one running, and its Redis connections, collected during a later test, fail that one with
+# unclosed-socket warnings. tests/workers/conftest.py closes them as each test ends.
+_open: list[Worker] = []
+
+
 async def start(settings: WorkerSettings, servers: dict[str, str], *, burst: bool = False) -> Worker:
     specs = [ServerSpec(name, url) for name, url in servers.items()]
     worker = Worker(settings, specs, burst=burst, install_signal_handlers=False)
+    _open.append(worker)
     await worker.start()
     return worker
 
@@ -126,6 +134,15 @@ async def stop(worker: Worker, run: asyncio.Task[None] | None = None) -> None:
     if run is not None:
         await run
     await worker.close()
+    _open.remove(worker)
+
+
+async def close_left_open() -> None:
+    """Drain and close every worker `start` made that `stop` has not."""
+    while _open:
+        worker = _open.pop()
+        await worker.drain()
+        await worker.close()
 
 
 def records(storage: Storage, job_id: str) -> list[dict[str, Any]]:

@@ -148,7 +148,9 @@ async def test_controller_lowers_the_target_when_work_waits_in_the_server(
 async def test_controller_starts_in_slow_start_and_ends_it_at_the_server_queue(
     redis_client: redis.Redis, redis_url: str, storage: Storage, tokenizer_path: str
 ) -> None:
-    ingest(redis_client, storage, "slow", 200)
+    # Far more prompts than slow start needs: under CI load 200 once ran out before the controller saw
+    # the queue, and slow start never ended. The worker stops once it has.
+    ingest(redis_client, storage, "slow", 1000)
     # The server runs at most 16 requests: slow start climbs from its window (16) by half (24),
     # and 8 wait, beyond the setpoint of four.
     with running_simulator(tokenizer_path=tokenizer_path, time_scale=0.02, max_running_requests=16) as url:
@@ -162,7 +164,10 @@ async def test_controller_starts_in_slow_start_and_ends_it_at_the_server_queue(
         assert redis_client.hget(control_key, "phase") == b"slow_start"
         assert worker.fleet.servers[0].limits[PromptClass.SHORT] == 16
         run = asyncio.create_task(worker.run())
-        await wait_until_async(lambda: redis_client.hget(control_key, "phase") == b"steady", 20, NOT_MET)
+        try:
+            await wait_until_async(lambda: redis_client.hget(control_key, "phase") == b"steady", 20, NOT_MET)
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}: {redis_client.hgetall(control_key)}") from None
         reason = (redis_client.hget(control_key, "reason") or b"").decode()
         assert reason.startswith("slow start ends at 24: ") and "waiting in the server queue" in reason, (
             reason
