@@ -424,6 +424,8 @@ def observed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Observed]:
             "DATAGEN_COMMIT_INTERVAL_S": "0.5",
             "DATAGEN_HEARTBEAT_INTERVAL_S": "1",
             "DATAGEN_REAPER_INTERVAL_S": "1",
+            # The stack stops with the job running: the worker hands its prompts back at once.
+            "DATAGEN_DRAIN_TIMEOUT_S": "1",
         }
         stack = ProcessStack(tmp, env)
         try:
