@@ -2,26 +2,35 @@
 
 One private Redis, one simulated SGLang server (``datagen sim``, ``--time-scale 0`` by default),
 one ``datagen coordinator`` and one ``datagen worker`` run as child processes. N one-turn prompts
-(default 1,000,000) are written to a JSONL file and submitted with ``POST /jobs``; the worker
-takes prompts off the queue while the coordinator ingests the rest.
+(default 1,000,000) are written to a file (JSONL unless ``--format`` says otherwise) and
+submitted with ``POST /jobs``; the worker takes prompts off the queue while the coordinator
+ingests the rest.
+
+``--format`` writes the rows as JSONL (plain, ``.gz``, ``.zst``) or one Parquet file (``messages`` a
+list of structs, in row groups of 100,000), and ``--by-reference`` names the file with ``dataset_url``
+(the coordinator reads it from the local disk, under ``DATAGEN_DATASET_ALLOWLIST``) instead of
+uploading it.
 
 Lines printed:
 
 ``raw tokenizer``
-    ``PromptRenderer.render`` on the first ``--render-n`` rows of the same file, parsed beforehand,
-    in this process before anything else starts and again once the stack has stopped: the ceiling
-    of the coordinator's single ingestion thread, measured in the same run. The ratio is to the mean
-    of the two; on a shared machine whose speed drifts from minute to minute, the two differ, and
-    one measured only before would tilt the ratio either way. Then the same in two processes at
-    once, their rates added: what this machine's cores give together (a shared VM's two cores can
-    give well under twice one's rate once both are busy), the ceiling of any ingestion that keeps
-    both busy and what two rendering processes could reach against one.
+    ``PromptRenderer.render`` on the first ``--render-n`` rows (the same in every format, parsed
+    beforehand from JSONL), in this process before anything else starts and again once the stack
+    has stopped: the ceiling of the coordinator's single ingestion thread, measured in the same
+    run. The ratio is to the mean of the two; on a shared machine whose speed drifts from minute
+    to minute, the two differ, and one measured only before would tilt the ratio either way. Then
+    the same in two processes at once, their rates added: what this machine's cores give together
+    (a shared VM's two cores can give well under twice one's rate once both are busy), the ceiling
+    of any ingestion that keeps both busy and what two rendering processes could reach against one.
 ``ingest``
     From the ``202`` of ``POST /jobs`` to the job leaving ``ingesting``: parse, render, duplicate
     guard, and each chunk landed in one script (prompts, counters, checkpoint), in the coordinator
     process, with Redis, the worker and the simulator sharing the machine. The ratio to the raw
     tokenizer rate is printed (1.0 would mean ingestion costs nothing beyond rendering). The upload
-    (``POST /jobs`` until ``202``) is printed on its own line.
+    (``POST /jobs`` until ``202``) is printed on its own line, and so is the time from sending it to
+    the job's first prompt enqueued (issue 41: within 1 s of the submit, with no pass over the whole
+    input first), with how far the input was read then: rows of the total where the format knows
+    it (Parquet's footer), bytes otherwise.
 ``GET /jobs/{id}``
     Latency of the progress route sampled every ``--sample-interval-s`` during ingestion, p50, p99
     and max (target: p99 < 100 ms), so that a busy ingestion thread does not stall the API.
@@ -49,13 +58,15 @@ Rates are lower bounds on a 2-core machine that also runs Redis, the simulator a
 compare the ratio, not the rates. ``tests/faults/test_fault_ingest_memory.py`` is the CI check
 that memory stays flat with size.
 
-Run: ``python bench/ingest_load.py [--n 1000000] [--chunk 1000] [--max-queued N] [--drain-per-s R]
+Run: ``python bench/ingest_load.py [--n 1000000] [--format jsonl|jsonl.gz|jsonl.zst|parquet]
+[--by-reference] [--workers 1] [--chunk 1000] [--max-queued N] [--drain-per-s R]
 [--render-n 100000] [--concurrency 32] [--time-scale 0] [--sample-interval-s 0.05]``.
 """
 
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import math
 import multiprocessing
@@ -69,7 +80,10 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pyarrow as pa
+import pyarrow.parquet as pq
 import redis
+import zstandard
 from _common import job_spec, offline_hub, simulator_process
 
 from datagen.control.dispatch import Dispatch
@@ -110,10 +124,44 @@ def rows(n: int) -> Iterator[dict[str, Any]]:
         }
 
 
-def write_dataset(path: Path, n: int) -> int:
+# The input forms the bench writes (`datagen.prompts.inputs`), each told by its file name's suffix.
+FORMATS = ("jsonl", "jsonl.gz", "jsonl.zst", "parquet")
+# Rows a Parquet row group holds (the rows the writer keeps in memory at once): what `datasets`
+# writes by default for rows this small.
+PARQUET_ROW_GROUP = 100_000
+_MESSAGES = pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))
+_PARQUET_SCHEMA = pa.schema([("id", pa.string()), ("messages", _MESSAGES)])
+
+
+def write_jsonl(path: Path, n: int) -> None:
     with open(path, "w", encoding="utf-8") as fh:
         for row in rows(n):
             fh.write(json.dumps(row) + "\n")
+
+
+def write_dataset(path: Path, n: int, fmt: str) -> int:
+    """The ``n`` rows in ``fmt`` at ``path`` (a JSONL line per row; Parquet's ``messages`` a list
+    of structs, as Hugging Face datasets store it); the file's size."""
+    if fmt == "parquet":
+        with pq.ParquetWriter(path, _PARQUET_SCHEMA) as writer:
+            batch: list[dict[str, Any]] = []
+            for row in rows(n):
+                batch.append(row)
+                if len(batch) == PARQUET_ROW_GROUP:
+                    writer.write_table(pa.Table.from_pylist(batch, schema=_PARQUET_SCHEMA))
+                    batch = []
+            if batch:
+                writer.write_table(pa.Table.from_pylist(batch, schema=_PARQUET_SCHEMA))
+    elif fmt == "jsonl":
+        write_jsonl(path, n)
+    else:
+        lines = (json.dumps(row).encode() + b"\n" for row in rows(n))
+        if fmt == "jsonl.gz":
+            with gzip.open(path, "wb", compresslevel=6) as fh:
+                fh.writelines(lines)
+        else:
+            with open(path, "wb") as raw, zstandard.ZstdCompressor().stream_writer(raw) as fh:
+                fh.writelines(lines)
     return path.stat().st_size
 
 
@@ -249,6 +297,12 @@ class Observations:
     errors: int = 0
     queue_peak: int = 0
     last: dict[str, Any] = field(default_factory=dict)
+    # When the job first showed a prompt enqueued (``perf_counter``), and how far it had read its
+    # input then (``input`` of ``GET /jobs/{id}``).
+    first_prompt_at: float | None = None
+    first_input: dict[str, Any] | None = None
+    # The last ``input`` seen while ingesting.
+    last_input: dict[str, Any] | None = None
 
 
 def observe(
@@ -271,8 +325,11 @@ def observe(
                 seen.errors += 1
             else:
                 seen.last = response.json()
+                if seen.first_prompt_at is None and seen.last.get("total"):
+                    seen.first_prompt_at, seen.first_input = time.perf_counter(), seen.last.get("input")
                 if seen.last["state"] != "ingesting":
                     break
+                seen.last_input = seen.last.get("input") or seen.last_input
             seen.queue_peak = max(seen.queue_peak, waiting.depth(PromptClass.SHORT))
             pinged = time.perf_counter()
             client.ping()
@@ -296,17 +353,23 @@ def drain(client: redis.Redis, per_s: float, stop: threading.Event) -> None:
             popped += len(ids)
 
 
-def submit(coordinator_url: str, dataset: Path) -> str:
+def submit(coordinator_url: str, dataset: Path, by_reference: bool) -> str:
+    """Submit ``dataset``: uploaded, or named by ``dataset_url`` (the coordinator reads the file)."""
     # The simulator's context length, so that the pre-flight checks need not wait for the worker.
     spec = job_spec(short_max_new_tokens=64, long_threshold_tokens=100_000, context_len=SIM_CONTEXT_LEN)
-    spec = json.loads(spec.model_dump_json())
-    with open(dataset, "rb") as fh:
+    form = {"spec": spec.model_dump_json()}
+    if by_reference:
         response = httpx.post(
-            f"{coordinator_url}/jobs",
-            data={"spec": json.dumps(spec)},
-            files={"dataset": (dataset.name, fh, "application/jsonl")},
-            timeout=UPLOAD_TIMEOUT_S,
+            f"{coordinator_url}/jobs", data={**form, "dataset_url": str(dataset)}, timeout=HTTP_TIMEOUT_S
         )
+    else:
+        with open(dataset, "rb") as fh:
+            response = httpx.post(
+                f"{coordinator_url}/jobs",
+                data=form,
+                files={"dataset": (dataset.name, fh, "application/octet-stream")},
+                timeout=UPLOAD_TIMEOUT_S,
+            )
     if response.status_code != 202:
         raise SystemExit(f"POST /jobs answered {response.status_code}: {response.text}")
     return str(response.json()["id"])
@@ -316,6 +379,8 @@ def submit(coordinator_url: str, dataset: Path) -> str:
 class Result:
     n: int
     dataset_bytes: int
+    # From sending POST /jobs to the job's first prompt enqueued, as sampled.
+    first_prompt_s: float | None
     # The raw rate measured before the stack started and after it stopped.
     render_rates: tuple[float, float]
     # Two raw renderers at once, in processes of their own, added (after the stack stopped).
@@ -336,9 +401,12 @@ class Result:
 
 
 def run(args: argparse.Namespace, tmp: Path, max_queued: int) -> Result:
-    dataset = tmp / "prompts.jsonl"
-    size = write_dataset(dataset, args.n)
-    before_rate, mean_tokens = raw_render_rate(dataset, min(args.n, args.render_n))
+    dataset = tmp / f"prompts.{args.format}"
+    size = write_dataset(dataset, args.n, args.format)
+    # The raw rate's rows, the same in every format, parsed as ingestion parses a JSONL line.
+    raw_rows = tmp / "raw-rows.jsonl"
+    write_jsonl(raw_rows, min(args.n, args.render_n))
+    before_rate, mean_tokens = raw_render_rate(raw_rows, args.render_n)
     with LocalRedis() as server, simulator_process(time_scale=args.time_scale) as sim_url:
         client = redis.Redis.from_url(server.url)
         port = free_port()
@@ -352,6 +420,7 @@ def run(args: argparse.Namespace, tmp: Path, max_queued: int) -> Result:
             "DATAGEN_MAX_QUEUED_PER_CLASS": str(max_queued),
             "DATAGEN_METRICS_PORT": "0",
             "DATAGEN_LOG_LEVEL": "WARNING",
+            "DATAGEN_DATASET_ALLOWLIST": str(tmp) if args.by_reference else "",
         }
         children = ChildProcesses(tmp, child_env(env), stop_timeout_s=STOP_TIMEOUT_S)
         stop = threading.Event()
@@ -365,7 +434,7 @@ def run(args: argparse.Namespace, tmp: Path, max_queued: int) -> Result:
                 threading.Thread(target=drain, args=(client, args.drain_per_s, stop), daemon=True).start()
             before = CpuSeconds.read(coordinator.pid, client)
             posted = time.perf_counter()
-            job_id = submit(coordinator_url, dataset)
+            job_id = submit(coordinator_url, dataset, args.by_reference)
             accepted_at = time.perf_counter()
             seen = observe(coordinator_url, job_id, client, args.sample_interval_s, stop)
             ingest_s = time.perf_counter() - accepted_at
@@ -382,11 +451,12 @@ def run(args: argparse.Namespace, tmp: Path, max_queued: int) -> Result:
     if job.get("state") not in ("running", "completed") or job.get("total") != args.n:
         raise SystemExit(f"ingestion did not accept all {args.n} prompts: {job}")
     upload_s = accepted_at - posted
-    after_rate, _ = raw_render_rate(dataset, min(args.n, args.render_n))
-    parallel_rate = parallel_render_rate(dataset, min(args.n, args.render_n))
+    after_rate, _ = raw_render_rate(raw_rows, args.render_n)
+    parallel_rate = parallel_render_rate(raw_rows, args.render_n)
     return Result(
         args.n,
         size,
+        None if seen.first_prompt_at is None else seen.first_prompt_at - posted,
         (before_rate, after_rate),
         parallel_rate,
         mean_tokens,
@@ -405,8 +475,10 @@ def report(args: argparse.Namespace, max_queued: int, r: Result) -> None:
     lat = r.seen.latencies_s
     p99 = percentile(lat, 99)
     verdict = "meets" if p99 < P99_TARGET_S else "MISSES"
+    how = "by reference (dataset_url)" if args.by_reference else "uploaded"
     print(
-        f"ingest_load: N={r.n} prompts ({r.dataset_bytes / 2**20:.1f} MiB JSONL, mean {r.mean_tokens} "
+        f"ingest_load: N={r.n} prompts ({r.dataset_bytes / 2**20:.1f} MiB {args.format}, {how}, "
+        f"mean {r.mean_tokens} "
         f"prompt tokens), chunk {args.chunk}, max queued {max_queued}, drain {args.drain_per_s or 'off'}, "
         f"worker c={args.concurrency} on a time-scale-{args.time_scale} simulator, "
         f"{args.workers} rendering process(es) (DATAGEN_INGEST_PROCESSES)"
@@ -421,11 +493,18 @@ def report(args: argparse.Namespace, max_queued: int, r: Result) -> None:
         f"  raw tokenizer in 2 processes at once, added          {r.parallel_rate:9.0f} prompts/s "
         f"({r.parallel_rate / r.render_rate:.2f}x one: what both cores give this run)"
     )
-    print(f"  upload: POST /jobs until 202                       {r.upload_s:9.1f} s")
+    print(f"  submit: POST /jobs until 202                       {r.upload_s:9.1f} s")
+    if r.first_prompt_s is not None:
+        read = r.seen.first_input or {}
+        print(
+            f"  first prompt enqueued, from sending POST /jobs      {r.first_prompt_s:9.2f} s "
+            f"(sampled every {args.sample_interval_s:g} s; input then: {_progress(read)})"
+        )
     print(
         f"  ingest: 202 until the job left ingesting           {r.ingest_s:9.1f} s {ingest_rate:7.0f} "
         f"prompts/s ({ingest_rate / r.render_rate:.2f}x the raw tokenizer rate)"
     )
+    print(f"  input read at the last sample while ingesting: {_progress(r.seen.last_input or {})}")
     print(f"  worker done during ingestion                        {r.seen.last.get('done', 0):9d} prompts")
     print(
         f"  GET /jobs/{{id}} during ingestion: {len(lat)} samples, p50 {percentile(lat, 50) * 1000:.1f} ms, "
@@ -443,6 +522,18 @@ def report(args: argparse.Namespace, max_queued: int, r: Result) -> None:
         f"{r.redis_peak / 2**20:.1f} MiB ({r.redis_peak / r.n:.0f} B a prompt); "
         f"queue peak {r.seen.queue_peak}"
     )
+
+
+def _progress(read: dict[str, Any]) -> str:
+    """``input`` of ``GET /jobs/{id}``: rows read of the total, or bytes read, as the format knows."""
+    if not read:
+        return "not shown"
+    rows_read = read.get("rows_read") or 0
+    if read.get("rows_total") is not None:
+        return f"{rows_read:,} of {read['rows_total']:,} rows"
+    if read.get("bytes_total"):
+        return f"{rows_read:,} rows, {read.get('bytes_read') or 0:,} of {read['bytes_total']:,} bytes"
+    return f"{rows_read:,} rows"
 
 
 def report_cpu(r: Result) -> None:
@@ -496,6 +587,14 @@ def main() -> None:
     parser.add_argument("--drain-per-s", type=float, default=0.0, help="pop this many prompts/s (off)")
     parser.add_argument(
         "--workers", type=int, default=1, help="DATAGEN_INGEST_PROCESSES: rendering processes (0: in-thread)"
+    )
+    parser.add_argument(
+        "--format", choices=FORMATS, default="jsonl", help="the input's form, told by its file name"
+    )
+    parser.add_argument(
+        "--by-reference",
+        action="store_true",
+        help="name the file with dataset_url (the coordinator reads it) instead of uploading it",
     )
     parser.add_argument("--render-n", type=int, default=DEFAULT_RENDER_N, help="rows for the raw rate")
     parser.add_argument(

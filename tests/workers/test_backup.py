@@ -24,7 +24,7 @@ from simulator.sglang._service import REQUEST_STATE_WAIT_TIMEOUT_S
 from tests.support.metrics import metric_value
 from tests.support.sim import running_simulator
 from tests.support.wait import wait_until_async
-from tests.support.workers import KEYS, NOT_MET, ingest, records, settings, start, stop
+from tests.support.workers import KEYS, NOT_MET, WAIT_S, ingest, records, settings, start, stop
 from workers.engines.base import GenerateResult
 from workers.engines.http import ClientTimeouts
 from workers.engines.sglang import SGLangClient
@@ -42,6 +42,10 @@ SLOW_SCALE = 0.5
 # The race tests: a backup of 200 tokens takes about 0.4 s on "medium", the primary 2 s on "slow".
 MEDIUM_SCALE = 0.1
 RACE_TOKENS = 200
+# A race a test stops or cancels once both requests run: the backup on "medium" runs about 1.2 s
+# (0.4 s at RACE_TOKENS, which a loaded CI machine once let it win before the pause was seen), the
+# primary on "slow" about 6 s.
+LONG_RACE_TOKENS = 600
 PROMPT_IDS = [1000 + i for i in range(20)]
 
 
@@ -95,7 +99,7 @@ async def _until_both_run(race: Race) -> None:
     async def both_run() -> bool:
         return [await _running(url) for url in race.urls.values()] == [1, 1]
 
-    await wait_until_async(both_run, 2, "the backup did not start", interval_s=0.01)
+    await wait_until_async(both_run, WAIT_S, "the backup did not start", interval_s=0.01)
 
 
 async def _until_idle(*urls: str) -> None:
@@ -192,14 +196,14 @@ class Race:
             stop_check_interval_s=0.02,
         )
 
-    async def start(self) -> tuple[asyncio.Task[tuple[Server, GenerateResult]], Any]:
-        """The primary on "slow", racing; returns its task and its straggler."""
+    async def start(
+        self, tokens: int = RACE_TOKENS
+    ) -> tuple[asyncio.Task[tuple[Server, GenerateResult]], Any]:
+        """The primary of ``tokens`` on "slow", racing; returns its task and its straggler."""
         slow = self.servers["slow"]
         assert self.fleet.try_acquire(slow, SHORT)
-        straggler = self.backups.track(
-            slow, SHORT, max_new=RACE_TOKENS, fits=lambda s: True, avoid=frozenset()
-        )
-        params = {"max_new_tokens": RACE_TOKENS, "ignore_eos": True, "temperature": 0.0}
+        straggler = self.backups.track(slow, SHORT, max_new=tokens, fits=lambda s: True, avoid=frozenset())
+        params = {"max_new_tokens": tokens, "ignore_eos": True, "temperature": 0.0}
 
         def call(server: Server, rid: str) -> Any:
             return server.client.generate(PROMPT_IDS, params, rid=rid)
@@ -247,7 +251,7 @@ async def test_a_paused_class_or_server_gets_no_backup_and_stops_a_running_one(
     race: Race, race_servers: dict[str, str]
 ) -> None:
     medium = race.servers["medium"]
-    task, straggler = await race.start()
+    task, straggler = await race.start(LONG_RACE_TOKENS)
     race.paused.add(SHORT)
     race.backups.on_claim_empty(SHORT)
     race.paused.clear()
@@ -259,27 +263,31 @@ async def test_a_paused_class_or_server_gets_no_backup_and_stops_a_running_one(
     assert straggler.backup_server is medium
     await _until_both_run(race)
     race.paused.add(SHORT)
-    await wait_until_async(lambda: race.count("stopped") == 1 and medium.in_flight[SHORT] == 0, 2, NOT_MET)
+    await wait_until_async(
+        lambda: race.count("stopped") == 1 and medium.in_flight[SHORT] == 0, WAIT_S, NOT_MET
+    )
     await _until_idle(race_servers["medium"])
-    server, result = await asyncio.wait_for(task, 5)
-    assert server.name == "slow" and len(result.output_ids) == RACE_TOKENS
+    server, result = await asyncio.wait_for(task, WAIT_S)
+    assert server.name == "slow" and len(result.output_ids) == LONG_RACE_TOKENS
     assert race.count("won") == race.count("lost") == 0
 
 
 async def test_a_server_leaving_stops_its_backup(race: Race, race_servers: dict[str, str]) -> None:
     medium = race.servers["medium"]
-    task, _ = await race.start()
+    task, _ = await race.start(LONG_RACE_TOKENS)
     race.backups.on_claim_empty(SHORT)
     await _until_both_run(race)
     await race.fleet.mark_down(medium, "test")
-    await wait_until_async(lambda: race.count("stopped") == 1 and medium.in_flight[SHORT] == 0, 2, NOT_MET)
+    await wait_until_async(
+        lambda: race.count("stopped") == 1 and medium.in_flight[SHORT] == 0, WAIT_S, NOT_MET
+    )
     await _until_idle(race_servers["medium"])
-    server, _ = await asyncio.wait_for(task, 5)
+    server, _ = await asyncio.wait_for(task, WAIT_S)
     assert server.name == "slow"
 
 
 async def test_cancelling_the_prompt_closes_both_requests(race: Race, race_servers: dict[str, str]) -> None:
-    task, _ = await race.start()
+    task, _ = await race.start(LONG_RACE_TOKENS)
     race.backups.on_claim_empty(SHORT)
     await _until_both_run(race)
     task.cancel()  # a job cancelled with --abort-in-flight cancels the prompt's task
