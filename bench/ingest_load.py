@@ -30,7 +30,8 @@ Lines printed:
     (``POST /jobs`` until ``202``) is printed on its own line, and so is the time from sending it to
     the job's first prompt enqueued (issue 41: within 1 s of the submit, with no pass over the whole
     input first), with how far the input was read then: rows of the total where the format knows
-    it (Parquet's footer), bytes otherwise.
+    it (Parquet's footer), bytes otherwise. ``--until-first-prompt`` stops there and prints only
+    those two lines (for a dataset far too large to ingest here: ``--n 10000000``).
 ``GET /jobs/{id}``
     Latency of the progress route sampled every ``--sample-interval-s`` during ingestion, p50, p99
     and max (target: p99 < 100 ms), so that a busy ingestion thread does not stall the API.
@@ -59,7 +60,7 @@ compare the ratio, not the rates. ``tests/faults/test_fault_ingest_memory.py`` i
 that memory stays flat with size.
 
 Run: ``python bench/ingest_load.py [--n 1000000] [--format jsonl|jsonl.gz|jsonl.zst|parquet]
-[--by-reference] [--workers 1] [--chunk 1000] [--max-queued N] [--drain-per-s R]
+[--by-reference] [--until-first-prompt] [--workers 1] [--chunk 1000] [--max-queued N] [--drain-per-s R]
 [--render-n 100000] [--concurrency 32] [--time-scale 0] [--sample-interval-s 0.05]``.
 """
 
@@ -161,7 +162,8 @@ def write_dataset(path: Path, n: int, fmt: str) -> int:
                 fh.writelines(lines)
         else:
             with open(path, "wb") as raw, zstandard.ZstdCompressor().stream_writer(raw) as fh:
-                fh.writelines(lines)
+                for line in lines:  # zstandard's writer has no writelines
+                    fh.write(line)
     return path.stat().st_size
 
 
@@ -306,9 +308,15 @@ class Observations:
 
 
 def observe(
-    coordinator_url: str, job_id: str, client: redis.Redis, interval_s: float, stop: threading.Event
+    coordinator_url: str,
+    job_id: str,
+    client: redis.Redis,
+    interval_s: float,
+    stop: threading.Event,
+    until_first_prompt: bool = False,
 ) -> Observations:
-    """Sample ``GET /jobs/{id}`` latency and the queue length until the job leaves ``ingesting``."""
+    """Sample ``GET /jobs/{id}`` latency and the queue length until the job leaves ``ingesting``
+    (``until_first_prompt``: until its first prompt is enqueued)."""
     seen = Observations()
     waiting = Dispatch(client, Keys(NAMESPACE))
     with httpx.Client(base_url=coordinator_url, timeout=HTTP_TIMEOUT_S) as http:
@@ -327,6 +335,8 @@ def observe(
                 seen.last = response.json()
                 if seen.first_prompt_at is None and seen.last.get("total"):
                     seen.first_prompt_at, seen.first_input = time.perf_counter(), seen.last.get("input")
+                    if until_first_prompt:
+                        break
                 if seen.last["state"] != "ingesting":
                     break
                 seen.last_input = seen.last.get("input") or seen.last_input
@@ -406,7 +416,8 @@ def run(args: argparse.Namespace, tmp: Path, max_queued: int) -> Result:
     # The raw rate's rows, the same in every format, parsed as ingestion parses a JSONL line.
     raw_rows = tmp / "raw-rows.jsonl"
     write_jsonl(raw_rows, min(args.n, args.render_n))
-    before_rate, mean_tokens = raw_render_rate(raw_rows, args.render_n)
+    first_only = args.until_first_prompt
+    before_rate, mean_tokens = (0.0, 0) if first_only else raw_render_rate(raw_rows, args.render_n)
     with LocalRedis() as server, simulator_process(time_scale=args.time_scale) as sim_url:
         client = redis.Redis.from_url(server.url)
         port = free_port()
@@ -436,7 +447,7 @@ def run(args: argparse.Namespace, tmp: Path, max_queued: int) -> Result:
             posted = time.perf_counter()
             job_id = submit(coordinator_url, dataset, args.by_reference)
             accepted_at = time.perf_counter()
-            seen = observe(coordinator_url, job_id, client, args.sample_interval_s, stop)
+            seen = observe(coordinator_url, job_id, client, args.sample_interval_s, stop, first_only)
             ingest_s = time.perf_counter() - accepted_at
             cpu = CpuSeconds.read(coordinator.pid, client).since(before)
             rendered = rendered_rows(coordinator_url)
@@ -448,11 +459,16 @@ def run(args: argparse.Namespace, tmp: Path, max_queued: int) -> Result:
             children.stop()
             client.close()
     job = seen.last
-    if job.get("state") not in ("running", "completed") or job.get("total") != args.n:
-        raise SystemExit(f"ingestion did not accept all {args.n} prompts: {job}")
+    if first_only:
+        if seen.first_prompt_at is None:
+            raise SystemExit(f"the job ended before a prompt was enqueued: {job}")
+        after_rate = parallel_rate = 0.0
+    else:
+        if job.get("state") not in ("running", "completed") or job.get("total") != args.n:
+            raise SystemExit(f"ingestion did not accept all {args.n} prompts: {job}")
+        after_rate, _ = raw_render_rate(raw_rows, args.render_n)
+        parallel_rate = parallel_render_rate(raw_rows, args.render_n)
     upload_s = accepted_at - posted
-    after_rate, _ = raw_render_rate(raw_rows, args.render_n)
-    parallel_rate = parallel_render_rate(raw_rows, args.render_n)
     return Result(
         args.n,
         size,
@@ -470,16 +486,34 @@ def run(args: argparse.Namespace, tmp: Path, max_queued: int) -> Result:
     )
 
 
+def _dataset_line(args: argparse.Namespace, r: Result) -> str:
+    how = "by reference (dataset_url)" if args.by_reference else "uploaded"
+    return f"N={r.n} prompts ({r.dataset_bytes / 2**20:.1f} MiB {args.format}, {how})"
+
+
+def _first_prompt_line(args: argparse.Namespace, r: Result) -> None:
+    if r.first_prompt_s is not None:
+        print(
+            f"  first prompt enqueued, from sending POST /jobs      {r.first_prompt_s:9.2f} s "
+            f"(sampled every {args.sample_interval_s:g} s; input then: {_progress(r.seen.first_input or {})})"
+        )
+
+
+def report_first(args: argparse.Namespace, r: Result) -> None:
+    """``--until-first-prompt``: the submit and its first prompt, nothing else measured."""
+    print(f"ingest_load --until-first-prompt: {_dataset_line(args, r)}, {args.workers} rendering process(es)")
+    print(f"  submit: POST /jobs until 202                       {r.upload_s:9.2f} s")
+    _first_prompt_line(args, r)
+
+
 def report(args: argparse.Namespace, max_queued: int, r: Result) -> None:
     ingest_rate = r.n / r.ingest_s
     lat = r.seen.latencies_s
     p99 = percentile(lat, 99)
     verdict = "meets" if p99 < P99_TARGET_S else "MISSES"
-    how = "by reference (dataset_url)" if args.by_reference else "uploaded"
     print(
-        f"ingest_load: N={r.n} prompts ({r.dataset_bytes / 2**20:.1f} MiB {args.format}, {how}, "
-        f"mean {r.mean_tokens} "
-        f"prompt tokens), chunk {args.chunk}, max queued {max_queued}, drain {args.drain_per_s or 'off'}, "
+        f"ingest_load: {_dataset_line(args, r)}, mean {r.mean_tokens} "
+        f"prompt tokens, chunk {args.chunk}, max queued {max_queued}, drain {args.drain_per_s or 'off'}, "
         f"worker c={args.concurrency} on a time-scale-{args.time_scale} simulator, "
         f"{args.workers} rendering process(es) (DATAGEN_INGEST_PROCESSES)"
     )
@@ -494,12 +528,7 @@ def report(args: argparse.Namespace, max_queued: int, r: Result) -> None:
         f"({r.parallel_rate / r.render_rate:.2f}x one: what both cores give this run)"
     )
     print(f"  submit: POST /jobs until 202                       {r.upload_s:9.1f} s")
-    if r.first_prompt_s is not None:
-        read = r.seen.first_input or {}
-        print(
-            f"  first prompt enqueued, from sending POST /jobs      {r.first_prompt_s:9.2f} s "
-            f"(sampled every {args.sample_interval_s:g} s; input then: {_progress(read)})"
-        )
+    _first_prompt_line(args, r)
     print(
         f"  ingest: 202 until the job left ingesting           {r.ingest_s:9.1f} s {ingest_rate:7.0f} "
         f"prompts/s ({ingest_rate / r.render_rate:.2f}x the raw tokenizer rate)"
@@ -596,6 +625,11 @@ def main() -> None:
         action="store_true",
         help="name the file with dataset_url (the coordinator reads it) instead of uploading it",
     )
+    parser.add_argument(
+        "--until-first-prompt",
+        action="store_true",
+        help="stop once the job's first prompt is enqueued; print only the submit and that",
+    )
     parser.add_argument("--render-n", type=int, default=DEFAULT_RENDER_N, help="rows for the raw rate")
     parser.add_argument(
         "--concurrency", type=int, default=DEFAULT_CONCURRENCY, help="worker's in flight (0: no worker)"
@@ -607,6 +641,9 @@ def main() -> None:
     max_queued = args.max_queued or args.n
     with tempfile.TemporaryDirectory(prefix="bench-ingest-load-") as tmp:
         result = run(args, Path(tmp), max_queued)
+    if args.until_first_prompt:
+        report_first(args, result)
+        return
     report(args, max_queued, result)
     report_cpu(result)
 
