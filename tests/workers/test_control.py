@@ -148,8 +148,9 @@ async def test_controller_lowers_the_target_when_work_waits_in_the_server(
 async def test_controller_starts_in_slow_start_and_ends_it_at_the_server_queue(
     redis_client: redis.Redis, redis_url: str, storage: Storage, tokenizer_path: str
 ) -> None:
-    # Far more prompts than slow start needs: under CI load 200 once ran out before the controller saw
-    # the queue, and slow start never ended. The worker stops once it has.
+    # Far more prompts than slow start needs, so that they cannot run out before the controller sees
+    # the queue: with 200 (about 3 s of work alone) slow start once had not ended after 20 s on a
+    # loaded CI machine. The worker stops once it has.
     ingest(redis_client, storage, "slow", 1000)
     # The server runs at most 16 requests: slow start climbs from its window (16) by half (24),
     # and 8 wait, beyond the setpoint of four.
