@@ -26,12 +26,13 @@ Lines printed:
     From the ``202`` of ``POST /jobs`` to the job leaving ``ingesting``: parse, render, duplicate
     guard, and each chunk landed in one script (prompts, counters, checkpoint), in the coordinator
     process, with Redis, the worker and the simulator sharing the machine. The ratio to the raw
-    tokenizer rate is printed (1.0 would mean ingestion costs nothing beyond rendering). The upload
-    (``POST /jobs`` until ``202``) is printed on its own line, and so is the time from sending it to
-    the job's first prompt enqueued (issue 41: within 1 s of the submit, with no pass over the whole
-    input first), with how far the input was read then: rows of the total where the format knows
-    it (Parquet's footer), bytes otherwise. ``--until-first-prompt`` stops there and prints only
-    those two lines (for a dataset far too large to ingest here: ``--n 10000000``).
+    tokenizer rate is printed (1.0 would mean ingestion costs nothing beyond rendering). The submit
+    (``POST /jobs`` until ``202``: the upload, if any) is printed on its own line, and so is the
+    time from sending it to the job's first prompt enqueued (issue 41: within 1 s of the submit,
+    with no pass over the whole input first), with how far the input was read then: rows of the
+    total where the format knows it (Parquet's footer), bytes otherwise. ``--until-first-prompt``
+    stops there and prints only those two lines (for a dataset far too large to ingest here:
+    ``--n 10000000``).
 ``GET /jobs/{id}``
     Latency of the progress route sampled every ``--sample-interval-s`` during ingestion, p50, p99
     and max (target: p99 < 100 ms), so that a busy ingestion thread does not stall the API.
@@ -127,8 +128,8 @@ def rows(n: int) -> Iterator[dict[str, Any]]:
 
 # The input forms the bench writes (`datagen.prompts.inputs`), each told by its file name's suffix.
 FORMATS = ("jsonl", "jsonl.gz", "jsonl.zst", "parquet")
-# Rows a Parquet row group holds (the rows the writer keeps in memory at once): what `datasets`
-# writes by default for rows this small.
+# Rows a Parquet row group holds: the rows the writer keeps in memory at once (ingestion reads a
+# Parquet file in batches of its own size, whatever its row groups).
 PARQUET_ROW_GROUP = 100_000
 _MESSAGES = pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))
 _PARQUET_SCHEMA = pa.schema([("id", pa.string()), ("messages", _MESSAGES)])
