@@ -57,6 +57,8 @@ FOREIGN_FLAGS = {
     "--enable-prefix-caching": "vllm serve --enable-prefix-caching",
     "--disable-log-stats": "vllm serve --disable-log-stats",
     "--max-running-requests": "SGLang's server flag (python -m sglang.launch_server)",
+    "--by-reference": "bench/ingest_load.py --by-reference, in docs/status.md",
+    "--until-first-prompt": "bench/ingest_load.py --until-first-prompt, in docs/status.md and datasets.md",
     "--requirepass": "redis-server --requirepass",
     "--appendonly": "redis-server --appendonly, in compose.yaml",
     "--appendfsync": "redis-server --appendfsync, in compose.yaml",
