@@ -135,10 +135,13 @@ _MESSAGES = pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]
 _PARQUET_SCHEMA = pa.schema([("id", pa.string()), ("messages", _MESSAGES)])
 
 
+def jsonl_lines(n: int) -> Iterator[bytes]:
+    return (json.dumps(row).encode() + b"\n" for row in rows(n))
+
+
 def write_jsonl(path: Path, n: int) -> None:
-    with open(path, "w", encoding="utf-8") as fh:
-        for row in rows(n):
-            fh.write(json.dumps(row) + "\n")
+    with open(path, "wb") as fh:
+        fh.writelines(jsonl_lines(n))
 
 
 def write_dataset(path: Path, n: int, fmt: str) -> int:
@@ -157,7 +160,7 @@ def write_dataset(path: Path, n: int, fmt: str) -> int:
     elif fmt == "jsonl":
         write_jsonl(path, n)
     else:
-        lines = (json.dumps(row).encode() + b"\n" for row in rows(n))
+        lines = jsonl_lines(n)
         if fmt == "jsonl.gz":
             with gzip.open(path, "wb", compresslevel=6) as fh:
                 fh.writelines(lines)
