@@ -13,7 +13,14 @@ a minute on the text. `BudgetedTemplate` renders a template in a sandbox that re
 - more than ``MAX_RENDER_S`` of rendering, checked at each output chunk, call and loop iteration.
 
 Loops are instrumented by rewriting each ``for``'s iterable (and each ``~``) into a call of a
-budget function before compiling, since Jinja offers no hook for them.
+budget function before compiling, since Jinja offers no hook for them. None of the checks changes
+what a template renders within its budget.
+
+A template is compiled either in a sandbox made like the environment transformers compiles chat
+templates in (`BudgetedTemplate` with ``like``: its options, filters, globals and extensions, the
+budget's checks added), whose template transformers can render in its own ``apply_chat_template``
+(`datagen.prompts.template_hook`), or, where that environment is not one this module can copy, in
+one of transformers' documented options and globals.
 """
 
 from __future__ import annotations
@@ -25,7 +32,7 @@ import math
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from datetime import datetime
-from typing import Any
+from typing import Any, cast
 
 import jinja2
 import jinja2.ext
@@ -144,6 +151,26 @@ class _BudgetSandbox(ImmutableSandboxedEnvironment):
         return _check_result(super().call(context, obj, *args, **kwargs), "a call")
 
 
+class _BudgetedJinja(jinja2.Template):
+    """A compiled template whose ``render`` keeps the budget: a deadline for the calls and loops
+    inside, and a cap on the output as it streams."""
+
+    def render(self, *args: Any, **kwargs: Any) -> str:
+        token = _DEADLINE.set(time.monotonic() + MAX_RENDER_S)
+        try:
+            chunks: list[str] = []
+            size = 0
+            for chunk in self.generate(*args, **kwargs):
+                size += len(chunk)
+                if size > MAX_RENDER_CHARS:
+                    raise _over_size("streamed output")
+                _check_deadline()
+                chunks.append(chunk)
+            return "".join(chunks)
+        finally:
+            _DEADLINE.reset(token)
+
+
 class _GenerationBlock(jinja2.ext.Extension):
     """transformers' ``{% generation %}`` block renders its body unchanged."""
 
@@ -191,31 +218,42 @@ def _environment() -> _BudgetSandbox:
             _CONCAT_GUARD: _concat_budget,
         }
     )
+    env.template_class = _BudgetedJinja
+    return env
+
+
+def _environment_like(source: jinja2.Environment) -> _BudgetSandbox | None:
+    """A budget sandbox configured as ``source`` (transformers' chat template environment): the
+    same options, tests, policies and extensions (bound anew), its filters and globals with the
+    budget's. None where ``source`` is not a plain immutable sandbox or escapes its output: the
+    budget's class and its ``~`` (a plain join) would then render differently."""
+    if type(source) is not ImmutableSandboxedEnvironment or source.autoescape or source.is_async:
+        return None
+    env = cast("_BudgetSandbox", source.overlay())
+    # overlay() keeps the source's class; the budget's class adds only the checks of its calls and
+    # operators, so the overlay's state is all it needs. Its dicts are copies: the source's
+    # filters and globals stay as they were.
+    env.__class__ = _BudgetSandbox
+    env.filters = {name: _budgeted_filter(name, fn) for name, fn in source.filters.items()}
+    env.globals = {**source.globals, _LOOP_GUARD: _loop_budget, _CONCAT_GUARD: _concat_budget}
+    env.template_class = _BudgetedJinja
     return env
 
 
 class BudgetedTemplate:
-    """One chat template compiled into the budget sandbox."""
+    """One chat template compiled into the budget sandbox; ``like``: made like that environment
+    where it can be (see `_environment_like`)."""
 
-    def __init__(self, text: str) -> None:
-        env = _environment()
+    def __init__(self, text: str, like: jinja2.Environment | None = None) -> None:
+        made_like = _environment_like(like) if like is not None else None
+        # Whether it renders as ``like`` would (else in the documented options and globals).
+        self.like = made_like is not None
+        env = _environment() if made_like is None else made_like
         tree = _Instrument().visit(env.parse(text))
         tree.set_environment(env)
-        self._template = env.from_string(tree)
+        self.template: jinja2.Template = env.from_string(tree)
 
     def render(self, variables: Mapping[str, Any]) -> str:
         """The rendered text; `InvalidRowError` when it goes over a budget, the template's own errors
         otherwise."""
-        token = _DEADLINE.set(time.monotonic() + MAX_RENDER_S)
-        try:
-            chunks: list[str] = []
-            size = 0
-            for chunk in self._template.generate(**variables):
-                size += len(chunk)
-                if size > MAX_RENDER_CHARS:
-                    raise _over_size("streamed output")
-                _check_deadline()
-                chunks.append(chunk)
-            return "".join(chunks)
-        finally:
-            _DEADLINE.reset(token)
+        return self.template.render(**variables)

@@ -12,8 +12,10 @@ threads ask at the same moment. Spec problems (tokenizer, template, kwargs) rais
 a row the template refuses raises `InvalidRowError`.
 
 Names are resolved by `datagen.prompts.sources.resolve_source`, the function the coordinator's allowlist
-check uses. Each row is first rendered in a budgeted sandbox (`datagen.prompts.template_budget`: output
-size and render time) and only then by transformers, which stays the one source of the ids.
+check uses. Each row renders within a budget (`datagen.prompts.template_budget`: output size and render
+time), and transformers stays the one source of the ids: its ``apply_chat_template`` renders the
+budgeted template itself (`datagen.prompts.template_hook`), or, where a probe finds that it cannot,
+the row is rendered first in the budget's sandbox and then by transformers.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import jinja2
 import jinja2.ext
 
 from datagen.errors import InvalidRowError, InvalidSpecError
+from datagen.prompts import template_hook
 from datagen.prompts.loaders import check_template_syntax, load_tokenizer, read_template
 from datagen.prompts.provenance import (
     TOKENIZER_FILE_NAMES,
@@ -171,6 +174,9 @@ class PromptRenderer:
         self._tokenizer = load_tokenizer(self._tokenizer_source, trust_remote_code, TOKENIZER_FILE_NAMES)
         self._effective_template = self._resolve_template()
         self._budgeted: dict[str, BudgetedTemplate] = {}
+        # Whether transformers renders the budgeted template itself (`_renders_once`); None: not
+        # probed yet.
+        self._once: bool | None = None
         self._special_finder: SpecialTextFinder | None = None
         self._generation_prompt: list[int] | None = None
         self._identity: dict[str, str] | None = None
@@ -224,6 +230,44 @@ class PromptRenderer:
             own = own.get("tool_use") if tools and "tool_use" in own else own.get("default")
         return own if isinstance(own, str) else None
 
+    def _budgeted_for(self, text: str) -> BudgetedTemplate:
+        """``text`` compiled in the budget's sandbox, like transformers' own environment where it
+        can be; once per template, shared by threads and twins."""
+        budgeted = self._budgeted.get(text)
+        if budgeted is None:
+            with self._lazy_lock:
+                budgeted = self._budgeted.get(text)
+                if budgeted is None:
+                    like = template_hook.transformers_environment(text) if template_hook.install() else None
+                    budgeted = self._budgeted[text] = BudgetedTemplate(text, like=like)
+        return budgeted
+
+    def _budgeted_template(self, text: str) -> jinja2.Template:
+        return self._budgeted_for(text).template
+
+    def _renders_once(self) -> bool:
+        """Whether transformers renders the budgeted template itself, so a row renders once: the
+        wrapper is in its path, the template is compiled like transformers' own, and a probe row
+        renders through the wrapper to exactly what transformers renders alone."""
+        if self._once is not None:
+            return self._once
+        with self._lazy_lock:
+            if self._once is None:
+                self._once = self._probe_once()
+            return self._once
+
+    def _probe_once(self) -> bool:
+        text = self._template_for(None)
+        if text is None or not template_hook.install() or not self._budgeted_for(text).like:
+            return False
+        try:
+            alone = self._transformers_apply(_PROBE_MESSAGES, None, True, False)
+            with template_hook.serving(self._budgeted_template) as serving:
+                hooked = self._transformers_apply(_PROBE_MESSAGES, None, True, False)
+        except Exception:  # any failure of the probe keeps the two renders
+            return False
+        return serving.served and isinstance(alone, str) and hooked == alone
+
     def _check_budget(
         self,
         messages: Sequence[Mapping[str, object]],
@@ -235,10 +279,7 @@ class PromptRenderer:
         text = self._template_for(tools)
         if text is None:
             return
-        with self._lazy_lock:
-            if text not in self._budgeted:
-                self._budgeted[text] = BudgetedTemplate(text)
-            budgeted = self._budgeted[text]
+        budgeted = self._budgeted_for(text)
         # The inputs as transformers hands them to the template: None-valued keys dropped, reasoning
         # under each of its names, special tokens and kwargs as variables.
         chat = []
@@ -272,22 +313,36 @@ class PromptRenderer:
         add_generation_prompt: bool = True,
         tokenize: bool = True,
     ) -> object:
-        self._check_budget(messages, tools, add_generation_prompt)
+        once = self._renders_once()
+        if not once:
+            self._check_budget(messages, tools, add_generation_prompt)
         try:
-            return self._tokenizer.apply_chat_template(
-                [dict(m) for m in messages],
-                tools=None if tools is None else [dict(t) for t in tools],
-                add_generation_prompt=add_generation_prompt,
-                tokenize=tokenize,
-                return_dict=False,
-                chat_template=self._template_text,
-                **self.chat_template_kwargs,
-            )
+            if once:
+                with template_hook.serving(self._budgeted_template):
+                    return self._transformers_apply(messages, tools, add_generation_prompt, tokenize)
+            return self._transformers_apply(messages, tools, add_generation_prompt, tokenize)
         except jinja2.TemplateError as exc:
             raise InvalidRowError(f"chat template refused the conversation: {exc}") from exc
         except (TypeError, ValueError, KeyError, AttributeError, ArithmeticError, RecursionError) as exc:
             # ArithmeticError: the sandbox's OverflowError for range(100000000), a division by zero.
             raise InvalidRowError(f"chat template failed on the conversation: {exc}") from exc
+
+    def _transformers_apply(
+        self,
+        messages: Sequence[Mapping[str, object]],
+        tools: Sequence[Mapping[str, object]] | None,
+        add_generation_prompt: bool,
+        tokenize: bool,
+    ) -> object:
+        return self._tokenizer.apply_chat_template(
+            [dict(m) for m in messages],
+            tools=None if tools is None else [dict(t) for t in tools],
+            add_generation_prompt=add_generation_prompt,
+            tokenize=tokenize,
+            return_dict=False,
+            chat_template=self._template_text,
+            **self.chat_template_kwargs,
+        )
 
     def render(
         self,

@@ -39,14 +39,14 @@ PROMPTS = 3
 TARGET_COMMANDS = 60  # issue 41
 # 58 alone (59 when its claim makes a new window bucket and sets the bucket's TTL; a worker
 # heartbeat's ZADD, every 0.5 s, is one more when it falls inside the job), plus a margin for a
-# loaded machine's heartbeats (prompts in flight for up to 4 s, and GATHER_S more). The chunk lands in one script, so
-# a claim never finds half of it and a second claim script (about 20 more) cannot come. Issue 41
-# took it from 108-109: the submit reads nothing before the create of a job storage has no
-# manifest of, and answers from what its create returned, the create sets the
+# loaded machine's heartbeats (prompts in flight for up to 4 s, and GATHER_S more). The chunk
+# lands in one script, so a claim never finds half of it and a second claim script (about 20 more)
+# cannot come. Issue 41 took it from 108-109: the submit reads nothing before the create of a job
+# storage has no manifest of, and answers from what its create returned, the create sets the
 # ingest input and fence, ingestion's start reads nothing for a job made just now; the chunk
 # lands, and its last one ends the ingestion, in one script (`ingest_land.lua`: fence, checkpoint,
-# labels, room and the job's counters read once and written once, the first three as fields of
-# the job's hash); the counting rules read and write the job once, its partition's label with it
+# labels, room and the job's counters read once and written once, the first three as fields of the
+# job's hash); the counting rules read and write the job once, its partition's label with it
 # (`count_and_complete` in lib.lua: the ack 23 -> 15); the claim hands out the job's run facts
 # with its weight (the worker reads nothing of it first); the writer looks at the job once a
 # shard; RQ's set of queues is named at the coordinator's start, not by every chunk. Before issue
