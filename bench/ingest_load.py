@@ -22,6 +22,11 @@ Lines printed:
     the same in two processes at once, their rates added: what this machine's cores give together
     (a shared VM's two cores can give well under twice one's rate once both are busy), the ceiling
     of any ingestion that keeps both busy and what two rendering processes could reach against one.
+``transformers' own apply_chat_template``
+    ``apply_chat_template(tokenize=True)`` with the job's template on the same rows, once the stack
+    has stopped: what a hand-written script pays a row, for the same ids (checked on 100 rows).
+    ``PromptRenderer.render`` pays less: it renders each row once, within the render budget, inside
+    transformers' own call, and hands the text to the tokenizers library itself.
 ``ingest``
     From the ``202`` of ``POST /jobs`` to the job leaving ``ingesting``: parse, render, duplicate
     guard, and each chunk landed in one script (prompts, counters, checkpoint), in the coordinator
@@ -92,7 +97,7 @@ from datagen.control.dispatch import Dispatch
 from datagen.control.keys import Keys
 from datagen.errors import ConfigError
 from datagen.prompts.dataset import Prompt, iter_prompts
-from datagen.prompts.tokenization import renderer_for
+from datagen.prompts.tokenization import PromptRenderer, renderer_for
 from datagen.settings import DEFAULT_ENQUEUE_CHUNK
 from datagen.states import Priority, PromptClass
 from datagen_cli.local.processes import ChildProcesses, child_env
@@ -171,9 +176,8 @@ def write_dataset(path: Path, n: int, fmt: str) -> int:
     return path.stat().st_size
 
 
-def raw_render_rate(path: Path, n: int, barrier: Any = None) -> tuple[float, int]:
-    """Prompts per second of ``PromptRenderer.render`` alone, on the first ``n`` rows of the file
-    (``barrier``: waited on once loaded, so that renderers in several processes start together)."""
+def _raw_prompts(path: Path, n: int) -> tuple[PromptRenderer, list[Prompt]]:
+    """The bench job's renderer (the tokenizer loaded) and the first ``n`` rows of the file."""
     offline_hub()  # again: this runs in processes of its own too
     spec = job_spec()
     renderer = renderer_for(spec)  # loads the tokenizer once, outside the timing
@@ -184,11 +188,43 @@ def raw_render_rate(path: Path, n: int, barrier: Any = None) -> tuple[float, int
                 break
             assert isinstance(item, Prompt), item
             prompts.append(item)
+    return renderer, prompts
+
+
+def raw_render_rate(path: Path, n: int, barrier: Any = None) -> tuple[float, int]:
+    """Prompts per second of ``PromptRenderer.render`` alone, on the first ``n`` rows of the file
+    (``barrier``: waited on once loaded, so that renderers in several processes start together)."""
+    renderer, prompts = _raw_prompts(path, n)
     if barrier is not None:
         barrier.wait()
     started = time.perf_counter()
     tokens = sum(len(renderer.render(p.messages, p.tools)) for p in prompts)
     return len(prompts) / (time.perf_counter() - started), tokens // max(1, len(prompts))
+
+
+def plain_render_rate(path: Path, n: int) -> float:
+    """Prompts per second of transformers' own ``apply_chat_template(tokenize=True)`` with the job's
+    template on the same rows: what a hand-written script pays a row. ``PromptRenderer.render``
+    gives the same ids (checked here) for less: it renders once, within the budget, and hands the
+    text to the tokenizers library itself."""
+    renderer, prompts = _raw_prompts(path, n)
+    tokenizer, template = renderer.tokenizer, renderer.chat_template_text
+    started = time.perf_counter()
+    ids = [
+        tokenizer.apply_chat_template(
+            [dict(m) for m in p.messages],
+            tools=None if p.tools is None else [dict(t) for t in p.tools],
+            add_generation_prompt=True,
+            tokenize=True,
+            return_dict=False,
+            chat_template=template,
+        )
+        for p in prompts
+    ]
+    rate = len(prompts) / (time.perf_counter() - started)
+    for prompt, plain in zip(prompts[:100], ids, strict=False):
+        assert list(plain) == renderer.render(prompt.messages, prompt.tools), "PromptRenderer.render differs"
+    return rate
 
 
 def parallel_render_rate(path: Path, n: int, processes: int = 2) -> float:
@@ -399,6 +435,8 @@ class Result:
     render_rates: tuple[float, float]
     # Two raw renderers at once, in processes of their own, added (after the stack stopped).
     parallel_rate: float
+    # transformers' own apply_chat_template on the same rows (after the stack stopped).
+    plain_rate: float
     mean_tokens: int
     upload_s: float
     ingest_s: float
@@ -466,12 +504,13 @@ def run(args: argparse.Namespace, tmp: Path, max_queued: int) -> Result:
     if first_only:
         if seen.first_prompt_at is None:
             raise SystemExit(f"the job ended before a prompt was enqueued: {job}")
-        after_rate = parallel_rate = 0.0
+        after_rate = parallel_rate = plain_rate = 0.0
     else:
         if job.get("state") not in ("running", "completed") or job.get("total") != args.n:
             raise SystemExit(f"ingestion did not accept all {args.n} prompts: {job}")
         after_rate, _ = raw_render_rate(raw_rows, args.render_n)
         parallel_rate = parallel_render_rate(raw_rows, args.render_n)
+        plain_rate = plain_render_rate(raw_rows, args.render_n)
     upload_s = accepted_at - posted
     return Result(
         args.n,
@@ -479,6 +518,7 @@ def run(args: argparse.Namespace, tmp: Path, max_queued: int) -> Result:
         None if seen.first_prompt_at is None else seen.first_prompt_at - posted,
         (before_rate, after_rate),
         parallel_rate,
+        plain_rate,
         mean_tokens,
         upload_s,
         ingest_s,
@@ -531,11 +571,16 @@ def report(args: argparse.Namespace, max_queued: int, r: Result) -> None:
         f"  raw tokenizer in 2 processes at once, added          {r.parallel_rate:9.0f} prompts/s "
         f"({r.parallel_rate / r.render_rate:.2f}x one: what both cores give this run)"
     )
+    print(
+        f"  transformers' own apply_chat_template, same rows     {r.plain_rate:9.0f} prompts/s "
+        "(what a hand-written script pays; the same ids)"
+    )
     print(f"  submit: POST /jobs until 202                       {r.upload_s:9.1f} s")
     _first_prompt_line(args, r)
     print(
         f"  ingest: 202 until the job left ingesting           {r.ingest_s:9.1f} s {ingest_rate:7.0f} "
-        f"prompts/s ({ingest_rate / r.render_rate:.2f}x the raw tokenizer rate)"
+        f"prompts/s ({ingest_rate / r.render_rate:.2f}x the raw tokenizer rate, "
+        f"{ingest_rate / r.plain_rate:.2f}x transformers' own)"
     )
     print(f"  input read at the last sample while ingesting: {_progress(r.seen.last_input or {})}")
     print(f"  worker done during ingestion                        {r.seen.last.get('done', 0):9d} prompts")

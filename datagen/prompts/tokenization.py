@@ -70,6 +70,17 @@ THINK_START_TOKEN = "<think>"
 THINK_END_TOKEN = "</think>"
 # The conversation rendered to find the generation prompt (see generation_prompt_ids).
 _PROBE_MESSAGES: list[dict[str, object]] = [{"role": "user", "content": "Hello."}]
+# The rows that probe whether transformers renders the budgeted template as its own: the first that
+# the template renders (one may need tools, or a system turn).
+_PROBE_TOOL: dict[str, object] = {
+    "type": "function",
+    "function": {"name": "probe", "description": "A probe.", "parameters": {"type": "object"}},
+}
+_ONCE_PROBES: list[tuple[list[dict[str, object]], list[dict[str, object]] | None]] = [
+    (_PROBE_MESSAGES, None),
+    (_PROBE_MESSAGES, [_PROBE_TOOL]),
+    ([{"role": "system", "content": "Be brief."}, *_PROBE_MESSAGES], None),
+]
 # Names transformers also passes a message's reasoning under (it fills them from one another).
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 # apply_chat_template's own parameters: a chat_template_kwargs key with one of these names would
@@ -212,6 +223,11 @@ class PromptRenderer:
         return own if isinstance(own, str) else json.dumps(own, sort_keys=True)
 
     @property
+    def chat_template_text(self) -> str | None:
+        """The text of the template file the job names; None: the tokenizer's own templates."""
+        return self._template_text
+
+    @property
     def tokenizer(self) -> Any:
         """The loaded transformers tokenizer (for tools that need more than rendering)."""
         return self._tokenizer
@@ -257,16 +273,23 @@ class PromptRenderer:
             return self._once
 
     def _probe_once(self) -> bool:
+        # Whether a template compiles like transformers' own depends on transformers' environment
+        # alone, the same for every template text (a tokenizer's tool_use one included).
         text = self._template_for(None)
         if text is None or not template_hook.install() or not self._budgeted_for(text).like:
             return False
-        try:
-            alone = self._transformers_apply(_PROBE_MESSAGES, None, True, False)
-            with template_hook.serving(self._budgeted_template) as serving:
-                hooked = self._transformers_apply(_PROBE_MESSAGES, None, True, False)
-        except Exception:  # any failure of the probe keeps the two renders
-            return False
-        return serving.served and isinstance(alone, str) and hooked == alone
+        for messages, tools in _ONCE_PROBES:
+            try:
+                alone = self._transformers_apply(messages, tools, True, False)
+            except Exception:  # the template refuses this probe row: the next one
+                continue
+            try:
+                with template_hook.serving(self._budgeted_template) as serving:
+                    hooked = self._transformers_apply(messages, tools, True, False)
+            except Exception:  # rendered alone, not through the wrapper: the two renders stay
+                return False
+            return serving.served and isinstance(alone, str) and hooked == alone
+        return False
 
     def _check_budget(
         self,

@@ -212,19 +212,40 @@ def test_threads_render_their_own_templates(tmp_path: Path, tokenizer_path: str)
 def test_a_template_the_probe_cannot_render_renders_twice_within_the_budget(
     tmp_path: Path, tokenizer_path: str, template_renders: list[str]
 ) -> None:
-    # The probe row has no system turn, which this template refuses: the renderer keeps both renders.
+    # No probe row has three turns, which this template asks for: the renderer keeps both renders.
     template = (
-        "{% if messages[0]['role'] != 'system' %}{{ raise_exception('a system turn first') }}{% endif %}"
+        "{% if messages | length < 3 %}{{ raise_exception('three turns at least') }}{% endif %}"
         "{% for m in messages %}{{ m['content'] }}{% endfor %}"
         "{% if 'boom' in messages[-1]['content'] %}{{ 'a' * 10000000 }}{% endif %}"
     )
     renderer = _renderer(tmp_path, template, tokenizer_path)
     assert not renderer._renders_once()
-    row = [{"role": "system", "content": "S"}, {"role": "user", "content": "Hi"}]
+    row = [
+        {"role": "user", "content": "S"},
+        {"role": "assistant", "content": "T"},
+        {"role": "user", "content": "Hi"},
+    ]
     renderer.render(row)  # the direct encoder's probe renders too
     expected = _transformers_alone(renderer, row, None, template)[1]
     template_renders.clear()
     assert renderer.render(row) == expected
     assert template_renders == ["budget", "transformers"]
     with pytest.raises(InvalidRowError, match="output budget"):
-        renderer.render([*row[:1], {"role": "user", "content": "boom"}])
+        renderer.render([*row[:2], {"role": "user", "content": "boom"}])
+
+
+@pytest.mark.parametrize(
+    "refusal",
+    [
+        "{% if not tools %}{{ raise_exception('tools, please') }}{% endif %}",
+        "{% if messages[0]['role'] != 'system' %}{{ raise_exception('a system turn first') }}{% endif %}",
+    ],
+)
+def test_a_template_that_needs_tools_or_a_system_turn_renders_once(
+    tmp_path: Path, tokenizer_path: str, refusal: str
+) -> None:
+    template = refusal + "{% for m in messages %}{{ m['content'] }}{% endfor %}{{ tools | tojson }}"
+    renderer = _renderer(tmp_path, template, tokenizer_path)
+    assert renderer._renders_once()
+    row = [{"role": "system", "content": "S"}, {"role": "user", "content": "Hi"}]
+    assert renderer.render(row, [TOOL]) == _transformers_alone(renderer, row, [TOOL], template)[1]
