@@ -20,7 +20,8 @@ from typing import Any
 
 import httpx
 
-from datagen.prompts.tokenization import bundled_tokenizer_path, default_chat_template_path
+from datagen.prompts.dataset import Prompt
+from datagen.prompts.tokenization import PromptRenderer, bundled_tokenizer_path, default_chat_template_path
 from datagen.settings import ENV_PREFIX
 from datagen.spec import JobSpec
 from datagen_cli.local.redis_server import free_port
@@ -36,6 +37,7 @@ __all__ = [
     "short_rows",
     "simulator_process",
     "sweep_spec",
+    "transformers_ids",
     "write_jsonl",
 ]
 
@@ -76,6 +78,21 @@ def write_jsonl(path: Path, rows: list[dict[str, Any]]) -> None:
     with open(path, "w", encoding="utf-8") as fh:
         for row in rows:
             fh.write(json.dumps(row, ensure_ascii=False) + "\n")
+
+
+def transformers_ids(renderer: PromptRenderer, prompt: Prompt) -> list[int]:
+    """The prompt's ids from transformers' own ``apply_chat_template(tokenize=True)`` with the
+    renderer's tokenizer and template: what a hand-written script does with a row."""
+    return list(
+        renderer.tokenizer.apply_chat_template(
+            [dict(m) for m in prompt.messages],
+            tools=None if prompt.tools is None else [dict(t) for t in prompt.tools],
+            add_generation_prompt=True,
+            tokenize=True,
+            return_dict=False,
+            chat_template=renderer.chat_template_text,
+        )
+    )
 
 
 def job_spec(**overrides: Any) -> JobSpec:

@@ -91,7 +91,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import redis
 import zstandard
-from _common import job_spec, offline_hub, simulator_process
+from _common import job_spec, offline_hub, simulator_process, transformers_ids
 
 from datagen.control.dispatch import Dispatch
 from datagen.control.keys import Keys
@@ -208,22 +208,11 @@ def plain_render_rate(path: Path, n: int) -> float:
     gives the same ids (checked here) for less: it renders once, within the budget, and hands the
     text to the tokenizers library itself."""
     renderer, prompts = _raw_prompts(path, n)
-    tokenizer, template = renderer.tokenizer, renderer.chat_template_text
     started = time.perf_counter()
-    ids = [
-        tokenizer.apply_chat_template(
-            [dict(m) for m in p.messages],
-            tools=None if p.tools is None else [dict(t) for t in p.tools],
-            add_generation_prompt=True,
-            tokenize=True,
-            return_dict=False,
-            chat_template=template,
-        )
-        for p in prompts
-    ]
+    ids = [transformers_ids(renderer, p) for p in prompts]
     rate = len(prompts) / (time.perf_counter() - started)
     for prompt, plain in zip(prompts[:100], ids, strict=False):
-        assert list(plain) == renderer.render(prompt.messages, prompt.tools), "PromptRenderer.render differs"
+        assert plain == renderer.render(prompt.messages, prompt.tools), "PromptRenderer.render differs"
     return rate
 
 
