@@ -42,6 +42,11 @@ if TYPE_CHECKING:
     import uvicorn
 
 log = logging.getLogger(__name__)
+# How long the API keeps an idle connection open: longer than clients keep one in their pools
+# (httpx: 5 s; load balancers: 60 s), so that the client, not the server, closes an idle
+# connection. At uvicorn's 5 s a client could send a request on a connection in the instant the
+# server closed it, and read a connection reset instead of the answer (a POST is not retried).
+API_KEEP_ALIVE_S = 75
 
 # Libraries that log every request at INFO; our own one-line-per-prompt log is enough.
 _QUIET_LOGGERS = ("httpx", "rq.worker", "rq.queue")
@@ -133,7 +138,11 @@ def coordinator(
         connect_redis(redis_url, settings.startup_timeout_s).close()
         claim_storage(Storage(settings.storage), settings.namespace, settings.startup_timeout_s)
         server_config = uvicorn.Config(
-            create_app(settings), host=settings.host, port=settings.port, log_level=settings.log_level.lower()
+            create_app(settings),
+            host=settings.host,
+            port=settings.port,
+            log_level=settings.log_level.lower(),
+            timeout_keep_alive=API_KEEP_ALIVE_S,
         )
         started = _serve(
             server_config, f"coordinator listening on {_url(sock)}: the HTTP API, /healthz and /metrics", sock
