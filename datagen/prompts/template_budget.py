@@ -32,7 +32,7 @@ import math
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from datetime import datetime
-from typing import Any, cast
+from typing import Any, ClassVar, cast
 
 import jinja2
 import jinja2.ext
@@ -48,6 +48,8 @@ __all__ = ["MAX_RENDER_CHARS", "MAX_RENDER_S", "BudgetedTemplate"]
 # About a million tokens of text: far above any context length, far below what hurts a coordinator.
 MAX_RENDER_CHARS = 4_000_000
 MAX_RENDER_S = 2.0
+# Attribute verdicts the sandbox remembers (`_BudgetSandbox.is_safe_attribute`).
+MAX_SAFE_ATTRIBUTES = 4096
 _LOOP_GUARD = "__datagen_loop_budget"
 _CONCAT_GUARD = "__datagen_concat_budget"
 _DEADLINE: contextvars.ContextVar[float | None] = contextvars.ContextVar("render_deadline", default=None)
@@ -138,6 +140,24 @@ class _Instrument(NodeTransformer):
 
 class _BudgetSandbox(ImmutableSandboxedEnvironment):
     intercepted_binops = frozenset({"*", "+", "%", "**"})
+    # The sandbox's verdict on an attribute, by the object's type and the attribute's name: jinja
+    # 3.1's own (`ImmutableSandboxedEnvironment.is_safe_attribute`) reads nothing else, but spends
+    # a dozen isinstance checks on it, an eighth of a chat row's render. Another jinja is asked
+    # every time. Keys are attributes that exist (jinja asks only once getattr found one), so
+    # few; the cap bounds them anyway.
+    _safe_attributes: ClassVar[dict[tuple[type, str], bool]] = {}
+    _remember_verdicts: ClassVar[bool] = jinja2.__version__.startswith("3.1.")
+
+    def is_safe_attribute(self, obj: Any, attr: str, value: Any) -> bool:
+        if not self._remember_verdicts:
+            return super().is_safe_attribute(obj, attr, value)
+        key = (type(obj), attr)
+        safe = self._safe_attributes.get(key)
+        if safe is None:
+            safe = super().is_safe_attribute(obj, attr, value)
+            if len(self._safe_attributes) < MAX_SAFE_ATTRIBUTES:
+                self._safe_attributes[key] = safe
+        return safe
 
     def call_binop(self, context: Context, operator: str, left: Any, right: Any) -> Any:
         if _binop_size(operator, left, right) > MAX_RENDER_CHARS:

@@ -6,7 +6,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+import jinja2.utils
 import pytest
+from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from datagen.errors import InvalidRowError
 from datagen.prompts.template_budget import MAX_RENDER_CHARS, MAX_RENDER_S, BudgetedTemplate
@@ -112,3 +114,47 @@ def test_the_output_budget_allows_a_long_context() -> None:
         {"messages": [{"content": "w" * 500_000}]}
     )
     assert len(long_row) == 500_000
+
+
+def _function() -> None:
+    """A function whose internals a template must not reach."""
+
+
+@pytest.mark.parametrize(
+    ("obj", "attr"),
+    [
+        ({"a": 1}, "items"),
+        ({"a": 1}, "update"),
+        ([1], "append"),
+        ([1], "index"),
+        ("text", "upper"),
+        ("text", "__class__"),
+        (jinja2.utils.Namespace(x=1), "x"),
+        (_function, "__globals__"),
+        (_function, "__code__"),
+        (str, "mro"),
+        ((i for i in ()), "gi_frame"),
+    ],
+)
+def test_the_sandbox_remembers_jinjas_own_attribute_verdicts(obj: object, attr: str) -> None:
+    budgeted = BudgetedTemplate("{{ x }}").template.environment
+    plain = ImmutableSandboxedEnvironment()
+    value = getattr(obj, attr)
+    expected = plain.is_safe_attribute(obj, attr, value)
+    # Asked twice: the second answer comes from what the first remembered.
+    assert budgeted.is_safe_attribute(obj, attr, value) is expected
+    assert budgeted.is_safe_attribute(obj, attr, value) is expected
+    # Written by hand: reading is safe, changing a mutable or reaching internals is not.
+    safe = {"items", "index", "upper", "x"}
+    assert expected is (attr in safe)
+
+
+def test_a_template_still_cannot_change_its_inputs_or_reach_internals(tmp_path: Path) -> None:
+    renderer = _renderer(tmp_path, "{{ messages.append(1) }}")
+    for _ in range(2):  # the second time from the remembered verdict
+        with pytest.raises(InvalidRowError, match="unsafe"):
+            renderer.render(BOOM)
+    # An unsafe attribute reads as undefined: nothing is written in its place.
+    renderer = _renderer(tmp_path, "{{ raise_exception.__globals__ }}{{ messages.__class__ }}")
+    for _ in range(2):
+        assert renderer.decode(renderer.render(BOOM)) == "<｜begin▁of▁sentence｜>boom<｜Assistant｜><think>\n"
