@@ -1,5 +1,5 @@
 """What a row's render costs: `PromptRenderer.render` rendering the template once, inside
-transformers' own ``apply_chat_template`` (`datagen.prompts.template_hook`), against the same
+transformers' own ``apply_chat_template`` (`datagen.prompts.template_budget.serving`), against the same
 renderer rendering it twice (the budget's sandbox, then transformers: what it did before, and
 still does where its probe fails) and against transformers' own ``apply_chat_template(tokenize=True)``
 (what a hand-written script pays), measured in the same process on the same rows.

@@ -18,19 +18,34 @@ what a template renders within its budget.
 
 A template is compiled either in a sandbox made like the environment transformers compiles chat
 templates in (`BudgetedTemplate` with ``like``: its options, filters, globals and extensions, the
-budget's checks added), whose template transformers can render in its own ``apply_chat_template``
-(`datagen.prompts.template_hook`), or, where that environment is not one this module can copy, in
-one of transformers' documented options and globals.
+budget's checks added), or, where that environment is not one this module can copy, in one of
+transformers' documented options and globals.
+
+The budgeted template renders inside transformers' own ``apply_chat_template``, so that a row is
+rendered once, not once for the budget and once more by transformers. transformers offers no hook
+between choosing a row's template and rendering it: its ``render_jinja_template`` compiles the
+text with ``chat_template_utils._compile_jinja_template``, looked up in that module at each call.
+`install_hook` wraps that function once per process. While `serving` is active in a thread (a
+`PromptRenderer` render), the wrapper answers with the template the renderer's ``lookup`` gives
+for the text; everywhere else, and for every other caller, transformers' compile answers as
+before. transformers stays the one path from a conversation to text and ids: its input handling,
+its choice of template, its tokenizing. A renderer uses this only after a probe showed the wrapper
+answered and rendered what transformers renders (`PromptRenderer._renders_once`); where the
+function is missing or the probe fails, it renders twice, as before.
 """
 
 from __future__ import annotations
 
 import contextvars
 import functools
+import importlib
 import json
 import math
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, ClassVar, cast
 
@@ -43,7 +58,15 @@ from jinja2.visitor import NodeTransformer
 
 from datagen.errors import InvalidRowError
 
-__all__ = ["MAX_RENDER_CHARS", "MAX_RENDER_S", "BudgetedTemplate"]
+__all__ = [
+    "MAX_RENDER_CHARS",
+    "MAX_RENDER_S",
+    "BudgetedTemplate",
+    "Serving",
+    "install_hook",
+    "serving",
+    "transformers_environment",
+]
 
 # About a million tokens of text: far above any context length, far below what hurts a coordinator.
 MAX_RENDER_CHARS = 4_000_000
@@ -277,3 +300,72 @@ class BudgetedTemplate:
         """The rendered text; `InvalidRowError` when it goes over a budget, the template's own errors
         otherwise."""
         return self.template.render(**variables)
+
+
+# transformers' template compile, wrapped (see the module's docstring).
+_HOOKED_MODULE = "transformers.utils.chat_template_utils"
+_HOOKED_FUNCTION = "_compile_jinja_template"
+
+Lookup = Callable[[str], jinja2.Template]
+
+
+@dataclass
+class Serving:
+    """One `serving` block: its lookup, and whether transformers asked it for a template."""
+
+    lookup: Lookup
+    served: bool = False
+
+
+_SERVING: contextvars.ContextVar[Serving | None] = contextvars.ContextVar("template_serving", default=None)
+_HOOK_LOCK = threading.Lock()
+# transformers' own compile, once `install_hook` has found it; None before, or where it is missing.
+_original: Callable[[str], Any] | None = None
+_installed: bool | None = None
+
+
+def _hooked(chat_template: str) -> Any:
+    current = _SERVING.get()
+    if current is None:
+        assert _original is not None  # installed before it can be called
+        return _original(chat_template)
+    current.served = True
+    return current.lookup(chat_template)
+
+
+def install_hook() -> bool:
+    """Put the wrapper in transformers' path, once per process (idempotent, thread-safe). False
+    where transformers has no such function to wrap."""
+    global _original, _installed
+    with _HOOK_LOCK:
+        if _installed is None:
+            module = importlib.import_module(_HOOKED_MODULE)
+            original = getattr(module, _HOOKED_FUNCTION, None)
+            if callable(original):
+                _original = original
+                setattr(module, _HOOKED_FUNCTION, _hooked)
+                _installed = True
+            else:
+                _installed = False
+        return _installed
+
+
+def transformers_environment(chat_template: str) -> jinja2.Environment | None:
+    """The environment transformers compiles ``chat_template`` in; None before `install_hook` or where
+    it found nothing to wrap."""
+    if _original is None:
+        return None
+    template = _original(chat_template)
+    environment = getattr(template, "environment", None)
+    return environment if isinstance(environment, jinja2.Environment) else None
+
+
+@contextmanager
+def serving(lookup: Lookup) -> Iterator[Serving]:
+    """transformers' compiles in this block, in this thread, answered by ``lookup``."""
+    current = Serving(lookup)
+    token = _SERVING.set(current)
+    try:
+        yield current
+    finally:
+        _SERVING.reset(token)

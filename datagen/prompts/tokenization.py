@@ -14,7 +14,7 @@ a row the template refuses raises `InvalidRowError`.
 Names are resolved by `datagen.prompts.sources.resolve_source`, the function the coordinator's allowlist
 check uses. Each row renders within a budget (`datagen.prompts.template_budget`: output size and render
 time), and transformers stays the one source of the ids: its ``apply_chat_template`` renders the
-budgeted template itself (`datagen.prompts.template_hook`), or, where a probe finds that it cannot,
+budgeted template itself (`datagen.prompts.template_budget.serving`), or, where a probe finds that it cannot,
 the row is rendered first in the budget's sandbox and then by transformers.
 """
 
@@ -34,7 +34,6 @@ import jinja2
 import jinja2.ext
 
 from datagen.errors import InvalidRowError, InvalidSpecError
-from datagen.prompts import template_hook
 from datagen.prompts.loaders import check_template_syntax, load_tokenizer, read_template
 from datagen.prompts.provenance import (
     TOKENIZER_FILE_NAMES,
@@ -44,7 +43,7 @@ from datagen.prompts.provenance import (
 )
 from datagen.prompts.sources import SourceKind, resolve_source
 from datagen.prompts.special_text import SpecialTextFinder
-from datagen.prompts.template_budget import BudgetedTemplate
+from datagen.prompts.template_budget import BudgetedTemplate, install_hook, serving, transformers_environment
 
 if TYPE_CHECKING:
     from datagen.spec import Arm, JobSpec
@@ -201,11 +200,13 @@ class PromptRenderer:
         """A renderer of the same tokenizer and template with other template variables (a recipe's
         arm). It shares the loaded tokenizer, the compiled templates, the special-text finder and
         their lock, so an arm costs neither a tokenizer load nor its memory; what depends on the
-        variables (the generation prompt, the identity) is its own."""
+        variables (the generation prompt, the identity, the render-once probe, whose rows render
+        under them) is its own."""
         twin = copy.copy(self)
         twin.chat_template_kwargs = _check_kwargs(chat_template_kwargs)
         twin._generation_prompt = None
         twin._identity = None
+        twin._once = None
         return twin
 
     def _resolve_template(self) -> str:
@@ -254,7 +255,7 @@ class PromptRenderer:
             with self._lazy_lock:
                 budgeted = self._budgeted.get(text)
                 if budgeted is None:
-                    like = template_hook.transformers_environment(text) if template_hook.install() else None
+                    like = transformers_environment(text) if install_hook() else None
                     budgeted = self._budgeted[text] = BudgetedTemplate(text, like=like)
         return budgeted
 
@@ -276,7 +277,7 @@ class PromptRenderer:
         # Whether a template compiles like transformers' own depends on transformers' environment
         # alone, the same for every template text (a tokenizer's tool_use one included).
         text = self._template_for(None)
-        if text is None or not template_hook.install() or not self._budgeted_for(text).like:
+        if text is None or not install_hook() or not self._budgeted_for(text).like:
             return False
         for messages, tools in _ONCE_PROBES:
             try:
@@ -284,11 +285,11 @@ class PromptRenderer:
             except Exception:  # the template refuses this probe row: the next one
                 continue
             try:
-                with template_hook.serving(self._budgeted_template) as serving:
+                with serving(self._budgeted_template) as served:
                     hooked = self._transformers_apply(messages, tools, True, False)
             except Exception:  # rendered alone, not through the wrapper: the two renders stay
                 return False
-            return serving.served and isinstance(alone, str) and hooked == alone
+            return served.served and isinstance(alone, str) and hooked == alone
         return False
 
     def _check_budget(
@@ -341,7 +342,7 @@ class PromptRenderer:
             self._check_budget(messages, tools, add_generation_prompt)
         try:
             if once:
-                with template_hook.serving(self._budgeted_template):
+                with serving(self._budgeted_template):
                     return self._transformers_apply(messages, tools, add_generation_prompt, tokenize)
             return self._transformers_apply(messages, tools, add_generation_prompt, tokenize)
         except jinja2.TemplateError as exc:

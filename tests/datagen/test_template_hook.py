@@ -1,6 +1,7 @@
-"""transformers' own ``apply_chat_template`` renders the budgeted template (`datagen.prompts.template_hook`):
-a row renders once, to exactly what transformers renders alone, with the budget kept; transformers'
-other callers get its own template; and a renderer whose probe fails renders twice, as before."""
+"""transformers' own ``apply_chat_template`` renders the budgeted template (the hook in
+`datagen.prompts.template_budget`): a row renders once, to exactly what transformers renders alone,
+with the budget kept; transformers' other callers get its own template; and a renderer whose probe
+fails renders twice, as before."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import jinja2
 import pytest
 
 from datagen.errors import InvalidRowError
-from datagen.prompts import template_hook
+from datagen.prompts.template_budget import transformers_environment
 from datagen.prompts.tokenization import PromptRenderer, default_chat_template_path
 
 # Jinja's less common constructs, each of which the budget's rewriting touches or wraps: loop
@@ -184,7 +185,7 @@ def test_transformers_other_callers_get_its_own_template(tokenizer_path: str) ->
     # Outside a render, transformers compiles as ever: its own, unbudgeted class.
     compiled = chat_template_utils._compile_jinja_template(default_chat_template_path().read_text())
     assert type(compiled) is jinja2.Template
-    assert template_hook.transformers_environment("x") is not None
+    assert transformers_environment("x") is not None
 
 
 def test_threads_render_their_own_templates(tmp_path: Path, tokenizer_path: str) -> None:
