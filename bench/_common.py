@@ -91,6 +91,7 @@ def transformers_ids(renderer: PromptRenderer, prompt: Prompt) -> list[int]:
             tokenize=True,
             return_dict=False,
             chat_template=renderer.chat_template_text,
+            **renderer.chat_template_kwargs,
         )
     )
 
