@@ -117,6 +117,7 @@ def coordinator(
     import uvicorn
 
     from datagen.control.startup import claim_storage, connect_redis
+    from datagen.heap import collect_less_often
     from datagen.records.storage import Storage
     from service.app import create_app
 
@@ -131,6 +132,7 @@ def coordinator(
             "or DATAGEN_ALLOW_INSECURE_BIND=1 if a proxy in front does authentication"
         )
     _logging(settings.log_level)
+    collect_less_often()
     # The port first: a port in use is one line at once, not after the wait for Redis. Until the
     # server starts, connections to it are refused.
     with _listener(settings.host, settings.port, "--port (DATAGEN_PORT)") as sock:

@@ -26,3 +26,19 @@ assert tracked < 100, tracked  # a full collection now walks only what is made f
 """
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
+
+
+def test_collect_less_often_raises_only_the_youngest_threshold() -> None:
+    script = """
+import gc
+from datagen.heap import INGEST_GEN0_THRESHOLD, collect_less_often
+
+gc.set_threshold(700, 11, 12)
+collect_less_often()
+assert gc.get_threshold() == (10_000, 11, 12), gc.get_threshold()
+assert INGEST_GEN0_THRESHOLD == 10_000
+collect_less_often(2_000)
+assert gc.get_threshold() == (2_000, 11, 12), gc.get_threshold()
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
