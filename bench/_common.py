@@ -13,7 +13,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -32,8 +32,10 @@ __all__ = [
     "SAMPLING_SEED",
     "SIM_MAX_LAG_MS",
     "SimProcess",
+    "interleaved",
     "job_spec",
     "offline_hub",
+    "rounds_args",
     "short_rows",
     "simulator_process",
     "sweep_spec",
@@ -199,3 +201,26 @@ def _wait_healthy(url: str, proc: subprocess.Popen[bytes], log: Any) -> None:
     log.seek(0)
     output = log.read().decode("utf-8", "replace")[-2000:]
     raise RuntimeError(f"simulator at {url} did not become healthy (exit code {proc.poll()}):\n{output}")
+
+
+def rounds_args(doc: str, default_n: int, default_rounds: int) -> argparse.Namespace:
+    """``--n`` (rows a round) and ``--rounds`` of a benchmark that times ways side by side."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    parser.add_argument("--n", type=int, default=default_n, help="rows a round")
+    parser.add_argument("--rounds", type=int, default=default_rounds, help="rounds of each way")
+    return parser.parse_args()
+
+
+def interleaved(
+    ways: Mapping[str, Callable[[], Any]], rounds: int, rows: int
+) -> tuple[dict[str, list[float]], dict[str, Any]]:
+    """Each way run ``rounds`` times, the ways in turn, so that a shared machine's drift falls on
+    all alike: µs a row (``rows`` a run) of every round, and what each way's last run returned."""
+    times: dict[str, list[float]] = {name: [] for name in ways}
+    results: dict[str, Any] = {}
+    for _ in range(rounds):
+        for name, way in ways.items():
+            started = time.perf_counter()
+            results[name] = way()
+            times[name].append((time.perf_counter() - started) / rows * 1e6)
+    return times, results

@@ -13,14 +13,12 @@ Run: ``python bench/render_once.py [--n 2000] [--rounds 9]``.
 
 from __future__ import annotations
 
-import argparse
+import functools
 import io
 import statistics
-import time
 from collections.abc import Callable
-from typing import Any
 
-from _common import job_spec, offline_hub, transformers_ids
+from _common import interleaved, job_spec, offline_hub, rounds_args, transformers_ids
 from ingest_load import jsonl_lines
 
 from datagen.prompts.dataset import Prompt, iter_prompts
@@ -36,11 +34,12 @@ def _rows(n: int) -> list[Prompt]:
     return [item for item in items if isinstance(item, Prompt)]
 
 
+def _each(way: Callable[[Prompt], list[int]], prompts: list[Prompt]) -> list[list[int]]:
+    return [way(p) for p in prompts]
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--n", type=int, default=DEFAULT_N, help="rows a round")
-    parser.add_argument("--rounds", type=int, default=DEFAULT_ROUNDS, help="rounds of each way")
-    args = parser.parse_args()
+    args = rounds_args(__doc__, DEFAULT_N, DEFAULT_ROUNDS)
     offline_hub()
     renderer = renderer_for(job_spec())
     prompts = _rows(args.n)
@@ -61,13 +60,11 @@ def main() -> None:
         "one render, inside transformers' call": hooked(True),
         "transformers' own apply_chat_template": lambda prompt: transformers_ids(renderer, prompt),
     }
-    times: dict[str, list[float]] = {name: [] for name in ways}
-    ids: dict[str, Any] = {}
-    for _ in range(args.rounds):
-        for name, way in ways.items():
-            started = time.perf_counter()
-            ids[name] = [way(p) for p in prompts]
-            times[name].append((time.perf_counter() - started) / len(prompts) * 1e6)
+    times, ids = interleaved(
+        {name: functools.partial(_each, way, prompts) for name, way in ways.items()},
+        args.rounds,
+        len(prompts),
+    )
     renderer._once = True
     first, *others = ids.values()
     if any(other != first for other in others):

@@ -18,13 +18,14 @@ import redis
 from datagen.control.enqueue import EnqueueOptions
 from datagen.control.jobs import JobStore
 from datagen.control.keys import Keys
-from datagen.prompts.dataset import Prompt
+from datagen.prompts.dataset import Prompt, RowError, line_items
 from datagen.prompts.tokenization import renderer_for
 from datagen.records.storage import Storage
 from datagen.states import JobState, PromptClass
-from service.admit import AdmittedRow, Refused
+from service.admit import AdmittedRow, Refused, admit_row, arm_renderers
 from service.ingest import IngestOptions, Ingestor
-from service.render_pool import RenderedRow, RenderPool, _without_original
+from service.render_pool import LineBatch, RenderedRow, RenderPool, RowLine, _without_original, render_batch
+from service.rowids import row_id
 from tests.support.specs import job_spec
 from tests.support.wait import wait_until
 
@@ -109,6 +110,38 @@ def test_a_rendered_row_keeps_every_field_of_its_prompt_but_the_parsed_row() -> 
     assert set(values) == {f.name for f in dataclasses.fields(Prompt)}
     shipped = _without_original(Prompt(**values))  # type: ignore[arg-type]
     assert shipped == Prompt(**{**values, "original": {}})  # type: ignore[arg-type]
+
+
+def test_a_batch_steps_through_its_rows_as_one_row_at_a_time_would() -> None:
+    # render_batch parses every line, then judges every row, then takes the ids: each row must
+    # still get its own verdict, conversation and id, as the steps run one row at a time give.
+    spec = job_spec(samples=2, recipe=RECIPE, multi_turn="all")
+    renderers = arm_renderers(spec)
+    raws = [line.encode() for line in _lines().decode().split("\n")[:14]]
+    rows = [RowLine(i + 1, raw or None, i, f"d{i}") for i, raw in enumerate(raws) if raw]
+    rows.append(RowLine(40, None, 13, "long"))  # a line over the length cap
+    batch = LineBatch(spec.model_dump_json(), "k", 4096, tuple(rows))
+    expected = []
+    for row in rows:
+        if row.raw is None:
+            items: list[Prompt | RowError] = [RowError(row.line, "too long")]
+        else:
+            items = line_items(row.raw, row.line, spec.multi_turn, row_index=row.row_index)
+        first = items[0]
+        verdict = admit_row(first, spec, renderers, 4096)
+        admitted = isinstance(verdict, AdmittedRow) and isinstance(first, Prompt)
+        expected.append((row.line, row.digest, verdict, row_id(first) if admitted else None))
+    got = render_batch(batch)
+    assert [(r.line, r.digest, r.verdict, r.row_id) for r in got][:-1] == expected[:-1]
+    assert got[-1].line == 40 and isinstance(got[-1].verdict, Refused)
+    assert "longer than" in got[-1].verdict.reason
+    # Written out: line 4 is broken, line 8 blank (no row), line 12 the conversation of two user turns.
+    by_line = {r.line: r for r in got}
+    assert 8 not in by_line
+    assert isinstance(by_line[4].verdict, Refused) and by_line[4].row_id is None
+    conversation = by_line[12].conversation
+    assert conversation is not None and conversation.cuts == [1, 3]
+    assert [r.line for r in got if r.conversation is not None] == [1, 2, 3, 5, 6, 7, 9, 10, 11, 12, 13, 14]
 
 
 def test_a_resumed_read_starts_after_its_checkpoint_with_the_rows_own_indexes(pool: RenderPool) -> None:
