@@ -6,7 +6,7 @@ judge the row by ingestion's rule, with its render and special-text scan, take i
 
 The three run in turn, ``--rounds`` times each, interleaved, so that a shared machine's drift falls
 on all three alike; each line prints the fastest round and the median, in µs a row, and the ratio to
-the raw render's fastest. The verdicts of the two batch ways are checked equal.
+the raw render's fastest. The rows of the two batch ways are checked equal.
 
 Run: ``python bench/render_batch.py [--n 5120] [--rounds 7]``.
 """
