@@ -18,7 +18,7 @@ import redis
 from datagen.control.enqueue import EnqueueOptions
 from datagen.control.jobs import JobStore
 from datagen.control.keys import Keys
-from datagen.prompts.dataset import Prompt, RowError, line_items
+from datagen.prompts.dataset import Prompt, line_items
 from datagen.prompts.tokenization import renderer_for
 from datagen.records.storage import Storage
 from datagen.states import JobState, PromptClass
@@ -122,17 +122,14 @@ def test_a_batch_steps_through_its_rows_as_one_row_at_a_time_would() -> None:
     rows.append(RowLine(40, None, 13, "long"))  # a line over the length cap
     batch = LineBatch(spec.model_dump_json(), "k", 4096, tuple(rows))
     expected = []
-    for row in rows:
-        if row.raw is None:
-            items: list[Prompt | RowError] = [RowError(row.line, "too long")]
-        else:
-            items = line_items(row.raw, row.line, spec.multi_turn, row_index=row.row_index)
-        first = items[0]
+    for row in rows[:-1]:
+        assert row.raw is not None
+        first = line_items(row.raw, row.line, spec.multi_turn, row_index=row.row_index)[0]
         verdict = admit_row(first, spec, renderers, 4096)
         admitted = isinstance(verdict, AdmittedRow) and isinstance(first, Prompt)
         expected.append((row.line, row.digest, verdict, row_id(first) if admitted else None))
     got = render_batch(batch)
-    assert [(r.line, r.digest, r.verdict, r.row_id) for r in got][:-1] == expected[:-1]
+    assert [(r.line, r.digest, r.verdict, r.row_id) for r in got[:-1]] == expected
     assert got[-1].line == 40 and isinstance(got[-1].verdict, Refused)
     assert "longer than" in got[-1].verdict.reason
     # Written out: line 4 is broken, line 8 blank (no row), line 12 the conversation of two user turns.
