@@ -21,7 +21,8 @@ from _common import interleaved, job_spec, offline_hub, rounds_args
 from ingest_load import jsonl_lines
 
 from datagen.prompts.dataset import Prompt, line_items
-from service.admit import AdmittedRow, admit_row, arm_renderers
+from datagen.spec import JobSpec
+from service.admit import AdmittedRow, ArmRenderers, admit_row, arm_renderers
 from service.render_pool import (
     MAX_BATCH_LINES,
     LineBatch,
@@ -37,14 +38,13 @@ DEFAULT_N = 5120
 DEFAULT_ROUNDS = 7
 
 
-def one_row_at_a_time(batch: LineBatch, renderers: Callable[..., object]) -> list[RenderedRow]:
+def one_row_at_a_time(batch: LineBatch, spec: JobSpec, renderers: ArmRenderers) -> list[RenderedRow]:
     """`render_batch`'s steps for one-turn rows, each row through all of them before the next."""
-    spec = job_spec()
     out = []
     for row in batch.lines:
         assert row.raw is not None
         first = line_items(row.raw, row.line, spec.multi_turn, row_index=row.row_index)[0]
-        verdict = admit_row(first, spec, renderers, batch.context_len)  # type: ignore[arg-type]
+        verdict = admit_row(first, spec, renderers, batch.context_len)
         ident = row_id(first) if isinstance(verdict, AdmittedRow) and isinstance(first, Prompt) else None
         shipped = _without_original(first) if isinstance(first, Prompt) else first
         out.append(RenderedRow(row.line, row.digest, shipped, None, verdict, ident))
@@ -74,7 +74,7 @@ def main() -> None:
     prompts = [line_items(raw, i + 1, spec.multi_turn)[0] for i, raw in enumerate(lines)]
     assert all(isinstance(p, Prompt) for p in prompts)
     stepwise = [r for b in batches for r in render_batch(b)]  # loads the job's renderers once
-    rowwise = [r for b in batches for r in one_row_at_a_time(b, renderers)]
+    rowwise = [r for b in batches for r in one_row_at_a_time(b, spec, renderers)]
     assert stepwise == rowwise, "the two ways' rows differ"
 
     ways: dict[str, Callable[[], object]] = {
@@ -82,7 +82,7 @@ def main() -> None:
             renderer.render(p.messages, p.tools) for p in prompts if isinstance(p, Prompt)
         ],
         "render_batch, one row at a time (before)": lambda: [
-            one_row_at_a_time(b, renderers) for b in batches
+            one_row_at_a_time(b, spec, renderers) for b in batches
         ],
         "render_batch, step by step": lambda: [render_batch(b) for b in batches],
     }
