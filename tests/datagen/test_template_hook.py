@@ -250,3 +250,26 @@ def test_a_template_that_needs_tools_or_a_system_turn_renders_once(
     assert renderer._renders_once()
     row = [{"role": "system", "content": "S"}, {"role": "user", "content": "Hi"}]
     assert renderer.render(row, [TOOL]) == _transformers_alone(renderer, row, [TOOL], template)[1]
+
+
+def test_a_recipe_arms_twin_probes_under_its_own_kwargs(
+    tmp_path: Path, tokenizer_path: str, template_renders: list[str]
+) -> None:
+    # The probe rows render only with mode=ok: the renderer without it keeps both renders, and its
+    # twin with it (a recipe's arm) probes for itself rather than taking the parent's verdict.
+    template = (
+        "{% if mode != 'ok' %}{{ raise_exception('mode ok, please') }}{% endif %}"
+        "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    )
+    renderer = _renderer(tmp_path, template, tokenizer_path)
+    assert not renderer._renders_once()
+    twin = renderer.with_kwargs({"mode": "ok"})
+    assert twin._renders_once()
+    row = [{"role": "user", "content": "Hi"}]
+    twin.render(row)  # the direct encoder's probe renders too
+    template_renders.clear()
+    # Written by hand: "Hi", the template's whole text.
+    assert twin.render(row) == [23166]
+    assert template_renders == ["budget"]
+    with pytest.raises(InvalidRowError, match="mode ok"):
+        renderer.render(row)
