@@ -16,14 +16,26 @@ from datagen_cli.local.redis_server import LocalRedis
 # A test hung past its time ends its process with every thread's stack, not the whole run.
 pytest_plugins = ["tests.support.watchdog"]
 
-# Tests over real processes, each from seconds to a minute.
+# Tests over real processes, each from seconds to a minute. Each marker is a lane: an xdist group
+# that one worker runs in order while the others share the rest (scripts/check passes
+# `--dist loadgroup`). The first marker an item carries names its lane.
 SLOW_MARKERS = ("faults", "e2e")
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups into node ids
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The slow tests first, in their own order: pytest-xdist's workers then start the longest ones
-    early, instead of one worker running the last of them alone while the others idle."""
-    items.sort(key=lambda item: not any(item.get_closest_marker(m) for m in SLOW_MARKERS))
+    """The slow tests in two lanes, fault tests in one and end-to-end tests in the other.
+
+    xdist's `load` scheduler hands each worker a first chunk of a quarter of its share of
+    consecutive tests, so with the slow tests first one worker ran nearly all of them, one after
+    another, long after the others had finished. Two lanes of about equal length (about 12 and 13
+    minutes of a 2-core machine under CI's load) start at once, and the fault tests, which time
+    recoveries, still never share the machine with one another.
+    """
+    for item in items:
+        lane = next((marker for marker in SLOW_MARKERS if item.get_closest_marker(marker)), None)
+        if lane is not None:
+            item.add_marker(pytest.mark.xdist_group(lane))
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -12,10 +12,11 @@ was in flight at all three kills completes. The test reads each prompt's ``retri
 end to show how many losses prompts took.
 
 Measured per kill: the prompts it orphaned, the time until the reaper had handed all of them back
-(``reaped``) and until all of them were committed again (``recovered``). Bounds: every kill
-orphans prompts (so a non-recovering implementation never completes), each recovery fits the
-heartbeat TTL plus a few reaper passes, only orphans have two records, and at most one
-concurrency's worth of prompts per kill is generated twice.
+(``reaped``) and until all of them were committed again or the next kill came (``recovered``: an
+orphan still queued or caught running at the next kill waits for the next worker from then on).
+Bounds: every kill orphans prompts (so a non-recovering implementation never completes), each
+recovery fits the heartbeat TTL plus a few reaper passes, only orphans have two records, and at
+most one concurrency's worth of prompts per kill is generated twice.
 """
 
 from __future__ import annotations
@@ -126,16 +127,27 @@ def _first_seen(samples: list[tuple[float, set[str] | None]]) -> dict[str, float
 
 
 def _recovered_s(kill: Kill, later: list[Kill], finished_at: dict[str, float]) -> float | None:
-    """Seconds until every orphan of ``kill`` was committed again, or running again when a later
-    kill caught it (it was recovered then, and lost anew)."""
-    ends = []
-    for rq_id in _rq_ids(kill.orphans):
-        caught = [k.at for k in later if rq_id in _rq_ids(k.orphans)]
-        end = min([*caught, finished_at.get(rq_id, float("inf"))])
-        if end == float("inf"):
-            return None
-        ends.append(end)
+    """Seconds until every orphan of ``kill`` was committed again, or until the next kill for one
+    not committed by then.
+
+    The next kill either caught such an orphan running again (lost anew) or found it still queued,
+    waiting for a slot in the worker it killed. Either way, from then on the orphan waits for the
+    next worker to start (seconds under CI's load) and, if caught, for its reaper: the next kill's
+    recovery, not this one's.
+    """
+    cutoff = later[0].at if later else float("inf")
+    ends = [min(finished_at.get(rq_id, float("inf")), cutoff) for rq_id in _rq_ids(kill.orphans)]
+    if float("inf") in ends:
+        return None
     return max(ends) - kill.at
+
+
+def _waiting_at(kill: Kill, following: Kill | None, finished_at: dict[str, float]) -> int:
+    """How many of ``kill``'s orphans the next kill found neither committed nor running: queued."""
+    if following is None:
+        return 0
+    pending = {i for i in _rq_ids(kill.orphans) if finished_at.get(i, float("inf")) > following.at}
+    return len(pending - _rq_ids(following.orphans))
 
 
 def _finished(stack: FaultStack, rq_ids: set[str]) -> set[str]:
@@ -194,10 +206,13 @@ def test_three_kill_9s_lose_nothing_and_fail_nothing(make_stack: Callable[..., F
     losses = _losses(stack, job_id, [r["id"] for r in rows])
     lost_before: set[str] = set()
     for i, kill in enumerate(kills, 1):
+        following = kills[i] if i < len(kills) else None
         print(
             f"  kill {i}: at done={kill.done_at_kill}, {len(kill.orphans)} prompts in flight, "
             f"{len(_rq_ids(kill.orphans) & lost_before)} of them lost before; reaped after "
-            f"{_s(kill.reaped_s)}, all committed again after {_s(kill.recovered_s)}"
+            f"{_s(kill.reaped_s)}, all committed again (or the next kill came) after "
+            f"{_s(kill.recovered_s)}, {_waiting_at(kill, following, finished_at)} "
+            "still queued at the next kill"
         )
         lost_before |= _rq_ids(kill.orphans)
     print(f"  worker losses per prompt: {dict(sorted(losses.items()))}; job took {job_s:.1f} s")
