@@ -18,21 +18,24 @@ pytest_plugins = ["tests.support.watchdog"]
 
 # Tests over real processes, each from seconds to a minute. Each marker is a lane: an xdist group
 # that one worker runs in order while the others share the rest (scripts/check passes
-# `--dist loadgroup`). The first marker an item carries names its lane.
+# `--dist loadgroup`). The first marker an item carries names its lane, unless its module names
+# one with `pytest.mark.xdist_group`.
 SLOW_MARKERS = ("faults", "e2e")
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups into node ids
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The slow tests in two lanes, fault tests in one and end-to-end tests in the other.
+    """The slow tests in lanes: fault tests in one, end-to-end tests in another (the longest
+    end-to-end module in a third, its own).
 
     xdist's `load` scheduler hands each worker a first chunk of a quarter of its share of
     consecutive tests, so with the slow tests first one worker ran nearly all of them, one after
-    another, long after the others had finished. Two lanes of about equal length (about 12 and 13
-    minutes of a 2-core machine under CI's load) start at once, and the fault tests, which time
-    recoveries, still never share the machine with one another.
+    another, long after the others had finished. The lanes start at once, and the fault tests,
+    which time recoveries, still never share the machine with one another.
     """
     for item in items:
+        if item.get_closest_marker("xdist_group"):
+            continue
         lane = next((marker for marker in SLOW_MARKERS if item.get_closest_marker(marker)), None)
         if lane is not None:
             item.add_marker(pytest.mark.xdist_group(lane))
