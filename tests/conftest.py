@@ -25,13 +25,15 @@ SLOW_MARKERS = ("faults", "e2e")
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups into node ids
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The slow tests in lanes: fault tests in one, end-to-end tests in another (the longest
-    end-to-end module in a third, its own).
+    """The slow tests in two lanes: fault tests in one, end-to-end tests in the other.
 
     xdist's `load` scheduler hands each worker a first chunk of a quarter of its share of
     consecutive tests, so with the slow tests first one worker ran nearly all of them, one after
     another, long after the others had finished. The lanes start at once, and the fault tests,
-    which time recoveries, still never share the machine with one another.
+    which time recoveries, still never share the machine with one another. Two lanes, not more:
+    with a third (the capture module alone) CI took 20 min instead of 24, but the two workers left
+    for the other tests shared the machine with three lanes' processes, and two timed unit tests
+    failed.
     """
     for item in items:
         if item.get_closest_marker("xdist_group"):

@@ -33,6 +33,7 @@ FOREIGN_FLAGS = {
     "--check": "ruff format --check, in the CI command",
     "--strict": "mkdocs build --strict, in the CI command",
     "--dev-addr": "mkdocs serve --dev-addr",
+    "--dist": "pytest -n 4 --dist loadgroup, in scripts/check and docs/development.md",
     "--data": "SpecForge's prepare_data.py --data",
     "--profile": "docker compose --profile",
     "--build": "docker compose up --build",

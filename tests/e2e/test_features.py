@@ -31,8 +31,7 @@ from tests.support.processes import ProcessStack, coordinator_stack
 from tests.support.sim import read_capture
 from tests.support.wait import wait_until
 
-# A lane of its own (tests/conftest.py): about a quarter of the end-to-end tests' time.
-pytestmark = [pytest.mark.e2e, pytest.mark.xdist_group("e2e-capture")]
+pytestmark = pytest.mark.e2e
 
 NS = "feat"
 # A small model for the simulator: 9 layers, hidden size 16; the job lists the ids out of order.

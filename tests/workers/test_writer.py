@@ -220,12 +220,22 @@ async def test_a_failing_jobs_backoff_does_not_delay_the_others(
         max_concurrent_commits=3,  # the failing job holds one at most
         on_storage_error=lambda job_id, error: reports.append((job_id, error)),
     )
+
+    async def three_rounds(prefix: str) -> float:
+        started = time.monotonic()
+        for k in range(3):  # the first records at once, the others at the interval
+            await asyncio.gather(*(writer.commit(_record(f"{prefix}{i}", f"s{k}")) for i in range(10)))
+        return time.monotonic() - started
+
+    # The same rounds with no job failing, as a baseline (after a first run of them, whose storage
+    # and imports warm up: it takes twice as long): a loaded CI machine once took 2.2 s for what
+    # takes 0.4 s here.
+    await three_rounds("warm")
+    calm_s = await three_rounds("calm")
     bad = asyncio.ensure_future(writer.commit(_record("bad")))
     await wait_until_async(lambda: slow.tries["bad"] >= 2, 5, NOT_MET)  # backing off now
-    started = time.monotonic()
-    for k in range(3):  # the first records at once, the others at the interval
-        await asyncio.gather(*(writer.commit(_record(f"good{i}", f"s{k}")) for i in range(10)))
-    assert time.monotonic() - started < 1.0
+    good_s = await three_rounds("good")
+    assert good_s < max(1.0, 3 * calm_s), (good_s, calm_s)
     assert not bad.done() and writer.pending == 1
     last_report = {job_id: error for job_id, error in reports}
     assert last_report.pop("bad") is not None
