@@ -16,31 +16,26 @@ from datagen_cli.local.redis_server import LocalRedis
 # A test hung past its time ends its process with every thread's stack, not the whole run.
 pytest_plugins = ["tests.support.watchdog"]
 
-# Tests over real processes, each from seconds to a minute. Each marker is a lane: an xdist group
+# Tests over real processes, each from seconds to a minute: they run in one lane, an xdist group
 # that one worker runs in order while the others share the rest (scripts/check passes
-# `--dist loadgroup`). The first marker an item carries names its lane, unless its module names
-# one with `pytest.mark.xdist_group`.
+# `--dist loadgroup`).
 SLOW_MARKERS = ("faults", "e2e")
+SLOW_LANE = "slow"
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups into node ids
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The slow tests in two lanes: fault tests in one, end-to-end tests in the other.
+    """The slow tests in one lane, one at a time, beside the unit tests.
 
-    xdist's `load` scheduler hands each worker a first chunk of a quarter of its share of
-    consecutive tests, so with the slow tests first one worker ran nearly all of them, one after
-    another, long after the others had finished. The lanes start at once, and the fault tests,
-    which time recoveries, still never share the machine with one another. Two lanes, not more:
-    with a third (the capture module alone) CI took 20 min instead of 24, but the two workers left
-    for the other tests shared the machine with three lanes' processes, and two timed unit tests
-    failed.
+    The machine's load is what the timed tests (fault recoveries, the controller's slow start, the
+    writer's pace, long polls, a small job's commands) are held to. This is how CI ran them before,
+    by accident: with the slow tests first, xdist's `load` scheduler handed one worker a first chunk
+    of 112 consecutive tests, 112 of the 119 slow ones. More lanes end sooner but load the machine
+    more, and timed unit tests failed (docs/development.md, "Parallel tests").
     """
     for item in items:
-        if item.get_closest_marker("xdist_group"):
-            continue
-        lane = next((marker for marker in SLOW_MARKERS if item.get_closest_marker(marker)), None)
-        if lane is not None:
-            item.add_marker(pytest.mark.xdist_group(lane))
+        if any(item.get_closest_marker(marker) for marker in SLOW_MARKERS):
+            item.add_marker(pytest.mark.xdist_group(SLOW_LANE))
 
 
 @pytest.fixture(scope="session", autouse=True)
