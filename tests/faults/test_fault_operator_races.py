@@ -95,7 +95,10 @@ def test_a_deleted_job_stays_deleted_while_its_ingestion_and_prompts_were_runnin
 def test_a_reused_id_exports_only_the_new_jobs_records(stack: ProcessStack) -> None:
     sim = stack.spawn_sim("sim", "--time-scale", "0.05", "--mean-reasoning-tokens", "600")
     start_worker(stack, "worker", f"sim={sim}", "--short-concurrency", "64")
-    job_id = submit_job(stack, "reuse", 300)
+    # Enough prompts that the worker's slow start (16 in flight, then half as many again every
+    # controller interval) reaches 40 before the job ends: with 300, a loaded CI machine ran them
+    # all with about 15 in flight on average. The job is cancelled long before its end.
+    job_id = submit_job(stack, "reuse", 1500)
     wait_until(
         lambda: get_job(stack, job_id)["in_flight"] >= 40, 60, "many prompts in flight", on_timeout=stack.logs
     )
