@@ -16,26 +16,27 @@ from datagen_cli.local.redis_server import LocalRedis
 # A test hung past its time ends its process with every thread's stack, not the whole run.
 pytest_plugins = ["tests.support.watchdog"]
 
-# Tests over real processes, each from seconds to a minute: they run in one lane, an xdist group
+# Tests over real processes, each from seconds to a minute. Each marker is a lane: an xdist group
 # that one worker runs in order while the others share the rest (scripts/check passes
-# `--dist loadgroup`).
+# `--dist loadgroup`). The first marker an item carries names its lane.
 SLOW_MARKERS = ("faults", "e2e")
-SLOW_LANE = "slow"
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups into node ids
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The slow tests in one lane, one at a time, beside the unit tests.
+    """The slow tests in two lanes, fault tests in one and end-to-end tests in the other, beside
+    the unit tests.
 
-    The machine's load is what the timed tests (fault recoveries, the controller's slow start, the
-    writer's pace, long polls, a small job's commands) are held to. This is how CI ran them before,
-    by accident: with the slow tests first, xdist's `load` scheduler handed one worker a first chunk
-    of 112 consecutive tests, 112 of the 119 slow ones. More lanes end sooner but load the machine
-    more, and timed unit tests failed (docs/development.md, "Parallel tests").
+    Fault tests time recoveries, and never share the machine with one another. One lane for all
+    of them took CI to 32-33 min of its 40 (each slow module added to it whole); two end in
+    24-27. The timed unit tests hold under two lanes' load (docs/development.md, "Parallel
+    tests", has the schedules measured and what each failed); a third lane left two workers for
+    the unit tests beside three lanes' processes, and timed unit tests failed.
     """
     for item in items:
-        if any(item.get_closest_marker(marker) for marker in SLOW_MARKERS):
-            item.add_marker(pytest.mark.xdist_group(SLOW_LANE))
+        lane = next((marker for marker in SLOW_MARKERS if item.get_closest_marker(marker)), None)
+        if lane is not None:
+            item.add_marker(pytest.mark.xdist_group(lane))
 
 
 @pytest.fixture(scope="session", autouse=True)

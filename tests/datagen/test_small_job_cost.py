@@ -63,7 +63,9 @@ async def test_one_small_job_costs_redis_at_most_max_commands(
     # The writer commits a job's first records, and a job's last, once they have gathered for
     # EARLY_GATHER_S (0.05 s). A loaded machine can finish the 3 prompts further apart than that
     # and write them as two shards: a second ack, 9 commands more (a CI run counted 67). The job
-    # measured is the one the target names, one shard's ack, so they gather for longer here.
+    # measured is the one the target names, one shard's ack, so they gather for longer here: the
+    # early gather and the commit interval both (a batch is also due a commit interval after its
+    # first record, 0.05 s in the tests' worker settings, which alone would still split them).
     monkeypatch.setattr(writer, "EARLY_GATHER_S", GATHER_S)
     # Chunks of 32 rows from the first: no first-chunk deadline (0.1 s) that a loaded machine could
     # miss, so the 3 rows are always one chunk, as on an idle coordinator.
@@ -80,7 +82,7 @@ async def test_one_small_job_costs_redis_at_most_max_commands(
         running_simulator(tokenizer_path=tokenizer_path, time_scale=0.0, context_len=4096) as url,
     ):
         worker = Worker(
-            fast_worker_settings(redis_url, storage, NS, poll_interval_s=0.2),
+            fast_worker_settings(redis_url, storage, NS, poll_interval_s=0.2, commit_interval_s=GATHER_S),
             [ServerSpec("s0", url)],
             install_signal_handlers=False,
         )
