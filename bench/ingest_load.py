@@ -50,7 +50,11 @@ Lines printed:
     and Redis (``INFO cpu``). From them, the projection: the prompts/s one coordinator process
     can reach whatever its cores (its ingestion thread holds the GIL, so the coordinator's own
     CPU per prompt bounds it), and the cores a rate needs (every process's CPU per prompt). The
-    fleet lines use the issue's figures: 65 chat-length prompts/s per H200 of an 8B target, about
+    ceiling line puts that CPU in raw renders a prompt and says what this machine's cores would
+    ingest at it, all of them busy, and how much of that the run reached: ingestion's ratio to the
+    raw rate is the ceiling's ratio times that share, so a row that costs more and cores left idle
+    show apart (on 2 cores a ratio of 0.9 needs at most 2.2 raw renders' CPU a prompt, every core
+    busy). The fleet lines use the issue's figures: 65 chat-length prompts/s per H200 of an 8B target, about
     10.5 at reasoning lengths, for 256 GPUs.
 ``memory``
     Peak RSS of the coordinator (``VmHWM``, the kernel's high-water mark) and Redis's
@@ -613,6 +617,16 @@ def report_cpu(r: Result) -> None:
     total_us = sum(per_prompt_us.values())
     shown = ", ".join(f"{name} {us:.0f}" for name, us in per_prompt_us.items())
     print(f"  CPU per prompt (µs): {shown}; {total_us:.0f} in all ({1e6 / total_us:.0f} prompts/s per core)")
+    # What the machine's cores could give at that CPU a prompt, all of them busy: ingestion's ratio
+    # to the raw rate is this ceiling's ratio times how busy it kept the cores, so the two apart tell
+    # a costlier row from idle cores.
+    cores = os.cpu_count() or 1
+    ceiling_rate = cores * 1e6 / total_us
+    print(
+        f"  CPU ceiling: {total_us * r.render_rate / 1e6:.2f} raw renders' CPU a prompt; {cores} cores "
+        f"give {ceiling_rate:.0f} prompts/s at that ({ceiling_rate / r.render_rate:.2f}x the raw rate), and "
+        f"ingestion reached {r.n / r.ingest_s / ceiling_rate:.0%} of it"
+    )
     # The coordinator's own work: its CPU less what its ingestion thread spent rendering.
     rows = {where: r.rendered.get(f"{RENDERED_ROWS}/{where}", 0.0) for where in ("thread", "process")}
     cpu_s = {where: r.rendered.get(f"{RENDER_CPU}/{where}", 0.0) for where in ("thread", "process")}
