@@ -28,8 +28,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     the unit tests.
 
     Fault tests time recoveries, and never share the machine with one another. One lane for all
-    of them took CI to 32-33 min of its 40 (each slow module added to it whole); two end in
-    24-27. The timed unit tests hold under two lanes' load (docs/development.md, "Parallel
+    of them made pytest take 32 min of CI's 40 (each slow module added to it whole); with two it
+    takes 24-28. The timed unit tests hold under two lanes' load (docs/development.md, "Parallel
     tests", has the schedules measured and what each failed); a third lane left two workers for
     the unit tests beside three lanes' processes, and timed unit tests failed.
     """

@@ -29,7 +29,7 @@ EXTRA = 4
 WAIT_S = 5.0
 # What /healthz and an answer beyond a cap may take meanwhile (it was 8.2 s): well under the polls'
 # WAIT_S, so an answer that waited cannot pass, with room for a loaded CI machine (a capped answer
-# took 1.07 s beside two lanes of end-to-end tests).
+# took 1.07 s beside the two lanes of slow tests).
 PROMPT_ANSWER_S = 2.0
 SETTLE_TIMEOUT_S = 20.0
 
