@@ -29,7 +29,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
     Fault tests time recoveries, and never share the machine with one another. One lane for all
     of them made pytest take 32 min of CI's 40 (each slow module added to it whole); with two it
-    takes 24-28. The timed unit tests hold under two lanes' load (docs/development.md, "Parallel
+    takes 22-28. The timed unit tests hold under two lanes' load (docs/development.md, "Parallel
     tests", has the schedules measured and what each failed); a third lane left two workers for
     the unit tests beside three lanes' processes, and timed unit tests failed.
     """
